@@ -1,0 +1,26 @@
+"""Builders: an op spec -> a ``cudnn.pygraph`` holding its nodes, with fixed uids.
+
+Builders only add nodes. ``plans.finalize`` runs validate -> build -> plan
+selection, so one place decides how graphs are built and what a failure means.
+"""
+
+from __future__ import annotations
+
+from ..spec import ConvSpec, MatmulSpec, SdpaSpec
+from . import attention, conv, matmul
+from .common import UIDS, roles_of
+
+_BUILDERS = {ConvSpec: conv.build, MatmulSpec: matmul.build, SdpaSpec: attention.build}
+
+
+def build_graph(spec, handle=None):
+    """Return the un-finalized pygraph of ``spec`` (no driver needed)."""
+    return _BUILDERS[type(spec)](spec, handle)
+
+
+def uids_of(spec) -> tuple:
+    """The tensor uids, in the order ``Plan.run`` takes buffers, for ``spec``."""
+    return tuple(UIDS[r] for r in roles_of(spec))
+
+
+__all__ = ["build_graph", "uids_of", "roles_of", "UIDS"]

@@ -1,0 +1,477 @@
+"""The functional ops: validate like torch, make a spec, run its plan or the reference.
+
+Each op:
+  1. validates its arguments (ValueError / TypeError naming the argument and its
+     values, where torch would raise);
+  2. decides whether a fused cuDNN graph can run it (CUDA tensors, a supported
+     dtype, no zero-size dimension, ...); if not, it runs ``reference`` and logs
+     the reason once;
+  3. canonicalizes layouts, builds the spec, fetches the plan and runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from . import plans, reference
+from .errors import UnsupportedError
+from .spec import (
+    ACTIVATIONS,
+    ConvSpec,
+    Epilogue,
+    MatmulSpec,
+    SdpaSpec,
+    TensorSpec,
+    channels_last_strides,
+    contiguous_strides,
+)
+
+log = logging.getLogger(__name__)
+
+_FUSED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+# How an NCHW-contiguous conv input reaches cuDNN: "strides" describes NCHW to
+# cuDNN as is; "convert" copies x and the weight to channels_last and returns a
+# channels_last output. Chosen by measurement (docs/decisions.md).
+CONV_NCHW_POLICY = os.environ.get("CUDNN_FUSE_CONV_NCHW", "strides")
+
+# --------------------------------------------------------------------- logging
+
+_said: set = set()
+
+
+def _fallback(op: str, reason: str) -> None:
+    """Log a fallback reason once per (op, reason); count every fallback."""
+    plans.STATS.fallbacks += 1
+    key = ("*", reason) if reason == "no CUDA GPU" else (op, reason)
+    if key in _said:
+        return
+    _said.add(key)
+    if reason == "no CUDA GPU":
+        log.warning("no CUDA GPU is available: cudnn_fuse ops run their PyTorch reference")
+    else:
+        log.debug("%s: running the PyTorch reference: %s", op, reason)
+
+
+def _why_not_fused(op: str, tensors: Sequence[Optional[torch.Tensor]]) -> Optional[str]:
+    """The reason the fused path cannot run these operands, or None."""
+    ts = [t for t in tensors if t is not None]
+    if not all(t.is_cuda for t in ts):
+        return "no CUDA GPU" if not torch.cuda.is_available() else "tensors are not on a CUDA device"
+    if ts[0].dtype not in _FUSED_DTYPES:
+        return f"dtype {ts[0].dtype} has no cuDNN fused path"
+    if any(t.numel() == 0 for t in ts):
+        return "zero-size dimension"
+    if any(t.requires_grad for t in ts) and torch.is_grad_enabled():
+        return "autograd is not wired to the fused path yet"
+    return None
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _check_tensor(name: str, t, op: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_same(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
+    for name, t in others.items():
+        if t is None:
+            continue
+        _check_tensor(name, t, op)
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{op}: {name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; they must match")
+        if t.device != ref.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; they must be on one device")
+
+
+def _check_floating(op: str, name: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: {name} must have a floating-point dtype, got {t.dtype}")
+
+
+def _check_epilogue(op: str, activation, residual, out_shape, bias=None, bias_len=None) -> None:
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != bias_len):
+        raise ValueError(f"{op}: bias must have shape ({bias_len},), got bias.shape={tuple(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != tuple(out_shape):
+        raise ValueError(
+            f"{op}: residual must have the output's shape {tuple(out_shape)}, got residual.shape={tuple(residual.shape)}")
+
+
+def _pair(name: str, v, op: str, minimum: int) -> Tuple[int, int]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = (v, v)
+    if (not isinstance(v, (tuple, list)) or len(v) != 2
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in v)):
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}")
+    if any(i < minimum for i in v):
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {name}={tuple(v)}")
+    return tuple(v)
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec.of(t)
+
+
+def _amax_buffer(ref: torch.Tensor, rank: int) -> torch.Tensor:
+    return torch.empty((1,) * rank, dtype=torch.float32, device=ref.device)
+
+
+def _run(op: str, spec, buffers, ref_fn):
+    """Run ``spec``'s plan on ``buffers``; on UnsupportedError run ``ref_fn``."""
+    try:
+        plan = plans.get_plan(spec, buffers[0].device.index)
+    except UnsupportedError as exc:
+        _fallback(op, str(exc))
+        return None, ref_fn()
+    plan.run(buffers)
+    return plan, None
+
+
+# ----------------------------------------------------------------------- conv2d
+
+
+def _conv_padding(padding, ksize, dilation, stride, op="conv2d"):
+    """(pre, post) padding per spatial dim, torch's rules for 'same' / 'valid'."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0), (0, 0)
+        if padding != "same":
+            raise ValueError(f"{op}: padding must be 'same', 'valid', an int or a pair of ints, got {padding!r}")
+        if stride != (1, 1):
+            raise ValueError(f"{op}: padding='same' is not supported for strided convolutions, got stride={stride}")
+        total = [d * (k - 1) for d, k in zip(dilation, ksize)]
+        pre = tuple(t // 2 for t in total)
+        # torch puts the odd element of the padding after the data
+        return pre, tuple(t - p for t, p in zip(total, pre))
+    p = _pair("padding", padding, op, 0)
+    return p, p
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
+           return_amax=False, *, negative_slope=0.01):
+    """Fused ``act(conv2d(x, weight) + bias + residual)``, optionally with ``amax = max|y|``.
+
+    x: [N, C, H, W] or unbatched [C, H, W], NCHW or channels_last memory;
+    weight: [K, C/groups, R, S]; bias: [K]; residual: the output's shape
+    [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
+    float32 0-dim tensor.
+    """
+    op = "conv2d"
+    _check_tensor("x", x, op)
+    _check_tensor("weight", weight, op)
+    _check_floating(op, "x", x)
+    _check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
+    if x.dim() not in (3, 4):
+        raise ValueError(f"{op}: expected 3-D (unbatched) or 4-D (batched) input x, got x.shape={tuple(x.shape)}")
+    if weight.dim() != 4:
+        raise ValueError(f"{op}: weight must be 4-D [K, C/groups, R, S], got weight.shape={tuple(weight.shape)}")
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"{op}: groups must be a positive int, got groups={groups!r}")
+    stride = _pair("stride", stride, op, 1)
+    dilation = _pair("dilation", dilation, op, 1)
+    C = x.shape[-3]
+    K, Cg, R, S = weight.shape
+    if C != Cg * groups:
+        raise ValueError(f"{op}: channel mismatch: x has C={C} but weight expects C/groups*groups={Cg}*{groups}={Cg * groups}")
+    if K % groups != 0:
+        raise ValueError(f"{op}: out channels K={K} must be divisible by groups={groups}")
+    pre, post = _conv_padding(padding, (R, S), dilation, stride)
+    H, W = x.shape[-2:]
+    out_hw = tuple((n + a + b - d * (k - 1) - 1) // s + 1
+                   for n, a, b, d, k, s in zip((H, W), pre, post, dilation, (R, S), stride))
+    if any(o <= 0 for o in out_hw):
+        raise ValueError(f"{op}: output size {out_hw} is too small for x.shape={tuple(x.shape)}, "
+                         f"weight.shape={tuple(weight.shape)}, padding={padding!r}, dilation={dilation}, stride={stride}")
+    out_shape = tuple(x.shape[:-3]) + (K,) + out_hw
+    _check_epilogue(op, activation, residual, out_shape, bias, K)
+
+    ref = functools.partial(reference.conv2d, x, weight, bias, stride, padding, dilation, groups, activation, residual,
+                            return_amax, negative_slope)
+
+    why = _why_not_fused(op, (x, weight, bias, residual))
+    if why is not None:
+        _fallback(op, why)
+        return ref()
+
+    unbatched = x.dim() == 3
+    if unbatched:
+        x = x.unsqueeze(0)
+        residual = residual.unsqueeze(0) if residual is not None else None
+        out_shape = (1,) + out_shape
+    x, weight, channels_last = _conv_layout(x, weight)
+    y_stride = channels_last_strides(out_shape) if channels_last else contiguous_strides(out_shape)
+    y = torch.empty_strided(out_shape, y_stride, dtype=x.dtype, device=x.device)
+    b4 = bias.view(1, K, 1, 1) if bias is not None else None
+    if residual is not None and not _dense(residual):
+        residual = residual.contiguous()
+    amax = _amax_buffer(x, 4) if return_amax else None
+    epi = Epilogue(
+        bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), _FUSED_DTYPES[x.dtype]) if bias is not None else None,
+        residual=_spec(residual) if residual is not None else None,
+        activation=activation, negative_slope=negative_slope, amax=return_amax)
+    spec = ConvSpec(_spec(x), _spec(weight), TensorSpec(out_shape, y_stride, _FUSED_DTYPES[x.dtype]), stride, pre,
+                    post, dilation, groups, epi, allow_tf32=_conv_tf32(x))
+    _, fallback_out = _run(op, spec, [t for t in (x, weight, b4, residual, y, amax) if t is not None], ref)
+    if fallback_out is not None:
+        return fallback_out
+    if unbatched:
+        y = y.squeeze(0)
+    return (y, amax.view(())) if return_amax else y
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _is_channels_last(t: torch.Tensor) -> bool:
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def _conv_layout(x, weight):
+    """Dense x / weight in the layout the policy picks; returns (x, weight, channels_last)."""
+    channels_last = _is_channels_last(x)
+    if not channels_last and CONV_NCHW_POLICY == "convert":
+        channels_last = True
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        weight = weight.contiguous(memory_format=torch.channels_last)
+    else:
+        x = x if _dense(x) else x.contiguous()
+        weight = weight if _dense(weight) else weight.contiguous()
+    return x, weight, channels_last
+
+
+def _conv_tf32(x) -> bool:
+    return x.dtype == torch.float32 and bool(torch.backends.cudnn.allow_tf32)
+
+
+# ----------------------------------------------------------------------- matmul
+
+
+def _as_batched(t: torch.Tensor, batch: Tuple[int, ...]) -> Optional[torch.Tensor]:
+    """View ``t`` ([..., R, C]) as [B|1, R, C] for the output batch ``batch``, or
+    None when its batch dims broadcast only partially (torch would copy)."""
+    tb = tuple(t.shape[:-2])
+    R, C = t.shape[-2:]
+    if math.prod(tb) == 1:
+        t = t.reshape(1, R, C)
+    elif (1,) * (len(batch) - len(tb)) + tb == batch:
+        t = t.reshape(-1, R, C)
+    else:
+        return None
+    if t.stride(-1) != 1 and t.stride(-2) != 1:
+        t = t.contiguous()  # cuDNN needs row- or column-major matrices
+    return t
+
+
+def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
+    """Fused ``act(a @ b + bias + residual)`` with torch.matmul's batching and broadcasting.
+
+    a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
+    residual: the output's shape. Returns y, or (y, amax).
+    """
+    op = "matmul"
+    _check_tensor("a", a, op)
+    _check_tensor("b", b, op)
+    _check_floating(op, "a", a)
+    _check_same(op, "a", a, b=b, bias=bias, residual=residual)
+    if a.dim() == 0 or b.dim() == 0:
+        raise ValueError(f"{op}: both arguments need at least 1 dimension, got a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}")
+    a2 = a.unsqueeze(0) if a.dim() == 1 else a
+    b2 = b.unsqueeze(-1) if b.dim() == 1 else b
+    if a2.shape[-1] != b2.shape[-2]:
+        raise ValueError(f"{op}: inner dimensions differ: a.shape={tuple(a.shape)} and b.shape={tuple(b.shape)} "
+                         f"(K={a2.shape[-1]} vs {b2.shape[-2]})")
+    try:
+        batch = tuple(torch.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
+    except RuntimeError:
+        raise ValueError(f"{op}: batch dimensions do not broadcast: a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}") from None
+    M, N = a2.shape[-2], b2.shape[-1]
+    out_shape = batch + ((M,) if a.dim() > 1 else ()) + ((N,) if b.dim() > 1 else ())
+    if bias is not None and b.dim() == 1:
+        raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
+    _check_epilogue(op, activation, residual, out_shape, bias, N)
+
+    ref = functools.partial(reference.matmul, a, b, bias, activation, residual, return_amax, negative_slope)
+    return _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax, negative_slope, ref)
+
+
+def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax, negative_slope, ref):
+    why = _why_not_fused(op, (a2, b2, bias, residual))
+    if why is None and a2.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        # cuDNN matmul rounds fp32 through TF32 even with tensor cores deselected
+        why = "float32 matmul with TF32 disabled (cuDNN would round through TF32)"
+    a3 = b3 = None
+    if why is None:
+        a3, b3 = _as_batched(a2, batch), _as_batched(b2, batch)
+        if a3 is None or b3 is None:
+            why = "batch dims broadcast only partially (would need a copy)"
+    if why is not None:
+        _fallback(op, why)
+        return ref()
+    B = max(a3.shape[0], b3.shape[0])
+    y = torch.empty((B, M, N), dtype=a2.dtype, device=a2.device)
+    r3 = residual.reshape(B, M, N) if residual is not None else None
+    amax = _amax_buffer(y, 3) if return_amax else None
+    dt = _FUSED_DTYPES[a2.dtype]
+    epi = Epilogue(
+        bias=TensorSpec((1, 1, N), (N, N, 1), dt) if bias is not None else None,
+        residual=_spec(r3) if r3 is not None else None,
+        activation=activation, negative_slope=negative_slope, amax=return_amax)
+    spec = MatmulSpec(_spec(a3), _spec(b3), _spec(y), epi, allow_tf32=a2.dtype == torch.float32)
+    b1 = bias.view(1, 1, N) if bias is not None else None
+    _, fallback_out = _run(op, spec, [t for t in (a3, b3, b1, r3, y, amax) if t is not None], ref)
+    if fallback_out is not None:
+        return fallback_out
+    y = y.view(out_shape)
+    return (y, amax.view(())) if return_amax else y
+
+
+def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
+    """Fused ``act(x @ weight.T + bias + residual)``; the [out, in] weight is read
+    through strides, never copied.
+
+    x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
+    """
+    op = "linear"
+    _check_tensor("x", x, op)
+    _check_tensor("weight", weight, op)
+    _check_floating(op, "x", x)
+    _check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D [out_features, in_features], got weight.shape={tuple(weight.shape)}")
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x needs at least 1 dimension, got a 0-dim tensor")
+    K = x.shape[-1]
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"{op}: x has in_features={K} but weight.shape={tuple(weight.shape)} expects {weight.shape[1]}")
+    out_shape = tuple(x.shape[:-1]) + (N,)
+    _check_epilogue(op, activation, residual, out_shape, bias, N)
+
+    ref = functools.partial(reference.linear, x, weight, bias, activation, residual, return_amax, negative_slope)
+    rows = math.prod(x.shape[:-1])
+    a2 = x.reshape(1, rows, K)
+    b2 = weight.t().unsqueeze(0)
+    r = residual.reshape(1, rows, N) if residual is not None else None
+    return _matmul_fused(op, a2, b2, (1,), rows, N, out_shape, bias, r, activation, return_amax, negative_slope, ref)
+
+
+# -------------------------------------------------------------------- attention
+
+
+def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        _check_tensor(name, t, op)
+    _check_floating(op, "query", q)
+    _check_same(op, "query", q, key=k, value=v)
+    if not (q.dim() == k.dim() == v.dim()) or q.dim() < 2:
+        raise ValueError(f"{op}: query, key and value must have the same rank >= 2, got "
+                         f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, value.shape={tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{op}: query and key head dims differ: query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"{op}: key and value sequence lengths differ: key.shape={tuple(k.shape)}, value.shape={tuple(v.shape)}")
+    if q.dim() >= 3:
+        hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+        if hk != hv:
+            raise ValueError(f"{op}: key has {hk} heads but value has {hv}")
+        if hq != hk and not (enable_gqa and hk > 0 and hq % hk == 0):
+            raise ValueError(f"{op}: query has {hq} heads and key/value {hk}: that needs enable_gqa=True and "
+                             f"{hq} divisible by {hk}")
+        if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
+            raise ValueError(f"{op}: batch dims differ: query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, "
+                             f"value.shape={tuple(v.shape)}")
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got dropout_p={dropout_p}")
+    if is_causal and attn_mask is not None:
+        raise ValueError(f"{op}: attn_mask and is_causal=True cannot both be set")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"{op}: scale must be a float or None, got {type(scale).__name__}")
+    if attn_mask is not None:
+        _check_tensor("attn_mask", attn_mask, op)
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            raise TypeError(f"{op}: attn_mask must be bool or query's dtype {q.dtype}, got {attn_mask.dtype}")
+        target = tuple(q.shape[:-1]) + (k.shape[-2],)
+        try:
+            if tuple(torch.broadcast_shapes(attn_mask.shape, target)) != target:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"{op}: attn_mask.shape={tuple(attn_mask.shape)} does not broadcast to {target}") from None
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Fused attention forward, torch.nn.functional.scaled_dot_product_attention's semantics.
+
+    q: [B, Hq, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv] (BHSD or BSHD
+    memory, e.g. ``x.view(B, S, H, D).transpose(1, 2)``); 3-D inputs [B, S, D]
+    are one head. Hq != Hkv needs enable_gqa=True. attn_mask: bool (True takes
+    part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
+    Returns o [B, Hq, Sq, Dv] in q's memory layout.
+    """
+    op = "scaled_dot_product_attention"
+    _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    ref = functools.partial(reference.scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale,
+                            enable_gqa)
+    why = _why_not_fused(op, (q, k, v, attn_mask))
+    if why is None and q.dtype == torch.float32:
+        why = "float32 attention has no cuDNN engine"
+    if why is None and dropout_p > 0.0:
+        why = "dropout_p > 0"
+    if why is None and q.dim() not in (3, 4):
+        why = f"{q.dim()}-D inputs (the fused path takes 3-D or 4-D)"
+    if why is not None:
+        _fallback(op, why)
+        return ref()
+
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        attn_mask = attn_mask.unsqueeze(-3) if attn_mask is not None and attn_mask.dim() >= 3 else attn_mask
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    B, H, Sq, D = q.shape
+    Skv, Dv = k.shape[-2], v.shape[-1]
+    o = _sdpa_output(q, Dv)
+    bias = _sdpa_bias(attn_mask, B, H, Sq, Skv, q.dtype)
+    spec = SdpaSpec(_spec(q), _spec(k), _spec(v), _spec(o), _spec(bias) if bias is not None else None,
+                    bool(is_causal), float(scale) if scale is not None else 1.0 / math.sqrt(D))
+    _, fallback_out = _run(op, spec, [t for t in (q, k, v, bias, o) if t is not None], ref)
+    if fallback_out is not None:
+        return fallback_out
+    return o.squeeze(1) if squeeze else o
+
+
+def _sdpa_output(q: torch.Tensor, Dv: int) -> torch.Tensor:
+    """o with q's layout: BSHD memory when q is a BSHD view, else BHSD contiguous."""
+    B, H, S, _ = q.shape
+    if q.stride(1) < q.stride(2) and H > 1:  # heads inside sequence: BSHD
+        return torch.empty((B, S, H, Dv), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty((B, H, S, Dv), dtype=q.dtype, device=q.device)
+
+
+def _sdpa_bias(mask, B, H, Sq, Skv, dtype):
+    """The additive [B|1, H|1, Sq, Skv] bias cuDNN reads, or None."""
+    if mask is None:
+        return None
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.dtype == torch.bool:
+        # True takes part: 0; False is masked out: -inf
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    mb = mask.shape[0] if mask.shape[0] == B else 1
+    mh = mask.shape[1] if mask.shape[1] == H else 1
+    mask = mask.expand(mb, mh, Sq, Skv)
+    if mask.stride(-1) != 1 or mask.stride(-2) != Skv or (mb > 1 and mask.stride(0) == 0) or (mh > 1 and mask.stride(1) == 0):
+        mask = mask.contiguous()
+    return mask

@@ -1,0 +1,231 @@
+"""Built cuDNN plans: one build per (spec, device), kept in a bounded LRU.
+
+``get_plan(spec, device)`` returns a ``Plan`` or raises ``UnsupportedError``
+(remembered too, so an unsupported spec costs one build attempt, not one per
+call). ``Plan.run(buffers)`` executes through the ordered path on torch's
+current stream with a workspace from torch's caching allocator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .builders import build_graph, uids_of
+from .errors import UnsupportedError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY = int(os.environ.get("CUDNN_FUSE_MAX_PLANS", "1024"))
+
+
+@dataclass
+class _Stats:
+    builds: int = 0
+    build_failures: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    fallbacks: int = 0
+    build_seconds: float = 0.0
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+STATS = _Stats()
+
+
+def plan_stats() -> dict:
+    """Counters of this process: builds, hits, misses, evictions, fallbacks, build_seconds."""
+    return STATS.snapshot()
+
+
+# ---------------------------------------------------------------- handles
+
+
+@dataclass
+class _Handle:
+    handle: object
+    stream: int | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_handles: dict[int, _Handle] = {}
+_handles_lock = threading.Lock()
+
+
+def handle_for(device: int) -> _Handle:
+    """The one cuDNN handle of ``device`` (created on first use)."""
+    h = _handles.get(device)
+    if h is None:
+        import cudnn
+
+        with _handles_lock:
+            h = _handles.get(device)
+            if h is None:
+                with torch.cuda.device(device):
+                    h = _handles[device] = _Handle(cudnn.create_handle())
+    return h
+
+
+# ---------------------------------------------------------------- build
+
+
+def _is_decline(exc: BaseException) -> bool:
+    import cudnn
+
+    return isinstance(exc, (cudnn.cudnnGraphNotSupportedError, NotImplementedError, ValueError, RuntimeError))
+
+
+def finalize(g, spec) -> None:
+    """validate -> operation graph -> heuristics (A, then FALLBACK) -> support -> build.
+
+    Raises UnsupportedError when cuDNN declines the graph.
+    """
+    import cudnn
+
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        if spec.dtype == "float32" and not getattr(spec, "allow_tf32", False):
+            # true fp32: keep engines that do not round through TF32 tensor cores
+            g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
+        g.check_support()
+        g.build_plans()
+    except Exception as exc:  # noqa: BLE001 - cuDNN raises several types for "cannot"
+        if not _is_decline(exc):
+            raise
+        raise UnsupportedError(f"cuDNN declined {spec.op}: {type(exc).__name__}: {exc}") from exc
+
+
+class Plan:
+    """A built graph with its fixed uids and workspace size, bound to a device."""
+
+    __slots__ = ("spec", "graph", "uids", "workspace_size", "device", "_handle")
+
+    def __init__(self, spec, graph, device: int):
+        self.spec = spec
+        self.graph = graph
+        self.uids = uids_of(spec)
+        self.workspace_size = int(graph.get_workspace_size())
+        self.device = device
+        self._handle = handle_for(device)
+
+    def run(self, buffers) -> None:
+        """Execute on torch's current stream of this plan's device.
+
+        ``buffers``: the operand tensors in ``builders.roles_of(spec)`` order.
+        """
+        ws = torch.empty(self.workspace_size, dtype=torch.uint8, device=torch.device("cuda", self.device)) if self.workspace_size else None
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        h = self._handle
+        with h.lock:  # one handle per device: stream switch + launch must not interleave
+            if h.stream != stream:
+                import cudnn
+
+                cudnn.set_stream(handle=h.handle, stream=stream)
+                h.stream = stream
+            self.graph.execute(buffers, ws, handle=h.handle, tensor_uids=self.uids)
+
+
+def build_plan(spec, device: int) -> Plan:
+    """Build ``spec`` for ``device`` with heuristics (no cache, no LRU)."""
+    t0 = time.perf_counter()
+    try:
+        with torch.cuda.device(device):
+            h = handle_for(device)
+            g = build_graph(spec, h.handle)
+            finalize(g, spec)
+            plan = Plan(spec, g, device)
+    except UnsupportedError:
+        STATS.build_failures += 1
+        raise
+    STATS.builds += 1
+    STATS.build_seconds += time.perf_counter() - t0
+    log.debug("built %s plan %s on cuda:%d in %.1f ms", spec.op, spec.digest()[:12], device, 1e3 * (time.perf_counter() - t0))
+    return plan
+
+
+# ---------------------------------------------------------------- LRU
+
+
+class PlanLRU:
+    """Bounded, thread-safe map (digest, device) -> Plan | UnsupportedError.
+
+    Each key is built once even when threads race for it (a per-key lock).
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, builder=build_plan):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._builder = builder
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def _lookup(self, key):
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+            return item
+
+    def _store(self, key, item) -> None:
+        with self._lock:
+            self._items[key] = item
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+                STATS.evictions += 1
+
+    def get(self, spec, device: int):
+        key = (spec.digest(), device)
+        item = self._lookup(key)
+        if item is None:
+            with self._lock:
+                key_lock = self._building.setdefault(key, threading.Lock())
+            with key_lock:
+                item = self._lookup(key)  # another thread may have built it meanwhile
+                if item is None:
+                    STATS.misses += 1
+                    try:
+                        item = self._builder(spec, device)
+                    except UnsupportedError as exc:
+                        item = exc
+                    self._store(key, item)
+            with self._lock:
+                self._building.pop(key, None)
+        else:
+            STATS.hits += 1
+        if isinstance(item, UnsupportedError):
+            raise item
+        return item
+
+
+_LRU = PlanLRU()
+
+
+def get_plan(spec, device: int) -> Plan:
+    """The plan of ``spec`` on ``device``: from memory, else built. Raises UnsupportedError."""
+    return _LRU.get(spec, device)
+
+
+def clear() -> None:
+    """Forget every in-memory plan (tests; a later cache layer refills it)."""
+    _LRU.clear()

@@ -1,0 +1,80 @@
+"""PyTorch implementations of every op: the fallback path and the tests' oracle.
+
+The epilogue is computed in float32 (at least) and rounded once to the output
+dtype, as the fused cuDNN graph does; for float32/float64 that is torch's own
+arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+_ACT = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
+
+
+def activation(z: torch.Tensor, name: Optional[str], negative_slope: float = 0.01) -> torch.Tensor:
+    if name is None:
+        return z
+    if name == "leaky_relu":
+        return F.leaky_relu(z, negative_slope)
+    return _ACT[name](z)
+
+
+def amax(y: torch.Tensor) -> torch.Tensor:
+    """max |y| as a float32 0-dim tensor; 0 for an empty y (nothing to scale);
+    NaN propagates like torch.amax."""
+    if y.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=y.device)
+    return y.detach().abs().amax().to(torch.float32)
+
+
+def epilogue(z, bias=None, residual=None, act=None, negative_slope=0.01, return_amax=False, bias_shape=None):
+    """y = act(z + bias + residual) rounded once to z's dtype; optionally (y, amax).
+
+    ``bias_shape`` reshapes a 1-D bias to broadcast against z (e.g. [1, C, 1, 1]).
+    """
+    out_dtype = z.dtype
+    acc = torch.promote_types(out_dtype, torch.float32)
+    t = z.to(acc)
+    if bias is not None:
+        t = t + (bias.reshape(bias_shape) if bias_shape is not None else bias).to(acc)
+    if residual is not None:
+        t = t + residual.to(acc)
+    y = activation(t, act, negative_slope).to(out_dtype)
+    return (y, amax(y)) if return_amax else y
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
+           return_amax=False, negative_slope=0.01):
+    z = F.conv2d(x, weight, None, stride, padding, dilation, groups)
+    shape = (-1, 1, 1) if z.dim() == 3 else (1, -1, 1, 1)
+    return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape)
+
+
+def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, negative_slope=0.01):
+    z = F.linear(x, weight)
+    return epilogue(z, bias, residual, activation, negative_slope, return_amax)
+
+
+def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, negative_slope=0.01):
+    z = torch.matmul(a, b)
+    return epilogue(z, bias, residual, activation, negative_slope, return_amax)
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa and q.dim() >= 3 and k.size(-3) != q.size(-3):
+        # Expanded by hand rather than with torch's enable_gqa (torch >= 2.5 only).
+        rep = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale)
