@@ -39,7 +39,7 @@ _FUSED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.flo
 # How an NCHW-contiguous conv input reaches cuDNN: "strides" describes NCHW to
 # cuDNN as is; "convert" copies x and the weight to channels_last and returns a
 # channels_last output. Chosen by measurement (docs/decisions.md).
-CONV_NCHW_POLICY = os.environ.get("CUDNN_FUSE_CONV_NCHW", "strides")
+CONV_NCHW_POLICY = os.environ.get("CUDNN_FUSE_CONV_NCHW", "convert")
 
 # --------------------------------------------------------------------- logging
 
@@ -212,8 +212,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     y_stride = channels_last_strides(out_shape) if channels_last else contiguous_strides(out_shape)
     y = torch.empty_strided(out_shape, y_stride, dtype=x.dtype, device=x.device)
     b4 = bias.view(1, K, 1, 1) if bias is not None else None
-    if residual is not None and not _dense(residual):
-        residual = residual.contiguous()
+    if residual is not None:
+        # the epilogue reads residual in y's layout (cuDNN rejects NCHW epilogue operands on Hopper)
+        residual = residual.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     amax = _amax_buffer(x, 4) if return_amax else None
     epi = Epilogue(
         bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), _FUSED_DTYPES[x.dtype]) if bias is not None else None,

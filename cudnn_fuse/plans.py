@@ -106,10 +106,17 @@ def finalize(g, spec) -> None:
         raise UnsupportedError(f"cuDNN declined {spec.op}: {type(exc).__name__}: {exc}") from exc
 
 
+def _engine_name(g) -> str:
+    try:
+        return str(g.get_plan_name_at_index(g._plan_index))
+    except Exception:  # noqa: BLE001 - a name is for logs only
+        return "?"
+
+
 class Plan:
     """A built graph with its fixed uids and workspace size, bound to a device."""
 
-    __slots__ = ("spec", "graph", "uids", "workspace_size", "device", "_handle")
+    __slots__ = ("spec", "graph", "uids", "workspace_size", "device", "engine", "_handle")
 
     def __init__(self, spec, graph, device: int):
         self.spec = spec
@@ -117,6 +124,7 @@ class Plan:
         self.uids = uids_of(spec)
         self.workspace_size = int(graph.get_workspace_size())
         self.device = device
+        self.engine = _engine_name(graph)
         self._handle = handle_for(device)
 
     def run(self, buffers) -> None:
@@ -150,7 +158,8 @@ def build_plan(spec, device: int) -> Plan:
         raise
     STATS.builds += 1
     STATS.build_seconds += time.perf_counter() - t0
-    log.debug("built %s plan %s on cuda:%d in %.1f ms", spec.op, spec.digest()[:12], device, 1e3 * (time.perf_counter() - t0))
+    log.debug("built %s plan %s (%s) on cuda:%d in %.1f ms", spec.op, spec.digest()[:12], plan.engine, device,
+              1e3 * (time.perf_counter() - t0))
     return plan
 
 
@@ -158,7 +167,10 @@ def build_plan(spec, device: int) -> Plan:
 
 
 class PlanLRU:
-    """Bounded, thread-safe map (digest, device) -> Plan | UnsupportedError.
+    """Bounded, thread-safe map (spec, device) -> Plan | UnsupportedError.
+
+    Keyed by the frozen spec itself: hashing its fields is far cheaper per call
+    than its sha256 digest, which is computed only where it is stored.
 
     Each key is built once even when threads race for it (a per-key lock).
     """
@@ -179,6 +191,11 @@ class PlanLRU:
         with self._lock:
             self._items.clear()
 
+    def plans(self) -> list:
+        """The built plans held now, least recently used first."""
+        with self._lock:
+            return [p for p in self._items.values() if isinstance(p, Plan)]
+
     def _lookup(self, key):
         with self._lock:
             item = self._items.get(key)
@@ -195,7 +212,7 @@ class PlanLRU:
                 STATS.evictions += 1
 
     def get(self, spec, device: int):
-        key = (spec.digest(), device)
+        key = (spec, device)
         item = self._lookup(key)
         if item is None:
             with self._lock:
@@ -224,6 +241,11 @@ _LRU = PlanLRU()
 def get_plan(spec, device: int) -> Plan:
     """The plan of ``spec`` on ``device``: from memory, else built. Raises UnsupportedError."""
     return _LRU.get(spec, device)
+
+
+def plans_in_memory() -> list:
+    """The built plans this process holds, least recently used first."""
+    return _LRU.plans()
 
 
 def clear() -> None:

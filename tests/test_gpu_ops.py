@@ -1,0 +1,386 @@
+"""GPU tests: every op x epilogue x dtype through the fused cuDNN path, against
+an fp64 (fp32 for attention) reference computed on upcast inputs.
+
+Run on the device machine: ``python3 -m pytest -m gpu tests``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnn_fuse as cf
+from cudnn_fuse import plans, reference
+
+pytestmark = pytest.mark.gpu
+
+ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _strict_fp32():
+    """fp32 means fp32: TF32 off in torch (cf follows torch's switches)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "output has NaN/Inf"
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def rnd(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+class Fused:
+    """Asserts that the block ran fused graphs only (no fallback) and counts builds."""
+
+    def __init__(self, allow_fallback=False):
+        self.allow_fallback = allow_fallback
+
+    def __enter__(self):
+        self.before = cf.plan_stats()
+        return self
+
+    def __exit__(self, *exc):
+        after = cf.plan_stats()
+        self.builds = after["builds"] - self.before["builds"]
+        self.fallbacks = after["fallbacks"] - self.before["fallbacks"]
+        if exc[0] is None and not self.allow_fallback:
+            assert self.fallbacks == 0, "the op fell back to PyTorch"
+        return False
+
+
+def expect_fused(dtype, kind):
+    """fp32 matmul with TF32 off is documented to fall back (cuDNN rounds via TF32)."""
+    return not (dtype == torch.float32 and kind == "matmul")
+
+
+# ------------------------------------------------------------------ conv2d
+
+
+def conv_case(dtype, act, bias=True, residual=True, amax=False, N=4, C=32, H=14, W=14, K=48, R=3, stride=1, padding=1,
+              dilation=1, groups=1, channels_last=True, slope=0.01):
+    x = rnd(N, C, H, W, dtype=dtype)
+    w = rnd(K, C // groups, R, R, dtype=dtype, scale=1 / math.sqrt(C // groups * R * R))
+    if channels_last:
+        x, w = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+    b = rnd(K, dtype=dtype) if bias else None
+    z = F.conv2d(x.double(), w.double(), None, stride, padding, dilation, groups)
+    r = rnd(*z.shape, dtype=dtype) if residual else None
+    if r is not None and channels_last:
+        r = r.to(memory_format=torch.channels_last)
+    ref = reference.epilogue(z, b.double() if b is not None else None, r.double() if r is not None else None, act, slope,
+                             amax, bias_shape=(1, -1, 1, 1))
+    out = cf.conv2d(x, w, b, stride, padding, dilation, groups, activation=act, residual=r, return_amax=amax,
+                    negative_slope=slope)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_conv_every_activation(dtype, act):
+    with Fused():
+        y, ref = conv_case(dtype, act)
+    assert y.dtype == dtype and y.shape == ref.shape
+    assert rel_err(y, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias,residual,amax", [(False, False, False), (True, False, False), (False, True, False),
+                                                (False, False, True), (True, True, True)])
+def test_conv_epilogue_combinations(dtype, bias, residual, amax):
+    # true-fp32 conv + AMAX: cuDNN 9.19 has no non-tensor-core engine for it -> logged fallback
+    with Fused(allow_fallback=dtype == torch.float32 and amax):
+        out, ref = conv_case(dtype, "relu", bias, residual, amax)
+    if amax:
+        (y, a), (ry, ra) = out, ref
+        assert a.dtype == torch.float32 and a.dim() == 0
+        assert abs(a.item() - ra.item()) <= 1e-2 * ra.item()
+        assert abs(a.item() - y.abs().max().item()) <= 1e-2 * ra.item()
+    else:
+        y, ry = out, ref
+    assert rel_err(y, ry) <= TOL[dtype]
+
+
+CONV_SHAPES = {
+    "prime": dict(N=3, C=8, H=13, W=11, K=24, R=3),
+    "stride2": dict(stride=2),
+    "dilation2": dict(dilation=2, padding=2),
+    "groups4": dict(groups=4),
+    "depthwise": dict(C=32, K=32, groups=32),
+    "1x1": dict(R=1, padding=0),
+    "batch1": dict(N=1),
+    "7x7s2": dict(C=16, K=64, R=7, stride=2, padding=3, H=32, W=32),
+    "nchw": dict(channels_last=False),
+    "nchw_stride2": dict(channels_last=False, stride=2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CONV_SHAPES))
+def test_conv_odd_shapes(dtype, name):
+    # bf16 depthwise: cuDNN 9.19 has no engine on Hopper (fp16/fp32 only) -> logged fallback
+    with Fused(allow_fallback=name == "depthwise" and dtype == torch.bfloat16):
+        y, ref = conv_case(dtype, "silu", **CONV_SHAPES[name])
+    assert rel_err(y, ref) <= TOL[dtype]
+
+
+def test_conv_output_is_channels_last_and_equal_for_both_input_layouts():
+    x = rnd(2, 16, 8, 8, dtype=torch.float16)
+    w = rnd(16, 16, 3, 3, dtype=torch.float16)
+    y_cl = cf.conv2d(x.to(memory_format=torch.channels_last), w, padding=1)
+    assert y_cl.is_contiguous(memory_format=torch.channels_last)
+    y = cf.conv2d(x, w, padding=1)  # NCHW in: converted (measured faster, docs/decisions.md)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y, y_cl)
+
+
+def test_conv_same_padding_even_kernel_and_unbatched():
+    x = rnd(16, 10, 9, dtype=torch.float16)
+    w = rnd(8, 16, 4, 4, dtype=torch.float16, scale=0.1)
+    y = cf.conv2d(x, w, padding="same")
+    ref = F.conv2d(x.double(), w.double(), padding="same")
+    assert y.shape == ref.shape == (8, 10, 9)
+    assert rel_err(y, ref) <= 1e-2
+
+
+# ------------------------------------------------------------------ linear / matmul
+
+
+def mm_case(dtype, act, kind="linear", bias=True, residual=True, amax=False, M=96, K=128, N=80, batch=(), bbatch=(),
+            slope=0.01):
+    if kind == "linear":
+        x = rnd(*batch, M, K, dtype=dtype)
+        w = rnd(N, K, dtype=dtype, scale=1 / math.sqrt(K))
+        z = F.linear(x.double(), w.double())
+    else:
+        x = rnd(*batch, M, K, dtype=dtype)
+        w = rnd(*bbatch, K, N, dtype=dtype, scale=1 / math.sqrt(K))
+        z = torch.matmul(x.double(), w.double())
+    b = rnd(N, dtype=dtype) if bias else None
+    r = rnd(*z.shape, dtype=dtype) if residual else None
+    ref = reference.epilogue(z, b.double() if b is not None else None, r.double() if r is not None else None, act, slope,
+                             amax)
+    op = cf.linear if kind == "linear" else cf.matmul
+    out = op(x, w, b, activation=act, residual=r, return_amax=amax, negative_slope=slope)
+    return out, ref
+
+
+@pytest.mark.parametrize("kind", ["linear", "matmul"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_matmul_every_activation(kind, dtype, act):
+    with Fused(allow_fallback=not expect_fused(dtype, "matmul")):
+        y, ref = mm_case(dtype, act, kind)
+    assert y.dtype == dtype and y.shape == ref.shape
+    assert rel_err(y, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias,residual,amax", [(False, False, False), (True, False, False), (False, True, False),
+                                                (False, False, True), (True, True, True)])
+def test_matmul_epilogue_combinations(dtype, bias, residual, amax):
+    with Fused(allow_fallback=not expect_fused(dtype, "matmul")):
+        out, ref = mm_case(dtype, "gelu", "matmul", bias, residual, amax)
+    if amax:
+        (y, a), (ry, ra) = out, ref
+        assert a.dtype == torch.float32 and a.dim() == 0
+        assert abs(a.item() - ra.item()) <= 1e-2 * ra.item()
+    else:
+        y, ry = out, ref
+    assert rel_err(y, ry) <= TOL[dtype]
+
+
+def test_fp32_matmul_uses_cudnn_when_tf32_allowed():
+    torch.backends.cuda.matmul.allow_tf32 = True
+    with Fused() as f:
+        y, ref = mm_case(torch.float32, "relu", "matmul")
+    assert f.fallbacks == 0
+    assert rel_err(y, ref) <= 2e-3  # TF32 rounding
+
+
+MM_SHAPES = {
+    "prime": dict(M=97, K=64, N=40),
+    "prime_k": dict(M=64, K=61, N=40),
+    "m1": dict(M=1),
+    "batched": dict(batch=(3,), bbatch=(3,)),
+    "broadcast_b": dict(batch=(2, 3), bbatch=()),
+    "broadcast_b1": dict(batch=(4,), bbatch=(1,)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(MM_SHAPES))
+def test_matmul_odd_shapes(dtype, name):
+    # prime K breaks cuDNN's 16-byte alignment: a logged fallback is allowed there
+    with Fused(allow_fallback=name.startswith("prime")):
+        y, ref = mm_case(dtype, "relu", "matmul", **MM_SHAPES[name])
+    assert rel_err(y, ref) <= TOL[dtype]
+
+
+def test_linear_batched_input_and_weight_not_copied():
+    x = rnd(2, 5, 64, dtype=torch.bfloat16)
+    w = rnd(48, 64, dtype=torch.bfloat16, scale=0.1)
+    with Fused():
+        y = cf.linear(x, w)
+    assert y.shape == (2, 5, 48)
+    assert rel_err(y, F.linear(x.double(), w.double())) <= 1e-2
+
+
+def test_matmul_transposed_operands_and_vectors():
+    a = rnd(64, 32, dtype=torch.float16).t()  # [32, 64] column-major
+    b = rnd(48, 64, dtype=torch.float16).t()  # [64, 48] column-major
+    with Fused():
+        y = cf.matmul(a, b)
+    assert rel_err(y, a.double() @ b.double()) <= 1e-2
+    v = rnd(64, dtype=torch.float16)
+    assert cf.matmul(a, v).shape == (32,)
+    assert rel_err(cf.matmul(a, v), a.double() @ v.double()) <= 1e-2
+
+
+# ------------------------------------------------------------------ attention
+
+
+def sdpa_ref(q, k, v, mask=None, causal=False, scale=None, gqa=False):
+    q, k, v = q.float(), k.float(), v.float()
+    if gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    return torch.softmax(s, -1) @ v
+
+
+SDPA_CASES = {
+    "bhsd": dict(),
+    "causal": dict(causal=True),
+    "scale": dict(scale=0.3),
+    "bshd": dict(bshd=True, causal=True),
+    "gqa_32_8_s777": dict(H=32, Hkv=8, S=777, causal=True),
+    "mqa": dict(H=8, Hkv=1),
+    "d128_batch1": dict(B=1, D=128, causal=True),
+    "s_not_64": dict(S=200, Skv=333),
+    "bool_mask": dict(mask="bool"),
+    "additive_mask": dict(mask="float"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(SDPA_CASES))
+def test_sdpa(dtype, name):
+    c = dict(B=2, H=8, Hkv=None, S=256, Skv=None, D=64, causal=False, scale=None, bshd=False, mask=None)
+    c.update(SDPA_CASES[name])
+    B, H, S, D = c["B"], c["H"], c["S"], c["D"]
+    Hkv, Skv = c["Hkv"] or H, c["Skv"] or S
+
+    def make(h, s):
+        if c["bshd"]:
+            return rnd(B, s, h, D, dtype=dtype).transpose(1, 2)
+        return rnd(B, h, s, D, dtype=dtype)
+
+    q, k, v = make(H, S), make(Hkv, Skv), make(Hkv, Skv)
+    mask = None
+    if c["mask"] == "bool":
+        mask = torch.rand(B, 1, S, Skv, device="cuda") > 0.3
+        mask[..., 0] = True  # no fully masked row
+    elif c["mask"] == "float":
+        mask = rnd(B, H, S, Skv, dtype=dtype)
+    with Fused(allow_fallback=dtype == torch.float32):
+        o = cf.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=c["causal"], scale=c["scale"],
+                                            enable_gqa=Hkv != H)
+    ref = sdpa_ref(q, k, v, mask, c["causal"], c["scale"], Hkv != H)
+    assert o.shape == ref.shape
+    assert rel_err(o, ref) <= (1e-2 if dtype != torch.float32 else 1e-5)
+    if c["bshd"]:
+        assert o.transpose(1, 2).is_contiguous(), "BSHD in, BSHD out"
+
+
+def test_sdpa_3d_inputs():
+    q, k, v = (rnd(4, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+    with Fused():
+        o = cf.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert o.shape == (4, 128, 64)
+    assert rel_err(o, sdpa_ref(q, k, v, causal=True)) <= 1e-2
+
+
+# ------------------------------------------------------------------ plans, streams, outputs
+
+
+def test_second_call_builds_nothing():
+    x = rnd(8, 64, 16, 16, dtype=torch.float16).to(memory_format=torch.channels_last)
+    w = rnd(64, 64, 3, 3, dtype=torch.float16, scale=0.05).to(memory_format=torch.channels_last)
+    b = rnd(64, dtype=torch.float16)
+    plans.clear()
+    with Fused() as first:
+        cf.conv2d(x, w, b, padding=1, activation="relu")
+    with Fused() as second:
+        for _ in range(5):
+            cf.conv2d(rnd(*x.shape, dtype=x.dtype).to(memory_format=torch.channels_last), w, b, padding=1,
+                      activation="relu")
+    assert first.builds == 1
+    assert second.builds == 0
+
+
+def test_non_default_stream_is_correct():
+    a = rnd(512, 256, dtype=torch.bfloat16)
+    b = rnd(256, 384, dtype=torch.bfloat16)
+    cf.matmul(a, b, activation="relu")  # build and bind the handle to the default stream first
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(2_000_000)  # keep the side stream busy: a launch on the wrong stream would race ahead
+        a2 = a * 2
+        y = cf.matmul(a2, b, activation="relu")
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert rel_err(y, F.relu(a2.double() @ b.double())) <= 1e-2
+    # and back on the default stream
+    y0 = cf.matmul(a, b, activation="relu")
+    assert rel_err(y0, F.relu(a.double() @ b.double())) <= 1e-2
+
+
+def test_outputs_are_fresh_tensors_the_caller_can_keep():
+    x = rnd(64, 128, dtype=torch.float16)
+    w = rnd(96, 128, dtype=torch.float16, scale=0.1)
+    y1 = cf.linear(x, w, activation="relu")
+    keep = y1.clone()
+    y2 = cf.linear(rnd(64, 128, dtype=torch.float16), w, activation="relu")
+    assert y1.data_ptr() != y2.data_ptr()
+    assert torch.equal(y1, keep), "a later call overwrote an earlier output"
+    y1.add_(1)  # writable, owns its storage
+    assert y1.untyped_storage().nbytes() >= y1.numel() * y1.element_size()
+    q = rnd(2, 4, 64, 64, dtype=torch.float16)
+    o1 = cf.scaled_dot_product_attention(q, q, q)
+    o2 = cf.scaled_dot_product_attention(q * 0.5, q, q)
+    assert o1.data_ptr() != o2.data_ptr()
+
+
+def test_nan_propagates_through_fused_matmul():
+    a = rnd(64, 64, dtype=torch.float16)
+    a[3, 5] = float("nan")
+    b = rnd(64, 64, dtype=torch.float16)
+    y, amax = cf.matmul(a, b, return_amax=True)
+    assert torch.isnan(y[3]).all()
+    assert not torch.isnan(y[:3]).any()
+
+
+def test_zero_size_batch_returns_empty():
+    x = torch.empty(0, 16, 8, 8, device="cuda", dtype=torch.float16)
+    w = rnd(8, 16, 3, 3, dtype=torch.float16)
+    y, amax = cf.conv2d(x, w, padding=1, return_amax=True)
+    assert y.shape == (0, 8, 8, 8) and amax.item() == 0.0
