@@ -1,0 +1,175 @@
+"""The ``cudnn-fuse`` command line. The only module of the package that prints."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import env
+from ._version import __version__
+
+NO_GPU_DOCTOR = "no CUDA GPU: ops run their PyTorch reference"
+NO_GPU_DEMO = ("no CUDA GPU: the ops ran their PyTorch reference; "
+               "fused cuDNN graphs need an NVIDIA GPU")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status instead of exiting."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits for --version, --help and usage errors
+        return exc.code if isinstance(exc.code, int) else 1
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cudnn-fuse", description="cuDNN graph API as fused PyTorch ops.")
+    parser.add_argument("--version", action="version", version=f"cudnn-fuse {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    doctor = commands.add_parser(
+        "doctor", help="show versions, GPU and cache dir; exit 1 if something is broken")
+    doctor.set_defaults(run=_doctor)
+    demo = commands.add_parser(
+        "demo", help="run each public op against its plain torch expression")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Left-aligned columns, two spaces apart, a dashed rule under the headers."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    fp = env.fingerprint()
+    found = env.problems(fp)
+    print(f"cudnn-fuse {__version__} doctor\n")
+    print(format_table(("item", "value"), env.describe(fp)))
+    print("\nproblems:")
+    for problem in found or ["none"]:
+        print(f"  {problem}")
+    if fp["gpu_name"] is None:
+        print(f"\n{NO_GPU_DOCTOR}")
+    return 1 if found else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import cudnn_fuse as cf
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    rows = []
+    with torch.no_grad():
+        for name, shape, gpu_dtype, make in _DEMO_CASES:
+            dtype = gpu_dtype if on_gpu else torch.float32
+            torch.manual_seed(0)
+            fused, plain = make(cf, device, dtype)
+            rows.append((name, shape, f"{device.type} {_DTYPE_NAMES[dtype]}",
+                         f"{_median_ms(fused, on_gpu):.3f}", f"{_median_ms(plain, on_gpu):.3f}",
+                         f"{_rel_err(fused(), plain()):.2e}"))
+    print(format_table(("op", "shape", "device", "cf ms", "torch ms", "rel err"), rows))
+    stats = cf.plan_stats()
+    print("\nplan stats: " + ", ".join(f"{k}={stats[k]}" for k in ("builds", "hits", "fallbacks")))
+    if not on_gpu:
+        print(NO_GPU_DEMO)
+    return 0
+
+
+# Each demo case: make(cf, device, dtype) -> (fused call, plain torch call) on fresh inputs.
+# Weights are scaled by 1/sqrt(fan_in) so outputs stay O(1), far from fp16 overflow.
+
+def _randn(device, dtype, *shapes):
+    return [torch.randn(s, device=device, dtype=dtype) for s in shapes]
+
+
+def _demo_conv2d(cf, device, dtype):
+    x, w, b = _randn(device, dtype, (8, 64, 32, 32), (64, 64, 3, 3), (64,))
+    w = w / (64 * 9) ** 0.5
+    if device.type == "cuda":  # cuDNN's fast conv layout; torch gets the same tensors
+        x, w = (t.contiguous(memory_format=torch.channels_last) for t in (x, w))
+    return (lambda: cf.conv2d(x, w, b, padding=1, activation="relu"),
+            lambda: F.relu(F.conv2d(x, w, b, padding=1)))
+
+
+def _demo_linear(cf, device, dtype):
+    x, w, b = _randn(device, dtype, (256, 1024), (4096, 1024), (4096,))
+    w = w / 1024 ** 0.5
+    return (lambda: cf.linear(x, w, b, activation="gelu"),
+            lambda: F.gelu(F.linear(x, w, b)))
+
+
+def _demo_matmul(cf, device, dtype):
+    a, b = _randn(device, dtype, (8, 256, 512), (512, 256))
+    b = b / 512 ** 0.5
+
+    def plain():
+        y = torch.relu(torch.matmul(a, b))
+        return y, y.abs().amax().float()
+
+    return lambda: cf.matmul(a, b, activation="relu", return_amax=True), plain
+
+
+def _demo_sdpa(cf, device, dtype):
+    q, k, v = _randn(device, dtype, *[(2, 8, 256, 64)] * 3)
+    return (lambda: cf.scaled_dot_product_attention(q, k, v, is_causal=True),
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+_DEMO_CASES = (  # (op, shape text, dtype on the GPU, make); the CPU runs fp32
+    ("conv2d", "x 8x64x32x32, w 64x64x3x3", torch.float16, _demo_conv2d),
+    ("linear", "x 256x1024, w 4096x1024", torch.bfloat16, _demo_linear),
+    ("matmul", "8x256x512 @ 512x256", torch.bfloat16, _demo_matmul),
+    ("scaled_dot_product_attention", "q,k,v 2x8x256x64", torch.bfloat16, _demo_sdpa),
+)
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _rel_err(got, want) -> float:
+    """Max |got - want| over max |want|, in fp32; the worst over paired outputs (y, amax)."""
+    if not isinstance(want, tuple):
+        got, want = (got,), (want,)
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        g, w = g.float(), w.float()
+        scale = w.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+        worst = max(worst, ((g - w).abs().max() / scale).item())
+    return worst
+
+
+def _median_ms(fn: Callable[[], object], on_gpu: bool) -> float:
+    """Median milliseconds per call: CUDA events (10 warm-up, 50 timed) or perf_counter (5)."""
+    if not on_gpu:
+        fn()  # the first call pays one-time costs (lazy imports, the fallback warning)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    for _ in range(10):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(50)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
