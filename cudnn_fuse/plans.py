@@ -8,16 +8,16 @@ current stream with a workspace from torch's caching allocator.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from .builders import build_graph, uids_of
+from .builders import uids_of
 from .errors import UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,11 @@ class _Stats:
     misses: int = 0
     evictions: int = 0
     fallbacks: int = 0
+    loads: int = 0
+    rebuilds: int = 0
     build_seconds: float = 0.0
+    load_seconds: float = 0.0
+    autotune_seconds: float = 0.0
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -84,22 +88,34 @@ def _is_decline(exc: BaseException) -> bool:
     return isinstance(exc, (cudnn.cudnnGraphNotSupportedError, NotImplementedError, ValueError, RuntimeError))
 
 
-def finalize(g, spec) -> None:
-    """validate -> operation graph -> heuristics (A, then FALLBACK) -> support -> build.
+def prepare(g, spec) -> None:
+    """validate -> operation graph -> ranked candidates (heuristics A, then FALLBACK).
 
     Raises UnsupportedError when cuDNN declines the graph.
     """
     import cudnn
 
-    try:
+    with _declines_as_unsupported(spec):
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         if spec.dtype == "float32" and not getattr(spec, "allow_tf32", False):
             # true fp32: keep engines that do not round through TF32 tensor cores
             g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
+
+
+def finalize(g, spec) -> None:
+    """prepare, then build the first candidate that builds (heuristic choice)."""
+    prepare(g, spec)
+    with _declines_as_unsupported(spec):
         g.check_support()
         g.build_plans()
+
+
+@contextlib.contextmanager
+def _declines_as_unsupported(spec):
+    try:
+        yield
     except Exception as exc:  # noqa: BLE001 - cuDNN raises several types for "cannot"
         if not _is_decline(exc):
             raise
@@ -116,15 +132,17 @@ def _engine_name(g) -> str:
 class Plan:
     """A built graph with its fixed uids and workspace size, bound to a device."""
 
-    __slots__ = ("spec", "graph", "uids", "workspace_size", "device", "engine", "_handle")
+    __slots__ = ("spec", "graph", "uids", "workspace_size", "device", "engine", "_handle", "_ordered")
 
-    def __init__(self, spec, graph, device: int):
+    def __init__(self, spec, graph, device: int, engine: str | None = None):
         self.spec = spec
         self.graph = graph
         self.uids = uids_of(spec)
         self.workspace_size = int(graph.get_workspace_size())
         self.device = device
-        self.engine = _engine_name(graph)
+        # a deserialized graph has no IR of its operands: it is fed {uid: tensor}
+        self._ordered = engine is None
+        self.engine = engine if engine is not None else _engine_name(graph)
         self._handle = handle_for(device)
 
     def run(self, buffers) -> None:
@@ -141,26 +159,10 @@ class Plan:
 
                 cudnn.set_stream(handle=h.handle, stream=stream)
                 h.stream = stream
-            self.graph.execute(buffers, ws, handle=h.handle, tensor_uids=self.uids)
-
-
-def build_plan(spec, device: int) -> Plan:
-    """Build ``spec`` for ``device`` with heuristics (no cache, no LRU)."""
-    t0 = time.perf_counter()
-    try:
-        with torch.cuda.device(device):
-            h = handle_for(device)
-            g = build_graph(spec, h.handle)
-            finalize(g, spec)
-            plan = Plan(spec, g, device)
-    except UnsupportedError:
-        STATS.build_failures += 1
-        raise
-    STATS.builds += 1
-    STATS.build_seconds += time.perf_counter() - t0
-    log.debug("built %s plan %s (%s) on cuda:%d in %.1f ms", spec.op, spec.digest()[:12], plan.engine, device,
-              1e3 * (time.perf_counter() - t0))
-    return plan
+            if self._ordered:
+                self.graph.execute(buffers, ws, handle=h.handle, tensor_uids=self.uids)
+            else:
+                self.graph.execute(dict(zip(self.uids, buffers)), ws, handle=h.handle)
 
 
 # ---------------------------------------------------------------- LRU
@@ -175,7 +177,7 @@ class PlanLRU:
     Each key is built once even when threads race for it (a per-key lock).
     """
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, builder=build_plan):
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, builder=None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
@@ -222,7 +224,7 @@ class PlanLRU:
                 if item is None:
                     STATS.misses += 1
                     try:
-                        item = self._builder(spec, device)
+                        item = (self._builder or _load_or_build)(spec, device)
                     except UnsupportedError as exc:
                         item = exc
                     self._store(key, item)
@@ -233,6 +235,12 @@ class PlanLRU:
         if isinstance(item, UnsupportedError):
             raise item
         return item
+
+
+def _load_or_build(spec, device: int):
+    from .loader import load_or_build  # the load order (disk cache, rebuild, build) lives there
+
+    return load_or_build(spec, device)
 
 
 _LRU = PlanLRU()

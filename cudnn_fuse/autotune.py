@@ -1,0 +1,322 @@
+"""Autotuning: time every candidate engine of a graph and keep the fastest.
+
+The selection logic (``select``) is pure Python over injected timing functions,
+so it is tested on the CPU with fake timings (the Triton autotuner's habit).
+``tune`` wires it to a real cuDNN graph on the GPU: build all candidates, one
+run each with pruning, CUDA-event medians for the survivors, a time budget, a
+workspace cap and a determinism filter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+from .errors import UnsupportedError
+
+log = logging.getLogger(__name__)
+
+INF = float("inf")
+
+_enabled: Optional[bool] = None
+
+
+def set_autotune(enabled: bool) -> None:
+    """Turn autotuning of new plans on or off for this process (default: $CUDNN_FUSE_AUTOTUNE)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def autotune_enabled() -> bool:
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get("CUDNN_FUSE_AUTOTUNE", "0").lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class Config:
+    """Autotune limits (env overrides: CUDNN_FUSE_TUNE_BUDGET_S, CUDNN_FUSE_WORKSPACE_CAP)."""
+
+    budget_s: float = float(os.environ.get("CUDNN_FUSE_TUNE_BUDGET_S", "10"))
+    prune_factor: float = 2.0
+    workspace_cap: int = int(os.environ.get("CUDNN_FUSE_WORKSPACE_CAP", str(1 << 30)))
+    warmup: int = 3
+    repeats: int = 20
+    deterministic: Optional[bool] = None  # None: torch.are_deterministic_algorithms_enabled()
+
+
+@dataclass
+class Candidate:
+    index: int
+    engine_id: Optional[int] = None
+    knobs: dict = field(default_factory=dict)  # knob name -> int
+    name: str = ""
+    workspace: int = 0
+    deterministic: bool = True
+
+
+@dataclass
+class Timing:
+    index: int
+    name: str
+    engine_id: Optional[int]
+    knobs: dict
+    workspace: int
+    first_ms: float = INF
+    median_ms: float = INF
+    status: str = "pending"  # timed | pruned | failed | skipped:<why> | budget
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("first_ms", "median_ms"):
+            d[k] = None if not math.isfinite(d[k]) else round(d[k], 6)
+        return d
+
+
+class SkipCandidate(Exception):
+    """Raised by a timing function for a candidate that must not run (e.g. its
+    workspace, known only once built, is over the cap)."""
+
+
+def _safe(fn, c) -> tuple[float, Optional[str]]:
+    """Run a timing function; a failure scores inf instead of raising."""
+    try:
+        t = float(fn(c))
+        return (t if t == t else INF), None  # NaN counts as failure
+    except SkipCandidate:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any candidate failure is a score, not an error
+        return INF, f"{type(exc).__name__}: {exc}"
+
+
+def select(
+    candidates: Sequence[Candidate],
+    run_once: Callable[[Candidate], float],
+    time_candidate: Callable[[Candidate], float],
+    cfg: Config,
+    deterministic: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[Timing, list[Timing]]:
+    """Pick the fastest candidate.
+
+    1. skip candidates over the workspace cap, and non-deterministic ones when
+       ``deterministic``;
+    2. run each once (``run_once`` -> ms); drop those over ``prune_factor`` x
+       the best first run so far;
+    3. time the survivors (``time_candidate`` -> median ms);
+    4. stop starting new candidates once ``cfg.budget_s`` is spent.
+
+    Returns (winner, every candidate's Timing). Raises UnsupportedError when no
+    candidate produced a finite time.
+    """
+    t0 = clock()
+    timings = [Timing(c.index, c.name, c.engine_id, c.knobs, c.workspace) for c in candidates]
+    live: list[tuple[Candidate, Timing]] = []
+    best_first = INF
+    for c, t in zip(candidates, timings):
+        if c.workspace > cfg.workspace_cap:
+            t.status = f"skipped:workspace {c.workspace} > cap {cfg.workspace_cap}"
+            continue
+        if deterministic and not c.deterministic:
+            t.status = "skipped:nondeterministic"
+            continue
+        if clock() - t0 > cfg.budget_s:
+            t.status = "budget"
+            continue
+        try:
+            t.first_ms, err = _safe(run_once, c)
+        except SkipCandidate as why:
+            t.status = f"skipped:{why}"
+            continue
+        t.workspace = c.workspace  # known once built
+        if err is not None or not math.isfinite(t.first_ms):
+            t.status = "failed" + (f":{err}" if err else "")
+            continue
+        if t.first_ms > cfg.prune_factor * best_first:
+            t.status = "pruned"
+            continue
+        best_first = min(best_first, t.first_ms)
+        live.append((c, t))
+    for c, t in live:
+        # a candidate that lost by > prune_factor to a LATER first run is pruned too
+        if t.first_ms > cfg.prune_factor * best_first:
+            t.status = "pruned"
+            continue
+        if clock() - t0 > cfg.budget_s:
+            t.status = "budget"
+            continue
+        t.median_ms, err = _safe(time_candidate, c)
+        t.status = "timed" if err is None and math.isfinite(t.median_ms) else "failed" + (f":{err}" if err else "")
+    timed = [t for t in timings if t.status == "timed"]
+    if not timed:
+        # budget ran out before any full timing: fall back to the best single run
+        firsts = [t for t in timings if math.isfinite(t.first_ms) and t.status in ("budget", "pruned", "timed")]
+        if not firsts:
+            raise UnsupportedError("autotune: no candidate ran (" + ", ".join(sorted({t.status for t in timings})) + ")")
+        winner = min(firsts, key=lambda t: t.first_ms)
+        winner.median_ms = winner.first_ms
+        return winner, timings
+    return min(timed, key=lambda t: t.median_ms), timings
+
+
+# ----------------------------------------------------------------------------- GPU side
+
+
+def knobs_to_json(knobs: dict) -> dict:
+    return {getattr(k, "name", str(k)): int(v) for k, v in (knobs or {}).items()}
+
+
+def knobs_from_json(knobs: dict) -> dict:
+    import cudnn
+
+    return {getattr(cudnn.knob_type, k): int(v) for k, v in (knobs or {}).items()}
+
+
+def _event_ms(fn, iters: int) -> list[float]:
+    import torch
+
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def random_buffers(spec, roles, device: int, sets: int = 1):
+    """Fresh random operands for ``spec`` (never zeros), ``sets`` copies for L2 rotation."""
+    import torch
+
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    geo = _geometry(spec)
+    out = []
+    for _ in range(sets):
+        bufs = []
+        for r in roles:
+            shape, stride, dtype = geo[r]
+            t = torch.empty_strided(shape, stride, dtype=dt[dtype], device=torch.device("cuda", device))
+            if r not in ("y", "o", "amax"):
+                t.normal_(0, 0.5 if r != "bias" else 1.0)
+            bufs.append(t)
+        out.append(bufs)
+    return out
+
+
+def _geometry(spec) -> dict:
+    from .spec import ConvSpec, SdpaSpec
+
+    g = {}
+    if isinstance(spec, SdpaSpec):
+        for r in ("q", "k", "v", "o", "bias"):
+            t = getattr(spec, r)
+            if t is not None:
+                g[r] = (t.shape, t.stride, t.dtype)
+        return g
+    main = ("x", "w") if isinstance(spec, ConvSpec) else ("a", "b")
+    for r in main + ("y",):
+        t = getattr(spec, r)
+        g[r] = (t.shape, t.stride, t.dtype)
+    e = spec.epilogue
+    for r in ("bias", "residual"):
+        t = getattr(e, r)
+        if t is not None:
+            g[r] = (t.shape, t.stride, t.dtype)
+    ones = (1,) * len(spec.y.shape)
+    g["amax"] = (ones, ones, "float32")
+    return g
+
+
+def _working_set_bytes(bufs) -> int:
+    return sum(t.untyped_storage().nbytes() for t in bufs)
+
+
+def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None) -> tuple[int, Timing, list[Timing]]:
+    """Build and time the candidate plans of the operation graph ``g``.
+
+    ``g`` must have run ``plans.prepare`` (validate, operation graph, candidates).
+    Returns (winner index, winner timing, all timings); the winner is built
+    and selected on ``g`` (``g.serialize()`` then stores it).
+    """
+    import cudnn
+    import torch
+
+    cfg = cfg or Config()
+    deterministic = cfg.deterministic if cfg.deterministic is not None else torch.are_deterministic_algorithms_enabled()
+    if deterministic:
+        g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
+    # Candidates are built lazily inside the budget: building all of them up front
+    # took 11 s for one matmul (CUDNN_NOTES).
+    candidates = []
+    for i in range(g.get_execution_plan_count()):
+        c = Candidate(index=i, deterministic=not _has_note(g, i, "NONDETERMINISTIC"))
+        try:
+            c.name = str(g.get_plan_name_at_index(i))
+            eid, knobs = g.get_engine_and_knobs_at_index(i)
+            c.engine_id, c.knobs = int(eid), knobs_to_json(knobs)
+        except Exception as exc:  # noqa: BLE001 - a candidate we cannot describe is still timed
+            c.name = c.name or f"plan{i}"
+            log.debug("autotune: candidate %d has no engine record: %s", i, exc)
+        candidates.append(c)
+    built: set = set()
+
+    sets = random_buffers(spec, roles, device, 1)
+    ws_bytes = _working_set_bytes(sets[0])
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    if ws_bytes < 2 * l2:  # small working set: rotate input sets so timings don't measure L2
+        sets += random_buffers(spec, roles, device, min(7, (2 * l2) // max(ws_bytes, 1)))
+    h = handle
+    stream = torch.cuda.current_stream(device).cuda_stream
+    cudnn.set_stream(handle=h, stream=stream)
+    workspaces = {}
+
+    def build(c: Candidate) -> None:
+        if c.index in built:
+            return
+        g.build_plan_at_index(c.index)
+        c.workspace = int(g.get_workspace_size_plan_at_index(c.index))
+        built.add(c.index)
+        if c.workspace > cfg.workspace_cap:
+            raise SkipCandidate(f"workspace {c.workspace} > cap {cfg.workspace_cap}")
+
+    def launch(c: Candidate, k: int):
+        ws = workspaces.get(c.index)
+        if ws is None and c.workspace:
+            ws = workspaces[c.index] = torch.empty(c.workspace, dtype=torch.uint8, device=torch.device("cuda", device))
+        g.execute_plan_at_index(sets[k % len(sets)], ws, index=c.index, handle=h, tensor_uids=uids)
+
+    def run_once(c: Candidate) -> float:
+        build(c)
+        launch(c, 0)
+        torch.cuda.synchronize()
+        return _event_ms(lambda: launch(c, 1), 1)[0]
+
+    def time_candidate(c: Candidate) -> float:
+        counter = iter(range(10**9))
+        for _ in range(cfg.warmup):
+            launch(c, next(counter))
+        return statistics.median(_event_ms(lambda: launch(c, next(counter)), cfg.repeats))
+
+    try:
+        winner, timings = select(candidates, run_once, time_candidate, cfg, deterministic)
+    finally:
+        workspaces.clear()
+    g.build_plan_at_index(winner.index)
+    log.info("autotune %s: %d candidates, winner %s %.4f ms", spec.op, len(candidates), winner.name, winner.median_ms)
+    return winner.index, winner, timings
+
+
+def _has_note(g, index: int, note: str) -> bool:
+    import cudnn
+
+    try:  # private in cudnn-frontend 1.32 (pinned); the public deselect filter backs it up
+        notes = g._notes_of(g._plans[index], "numerical")
+    except Exception:  # noqa: BLE001
+        return False
+    want = getattr(cudnn.numerical_note, note)
+    return any(n == want for n in notes)

@@ -1,0 +1,71 @@
+"""CUDA graph capture of code that calls cudnn_fuse ops (or anything capturable).
+
+``capture(fn, *example_inputs)`` warms ``fn`` up on a side stream (so every plan
+is built, and every lazy initialisation done, before capture), captures one
+call into a CUDA graph over static copies of the inputs, and returns a callable
+that copies new inputs into those static buffers and replays the graph.
+Plan.run binds the cuDNN handle to torch's current stream, which under
+``torch.cuda.graph`` is the capture stream, so the executes are recorded there.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CapturedGraph:
+    """A replayable CUDA graph of ``fn`` over static input buffers.
+
+    Calling it with tensors of the example inputs' shapes and dtypes copies them
+    into the static inputs, replays, and returns the static outputs: the same
+    tensors every time, overwritten by the next replay (clone what you keep).
+    """
+
+    def __init__(self, fn, example_inputs, warmup: int = 3, pool=None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("capture: CUDA graphs need a CUDA GPU")
+        self.fn = fn
+        self.static_inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        for i, x in enumerate(self.static_inputs):
+            if isinstance(x, torch.Tensor) and not x.is_cuda:
+                raise ValueError(f"capture: example input {i} is on {x.device}; CUDA graphs need CUDA tensors")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(1, warmup)):
+                fn(*self.static_inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.static_outputs = fn(*self.static_inputs)
+
+    def __call__(self, *inputs):
+        if len(inputs) != len(self.static_inputs):
+            raise ValueError(f"captured graph takes {len(self.static_inputs)} inputs, got {len(inputs)}")
+        for i, (static, new) in enumerate(zip(self.static_inputs, inputs)):
+            if not isinstance(static, torch.Tensor):
+                if new is not static and new != static:
+                    raise ValueError(f"captured graph: non-tensor input {i} changed ({static!r} -> {new!r}); capture again")
+                continue
+            if new is static:
+                continue
+            if not isinstance(new, torch.Tensor) or new.shape != static.shape or new.dtype != static.dtype:
+                raise ValueError(f"captured graph: input {i} must be a tensor of shape {tuple(static.shape)} and dtype "
+                                 f"{static.dtype}, got {getattr(new, 'shape', type(new).__name__)}")
+            static.copy_(new)
+        self.graph.replay()
+        return self.static_outputs
+
+    def replay(self):
+        """Replay with whatever the static inputs hold now."""
+        self.graph.replay()
+        return self.static_outputs
+
+
+def capture(fn, *example_inputs, warmup: int = 3) -> CapturedGraph:
+    """Capture ``fn(*example_inputs)`` into one CUDA graph; returns a replaying callable."""
+    return CapturedGraph(fn, example_inputs, warmup=warmup)

@@ -1,0 +1,224 @@
+"""The load order behind ``plans.get_plan`` on an in-memory miss:
+
+    disk cache (verified blob -> deserialize)
+      -> rebuild the recorded engine + knobs (create_execution_plan), no re-tuning
+      -> full build: heuristics, or autotune when enabled (then stored on disk)
+
+Any cache fault is a miss plus one warning (the cache logs it); a blob that
+deserializes badly is dropped and rebuilt from its engine record. Across
+processes, one process tunes a key while the others wait (bounded) for its
+result or go on with the heuristic plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import logging
+import os
+import socket
+import time
+
+import torch
+
+from . import autotune
+from .builders import build_graph, roles_of, uids_of
+from .errors import UnsupportedError
+from .plans import STATS, Plan, finalize, handle_for, prepare
+
+log = logging.getLogger(__name__)
+
+ENGINE_RECORD_SUFFIX = ".engine"  # second, tiny entry: survives a corrupt blob entry
+TUNE_WAIT_S = float(os.environ.get("CUDNN_FUSE_TUNE_WAIT_S", "60"))
+
+_warned: set = set()
+
+
+def _warn_once(kind: str, msg: str, *args) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        log.warning(msg, *args)
+
+
+def _cache():
+    from .cache import open_default_cache
+
+    return open_default_cache()
+
+
+def load_or_build(spec, device: int) -> Plan:
+    """The plan of ``spec`` on ``device`` from the disk cache, else built (and stored)."""
+    t0 = time.perf_counter()
+    tuning = autotune.autotune_enabled()
+    pc = _cache()
+    digest = spec.digest()
+    with torch.cuda.device(device):
+        if pc is not None:
+            plan = _from_cache(pc, spec, digest, device, want_tuned=tuning)
+            if plan is not None:
+                STATS.loads += 1
+                STATS.load_seconds += time.perf_counter() - t0
+                return plan
+        if tuning and pc is not None:
+            with _tune_lock(pc, digest) as got_lock:
+                if not got_lock:  # another process tuned it meanwhile, or is still tuning
+                    plan = _from_cache(pc, spec, digest, device, want_tuned=False)
+                    if plan is not None:
+                        STATS.loads += 1
+                        return plan
+                    # the holder is still tuning: run heuristics now, leave the entry to it
+                    return _build_and_store(None, spec, digest, device, False, t0)
+                return _build_and_store(pc, spec, digest, device, tuning, t0)
+        return _build_and_store(pc, spec, digest, device, tuning, t0)
+
+
+# ------------------------------------------------------------------ from the cache
+
+
+def _from_cache(pc, spec, digest, device, want_tuned: bool):
+    entry = pc.get(digest)
+    if entry is not None and want_tuned and not entry.meta.get("tuned"):
+        return None  # a heuristic entry is upgraded once tuned
+    if entry is not None:
+        plan = _deserialize(spec, entry, device)
+        if plan is not None:
+            return plan
+        pc.delete(digest)
+    record = pc.get(digest + ENGINE_RECORD_SUFFIX)
+    meta = entry.meta if entry is not None else (record.meta if record is not None else None)
+    if meta is None or meta.get("engine_id") is None or (want_tuned and not meta.get("tuned")):
+        return None
+    try:
+        plan = rebuild(spec, meta["engine_id"], meta.get("knobs", {}), device)
+    except Exception as exc:  # noqa: BLE001 - a stale record is a miss
+        _warn_once("rebuild", "cudnn_fuse cache: could not rebuild engine %s for %s (%s); building anew",
+                   meta.get("engine_id"), spec.op, exc)
+        return None
+    blob = plan.graph.serialize(as_bytes=True)
+    pc.put(digest, meta, blob, pinned=bool(meta.get("pinned")))
+    return plan
+
+
+def _deserialize(spec, entry, device):
+    import cudnn
+
+    h = handle_for(device)
+    try:
+        g = cudnn.pygraph(handle=h.handle)
+        g.deserialize(h.handle, entry.blob)
+        plan = Plan(spec, g, device, engine=entry.meta.get("engine_name", "?"))
+    except Exception as exc:  # noqa: BLE001 - a verified blob can still be nonsense to cuDNN
+        _warn_once("deserialize", "cudnn_fuse cache: entry %s did not deserialize (%s: %s); rebuilding it",
+                   entry.key[:12], type(exc).__name__, exc)
+        return None
+    return plan
+
+
+def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
+    """Build exactly the recorded engine + knobs (no heuristics, no tuning)."""
+    h = handle_for(device)
+    g = build_graph(spec, h.handle)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plan(int(engine_id), autotune.knobs_from_json(knobs))
+    g.build_plan_at_index(g.get_execution_plan_count() - 1)
+    STATS.rebuilds += 1
+    return Plan(spec, g, device)
+
+
+# ------------------------------------------------------------------ building
+
+
+def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
+    h = handle_for(device)
+    g = build_graph(spec, h.handle)
+    candidates = []
+    try:
+        if tuning:
+            prepare(g, spec)
+            tt = time.perf_counter()
+            try:
+                _, winner, timings = autotune.tune(g, spec, h.handle, device, uids_of(spec), roles_of(spec))
+            except UnsupportedError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise UnsupportedError(f"autotune of {spec.op} failed: {type(exc).__name__}: {exc}") from exc
+            STATS.autotune_seconds += time.perf_counter() - tt
+            h.stream = None  # tune() bound the handle to the current stream itself
+            candidates = [t.to_dict() for t in timings]
+        else:
+            finalize(g, spec)
+        plan = Plan(spec, g, device)
+    except UnsupportedError:
+        STATS.build_failures += 1
+        raise
+    STATS.builds += 1
+    build_s = time.perf_counter() - t0
+    STATS.build_seconds += build_s
+    log.debug("built %s plan %s (%s, %s) on cuda:%d in %.1f ms", spec.op, digest[:12], plan.engine,
+              "tuned" if tuning else "heuristic", device, 1e3 * build_s)
+    if pc is not None:
+        _store(pc, spec, digest, plan, tuning, candidates, build_s)
+    return plan
+
+
+def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float) -> None:
+    try:
+        engine_id, knobs = plan.graph.get_engine_and_knobs_at_index(plan.graph._plan_index)
+        blob = plan.graph.serialize(as_bytes=True)
+    except Exception as exc:  # noqa: BLE001 - not serializable: memory only
+        _warn_once("serialize", "cudnn_fuse cache: %s plan not serializable (%s); kept in memory only", spec.op, exc)
+        return
+    meta = {
+        "spec": spec.to_dict(),
+        "op": spec.op,
+        "engine_id": int(engine_id),
+        "knobs": autotune.knobs_to_json(knobs),
+        "engine_name": plan.engine,
+        "workspace": plan.workspace_size,
+        "tuned": tuned,
+        "candidates": candidates,
+        "build_ms": round(1e3 * build_s, 3),
+        "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "device_name": torch.cuda.get_device_name(plan.device),
+    }
+    pc.put(digest, meta, blob)
+    record = {k: meta[k] for k in ("op", "engine_id", "knobs", "engine_name", "workspace", "tuned", "tuned_at")}
+    record["kind"] = "engine-record"
+    pc.put(digest + ENGINE_RECORD_SUFFIX, record, b"")
+
+
+@contextlib.contextmanager
+def _tune_lock(pc, digest: str):
+    """Yield True when this process holds the tune lock of ``digest``; False when
+    another process held it for longer than TUNE_WAIT_S (or locking failed)."""
+    path = None
+    try:
+        lock_dir = os.path.join(str(pc.directory), "locks")
+        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+        path = os.path.join(lock_dir, digest + ".lock")
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as exc:
+        _warn_once("lock", "cudnn_fuse cache: no tune lock (%s); tuning without one", exc)
+        yield True
+        return
+    try:
+        deadline = time.monotonic() + TUNE_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
+        waited = pc.get(digest)  # tuned by the holder we waited for?
+        if waited is not None and waited.meta.get("tuned"):
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the flock; a killed holder's lock dies with it
