@@ -1,0 +1,172 @@
+"""The autotuner's selection logic with injected timings (no GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cudnn_fuse import autotune
+from cudnn_fuse.autotune import Candidate, Config, SkipCandidate, select
+from cudnn_fuse.errors import UnsupportedError
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def fake(first: dict, median: dict, clock=None, cost=0.0, calls=None):
+    """Timing functions reading per-index tables; a value that is an exception is raised."""
+
+    def run_once(c):
+        if calls is not None:
+            calls.append(("once", c.index))
+        if clock is not None:
+            clock.t += cost
+        v = first[c.index]
+        if isinstance(v, BaseException):
+            raise v
+        return v
+
+    def time_candidate(c):
+        if calls is not None:
+            calls.append(("time", c.index))
+        if clock is not None:
+            clock.t += cost
+        v = median[c.index]
+        if isinstance(v, BaseException):
+            raise v
+        return v
+
+    return run_once, time_candidate
+
+
+def cands(n, **kw):
+    return [Candidate(index=i, name=f"eng{i}", **kw) for i in range(n)]
+
+
+def test_picks_the_fastest_median_not_the_fastest_first_run():
+    run_once, time_c = fake({0: 1.0, 1: 1.1, 2: 1.2}, {0: 1.0, 1: 0.8, 2: 0.95})
+    winner, timings = select(cands(3), run_once, time_c, Config())
+    assert winner.index == 1
+    assert [t.status for t in timings] == ["timed"] * 3
+    assert winner.median_ms == 0.8
+
+
+def test_prunes_candidates_over_twice_the_best_first_run():
+    calls = []
+    run_once, time_c = fake({0: 1.0, 1: 2.5, 2: 120.0, 3: 1.5}, {0: 1.0, 1: 0.1, 2: 0.1, 3: 1.4}, calls=calls)
+    winner, timings = select(cands(4), run_once, time_c, Config())
+    status = {t.index: t.status for t in timings}
+    assert status == {0: "timed", 1: "pruned", 2: "pruned", 3: "timed"}
+    assert ("time", 1) not in calls and ("time", 2) not in calls  # never timed in full
+    assert winner.index == 0
+
+
+def test_a_later_fast_first_run_prunes_earlier_survivors():
+    run_once, time_c = fake({0: 5.0, 1: 1.0}, {0: 0.5, 1: 1.0})
+    winner, timings = select(cands(2), run_once, time_c, Config())
+    assert timings[0].status == "pruned"
+    assert winner.index == 1
+
+
+def test_failures_score_inf_and_do_not_raise():
+    run_once, time_c = fake({0: RuntimeError("launch failed"), 1: 2.0, 2: 2.1},
+                            {1: ValueError("bad"), 2: 2.0})
+    winner, timings = select(cands(3), run_once, time_c, Config())
+    assert timings[0].status.startswith("failed:RuntimeError")
+    assert math.isinf(timings[0].first_ms)
+    assert timings[1].status.startswith("failed:ValueError") and math.isinf(timings[1].median_ms)
+    assert winner.index == 2
+
+
+def test_nan_timing_counts_as_failure():
+    run_once, time_c = fake({0: float("nan"), 1: 3.0}, {1: 3.0})
+    winner, timings = select(cands(2), run_once, time_c, Config())
+    assert timings[0].status == "failed" and winner.index == 1
+
+
+def test_all_failing_raises_unsupported():
+    run_once, time_c = fake({0: RuntimeError("x"), 1: RuntimeError("y")}, {})
+    with pytest.raises(UnsupportedError, match="no candidate ran"):
+        select(cands(2), run_once, time_c, Config())
+
+
+def test_budget_stops_starting_new_candidates():
+    clock = FakeClock()
+    calls = []
+    run_once, time_c = fake({i: 1.0 for i in range(10)}, {i: 1.0 - i / 100 for i in range(10)}, clock, cost=1.0,
+                            calls=calls)
+    winner, timings = select(cands(10), run_once, time_c, Config(budget_s=3.5), clock=clock)
+    started = {i for kind, i in calls if kind == "once"}
+    assert started == {0, 1, 2, 3}  # 4 s of first runs, then the budget is spent
+    assert all(t.status == "budget" for t in timings if t.index not in started)
+    # the budget is spent before any full timing: the best single run wins
+    assert winner.index in started
+
+
+def test_budget_leaves_time_for_full_timing_when_it_can():
+    clock = FakeClock()
+    run_once, time_c = fake({0: 1.0, 1: 1.0}, {0: 0.9, 1: 0.7}, clock, cost=1.0)
+    winner, timings = select(cands(2), run_once, time_c, Config(budget_s=100), clock=clock)
+    assert winner.index == 1 and winner.status == "timed"
+
+
+def test_workspace_cap_skips_candidates_known_up_front_and_at_build():
+    cs = cands(3)
+    cs[0].workspace = 10 << 20
+
+    def run_once(c):
+        if c.index == 1:
+            raise SkipCandidate("workspace 2 > cap 1")
+        return 1.0
+
+    winner, timings = select(cs, run_once, lambda c: 1.0, Config(workspace_cap=1 << 20))
+    assert timings[0].status.startswith("skipped:workspace")
+    assert timings[1].status == "skipped:workspace 2 > cap 1"
+    assert winner.index == 2
+
+
+def test_determinism_filter():
+    cs = cands(3)
+    cs[0].deterministic = False
+    run_once, time_c = fake({0: 0.5, 1: 1.0, 2: 1.1}, {0: 0.4, 1: 1.0, 2: 0.9})
+    winner, timings = select(cs, run_once, time_c, Config(), deterministic=True)
+    assert timings[0].status == "skipped:nondeterministic"
+    assert winner.index == 2
+    winner, _ = select(cs, run_once, time_c, Config(), deterministic=False)
+    assert winner.index == 0
+
+
+def test_every_candidate_timing_is_recorded_as_json():
+    run_once, time_c = fake({0: 1.0, 1: 9.0}, {0: 1.0})
+    _, timings = select(cands(2), run_once, time_c, Config())
+    rows = [t.to_dict() for t in timings]
+    assert rows[0]["median_ms"] == 1.0 and rows[1]["median_ms"] is None and rows[1]["first_ms"] == 9.0
+    assert {"index", "name", "engine_id", "knobs", "workspace", "status"} <= set(rows[0])
+
+
+def test_set_autotune_and_env(monkeypatch):
+    monkeypatch.setattr(autotune, "_enabled", None)
+    monkeypatch.setenv("CUDNN_FUSE_AUTOTUNE", "1")
+    assert autotune.autotune_enabled()
+    monkeypatch.setenv("CUDNN_FUSE_AUTOTUNE", "0")
+    assert not autotune.autotune_enabled()
+    autotune.set_autotune(True)
+    assert autotune.autotune_enabled()
+    autotune.set_autotune(False)
+    monkeypatch.setenv("CUDNN_FUSE_AUTOTUNE", "1")
+    assert not autotune.autotune_enabled()  # the explicit call wins over the environment
+
+
+def test_knobs_round_trip_through_json():
+    import cudnn
+
+    knobs = {cudnn.knob_type.KERNEL_CFG: 4, cudnn.knob_type.MMA_TILE_M: 2}
+    as_json = autotune.knobs_to_json(knobs)
+    assert as_json == {"KERNEL_CFG": 4, "MMA_TILE_M": 2}
+    assert autotune.knobs_from_json(as_json) == knobs
