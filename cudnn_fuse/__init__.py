@@ -7,9 +7,28 @@
 """
 
 from ._version import __version__
+from .autotune import set_autotune
 from .errors import UnsupportedError
+from .graphs import capture
 from .ops import conv2d, linear, matmul, scaled_dot_product_attention
 from .plans import plan_stats
+
+
+def cache_stats() -> dict:
+    """Plan counters of this process (builds, loads, hits, autotune seconds, ...) and,
+    under "disk", the persistent cache's (entries, bytes, hit rate, ...) or None."""
+    from .cache import open_default_cache
+
+    pc = open_default_cache()
+    return {**plan_stats(), "disk": pc.stats() if pc is not None else None}
+
+
+def __getattr__(name):
+    if name == "PlanCache":  # imported lazily: diskcache is not needed until a plan is stored
+        from .cache import PlanCache
+
+        return PlanCache
+    raise AttributeError(f"module 'cudnn_fuse' has no attribute {name!r}")
 
 __all__ = [
     "__version__",
@@ -18,5 +37,9 @@ __all__ = [
     "matmul",
     "scaled_dot_product_attention",
     "plan_stats",
+    "cache_stats",
+    "capture",
+    "set_autotune",
+    "PlanCache",
     "UnsupportedError",
 ]

@@ -48,6 +48,10 @@ class Config:
     warmup: int = 3
     repeats: int = 20
     deterministic: Optional[bool] = None  # None: torch.are_deterministic_algorithms_enabled()
+    progress: Optional[Callable[[int, int], None]] = None  # (candidates done, total), e.g. a CLI bar
+
+
+DEFAULT_CONFIG = Config()
 
 
 @dataclass
@@ -118,7 +122,14 @@ def select(
     timings = [Timing(c.index, c.name, c.engine_id, c.knobs, c.workspace) for c in candidates]
     live: list[tuple[Candidate, Timing]] = []
     best_first = INF
-    for c, t in zip(candidates, timings):
+    total = len(candidates)
+
+    def report(done: int) -> None:
+        if cfg.progress is not None:
+            cfg.progress(done, total)
+
+    for n, (c, t) in enumerate(zip(candidates, timings)):
+        report(n)
         if c.workspace > cfg.workspace_cap:
             t.status = f"skipped:workspace {c.workspace} > cap {cfg.workspace_cap}"
             continue
@@ -152,6 +163,7 @@ def select(
             continue
         t.median_ms, err = _safe(time_candidate, c)
         t.status = "timed" if err is None and math.isfinite(t.median_ms) else "failed" + (f":{err}" if err else "")
+    report(total)
     timed = [t for t in timings if t.status == "timed"]
     if not timed:
         # budget ran out before any full timing: fall back to the best single run
@@ -246,7 +258,7 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     import cudnn
     import torch
 
-    cfg = cfg or Config()
+    cfg = cfg or DEFAULT_CONFIG
     deterministic = cfg.deterministic if cfg.deterministic is not None else torch.are_deterministic_algorithms_enabled()
     if deterministic:
         g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])

@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="run each public op against its plain torch expression")
     demo.set_defaults(run=_demo)
+    from . import cli_autotune
+
+    cli_autotune.add_command(commands)
     return parser
 
 

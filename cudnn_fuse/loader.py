@@ -133,7 +133,7 @@ def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
 def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     h = handle_for(device)
     g = build_graph(spec, h.handle)
-    candidates = []
+    candidates, winner_index = [], None
     try:
         if tuning:
             prepare(g, spec)
@@ -147,6 +147,7 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
             STATS.autotune_seconds += time.perf_counter() - tt
             h.stream = None  # tune() bound the handle to the current stream itself
             candidates = [t.to_dict() for t in timings]
+            winner_index = winner.index
         else:
             finalize(g, spec)
         plan = Plan(spec, g, device)
@@ -159,11 +160,11 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     log.debug("built %s plan %s (%s, %s) on cuda:%d in %.1f ms", spec.op, digest[:12], plan.engine,
               "tuned" if tuning else "heuristic", device, 1e3 * build_s)
     if pc is not None:
-        _store(pc, spec, digest, plan, tuning, candidates, build_s)
+        _store(pc, spec, digest, plan, tuning, candidates, build_s, winner_index)
     return plan
 
 
-def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float) -> None:
+def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winner_index=None) -> None:
     try:
         engine_id, knobs = plan.graph.get_engine_and_knobs_at_index(plan.graph._plan_index)
         blob = plan.graph.serialize(as_bytes=True)
@@ -179,6 +180,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float) -> N
         "workspace": plan.workspace_size,
         "tuned": tuned,
         "candidates": candidates,
+        "winner_index": winner_index,
         "build_ms": round(1e3 * build_s, 3),
         "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),

@@ -183,3 +183,24 @@ def spec_from_dict(d: dict) -> OpSpec:
             v = tuple(v)
         kwargs[f.name] = v
     return cls(**kwargs)
+
+
+def flops(spec) -> int:
+    """2 x the multiply-adds of the main op (the epilogue is noise next to it);
+    causal attention counts only the score pairs it computes."""
+    if isinstance(spec, ConvSpec):
+        n, k, p, q = spec.y.shape
+        _, cg, r, s = spec.w.shape
+        return 2 * n * k * p * q * cg * r * s
+    if isinstance(spec, MatmulSpec):
+        b, m, n = spec.y.shape
+        return 2 * b * m * n * spec.a.shape[-1]
+    b, h, sq, d = spec.q.shape
+    skv, dv = spec.k.shape[-2], spec.v.shape[-1]
+    if not spec.is_causal:
+        pairs = sq * skv
+    elif sq <= skv:  # row i sees keys 0..i (top-left aligned, like torch)
+        pairs = sq * (sq + 1) // 2
+    else:
+        pairs = skv * (skv + 1) // 2 + (sq - skv) * skv
+    return 2 * b * h * pairs * (d + dv)

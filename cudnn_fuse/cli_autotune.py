@@ -1,0 +1,161 @@
+"""``cudnn-fuse autotune``: tune one op at the given shapes and store the winner.
+
+    cudnn-fuse autotune --op conv2d --input 64x128x56x56 --weight 128x128x3x3 \\
+        --dtype fp16 --activation relu --bias --padding 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def shape(text: str) -> tuple:
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is sizes joined by 'x' (e.g. 64x128x56x56), got {text!r}") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return dims
+
+
+def add_command(commands) -> None:
+    p = commands.add_parser("autotune", help="time every candidate engine of one op and store the winner",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", required=True, choices=["conv2d", "linear", "matmul", "sdpa"])
+    p.add_argument("--input", type=shape, required=True, help="x (conv2d/linear), a (matmul) or q (sdpa)")
+    p.add_argument("--weight", type=shape, help="conv weight KxCxRxS, linear weight OUTxIN, matmul b; sdpa: k and v")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    p.add_argument("--activation", default=None)
+    p.add_argument("--bias", action="store_true", help="add a bias epilogue")
+    p.add_argument("--residual", action="store_true", help="add a residual epilogue")
+    p.add_argument("--amax", action="store_true", help="also compute amax = max|y|")
+    p.add_argument("--stride", type=int, default=1)
+    p.add_argument("--padding", type=int, default=0)
+    p.add_argument("--dilation", type=int, default=1)
+    p.add_argument("--groups", type=int, default=1)
+    p.add_argument("--nchw", action="store_true", help="conv2d: NCHW tensors (default channels_last)")
+    p.add_argument("--causal", action="store_true", help="sdpa: causal mask")
+    p.add_argument("--budget-s", type=float, default=None, help="tuning time budget (default $CUDNN_FUSE_TUNE_BUDGET_S or 10)")
+    p.add_argument("--force", action="store_true", help="tune again even if the cache holds a tuned entry")
+    p.set_defaults(run=run)
+
+
+def _inputs(args):
+    import torch
+
+    dt = getattr(torch, DTYPES[args.dtype])
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, device="cuda") * scale).to(dt)
+
+    if args.op == "sdpa":
+        q = rnd(*args.input)
+        kv = args.weight or args.input
+        k, v = rnd(*kv), rnd(*kv)
+        return lambda cf: cf.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=kv[1] != q.shape[1])
+    if args.weight is None:
+        raise ValueError(f"--weight is required for --op {args.op}")
+    x, w = rnd(*args.input), rnd(*args.weight, scale=1 / math.sqrt(args.weight[-1]))
+    if args.op == "conv2d":
+        if not args.nchw:
+            x, w = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+        b = rnd(args.weight[0]) if args.bias else None
+        probe = torch.nn.functional.conv2d(x[:1].float().cpu(), w.float().cpu(), None, args.stride, args.padding,
+                                           args.dilation, args.groups) if args.residual else None
+        r = rnd(x.shape[0], *probe.shape[1:]) if probe is not None else None
+        if r is not None and not args.nchw:
+            r = r.to(memory_format=torch.channels_last)
+        return lambda cf: cf.conv2d(x, w, b, args.stride, args.padding, args.dilation, args.groups,
+                                    activation=args.activation, residual=r, return_amax=args.amax)
+    n = args.weight[0] if args.op == "linear" else args.weight[-1]
+    b = rnd(n) if args.bias else None
+    out_shape = tuple(args.input[:-1]) + (n,)
+    r = rnd(*out_shape) if args.residual else None
+    op = "linear" if args.op == "linear" else "matmul"
+    return lambda cf: getattr(cf, op)(x, w, b, activation=args.activation, residual=r, return_amax=args.amax)
+
+
+class Bar:
+    """A one-line progress bar on stderr: counts, percentage, elapsed and ETA."""
+
+    def __init__(self, label: str, stream=sys.stderr, width: int = 30):
+        self.label, self.stream, self.width, self.t0 = label, stream, width, time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        total = max(total, 1)
+        frac = done / total
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (total - done) if done else float("nan")
+        bar = "#" * int(frac * self.width)
+        eta_s = f"{eta:5.1f}s" if eta == eta else "   ?s"
+        self.stream.write(f"\r{self.label} [{bar:<{self.width}}] {done}/{total} {100 * frac:3.0f}% "
+                          f"{elapsed:5.1f}s elapsed, eta {eta_s}")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def run(args) -> int:
+    import torch
+
+    import cudnn_fuse as cf
+    from cudnn_fuse import autotune, loader, plans
+    from cudnn_fuse.cache import open_default_cache
+    from cudnn_fuse.cli import format_table
+    from cudnn_fuse.spec import flops
+
+    if not torch.cuda.is_available():
+        print("cudnn-fuse autotune: needs a CUDA GPU (none found); nothing was tuned", file=sys.stderr)
+        return 2
+    try:
+        call = _inputs(args)
+    except (ValueError, TypeError) as exc:
+        print(f"cudnn-fuse autotune: {exc}", file=sys.stderr)
+        return 2
+    pc = open_default_cache()
+    cf.set_autotune(False)
+    try:
+        call(cf)  # the heuristic plan tells us the spec (and runs the op once)
+    except (ValueError, TypeError) as exc:
+        print(f"cudnn-fuse autotune: {exc}", file=sys.stderr)
+        return 2
+    mem = plans.plans_in_memory()
+    if not mem:
+        print("cudnn-fuse autotune: cuDNN cannot run this op; it falls back to PyTorch (see logs)", file=sys.stderr)
+        return 1
+    spec = mem[-1].spec
+    digest = spec.digest()
+    entry = pc.get(digest) if pc is not None else None
+    if entry is None or not entry.meta.get("tuned") or args.force:
+        if pc is not None:
+            pc.delete(digest)
+            pc.delete(digest + loader.ENGINE_RECORD_SUFFIX)
+        plans.clear()
+        cfg = autotune.Config(progress=Bar(f"tuning {spec.op}"))
+        if args.budget_s is not None:
+            cfg.budget_s = args.budget_s
+        autotune.DEFAULT_CONFIG = cfg
+        cf.set_autotune(True)
+        call(cf)
+        entry = pc.get(digest) if pc is not None else None
+    if entry is None:
+        print("cudnn-fuse autotune: tuned, but the plan cache is unavailable; the result was not stored", file=sys.stderr)
+        return 1
+    meta = entry.meta
+    f = flops(spec)
+    rows = []
+    for c in sorted(meta.get("candidates", []), key=lambda c: (c["median_ms"] is None, c["median_ms"] or 0)):
+        ms = c["median_ms"]
+        rows.append(["*" if c["index"] == meta.get("winner_index") else "", c["index"], c["name"],
+                     ",".join(f"{k}={v}" for k, v in sorted(c["knobs"].items())) or "-",
+                     f"{ms:.4f}" if ms is not None else "-", f"{f / ms / 1e9:.1f}" if ms else "-",
+                     c["workspace"], c["status"].split(":")[0]])
+    print(format_table(["", "#", "engine", "knobs", "median ms", "TFLOP/s", "workspace", "status"], rows))
+    print(f"\nwinner {meta.get('engine_name')} stored under {digest[:16]} in {pc.directory}")
+    return 0
