@@ -175,7 +175,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
         raise ValueError(f"{op}: expected 3-D (unbatched) or 4-D (batched) input x, got x.shape={tuple(x.shape)}")
     if weight.dim() != 4:
         raise ValueError(f"{op}: weight must be 4-D [K, C/groups, R, S], got weight.shape={tuple(weight.shape)}")
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+    if not isinstance(groups, int) or isinstance(groups, bool):
+        raise TypeError(f"{op}: groups must be an int, got groups={groups!r}")
+    if groups < 1:
         raise ValueError(f"{op}: groups must be a positive int, got groups={groups!r}")
     stride = _pair("stride", stride, op, 1)
     dilation = _pair("dilation", dilation, op, 1)
@@ -393,6 +395,8 @@ def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
             raise ValueError(f"{op}: batch dims differ: query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, "
                              f"value.shape={tuple(v.shape)}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{op}: dropout_p must be a float, got dropout_p={dropout_p!r}")
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"{op}: dropout_p must be in [0, 1), got dropout_p={dropout_p}")
     if is_causal and attn_mask is not None:
@@ -437,9 +441,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         return ref()
 
     squeeze = q.dim() == 3
-    if squeeze:
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-        attn_mask = attn_mask.unsqueeze(-3) if attn_mask is not None and attn_mask.dim() >= 3 else attn_mask
+    if squeeze:  # [H, S, D]: dim -3 is the heads, as for torch's enable_gqa
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     B, H, Sq, D = q.shape
     Skv, Dv = k.shape[-2], v.shape[-1]
@@ -450,7 +453,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     _, fallback_out = _run(op, spec, [t for t in (q, k, v, bias, o) if t is not None], ref)
     if fallback_out is not None:
         return fallback_out
-    return o.squeeze(1) if squeeze else o
+    return o.squeeze(0) if squeeze else o
 
 
 def _sdpa_output(q: torch.Tensor, Dv: int) -> torch.Tensor:

@@ -169,7 +169,7 @@ class Plan:
 
 
 class PlanLRU:
-    """Bounded, thread-safe map (spec, device) -> Plan | UnsupportedError.
+    """Bounded, thread-safe map (spec, device) -> Plan | remembered decline.
 
     Keyed by the frozen spec itself: hashing its fields is far cheaper per call
     than its sha256 digest, which is computed only where it is stored.
@@ -219,36 +219,40 @@ class PlanLRU:
         if item is None:
             with self._lock:
                 key_lock = self._building.setdefault(key, threading.Lock())
-            with key_lock:
-                item = self._lookup(key)  # another thread may have built it meanwhile
-                if item is None:
-                    STATS.misses += 1
-                    try:
-                        item = (self._builder or _load_or_build)(spec, device)
-                    except UnsupportedError as exc:
-                        item = exc
-                    self._store(key, item)
-            with self._lock:
-                self._building.pop(key, None)
+            try:
+                with key_lock:
+                    item = self._lookup(key)  # another thread may have built it meanwhile
+                    if item is None:
+                        STATS.misses += 1
+                        try:
+                            item = (self._builder or _load_or_build)(spec, device)
+                        except UnsupportedError as exc:
+                            # keep the message only: the exception's traceback would pin
+                            # this caller's frames (and its tensors) for the entry's life
+                            item = _Declined(str(exc))
+                        self._store(key, item)
+                    else:
+                        STATS.hits += 1
+            finally:
+                with self._lock:
+                    self._building.pop(key, None)
         else:
             STATS.hits += 1
-        if isinstance(item, UnsupportedError):
-            raise item
+        if isinstance(item, _Declined):
+            raise UnsupportedError(item.reason)
         return item
 
 
-def _load_or_build(spec, device: int):
-    from .loader import load_or_build  # the load order (disk cache, rebuild, build) lives there
+class _Declined:
+    """A remembered 'cuDNN cannot run this spec'."""
 
-    return load_or_build(spec, device)
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
 _LRU = PlanLRU()
-
-
-def get_plan(spec, device: int) -> Plan:
-    """The plan of ``spec`` on ``device``: from memory, else built. Raises UnsupportedError."""
-    return _LRU.get(spec, device)
 
 
 def plans_in_memory() -> list:

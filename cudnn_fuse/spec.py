@@ -68,6 +68,8 @@ class Epilogue:
     amax: bool = False
 
     def __post_init__(self):
+        # 1 and 1.0 are one slope: keep the canonical JSON (the digest) from splitting
+        object.__setattr__(self, "negative_slope", float(self.negative_slope))
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {self.activation!r}")
         if self.activation != "leaky_relu" and self.negative_slope != 0.01:

@@ -1,0 +1,217 @@
+"""PlanLRU on the CPU with a fake builder: one build per (digest, device), LRU bound, remembered failures,
+one build under a thread race. Every test gets fresh plans.STATS counters."""
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+
+from cudnn_fuse import plans, plan_stats
+from cudnn_fuse.errors import UnsupportedError
+from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+
+
+@pytest.fixture(autouse=True)
+def fresh_stats(monkeypatch):
+    monkeypatch.setattr(plans, "STATS", plans._Stats())
+    return plans.STATS
+
+
+def spec(m=16, dtype="float16", act=None):
+    """A distinct MatmulSpec per (m, dtype, act), built anew on every call."""
+    return MatmulSpec(TensorSpec.contiguous((1, m, 32), dtype), TensorSpec.contiguous((1, 32, 8), dtype),
+                      TensorSpec.contiguous((1, m, 8), dtype), Epilogue(activation=act))
+
+
+class FakeBuilder:
+    """Records (digest, device) per call and returns a fresh plan object; optionally sleeps or fails."""
+
+    def __init__(self, sleep=0.0, fail=None):
+        self.calls = []
+        self.sleep = sleep
+        self.fail = fail
+        self._lock = threading.Lock()
+
+    def __call__(self, spec, device):
+        with self._lock:
+            self.calls.append((spec.digest(), device))
+        if self.sleep:
+            time.sleep(self.sleep)
+        if self.fail is not None:
+            raise self.fail(f"fake builder declines {spec.digest()[:8]}")
+        return ("plan", spec.digest(), device, object())
+
+
+def test_builds_once_per_digest_and_device(fresh_stats):
+    fake = FakeBuilder()
+    lru = plans.PlanLRU(8, builder=fake)
+    p0 = lru.get(spec(), 0)
+    assert lru.get(spec(), 0) is p0, "an equal spec built anew hits the same plan"
+    p1 = lru.get(spec(), 1)
+    assert p1 is not p0 and p1[2] == 1, "another device is another plan"
+    other = lru.get(spec(act="relu"), 0)
+    assert other is not p0
+    assert fake.calls == [(spec().digest(), 0), (spec().digest(), 1), (spec(act="relu").digest(), 0)]
+    assert len(lru) == 3
+    assert fresh_stats.misses == 3 and fresh_stats.hits == 1
+
+
+def test_hits_are_counted(fresh_stats):
+    fake = FakeBuilder()
+    lru = plans.PlanLRU(4, builder=fake)
+    for _ in range(7):
+        lru.get(spec(), 0)
+    assert len(fake.calls) == 1
+    assert fresh_stats.hits == 6 and fresh_stats.misses == 1
+    assert plan_stats()["hits"] == 6 and plan_stats()["misses"] == 1
+    assert plan_stats() is not plan_stats(), "a snapshot, not the live counters"
+
+
+def test_capacity_evicts_the_least_recently_used(fresh_stats):
+    fake = FakeBuilder()
+    lru = plans.PlanLRU(2, builder=fake)
+    s1, s2, s3 = spec(16), spec(32), spec(48)
+    p1 = lru.get(s1, 0)
+    lru.get(s2, 0)
+    assert lru.get(s1, 0) is p1  # s1 is now the most recently used
+    lru.get(s3, 0)  # evicts s2, not s1
+    assert len(lru) == 2 and fresh_stats.evictions == 1
+    n = len(fake.calls)
+    assert lru.get(s1, 0) is p1 and len(fake.calls) == n, "s1 survived"
+    lru.get(s2, 0)
+    assert len(fake.calls) == n + 1 and fake.calls[-1][0] == s2.digest(), "s2 was evicted and is rebuilt"
+    assert len(lru) == 2 and fresh_stats.evictions == 2
+
+
+def test_capacity_one_and_many_keys_stay_bounded(fresh_stats):
+    lru = plans.PlanLRU(1, builder=FakeBuilder())
+    for m in range(1, 20):
+        lru.get(spec(m), m % 3)
+        assert len(lru) == 1
+    assert fresh_stats.evictions == 18
+
+
+@pytest.mark.parametrize("capacity", [0, -1])
+def test_capacity_below_one_is_a_value_error(capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        plans.PlanLRU(capacity, builder=FakeBuilder())
+
+
+def test_unsupported_is_remembered_and_reraised(fresh_stats):
+    fake = FakeBuilder(fail=UnsupportedError)
+    lru = plans.PlanLRU(4, builder=fake)
+    for _ in range(5):
+        with pytest.raises(UnsupportedError, match="fake builder declines"):
+            lru.get(spec(), 0)
+    assert len(fake.calls) == 1, "an unsupported spec costs one build attempt"
+    with pytest.raises(UnsupportedError):
+        lru.get(spec(), 1)
+    assert len(fake.calls) == 2, "per device"
+
+
+def test_other_builder_errors_are_not_remembered(fresh_stats):
+    # A bug or a transient fault is not "cuDNN cannot": it propagates and the next call tries again.
+    fake = FakeBuilder(fail=KeyError)
+    lru = plans.PlanLRU(4, builder=fake)
+    for _ in range(2):
+        with pytest.raises(KeyError):
+            lru.get(spec(), 0)
+    assert len(fake.calls) == 2 and len(lru) == 0
+    fake.fail = None
+    assert lru.get(spec(), 0)[0] == "plan"
+
+
+def test_clear_forgets_every_plan(fresh_stats):
+    fake = FakeBuilder()
+    lru = plans.PlanLRU(4, builder=fake)
+    lru.get(spec(), 0)
+    lru.clear()
+    assert len(lru) == 0
+    lru.get(spec(), 0)
+    assert len(fake.calls) == 2
+
+
+def _race(lru, key_spec, n=8):
+    barrier = threading.Barrier(n)
+    results, errors = [None] * n, []
+
+    def worker(i):
+        barrier.wait()
+        try:
+            results[i] = lru.get(key_spec, 0)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return results, errors
+
+
+def test_concurrent_gets_build_once(fresh_stats):
+    fake = FakeBuilder(sleep=0.2)
+    lru = plans.PlanLRU(4, builder=fake)
+    results, errors = _race(lru, spec())
+    assert not errors
+    assert len(fake.calls) == 1
+    assert all(r is results[0] for r in results)
+    assert fresh_stats.misses == 1
+
+
+def test_concurrent_gets_of_different_keys_do_not_serialize(fresh_stats):
+    # The per-key lock must not be one global lock: 4 builds of 0.3 s in parallel take ~0.3 s, not 1.2 s.
+    fake = FakeBuilder(sleep=0.3)
+    lru = plans.PlanLRU(8, builder=fake)
+    barrier = threading.Barrier(4)
+
+    def worker(m):
+        barrier.wait()
+        lru.get(spec(m), 0)
+
+    threads = [threading.Thread(target=worker, args=(m,)) for m in (8, 16, 24, 32)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(fake.calls) == 4
+    assert time.perf_counter() - t0 < 0.9
+
+
+def test_concurrent_unsupported_is_built_once(fresh_stats):
+    fake = FakeBuilder(sleep=0.2, fail=UnsupportedError)
+    lru = plans.PlanLRU(4, builder=fake)
+    results, errors = _race(lru, spec())
+    assert len(fake.calls) == 1
+    assert len(errors) == 8 and all(isinstance(e, UnsupportedError) for e in errors)
+
+
+def test_concurrent_gets_count_every_call(fresh_stats):
+    lru = plans.PlanLRU(4, builder=FakeBuilder(sleep=0.2))
+    _race(lru, spec())
+    assert fresh_stats.hits + fresh_stats.misses == 8
+
+
+def test_remembered_failure_does_not_pin_callers_frames(fresh_stats):
+    lru = plans.PlanLRU(4, builder=FakeBuilder(fail=UnsupportedError))
+
+    class Buffer:  # stands in for a CUDA tensor held in the caller's frame
+        pass
+
+    def caller():
+        buf = Buffer()
+        ref = weakref.ref(buf)
+        try:
+            lru.get(spec(), 0)
+        except UnsupportedError:
+            pass
+        return ref
+
+    refs = [caller() for _ in range(3)]
+    gc.collect()
+    assert all(r() is None for r in refs), "the cached failure keeps the callers' locals alive"
