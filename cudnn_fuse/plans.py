@@ -252,6 +252,12 @@ class _Declined:
         self.reason = reason
 
 
+def _load_or_build(spec, device: int):
+    from .loader import load_or_build  # the load order (disk cache, rebuild, build) lives there
+
+    return load_or_build(spec, device)
+
+
 _LRU = PlanLRU()
 
 
