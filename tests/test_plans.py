@@ -215,3 +215,17 @@ def test_remembered_failure_does_not_pin_callers_frames(fresh_stats):
     refs = [caller() for _ in range(3)]
     gc.collect()
     assert all(r() is None for r in refs), "the cached failure keeps the callers' locals alive"
+
+
+def test_get_plan_goes_through_the_loader(monkeypatch):
+    """The process-wide LRU builds through loader.load_or_build (disk cache, then build)."""
+    from cudnn_fuse import loader
+
+    seen = []
+    sentinel = object()
+    monkeypatch.setattr(loader, "load_or_build", lambda spec, device: seen.append((spec, device)) or sentinel)
+    monkeypatch.setattr(plans, "_LRU", plans.PlanLRU(4))
+    spec = object.__new__(type("S", (), {"__hash__": lambda self: 1, "__eq__": lambda self, o: self is o}))
+    assert plans.get_plan(spec, 0) is sentinel
+    assert plans.get_plan(spec, 0) is sentinel
+    assert seen == [(spec, 0)]
