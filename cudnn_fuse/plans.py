@@ -261,6 +261,11 @@ def _load_or_build(spec, device: int):
 _LRU = PlanLRU()
 
 
+def get_plan(spec, device: int) -> Plan:
+    """The plan of ``spec`` on ``device``: from memory, else loaded or built. Raises UnsupportedError."""
+    return _LRU.get(spec, device)
+
+
 def plans_in_memory() -> list:
     """The built plans this process holds, least recently used first."""
     return _LRU.plans()
