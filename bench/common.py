@@ -28,6 +28,17 @@ def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def device_ms(fn, warmup: int = 10, iters: int = 50) -> float:
+    """Median device milliseconds of ``fn()``: calls queued behind a GPU spin so the
+    events time the kernels, not the host's launch overhead (``host_us`` measures that)."""
+    from cudnn_fuse.autotune import device_ms as _device_ms
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(_device_ms(fn, iters, host_us_per_call=200.0))
+
+
 def host_us(fn, calls: int = 2000) -> float:
     """Host microseconds per call of ``fn()`` (a tiny op: the host is the bottleneck)."""
     import time

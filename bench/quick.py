@@ -1,6 +1,10 @@
 """The four anchor workloads of DESIGN.md: cf (heuristic plan) vs torch eager, plus
 the conv layout decision (NCHW described by strides vs converted to channels_last).
 
+cf_ms / torch_eager_ms are device times (calls queued behind a GPU spin, so the
+host's launch overhead is not in them); *_back_to_back_ms are plain back-to-back
+calls, where a host slower than the kernel shows; host_overhead is per call.
+
     python3 bench/quick.py --out bench/results
 """
 
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
 from cudnn_fuse import ops, plans  # noqa: E402
-from bench.common import device_name, host_us, time_ms, write_json  # noqa: E402
+from bench.common import device_ms, device_name, host_us, time_ms, write_json  # noqa: E402
 
 
 def rnd(*shape, dtype, scale=1.0):
@@ -77,10 +81,10 @@ def layout_study():
         before = cf.plan_stats()["fallbacks"]
         fn()
         out[policy + "_fell_back"] = cf.plan_stats()["fallbacks"] > before
-        out[policy + "_ms"] = time_ms(fn)
+        out[policy + "_ms"] = device_ms(fn)
     ops.CONV_NCHW_POLICY = default
-    out["convert_x_only_ms"] = time_ms(lambda: x.contiguous(memory_format=torch.channels_last))
-    out["torch_eager_nchw_ms"] = time_ms(lambda: F.relu(F.conv2d(x, w, b, padding=1)))
+    out["convert_x_only_ms"] = device_ms(lambda: x.contiguous(memory_format=torch.channels_last))
+    out["torch_eager_nchw_ms"] = device_ms(lambda: F.relu(F.conv2d(x, w, b, padding=1)))
     return out
 
 
@@ -93,8 +97,10 @@ def main(argv=None) -> int:
     for name, flops, cf_fn, torch_fn in workloads():
         build = first_call_ms(cf_fn)
         engine = plans.plans_in_memory()[-1].engine
-        cf_ms, torch_ms = time_ms(cf_fn), time_ms(torch_fn)
+        cf_ms, torch_ms = device_ms(cf_fn), device_ms(torch_fn)
+        cf_b2b, torch_b2b = time_ms(cf_fn), time_ms(torch_fn)
         rows.append({"name": name, "cf_ms": round(cf_ms, 4), "torch_eager_ms": round(torch_ms, 4),
+                     "cf_back_to_back_ms": round(cf_b2b, 4), "torch_back_to_back_ms": round(torch_b2b, 4),
                      "speedup": round(torch_ms / cf_ms, 3), "cf_tflops": round(flops / cf_ms / 1e9, 1),
                      "first_call_ms": round(build, 1), "engine": engine})
         print(f"{name:50s} cf {cf_ms:8.4f} ms  torch {torch_ms:8.4f} ms  x{torch_ms / cf_ms:5.2f}  "

@@ -46,7 +46,7 @@ class Config:
     prune_factor: float = 2.0
     workspace_cap: int = int(os.environ.get("CUDNN_FUSE_WORKSPACE_CAP", str(1 << 30)))
     warmup: int = 3
-    repeats: int = 20
+    repeats: int = 30
     deterministic: Optional[bool] = None  # None: torch.are_deterministic_algorithms_enabled()
     progress: Optional[Callable[[int, int], None]] = None  # (candidates done, total), e.g. a CLI bar
 
@@ -189,10 +189,17 @@ def knobs_from_json(knobs: dict) -> dict:
     return {getattr(cudnn.knob_type, k): int(v) for k, v in (knobs or {}).items()}
 
 
-def _event_ms(fn, iters: int) -> list[float]:
+def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
+    """Device milliseconds of each of ``iters`` calls of ``fn``.
+
+    The GPU is first held busy by a spin kernel long enough for the host to queue
+    every call behind it, so the events time the kernels back to back and not the
+    host's launch overhead (which exceeds a small kernel's run time).
+    """
     import torch
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    torch.cuda._sleep(int(2e3 * (200 + host_us_per_call * iters)))  # ~2 GHz: cycles for the queueing time
     for s, e in events:
         s.record()
         fn()
@@ -306,13 +313,13 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
         build(c)
         launch(c, 0)
         torch.cuda.synchronize()
-        return _event_ms(lambda: launch(c, 1), 1)[0]
+        return device_ms(lambda: launch(c, 1), 1)[0]
 
     def time_candidate(c: Candidate) -> float:
         counter = iter(range(10**9))
         for _ in range(cfg.warmup):
             launch(c, next(counter))
-        return statistics.median(_event_ms(lambda: launch(c, next(counter)), cfg.repeats))
+        return statistics.median(device_ms(lambda: launch(c, next(counter)), cfg.repeats))
 
     try:
         winner, timings = select(candidates, run_once, time_candidate, cfg, deterministic)

@@ -135,7 +135,7 @@ def run(args) -> int:
     if entry is None or not entry.meta.get("tuned") or args.force:
         if pc is not None:
             pc.delete(digest)
-            pc.delete(digest + loader.ENGINE_RECORD_SUFFIX)
+            pc.delete(loader.engine_record_key(digest))
         plans.clear()
         cfg = autotune.Config(progress=Bar(f"tuning {spec.op}"))
         if args.budget_s is not None:
@@ -157,5 +157,5 @@ def run(args) -> int:
                      f"{ms:.4f}" if ms is not None else "-", f"{f / ms / 1e9:.1f}" if ms else "-",
                      c["workspace"], c["status"].split(":")[0]])
     print(format_table(["", "#", "engine", "knobs", "median ms", "TFLOP/s", "workspace", "status"], rows))
-    print(f"\nwinner {meta.get('engine_name')} stored under {digest[:16]} in {pc.directory}")
+    print(f"\nwinner {meta.get('engine_name')} stored under {digest[:16]} in {pc.dir}")
     return 0

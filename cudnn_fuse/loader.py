@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import logging
 import os
 import socket
@@ -29,7 +30,13 @@ from .plans import STATS, Plan, finalize, handle_for, prepare
 
 log = logging.getLogger(__name__)
 
-ENGINE_RECORD_SUFFIX = ".engine"  # second, tiny entry: survives a corrupt blob entry
+def engine_record_key(digest: str) -> str:
+    """Key of the second, tiny entry (engine id + knobs) that survives a corrupt blob entry."""
+    return hashlib.sha256((digest + ":engine-record").encode()).hexdigest()
+
+
+def is_engine_record(meta: dict) -> bool:
+    return meta.get("kind") == "engine-record"
 TUNE_WAIT_S = float(os.environ.get("CUDNN_FUSE_TUNE_WAIT_S", "60"))
 
 _warned: set = set()
@@ -85,7 +92,7 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
         if plan is not None:
             return plan
         pc.delete(digest)
-    record = pc.get(digest + ENGINE_RECORD_SUFFIX)
+    record = pc.get(engine_record_key(digest))
     meta = entry.meta if entry is not None else (record.meta if record is not None else None)
     if meta is None or meta.get("engine_id") is None or (want_tuned and not meta.get("tuned")):
         return None
@@ -189,7 +196,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
     pc.put(digest, meta, blob)
     record = {k: meta[k] for k in ("op", "engine_id", "knobs", "engine_name", "workspace", "tuned", "tuned_at")}
     record["kind"] = "engine-record"
-    pc.put(digest + ENGINE_RECORD_SUFFIX, record, b"")
+    pc.put(engine_record_key(digest), record, b"")
 
 
 @contextlib.contextmanager
@@ -198,7 +205,7 @@ def _tune_lock(pc, digest: str):
     another process held it for longer than TUNE_WAIT_S (or locking failed)."""
     path = None
     try:
-        lock_dir = os.path.join(str(pc.directory), "locks")
+        lock_dir = os.path.join(str(pc.dir), "locks")
         os.makedirs(lock_dir, mode=0o700, exist_ok=True)
         path = os.path.join(lock_dir, digest + ".lock")
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
