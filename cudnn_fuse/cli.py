@@ -42,9 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="run each public op against its plain torch expression")
     demo.set_defaults(run=_demo)
-    from . import cli_autotune
+    from . import cache_cli, cli_autotune
 
     cli_autotune.add_command(commands)
+    cache_cli.add_cache_commands(commands)
     return parser
 
 

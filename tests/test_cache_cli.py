@@ -1,0 +1,163 @@
+"""`cudnn-fuse cache ...` through argparse and run_cache_command, on a temporary cache."""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import re
+
+import pytest
+
+from cudnn_fuse import env
+from cudnn_fuse.cache import PlanCache
+from cudnn_fuse.cache_cli import (
+    add_cache_commands, human_bytes, parse_duration, parse_size, run_cache_command,
+)
+
+NS = "clins"
+META = {"spec": {"op": "conv2d"}, "engine": {"id": 7, "knobs": {}}, "workspace_bytes": 1 << 20,
+        "tuned_at": "2026-05-09T07:35:25"}
+
+
+def key(name) -> str:
+    return hashlib.sha256(str(name).encode()).hexdigest()
+
+
+def cli(*argv) -> int:
+    parser = argparse.ArgumentParser(prog="cudnn-fuse")
+    add_cache_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["cache", *argv])
+    assert args.run is run_cache_command
+    return args.run(args)
+
+
+@pytest.fixture
+def warm(cache_dir):
+    cache = PlanCache(cache_dir, namespace=NS)
+    assert cache.put(key("conv"), META, b"c" * 100, pinned=True)
+    assert cache.put(key("mm"), {"op": "matmul", "engine": "eng12", "workspace_bytes": 0,
+                                 "tuned_at": 1.7e9}, b"m" * 50_000)
+    assert cache.get(key("conv")) is not None and cache.get(key("absent")) is None
+    cache.close()
+    return cache_dir
+
+
+def test_ls_prints_a_table_of_the_plans(warm, capsys):
+    assert cli("ls", "--namespace", NS) == 0
+    out = capsys.readouterr().out
+    header, rule, *rows = out.splitlines()
+    assert header.split() == ["key", "op", "engine", "workspace", "size", "pinned", "tuned_at"]
+    conv = next(r for r in rows if r.startswith(key("conv")[:12]))
+    assert conv.split()[1:5] == ["conv2d", "7", "1.0", "MiB"] and "yes" in conv
+    assert "2026-05-09T07:35:25" in conv
+    mm = next(r for r in rows if r.startswith(key("mm")[:12]))
+    assert mm.split()[1:3] == ["matmul", "eng12"] and "49.0 KiB" in mm
+    assert datetime.datetime.fromtimestamp(1.7e9).strftime("%Y-%m-%d %H:%M") in mm
+    assert "2 plans" in out
+
+
+def test_ls_of_an_empty_cache_creates_nothing(tmp_path, capsys):
+    assert cli("ls", "--dir", str(tmp_path / "none"), "--namespace", NS) == 0
+    assert "no plans cached" in capsys.readouterr().out
+    assert not (tmp_path / "none").exists()
+
+
+def test_stats_show_entries_and_hit_rate(warm, capsys):
+    PlanCache(warm, namespace="otherns").close()
+    assert cli("stats", "--namespace", NS) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^entries +2 \(1 pinned\)$", out, re.M)
+    assert re.search(r"^hit rate +50\.0%$", out, re.M)  # one hit, one miss in `warm`
+    assert re.search(r"^other namespaces +otherns$", out, re.M)
+
+
+def test_stats_default_to_this_machines_namespace(cache_dir, capsys):
+    assert cli("stats") == 0
+    assert env.namespace() in capsys.readouterr().out
+
+
+def test_verify_removes_a_corrupt_entry(warm, capsys):
+    value = next(warm.rglob("*.val"))
+    data = bytearray(value.read_bytes())
+    data[-1] ^= 1
+    value.write_bytes(bytes(data))
+    assert cli("verify", "--namespace", NS) == 0
+    out = capsys.readouterr().out
+    assert "checked 2 entries: 1 ok, 1 bad, 1 removed" in out
+    assert [k for k, _, _ in PlanCache(warm, namespace=NS).entries()] == [key("conv")]
+
+
+def test_prune_and_clear(warm, capsys):
+    assert cli("prune", "--namespace", NS, "--max-bytes", "0") == 0
+    assert "removed 1 entry" in capsys.readouterr().out  # the pinned one stays
+    assert cli("prune", "--namespace", NS, "--older-than", "0s", "--include-pinned") == 0
+    assert "removed 1 entry" in capsys.readouterr().out
+    assert cli("clear", "--namespace", NS) == 0
+    assert "removed 0 entries" in capsys.readouterr().out
+
+
+def test_export_then_import_elsewhere(warm, tmp_path, capsys):
+    out_file = tmp_path / "plans.jsonl"
+    assert cli("export", str(out_file), "--namespace", NS) == 0
+    assert "exported 2 entries" in capsys.readouterr().out
+    target = tmp_path / "target"
+    assert cli("import", str(out_file), "--dir", str(target), "--namespace", NS) == 0
+    assert "imported 2, skipped 0" in capsys.readouterr().out
+    assert PlanCache(target, namespace=NS).stats()["pinned"] == 1
+
+
+def test_import_from_another_namespace_needs_force(warm, tmp_path, capsys):
+    out_file = tmp_path / "plans.jsonl"
+    assert cli("export", str(out_file), "--namespace", NS) == 0
+    assert cli("import", str(out_file), "--namespace", "elsewhere") == 1
+    err = capsys.readouterr().err
+    assert f"'{NS}'" in err and "'elsewhere'" in err and "--force" in err
+    assert cli("import", str(out_file), "--namespace", "elsewhere", "--force") == 0
+    assert "imported 2" in capsys.readouterr().out
+
+
+def test_import_reports_rejected_entries(warm, tmp_path, capsys):
+    out_file = tmp_path / "plans.jsonl"
+    assert cli("export", str(out_file), "--namespace", NS) == 0
+    header, first, second = out_file.read_text().splitlines()
+    record = json.loads(first)
+    record["entry"] = record["entry"][:-6] + "AAAA=="
+    out_file.write_text("\n".join([header, json.dumps(record), second]) + "\n")
+    assert cli("import", str(out_file), "--dir", str(tmp_path / "t"), "--namespace", NS) == 1
+    assert "imported 1, skipped 0 (already cached), rejected 1" in capsys.readouterr().out
+
+
+def test_a_refused_directory_is_an_error(tmp_path, capsys):
+    os.chmod(tmp_path, 0o777)
+    assert cli("ls", "--dir", str(tmp_path), "--namespace", NS) == 1
+    err = capsys.readouterr().err
+    assert "disabled" in err and "world-writable" in err
+
+
+def test_cache_needs_an_action():
+    with pytest.raises(SystemExit):
+        cli()
+
+
+@pytest.mark.parametrize("text, value", [("1048576", 2**20), ("512M", 512 * 2**20),
+                                         ("2g", 2 * 2**30), ("1.5KiB", 1536), ("0", 0)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text, value", [("3600", 3600), ("12h", 43200), ("30d", 2592000),
+                                         ("1.5m", 90)])
+def test_parse_duration(text, value):
+    assert parse_duration(text) == value
+
+
+@pytest.mark.parametrize("parse, text", [(parse_size, "lots"), (parse_duration, "1y")])
+def test_bad_sizes_and_durations_are_usage_errors(parse, text):
+    with pytest.raises(argparse.ArgumentTypeError, match=repr(text)):
+        parse(text)
+
+
+def test_human_bytes():
+    assert [human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30)] == [
+        "0 B", "1023 B", "1.5 KiB", "5.0 GiB"]
