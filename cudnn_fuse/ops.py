@@ -68,9 +68,15 @@ def _why_not_fused(op: str, tensors: Sequence[Optional[torch.Tensor]]) -> Option
         return f"dtype {ts[0].dtype} has no cuDNN fused path"
     if any(t.numel() == 0 for t in ts):
         return "zero-size dimension"
-    if any(t.requires_grad for t in ts) and torch.is_grad_enabled():
-        return "autograd is not wired to the fused path yet"
     return None
+
+
+def _via_custom_op(*tensors) -> bool:
+    """Autograd and torch.compile go through the registered torch.library op
+    (torch_ops.py); plain inference calls the implementation directly."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # ------------------------------------------------------------------ validation
@@ -188,23 +194,34 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     if K % groups != 0:
         raise ValueError(f"{op}: out channels K={K} must be divisible by groups={groups}")
     pre, post = _conv_padding(padding, (R, S), dilation, stride)
-    H, W = x.shape[-2:]
-    out_hw = tuple((n + a + b - d * (k - 1) - 1) // s + 1
-                   for n, a, b, d, k, s in zip((H, W), pre, post, dilation, (R, S), stride))
-    if any(o <= 0 for o in out_hw):
-        raise ValueError(f"{op}: output size {out_hw} is too small for x.shape={tuple(x.shape)}, "
+    out_shape = conv_out_shape(x.shape, weight.shape, stride, pre, post, dilation)
+    if any(o <= 0 for o in out_shape[-2:]):
+        raise ValueError(f"{op}: output size {out_shape[-2:]} is too small for x.shape={tuple(x.shape)}, "
                          f"weight.shape={tuple(weight.shape)}, padding={padding!r}, dilation={dilation}, stride={stride}")
-    out_shape = tuple(x.shape[:-3]) + (K,) + out_hw
     _check_epilogue(op, activation, residual, out_shape, bias, K)
 
-    ref = functools.partial(reference.conv2d, x, weight, bias, stride, padding, dilation, groups, activation, residual,
-                            return_amax, negative_slope)
+    if _via_custom_op(x, weight, bias, residual):
+        from . import torch_ops
+
+        return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
+                                negative_slope)
+    return _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
+                       negative_slope)
+
+
+def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax, negative_slope):
+    """conv2d on validated arguments: the fused graph, or the reference."""
+    op = "conv2d"
+    K = weight.shape[0]
+    ref = functools.partial(reference.conv2d_padded, x, weight, bias, stride, pre, post, dilation, groups, activation,
+                            residual, return_amax, negative_slope)
 
     why = _why_not_fused(op, (x, weight, bias, residual))
     if why is not None:
         _fallback(op, why)
         return ref()
 
+    out_shape = conv_out_shape(x.shape, weight.shape, stride, pre, post, dilation)
     unbatched = x.dim() == 3
     if unbatched:
         x = x.unsqueeze(0)
@@ -230,6 +247,23 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     if unbatched:
         y = y.squeeze(0)
     return (y, amax.view(())) if return_amax else y
+
+
+def conv_out_shape(x_shape, w_shape, stride, pre, post, dilation) -> tuple:
+    """The conv output's shape ([N,] K, P, Q) from the input geometry."""
+    K, _, R, S = w_shape
+    out_hw = tuple((n + a + b - d * (k - 1) - 1) // s + 1
+                   for n, a, b, d, k, s in zip(tuple(x_shape[-2:]), pre, post, dilation, (R, S), stride))
+    return tuple(x_shape[:-3]) + (K,) + out_hw
+
+
+def conv_out_channels_last(x: torch.Tensor) -> bool:
+    """Whether conv2d's output on ``x`` is channels_last (the layout rule the fake kernel shares)."""
+    if x.dim() != 4:
+        return False
+    if _is_channels_last(x):
+        return True
+    return x.is_cuda and x.dtype in _FUSED_DTYPES and CONV_NCHW_POLICY == "convert"
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -305,8 +339,23 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
         raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
     _check_epilogue(op, activation, residual, out_shape, bias, N)
 
+    if _via_custom_op(a, b, bias, residual):
+        from . import torch_ops
+
+        return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
+    return _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope)
+
+
+def _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope):
+    """matmul on validated arguments: the fused graph, or the reference."""
+    a2 = a.unsqueeze(0) if a.dim() == 1 else a
+    b2 = b.unsqueeze(-1) if b.dim() == 1 else b
+    batch = tuple(torch.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
+    M, N = a2.shape[-2], b2.shape[-1]
+    out_shape = batch + ((M,) if a.dim() > 1 else ()) + ((N,) if b.dim() > 1 else ())
     ref = functools.partial(reference.matmul, a, b, bias, activation, residual, return_amax, negative_slope)
-    return _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax, negative_slope, ref)
+    return _matmul_fused("matmul", a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax,
+                         negative_slope, ref)
 
 
 def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax, negative_slope, ref):
@@ -362,6 +411,18 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     out_shape = tuple(x.shape[:-1]) + (N,)
     _check_epilogue(op, activation, residual, out_shape, bias, N)
 
+    if _via_custom_op(x, weight, bias, residual):
+        from . import torch_ops
+
+        return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
+    return _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope)
+
+
+def _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope):
+    """linear on validated arguments: the fused graph, or the reference."""
+    op = "linear"
+    K, N = x.shape[-1], weight.shape[0]
+    out_shape = tuple(x.shape[:-1]) + (N,)
     ref = functools.partial(reference.linear, x, weight, bias, activation, residual, return_amax, negative_slope)
     rows = math.prod(x.shape[:-1])
     a2 = x.reshape(1, rows, K)
@@ -426,14 +487,24 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     """
     op = "scaled_dot_product_attention"
     _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
+        _fallback(op, "dropout_p > 0")
+        return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if _via_custom_op(q, k, v, attn_mask):
+        from . import torch_ops
 
+        return torch_ops.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """attention on validated arguments: the fused graph, or the reference."""
+    op = "scaled_dot_product_attention"
     ref = functools.partial(reference.scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale,
                             enable_gqa)
     why = _why_not_fused(op, (q, k, v, attn_mask))
     if why is None and q.dtype == torch.float32:
         why = "float32 attention has no cuDNN engine"
-    if why is None and dropout_p > 0.0:
-        why = "dropout_p > 0"
     if why is None and q.dim() not in (3, 4):
         why = f"{q.dim()}-D inputs (the fused path takes 3-D or 4-D)"
     if why is not None:

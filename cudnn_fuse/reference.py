@@ -61,6 +61,16 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape)
 
 
+def conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activation=None, residual=None,
+                  return_amax=False, negative_slope=0.01):
+    """conv2d with (pre, post) padding per spatial dim (asymmetric for 'same' with even kernels)."""
+    if tuple(pre) == tuple(post):
+        return conv2d(x, weight, bias, stride, tuple(pre), dilation, groups, activation, residual, return_amax,
+                      negative_slope)
+    xp = F.pad(x, (pre[1], post[1], pre[0], post[0]))
+    return conv2d(xp, weight, bias, stride, 0, dilation, groups, activation, residual, return_amax, negative_slope)
+
+
 def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, negative_slope=0.01):
     z = F.linear(x, weight)
     return epilogue(z, bias, residual, activation, negative_slope, return_amax)

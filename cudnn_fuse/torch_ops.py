@@ -1,0 +1,285 @@
+"""The functional ops as PyTorch custom ops (``torch.ops.cudnn_fuse.*``).
+
+Each op is registered with ``torch.library.custom_op``: its kernel is the op's
+implementation in ops.py (the fused cuDNN graph on CUDA, the reference on the
+CPU), a fake kernel gives torch.compile shapes and strides without running it,
+and ``register_autograd`` gives it a backward. The public functions in ops.py
+call these only when autograd or torch.compile needs them; plain inference
+calls the implementation directly (no dispatcher on the hot path).
+
+Backward (reference math on torch kernels for now; cuDNN backward graphs are
+the next step): ReLU's backward reads the saved OUTPUT (y > 0), so the forward
+saves y, never the pre-activation; other activations recompute the
+pre-activation from the saved inputs in the backward (the forward saves no
+M x N intermediate). The amax output has no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import ops, reference
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _no_amax(like: Tensor) -> Tensor:
+    return torch.empty((0,), dtype=torch.float32, device=like.device)
+
+
+def _amax_out(like: Tensor, return_amax: bool) -> Tensor:
+    return torch.empty((), dtype=torch.float32, device=like.device) if return_amax else _no_amax(like)
+
+
+def _split(out, like: Tensor, return_amax: bool):
+    return out if return_amax else (out, _no_amax(like))
+
+
+def _act_grad(z: Tensor, gy: Tensor, act: str, slope: float) -> Tensor:
+    """d act(z) / dz * gy, computed in float32 at least."""
+    acc = torch.promote_types(z.dtype, torch.float32)
+    with torch.enable_grad():
+        zz = z.detach().to(acc).requires_grad_(True)
+        (g,) = torch.autograd.grad(reference.activation(zz, act, slope), zz, gy.to(acc))
+    return g.to(gy.dtype)
+
+
+def _pre_activation_grad(ctx, gy: Tensor, y: Optional[Tensor], recompute_z) -> Tensor:
+    act = ctx.act
+    if act is None:
+        return gy
+    if act == "relu":
+        return torch.where(y > 0, gy, torch.zeros((), dtype=gy.dtype, device=gy.device))
+    return _act_grad(recompute_z(), gy, act, ctx.slope)
+
+
+def _save(ctx, main: tuple, y: Tensor, bias, residual) -> None:
+    """Save the main operands, plus only what the activation's backward needs."""
+    recompute = ctx.act not in (None, "relu")
+    ctx.save_for_backward(*main, y if ctx.act == "relu" else None, bias if recompute else None,
+                          residual if recompute else None)
+
+
+# ------------------------------------------------------------------------ conv2d
+
+
+@torch.library.custom_op("cudnn_fuse::conv2d", mutates_args=())
+def conv2d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], pre: List[int], post: List[int],
+              dilation: List[int], groups: int, activation: Optional[str], residual: Optional[Tensor],
+              return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
+    out = ops._conv2d_fwd(x, weight, bias, tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups, activation,
+                          residual, return_amax, negative_slope)
+    y, amax = _split(out, x, return_amax)
+    fmt = torch.channels_last if ops.conv_out_channels_last(x) else torch.contiguous_format
+    return y.contiguous(memory_format=fmt), amax
+
+
+@conv2d_op.register_fake
+def _conv2d_fake(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
+                 negative_slope):
+    shape = ops.conv_out_shape(x.shape, weight.shape, stride, pre, post, dilation)
+    fmt = torch.channels_last if ops.conv_out_channels_last(x) else torch.contiguous_format
+    y = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    return y, _amax_out(x, return_amax)
+
+
+def _conv2d_setup(ctx, inputs, output):
+    x, w, b, stride, pre, post, dilation, groups, act, r, _, slope = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.act, ctx.slope = act, slope
+    ctx.geo = (tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups)
+    ctx.has_bias, ctx.has_residual = b is not None, r is not None
+    _save(ctx, (x, w), output[0], b, r)
+
+
+def _conv2d_backward(ctx, gy, _gamax):
+    x, w, y, b, r = ctx.saved_tensors
+    stride, pre, post, dilation, groups = ctx.geo
+    dz = _pre_activation_grad(ctx, gy, y, lambda: reference.conv2d_padded(x, w, b, stride, pre, post, dilation, groups,
+                                                                            None, r))
+    unbatched = x.dim() == 3
+    xb, dzb = (x.unsqueeze(0), dz.unsqueeze(0)) if unbatched else (x, dz)
+    symmetric = tuple(pre) == tuple(post)
+    xp = xb if symmetric else F.pad(xb, (pre[1], post[1], pre[0], post[0]))
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw, _ = torch.ops.aten.convolution_backward(
+        dzb, xp, w, None, list(stride), list(pre) if symmetric else [0, 0], list(dilation), False, [0, 0], groups,
+        [need_x, need_w, False])
+    if dx is not None:
+        if not symmetric:
+            H, W = xb.shape[-2:]
+            dx = dx[..., pre[0]:pre[0] + H, pre[1]:pre[1] + W]
+        dx = dx.squeeze(0) if unbatched else dx
+    db = dz.sum(dim=(0, 2, 3) if not unbatched else (1, 2)) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    dr = dz if ctx.has_residual and ctx.needs_input_grad[9] else None
+    return dx, dw, db, None, None, None, None, None, None, dr, None, None
+
+
+conv2d_op.register_autograd(_conv2d_backward, setup_context=_conv2d_setup)
+
+
+def conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax, negative_slope):
+    y, amax = conv2d_op(x, weight, bias, list(stride), list(pre), list(post), list(dilation), groups, activation,
+                        residual, return_amax, float(negative_slope))
+    return (y, amax) if return_amax else y
+
+
+# ------------------------------------------------------------------------ linear
+
+
+@torch.library.custom_op("cudnn_fuse::linear", mutates_args=())
+def linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str],
+              residual: Optional[Tensor], return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
+    out = ops._linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope)
+    y, amax = _split(out, x, return_amax)
+    return y.contiguous(), amax
+
+
+@linear_op.register_fake
+def _linear_fake(x, weight, bias, activation, residual, return_amax, negative_slope):
+    y = torch.empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=x.dtype, device=x.device)
+    return y, _amax_out(x, return_amax)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, w, b, act, r, _, slope = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.act, ctx.slope = act, slope
+    ctx.has_bias, ctx.has_residual = b is not None, r is not None
+    _save(ctx, (x, w), output[0], b, r)
+
+
+def _linear_backward(ctx, gy, _gamax):
+    x, w, y, b, r = ctx.saved_tensors
+    dz = _pre_activation_grad(ctx, gy, y, lambda: reference.linear(x, w, b, None, r))
+    N, K = w.shape
+    dz2 = dz.reshape(-1, N)
+    dx = (dz @ w) if ctx.needs_input_grad[0] else None
+    dw = (dz2.t() @ x.reshape(-1, K)) if ctx.needs_input_grad[1] else None
+    db = dz2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    dr = dz if ctx.has_residual and ctx.needs_input_grad[4] else None
+    return dx, dw, db, None, dr, None, None
+
+
+linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def linear(x, weight, bias, activation, residual, return_amax, negative_slope):
+    y, amax = linear_op(x, weight, bias, activation, residual, return_amax, float(negative_slope))
+    return (y, amax) if return_amax else y
+
+
+# ------------------------------------------------------------------------ matmul
+
+
+def _matmul_shape(a_shape, b_shape) -> tuple:
+    a2 = (1,) + tuple(a_shape) if len(a_shape) == 1 else tuple(a_shape)
+    b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
+    batch = tuple(torch.broadcast_shapes(a2[:-2], b2[:-2]))
+    return batch + ((a2[-2],) if len(a_shape) > 1 else ()) + ((b2[-1],) if len(b_shape) > 1 else ())
+
+
+@torch.library.custom_op("cudnn_fuse::matmul", mutates_args=())
+def matmul_op(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: Optional[str], residual: Optional[Tensor],
+              return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
+    out = ops._matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope)
+    y, amax = _split(out, a, return_amax)
+    return y.contiguous(), amax
+
+
+@matmul_op.register_fake
+def _matmul_fake(a, b, bias, activation, residual, return_amax, negative_slope):
+    y = torch.empty(_matmul_shape(a.shape, b.shape), dtype=a.dtype, device=a.device)
+    return y, _amax_out(a, return_amax)
+
+
+def _matmul_setup(ctx, inputs, output):
+    a, b, bias, act, r, _, slope = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.act, ctx.slope = act, slope
+    ctx.has_bias, ctx.has_residual = bias is not None, r is not None
+    _save(ctx, (a, b), output[0], bias, r)
+
+
+def _matmul_backward(ctx, gy, _gamax):
+    a, b, y, bias, r = ctx.saved_tensors
+    dz = _pre_activation_grad(ctx, gy, y, lambda: reference.matmul(a, b, bias, None, r))
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    da = db_ = None
+    if need_a or need_b:  # torch.matmul's own backward handles every broadcast and 1-D case
+        with torch.enable_grad():
+            a_ = a.detach().requires_grad_(need_a)
+            b_ = b.detach().requires_grad_(need_b)
+            wanted = [t for t, n in ((a_, need_a), (b_, need_b)) if n]
+            grads = iter(torch.autograd.grad(torch.matmul(a_, b_), wanted, dz))
+        da = next(grads) if need_a else None
+        db_ = next(grads) if need_b else None
+    dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    dr = dz if ctx.has_residual and ctx.needs_input_grad[4] else None
+    return da, db_, dbias, None, dr, None, None
+
+
+matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+def matmul(a, b, bias, activation, residual, return_amax, negative_slope):
+    y, amax = matmul_op(a, b, bias, activation, residual, return_amax, float(negative_slope))
+    return (y, amax) if return_amax else y
+
+
+# ------------------------------------------------------------------------ attention
+
+
+def _sdpa_bshd(q: Tensor) -> bool:
+    return q.dim() == 4 and q.shape[1] > 1 and q.stride(1) < q.stride(2)
+
+
+@torch.library.custom_op("cudnn_fuse::scaled_dot_product_attention", mutates_args=())
+def sdpa_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
+            enable_gqa: bool) -> Tensor:
+    o = ops._sdpa_fwd(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    if _sdpa_bshd(q):
+        return o.transpose(1, 2).contiguous().transpose(1, 2)
+    return o.contiguous()
+
+
+@sdpa_op.register_fake
+def _sdpa_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    if _sdpa_bshd(q):
+        B, H, S, D = shape
+        return torch.empty((B, S, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty(shape, dtype=q.dtype, device=q.device)
+
+
+def _sdpa_setup(ctx, inputs, output):
+    q, k, v, mask, is_causal, scale, gqa = inputs
+    ctx.conf = (is_causal, scale, gqa)
+    ctx.save_for_backward(q, k, v, mask)
+
+
+def _sdpa_backward(ctx, go):
+    q, k, v, mask = ctx.saved_tensors
+    is_causal, scale, gqa = ctx.conf
+    needs = ctx.needs_input_grad
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(bool(n)) if t is not None else None for t, n in zip((q, k, v, mask), needs)]
+        if leaves[3] is not None and leaves[3].dtype == torch.bool:
+            leaves[3] = mask
+        out = reference.scaled_dot_product_attention(*leaves[:3], leaves[3], 0.0, is_causal, scale, gqa)
+        wanted = [t for t, n in zip(leaves, needs[:4]) if n and t is not None]
+        grads = iter(torch.autograd.grad(out, wanted, go)) if wanted else iter(())
+    return tuple(next(grads) if n and t is not None else None for t, n in zip(leaves, needs[:4])) + (None, None, None)
+
+
+sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
+
+
+def sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    # dropout_p > 0 never reaches here (ops runs the autograd-capable reference: the
+    # backward could not replay the forward's random mask)
+    return sdpa_op(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))

@@ -1,0 +1,197 @@
+"""Custom ops on the CPU: opcheck, torch.compile(fullgraph=True), gradients vs torch autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import cudnn_fuse as cf
+from cudnn_fuse import reference, torch_ops
+
+ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
+
+
+def rg(*shape, dtype=torch.float64):
+    return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("args", [
+    (rg(2, 3, 6, 6), rg(4, 3, 3, 3), rg(4), [1, 1], [1, 1], [1, 1], [1, 1], 1, "relu", rg(2, 4, 6, 6), True, 0.01),
+    (rg(2, 4, 7, 7), rg(4, 2, 2, 2), None, [2, 2], [0, 0], [1, 1], [1, 1], 2, "silu", None, False, 0.01),
+    (rg(3, 5, 5), rg(2, 3, 3, 3), rg(2), [1, 1], [1, 1], [1, 1], [1, 1], 1, None, None, False, 0.01),
+])
+def test_opcheck_conv2d(args):
+    opcheck(torch_ops.conv2d_op, args)
+
+
+@pytest.mark.parametrize("args", [
+    (rg(3, 5), rg(4, 5), rg(4), "gelu", None, True, 0.01),
+    (rg(2, 3, 5), rg(4, 5), None, "leaky_relu", rg(2, 3, 4), False, 0.2),
+    (rg(5), rg(4, 5), rg(4), None, None, False, 0.01),
+])
+def test_opcheck_linear(args):
+    opcheck(torch_ops.linear_op, args)
+
+
+@pytest.mark.parametrize("args", [
+    (rg(2, 3, 5), rg(5, 4), rg(4), "tanh", None, True, 0.01),
+    (rg(2, 1, 3, 5), rg(3, 5, 4), None, "relu", rg(2, 3, 3, 4), False, 0.01),
+    (rg(5), rg(2, 5, 4), None, None, None, False, 0.01),
+])
+def test_opcheck_matmul(args):
+    opcheck(torch_ops.matmul_op, args)
+
+
+@pytest.mark.parametrize("args", [
+    (rg(2, 4, 5, 8), rg(2, 2, 6, 8), rg(2, 2, 6, 8), None, False, None, True),
+    (rg(2, 4, 5, 8), rg(2, 4, 5, 8), rg(2, 4, 5, 8), None, True, 0.3, False),
+    (rg(2, 4, 5, 8), rg(2, 4, 6, 8), rg(2, 4, 6, 8), torch.randn(2, 1, 5, 6, dtype=torch.float64), False, None, False),
+    (rg(3, 5, 8), rg(3, 6, 8), rg(3, 6, 8), torch.rand(5, 6) > 0.2, False, None, False),
+])
+def test_opcheck_sdpa(args):
+    opcheck(torch_ops.sdpa_op, args)
+
+
+def test_torch_compile_fullgraph_has_no_graph_break():
+    torch._dynamo.reset()
+
+    def block(x, w, b, q, k):
+        h = cf.linear(x, w, b, activation="gelu")
+        c = cf.conv2d(h.view(2, 4, 4, 4), w[:4].reshape(4, 4, 2, 2), padding="same", activation="relu")
+        o = cf.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+        m, amax = cf.matmul(h, w, return_amax=True)
+        return c.sum() + o.sum() + m.sum() + amax
+
+    args = (torch.randn(8, 16), torch.randn(16, 16), torch.randn(16), torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8))
+    compiled = torch.compile(block, fullgraph=True)  # raises on any graph break
+    torch.testing.assert_close(compiled(*args), block(*args))
+
+
+def _grads(fn, inputs):
+    out = fn(*inputs)
+    loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum() + (out ** 2).sum()
+    return torch.autograd.grad(loss, [t for t in inputs if t is not None and t.requires_grad])
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_conv2d_gradients_equal_torch_autograd(act):
+    x, w, b, r = rg(2, 4, 7, 7), rg(6, 2, 3, 3), rg(6), rg(2, 6, 4, 4)
+    ours = _grads(lambda x, w, b, r: cf.conv2d(x, w, b, 2, 1, 1, 2, activation=act, residual=r, negative_slope=0.1),
+                  (x, w, b, r))
+    theirs = _grads(lambda x, w, b, r: reference.activation(F.conv2d(x, w, b, 2, 1, 1, 2) + r, act, 0.1), (x, w, b, r))
+    for a, t in zip(ours, theirs):
+        torch.testing.assert_close(a, t, rtol=1e-10, atol=1e-10)
+
+
+def test_conv2d_gradients_with_asymmetric_same_padding_and_unbatched():
+    x, w = rg(3, 9, 8), rg(5, 3, 4, 2)
+    ours = _grads(lambda x, w: cf.conv2d(x, w, padding="same", activation="gelu"), (x, w))
+    theirs = _grads(lambda x, w: F.gelu(F.conv2d(x, w, padding="same")), (x, w))
+    for a, t in zip(ours, theirs):
+        torch.testing.assert_close(a, t)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_gradients_equal_torch_autograd(act):
+    x, w, b, r = rg(2, 3, 5), rg(4, 5), rg(4), rg(2, 3, 4)
+    ours = _grads(lambda x, w, b, r: cf.linear(x, w, b, activation=act, residual=r), (x, w, b, r))
+    theirs = _grads(lambda x, w, b, r: reference.activation(F.linear(x, w, b) + r, act), (x, w, b, r))
+    for a, t in zip(ours, theirs):
+        torch.testing.assert_close(a, t, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_matmul_gradients_equal_torch_autograd_with_broadcasting(act):
+    a, b, bias = rg(2, 1, 3, 5), rg(3, 5, 4), rg(4)
+    ours = _grads(lambda a, b, bias: cf.matmul(a, b, bias, activation=act), (a, b, bias))
+    theirs = _grads(lambda a, b, bias: reference.activation(torch.matmul(a, b) + bias, act), (a, b, bias))
+    for x, t in zip(ours, theirs):
+        torch.testing.assert_close(x, t, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_sdpa_gradients_equal_torch_autograd(mask):
+    q, k, v = rg(2, 4, 5, 8), rg(2, 2, 6, 8), rg(2, 2, 6, 8)
+    m = None
+    if mask == "bool":
+        m = torch.rand(2, 1, 5, 6) > 0.3
+        m[..., 0] = True
+    elif mask == "float":
+        m = torch.randn(2, 4, 5, 6, dtype=torch.float64, requires_grad=True)
+    args = (q, k, v, m) if mask == "float" else (q, k, v)
+
+    def ours_fn(q, k, v, mm=m):
+        return cf.scaled_dot_product_attention(q, k, v, attn_mask=mm, enable_gqa=True)
+
+    def theirs_fn(q, k, v, mm=m):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mm)
+
+    ours, theirs = _grads(ours_fn, args), _grads(theirs_fn, args)
+    assert len(ours) == len(args)
+    for a, t in zip(ours, theirs):
+        torch.testing.assert_close(a, t)
+
+
+def test_gradcheck_every_op():
+    assert torch.autograd.gradcheck(lambda x, w: cf.conv2d(x, w, padding=1, activation="tanh"), (rg(1, 2, 4, 4), rg(3, 2, 3, 3)))
+    assert torch.autograd.gradcheck(lambda a, b: cf.matmul(a, b, activation="sigmoid"), (rg(3, 4), rg(4, 2)))
+    assert torch.autograd.gradcheck(lambda x, w: cf.linear(x, w, activation="silu"), (rg(3, 4), rg(2, 4)))
+    assert torch.autograd.gradcheck(lambda q, k, v: cf.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                    (rg(1, 2, 3, 4), rg(1, 2, 3, 4), rg(1, 2, 3, 4)))
+
+
+def test_amax_has_no_gradient_and_y_still_does():
+    x = rg(3, 5)
+    y, amax = cf.linear(x, rg(4, 5), return_amax=True)
+    assert y.requires_grad and not amax.requires_grad
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def _saved(fn):
+    """The tensors autograd saves while running fn."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def test_relu_saves_the_output_not_the_pre_activation():
+    x, w, b = rg(6, 8), rg(5, 8), rg(5)
+    y, saved = _saved(lambda: cf.linear(x, w, b, activation="relu"))
+    ptrs = {t.data_ptr() for t in saved if t is not None}
+    assert ptrs == {x.data_ptr(), w.data_ptr(), y.data_ptr()}
+
+
+def test_gelu_saves_no_intermediate_it_recomputes():
+    x, w, b = rg(6, 8), rg(5, 8), rg(5)
+    y, saved = _saved(lambda: cf.linear(x, w, b, activation="gelu"))
+    ptrs = {t.data_ptr() for t in saved if t is not None}
+    assert ptrs == {x.data_ptr(), w.data_ptr(), b.data_ptr()}  # no M x N tensor saved
+
+
+def test_dropout_sdpa_keeps_torch_autograd():
+    q = rg(1, 2, 4, 8, dtype=torch.float32)
+    o = cf.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_inference_without_grad_does_not_touch_the_dispatcher(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch_ops, "linear", lambda *a: calls.append(a))
+    x, w = torch.randn(3, 4), torch.randn(2, 4)
+    y = cf.linear(x, w)
+    assert not calls and y.shape == (3, 2)
+    with torch.no_grad():
+        cf.linear(x.requires_grad_(), w)
+    assert not calls
+    cf.linear(x, w)  # grad enabled and x requires grad: the custom op
+    assert len(calls) == 1
