@@ -9,7 +9,9 @@
 from ._version import __version__
 from .autotune import set_autotune
 from .errors import UnsupportedError
+from . import nn
 from .graphs import capture
+from .optimize import optimize
 from .ops import conv2d, linear, matmul, scaled_dot_product_attention
 from .plans import plan_stats
 
@@ -39,6 +41,8 @@ __all__ = [
     "plan_stats",
     "cache_stats",
     "capture",
+    "nn",
+    "optimize",
     "set_autotune",
     "PlanCache",
     "UnsupportedError",

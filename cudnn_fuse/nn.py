@@ -1,0 +1,78 @@
+"""Drop-in modules: subclasses of torch.nn.Conv2d / torch.nn.Linear whose forward
+is one fused cuDNN graph (op + bias [+ residual] + activation).
+
+Their parameters and state_dict are the torch modules' own, so checkpoints move
+freely between ``torch.nn.Conv2d`` and ``cudnn_fuse.nn.Conv2d``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops, reference
+from .spec import ACTIVATIONS
+
+# activations whose backward needs their input (ReLU's needs only its output)
+NEEDS_INPUT = frozenset(ACTIVATIONS) - {"relu"}
+
+
+def _check_activation(activation) -> None:
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+
+
+class Conv2d(torch.nn.Conv2d):
+    """``torch.nn.Conv2d`` + fused epilogue: ``act(conv(x) + bias + residual)``.
+
+    ``forward(x, residual=None)``; x [N, C, H, W] (channels_last is fastest).
+    """
+
+    def __init__(self, *args, activation=None, negative_slope: float = 0.01, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_activation(activation)
+        self.activation = activation
+        self.negative_slope = negative_slope
+
+    def forward(self, x, residual=None):
+        if self.padding_mode != "zeros":  # cuDNN pads with zeros only
+            z = self._conv_forward(x, self.weight, self.bias)
+            return reference.epilogue(z, None, residual, self.activation, self.negative_slope)
+        return ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                          activation=self.activation, residual=residual, negative_slope=self.negative_slope)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")
+
+
+class Linear(torch.nn.Linear):
+    """``torch.nn.Linear`` + fused epilogue: ``act(x @ W.T + bias + residual)``.
+
+    ``recompute`` matters for activations whose backward needs their input
+    (GELU, SiLU, ...): with ``recompute=True`` the forward is one fused graph and
+    saves no pre-activation (the backward recomputes it); with ``False`` (torch's
+    trade) the forward writes the pre-activation with a fused linear + bias graph,
+    keeps it for the backward and applies the activation separately.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation=None,
+                 recompute: bool = False, negative_slope: float = 0.01):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        _check_activation(activation)
+        self.activation = activation
+        self.recompute = recompute
+        self.negative_slope = negative_slope
+
+    def forward(self, x, residual=None):
+        act = self.activation
+        if act in NEEDS_INPUT and not self.recompute and torch.is_grad_enabled() and (
+                x.requires_grad or self.weight.requires_grad):
+            z = ops.linear(x, self.weight, self.bias, residual=residual)
+            return reference.activation(z, act, self.negative_slope)
+        return ops.linear(x, self.weight, self.bias, activation=act, residual=residual,
+                          negative_slope=self.negative_slope)
+
+    def extra_repr(self) -> str:
+        extra = f", activation={self.activation!r}" if self.activation else ""
+        if self.activation in NEEDS_INPUT:
+            extra += f", recompute={self.recompute}"
+        return super().extra_repr() + extra

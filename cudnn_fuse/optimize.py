@@ -1,0 +1,276 @@
+"""``optimize(model)``: rewrite a model's fusable patterns onto cudnn_fuse ops.
+
+Patterns (found on a torch.fx trace of the model, or of each child module
+when the whole model does not trace):
+
+- Conv2d [+ BatchNorm2d, folded, eval mode only] [+ residual add] [+ activation]
+  -> cudnn_fuse.nn.Conv2d (the residual rides in the epilogue);
+- Linear [+ residual add] [+ activation] -> cudnn_fuse.nn.Linear;
+- F.scaled_dot_product_attention call sites -> cudnn_fuse.scaled_dot_product_attention.
+
+A node is fused into its producer only when the producer's output has no other
+user. Everything replaced and everything left alone (with the reason) is
+logged once at INFO and kept on the model as ``cudnn_fuse_summary``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from . import nn as cfnn
+from .ops import scaled_dot_product_attention
+
+log = logging.getLogger(__name__)
+
+_ADDS = {operator.add, operator.iadd, torch.add}
+
+
+@dataclass
+class Summary:
+    replaced: list = field(default_factory=list)  # (where, pattern)
+    left_alone: list = field(default_factory=list)  # (where, reason)
+
+    def __str__(self) -> str:
+        lines = [f"cudnn_fuse.optimize: {len(self.replaced)} replaced, {len(self.left_alone)} left alone"]
+        lines += [f"  replaced {where}: {what}" for where, what in self.replaced]
+        lines += [f"  left {where}: {why}" for where, why in self.left_alone]
+        return "\n".join(lines)
+
+
+def _module_activation(m):
+    """(activation name, negative_slope) of an activation module, or None."""
+    if isinstance(m, nn.ReLU):
+        return "relu", 0.01
+    if isinstance(m, nn.GELU):
+        return ("gelu_tanh" if m.approximate == "tanh" else "gelu"), 0.01
+    if isinstance(m, nn.SiLU):
+        return "silu", 0.01
+    if isinstance(m, nn.Tanh):
+        return "tanh", 0.01
+    if isinstance(m, nn.Sigmoid):
+        return "sigmoid", 0.01
+    if isinstance(m, nn.LeakyReLU):
+        return "leaky_relu", float(m.negative_slope)
+    return None
+
+
+def _function_activation(node: fx.Node):
+    t = node.target
+    if node.op == "call_method":
+        return {"relu": ("relu", 0.01), "sigmoid": ("sigmoid", 0.01), "tanh": ("tanh", 0.01)}.get(t)
+    if node.op != "call_function":
+        return None
+    if t in (F.relu, torch.relu):
+        return "relu", 0.01
+    if t is F.gelu:
+        return ("gelu_tanh" if node.kwargs.get("approximate") == "tanh" else "gelu"), 0.01
+    if t is F.silu:
+        return "silu", 0.01
+    if t in (torch.tanh, F.tanh):
+        return "tanh", 0.01
+    if t in (torch.sigmoid, F.sigmoid):
+        return "sigmoid", 0.01
+    if t is F.leaky_relu:
+        slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
+        return "leaky_relu", float(slope)
+    return None
+
+
+def _activation_of(gm, node: fx.Node):
+    if node.op == "call_module":
+        return _module_activation(gm.get_submodule(node.target))
+    extra_ok = 2 if node.target is F.leaky_relu else 1  # leaky_relu's slope may be positional
+    if len(node.args) > extra_ok:
+        return None
+    return _function_activation(node)
+
+
+def _only_user(node: fx.Node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _residual_of(node: fx.Node, prev: fx.Node):
+    """The other operand when ``node`` is ``prev + other`` (a tensor), else None."""
+    if node.op != "call_function" or node.target not in _ADDS or node.kwargs or len(node.args) != 2:
+        return None
+    a, b = node.args
+    other = b if a is prev else a if b is prev else None
+    return other if isinstance(other, fx.Node) and other is not prev else None
+
+
+def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d):
+    """Conv weight and bias with an eval-mode BatchNorm folded in."""
+    scale = bn.weight.detach() / torch.sqrt(bn.running_var + bn.eps) if bn.affine else 1 / torch.sqrt(bn.running_var + bn.eps)
+    shift = bn.bias.detach() if bn.affine else torch.zeros_like(bn.running_mean)
+    w = conv.weight.detach() * scale.view(-1, 1, 1, 1).to(conv.weight.dtype)
+    b0 = conv.bias.detach() if conv.bias is not None else torch.zeros_like(bn.running_mean)
+    b = (b0 - bn.running_mean) * scale + shift
+    return w, b.to(conv.weight.dtype)
+
+
+def _new_conv(conv: nn.Conv2d, weight, bias, act, slope) -> cfnn.Conv2d:
+    m = cfnn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                    conv.groups, bias=bias is not None, padding_mode=conv.padding_mode, device=conv.weight.device,
+                    dtype=conv.weight.dtype, activation=act, negative_slope=slope)
+    if weight is conv.weight:  # nothing folded: share the parameters (training keeps working on them)
+        m.weight, m.bias = conv.weight, conv.bias
+    else:
+        with torch.no_grad():
+            m.weight.copy_(weight)
+            m.bias.copy_(bias)
+    m.train(conv.training)
+    return m
+
+
+def _new_linear(lin: nn.Linear, act, slope, recompute) -> cfnn.Linear:
+    m = cfnn.Linear(lin.in_features, lin.out_features, lin.bias is not None, lin.weight.device, lin.weight.dtype,
+                    activation=act, recompute=recompute, negative_slope=slope)
+    m.weight, m.bias = lin.weight, lin.bias  # share the parameters (training keeps working on them)
+    m.train(lin.training)
+    return m
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, summary: Summary, prefix: str, recompute: bool):
+        self.gm, self.summary, self.prefix, self.recompute = gm, summary, prefix, recompute
+        self.count = 0
+
+    def where(self, node) -> str:
+        return f"{self.prefix}{node.target if node.op == 'call_module' else node.name}"
+
+    def epilogue(self, last: fx.Node):
+        """Follow [residual add] [activation] after ``last``: (nodes, residual, act, slope)."""
+        fused, residual, act = [], None, None
+        nxt = _only_user(last)
+        if nxt is not None:
+            other = _residual_of(nxt, last)
+            if other is not None:
+                fused.append(nxt)
+                residual, last = other, nxt
+                nxt = _only_user(last)
+        if nxt is not None:
+            act = _activation_of(self.gm, nxt)
+            if act is not None:
+                fused.append(nxt)
+        return fused, residual, act
+
+    def replace(self, first: fx.Node, fused: list, module: nn.Module, args: tuple, pattern: str) -> None:
+        name = f"cudnn_fuse_{self.count}"
+        self.count += 1
+        self.gm.add_submodule(name, module)
+        last = fused[-1] if fused else first
+        with self.gm.graph.inserting_after(last):
+            new = self.gm.graph.call_module(name, args)
+        last.replace_all_uses_with(new)
+        for n in reversed([first] + fused):
+            self.gm.graph.erase_node(n)
+        self.summary.replaced.append((self.where(first), pattern))
+
+    def conv(self, node: fx.Node) -> None:
+        conv = self.gm.get_submodule(node.target)
+        if conv.padding_mode != "zeros":
+            self.summary.left_alone.append((self.where(node), f"padding_mode={conv.padding_mode!r} (cuDNN pads zeros)"))
+            return
+        fused, weight, bias, pattern = [], conv.weight, conv.bias, ["Conv2d"]
+        last = node
+        bn_node = _only_user(node)
+        if bn_node is not None and bn_node.op == "call_module" and isinstance(self.gm.get_submodule(bn_node.target),
+                                                                              nn.BatchNorm2d):
+            bn = self.gm.get_submodule(bn_node.target)
+            if bn.training or not bn.track_running_stats:
+                self.summary.left_alone.append((self.where(bn_node), "BatchNorm2d in training mode (folded only in eval)"))
+                return
+            weight, bias = _fold_bn(conv, bn)
+            fused.append(bn_node)
+            pattern.append("BatchNorm2d(folded)")
+            last = bn_node
+        more, residual, act = self.epilogue(last)
+        fused += more
+        if residual is not None:
+            pattern.append("residual add")
+        if act is not None:
+            pattern.append(act[0])
+        if len(pattern) == 1:
+            # nothing to fuse, but the plain conv still runs as one cuDNN graph
+            pattern.append("(alone)")
+        m = _new_conv(conv, weight, bias, act[0] if act else None, act[1] if act else 0.01)
+        args = (node.args[0],) + ((residual,) if residual is not None else ())
+        self.replace(node, fused, m, args, " + ".join(pattern))
+
+    def linear(self, node: fx.Node) -> None:
+        lin = self.gm.get_submodule(node.target)
+        fused, residual, act = self.epilogue(node)
+        if not fused:
+            self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's linear is as fast)"))
+            return
+        m = _new_linear(lin, act[0] if act else None, act[1] if act else 0.01, self.recompute)
+        pattern = ["Linear"] + (["residual add"] if residual is not None else []) + ([act[0]] if act else [])
+        args = (node.args[0],) + ((residual,) if residual is not None else ())
+        self.replace(node, fused, m, args, " + ".join(pattern))
+
+    def run(self) -> None:
+        for node in list(self.gm.graph.nodes):
+            if node.graph is not self.gm.graph or node not in self.gm.graph.nodes:
+                continue
+            if node.op == "call_module":
+                m = self.gm.get_submodule(node.target)
+                if type(m) is nn.Conv2d:
+                    self.conv(node)
+                elif type(m) is nn.Linear:
+                    self.linear(node)
+            elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
+                node.target = scaled_dot_product_attention
+                self.summary.replaced.append((self.where(node), "F.scaled_dot_product_attention"))
+        self.gm.graph.eliminate_dead_code()
+        self.gm.delete_all_unused_submodules()
+        self.gm.graph.lint()
+        self.gm.recompile()
+
+
+def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) -> nn.Module:
+    """The traced + rewritten module, or the module with its children rewritten."""
+    try:
+        gm = fx.symbolic_trace(module)
+    except Exception as exc:  # noqa: BLE001 - untraceable forward: try its children
+        if not list(module.children()):
+            summary.left_alone.append((prefix.rstrip(".") or type(module).__name__,
+                                       f"not traceable by torch.fx ({type(exc).__name__})"))
+            return module
+        for name, child in list(module.named_children()):
+            setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute))
+        return module
+    _Rewriter(gm, summary, prefix, recompute).run()
+    gm.train(module.training)
+    return gm
+
+
+def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, inplace: bool = False) -> nn.Module:
+    """Return ``model`` with its fusable patterns on cudnn_fuse ops (see the module doc).
+
+    Eval mode folds BatchNorm2d into the convs (inference); in train mode BN stays.
+    Convs' models are moved to channels_last once. ``autotune`` turns on
+    autotuning of new plans; ``recompute`` is given to the Linear modules.
+    The original model is left untouched unless ``inplace``.
+    """
+    if autotune:
+        from .autotune import set_autotune
+
+        set_autotune(True)
+    if not inplace:
+        model = copy.deepcopy(model)
+    summary = Summary()
+    out = _rewrite(model, summary, "", recompute)
+    if any(isinstance(m, nn.Conv2d) for m in out.modules()):
+        out = out.to(memory_format=torch.channels_last)
+    out.cudnn_fuse_summary = summary
+    log.info("%s", summary)
+    return out

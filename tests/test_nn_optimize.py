@@ -1,0 +1,277 @@
+"""cf.nn modules and cf.optimize() on small CNN and transformer models (CPU path)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cudnn_fuse as cf
+from cudnn_fuse import nn as cfnn
+from cudnn_fuse.optimize import optimize
+
+torch.manual_seed(0)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def test_conv2d_module_is_a_torch_conv_with_a_fused_epilogue():
+    m = cfnn.Conv2d(4, 6, 3, padding=1, activation="relu")
+    assert isinstance(m, nn.Conv2d) and "activation='relu'" in repr(m)
+    x, r = torch.randn(2, 4, 5, 5), torch.randn(2, 6, 5, 5)
+    torch.testing.assert_close(m(x, r), F.relu(F.conv2d(x, m.weight, m.bias, padding=1) + r))
+
+
+def test_conv2d_module_with_reflect_padding_runs_torch():
+    m = cfnn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect", activation="tanh")
+    x = torch.randn(1, 2, 6, 6)
+    torch.testing.assert_close(m(x), torch.tanh(nn.Conv2d.forward(m, x)))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_linear_module_outputs_and_gradients_match_torch(recompute):
+    m = cfnn.Linear(8, 5, activation="gelu", recompute=recompute)
+    ref = nn.Linear(8, 5)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(3, 8, requires_grad=True)
+    y = m(x)
+    torch.testing.assert_close(y, F.gelu(ref(x)))
+    y.square().sum().backward()
+    g_ours = (x.grad.clone(), m.weight.grad.clone(), m.bias.grad.clone())
+    x.grad = None
+    F.gelu(ref(x)).square().sum().backward()
+    for a, b in zip(g_ours, (x.grad, ref.weight.grad, ref.bias.grad)):
+        torch.testing.assert_close(a, b)
+
+
+def _saved_count(fn) -> int:
+    n = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: n.append(t.numel()) or t, lambda t: t):
+        fn()
+    return sum(n)
+
+
+def test_recompute_saves_less_than_keeping_the_pre_activation():
+    x = torch.randn(64, 32, requires_grad=True)
+    keep = cfnn.Linear(32, 128, activation="gelu", recompute=False)
+    redo = cfnn.Linear(32, 128, activation="gelu", recompute=True)
+    redo.load_state_dict(keep.state_dict())
+    saved_keep, saved_redo = _saved_count(lambda: keep(x)), _saved_count(lambda: redo(x))
+    inputs = 64 * 32 + 128 * 32 + 128  # x, weight, bias
+    assert saved_redo <= inputs  # recompute: no M x N tensor is kept
+    assert saved_keep >= 64 * 128  # the pre-activation is kept for a backward without recomputation
+
+
+def test_modules_reject_unknown_activation():
+    with pytest.raises(ValueError, match="activation"):
+        cfnn.Linear(2, 2, activation="swishy")
+    with pytest.raises(ValueError, match="activation"):
+        cfnn.Conv2d(2, 2, 1, activation="mish")
+
+
+def test_state_dict_round_trips_with_torch_modules():
+    t_conv, c_conv = nn.Conv2d(3, 4, 3), cfnn.Conv2d(3, 4, 3, activation="silu")
+    c_conv.load_state_dict(t_conv.state_dict())
+    t2 = nn.Conv2d(3, 4, 3)
+    t2.load_state_dict(c_conv.state_dict())
+    assert set(t_conv.state_dict()) == set(c_conv.state_dict())
+    torch.testing.assert_close(t2.weight, t_conv.weight)
+    t_lin, c_lin = nn.Linear(3, 4, bias=False), cfnn.Linear(3, 4, bias=False, activation="relu")
+    c_lin.load_state_dict(t_lin.state_dict())
+    torch.testing.assert_close(c_lin.weight, t_lin.weight)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c // 2, 1, bias=False), nn.BatchNorm2d(c // 2)
+        self.conv2, self.bn2 = nn.Conv2d(c // 2, c // 2, 3, padding=1, bias=False), nn.BatchNorm2d(c // 2)
+        self.conv3, self.bn3 = nn.Conv2d(c // 2, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += identity
+        return self.relu(out)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.blocks = nn.Sequential(Bottleneck(16), Bottleneck(16))
+        self.pad = nn.Conv2d(16, 16, 3, padding=1, padding_mode="reflect")
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.pad(self.blocks(self.stem(x)))
+        return self.head(x.mean((2, 3)))
+
+
+class Attention(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(o.transpose(1, 2).reshape(B, S, D))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, h)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(self.act(self.fc(self.ln2(x))))
+
+
+def _randomize_bn(model):
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return model
+
+
+def test_optimize_cnn_eval_folds_bn_and_fuses_residuals():
+    model = _randomize_bn(SmallCNN()).eval()
+    x = torch.randn(2, 3, 12, 12)
+    opt = optimize(model)
+    torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    s = opt.cudnn_fuse_summary
+    patterns = dict(s.replaced)
+    assert patterns["stem.0"] == "Conv2d + BatchNorm2d(folded) + relu"
+    assert patterns["blocks.0.conv3"] == "Conv2d + BatchNorm2d(folded) + residual add + relu"
+    assert patterns["blocks.1.conv2"] == "Conv2d + BatchNorm2d(folded) + relu"
+    left = dict(s.left_alone)
+    assert "padding_mode='reflect'" in left["pad"]
+    assert "no epilogue" in left["head"]
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in opt.modules())
+    assert sum(isinstance(m, cfnn.Conv2d) for m in opt.modules()) == 7
+    # the original model is untouched
+    assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+def test_optimize_cnn_train_mode_keeps_bn_and_matches_gradients():
+    model = SmallCNN().train()
+    opt = optimize(model)
+    s = dict(opt.cudnn_fuse_summary.left_alone)
+    assert any("training mode" in why for why in s.values())
+    assert any(isinstance(m, nn.BatchNorm2d) for m in opt.modules())
+    x = torch.randn(2, 3, 8, 8)
+    ref = copy.deepcopy(model)
+    y_opt, y_ref = opt(x), ref(x)
+    torch.testing.assert_close(y_opt, y_ref, rtol=1e-5, atol=1e-6)
+    y_opt.square().sum().backward()
+    y_ref.square().sum().backward()
+    grads_opt = {n: p.grad for n, p in opt.named_parameters()}
+    for n, p in ref.named_parameters():
+        key = n if n in grads_opt else None
+        if key is not None:
+            torch.testing.assert_close(grads_opt[key], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_optimize_transformer_block_same_outputs_and_gradients():
+    model = TransformerBlock()
+    opt = optimize(model)
+    patterns = [p for _, p in opt.cudnn_fuse_summary.replaced]
+    assert "F.scaled_dot_product_attention" in patterns
+    assert "Linear + gelu_tanh" in patterns
+    assert "Linear + residual add" in patterns  # the projections' residual rides in the epilogue
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y_opt, y_ref = opt(x), model(x2)
+    torch.testing.assert_close(y_opt, y_ref, rtol=1e-5, atol=1e-6)
+    y_opt.square().sum().backward()
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-6)
+    ref_grads = dict(model.named_parameters())
+    shared = 0
+    for n, p in opt.named_parameters():
+        if n in ref_grads:
+            torch.testing.assert_close(p.grad, ref_grads[n].grad, rtol=1e-4, atol=1e-6)
+            shared += 1
+    assert shared >= 4
+
+
+def test_optimize_untraceable_model_rewrites_its_children():
+    class Untraceable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow: torch.fx cannot trace this
+                return self.mlp(x)
+            return -self.mlp(x)
+
+    model = Untraceable()
+    opt = optimize(model)
+    assert dict(opt.cudnn_fuse_summary.replaced).get("mlp.0") == "Linear + relu"
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), model(x))
+
+
+def test_optimize_logs_a_summary(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.optimize"):
+        optimize(TransformerBlock())
+    assert any("replaced" in r.getMessage() for r in caplog.records)
+
+
+def test_optimize_autotune_flag_turns_on_tuning(monkeypatch):
+    from cudnn_fuse import autotune
+
+    monkeypatch.setattr(autotune, "_enabled", None)
+    optimize(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), autotune=True)
+    assert autotune.autotune_enabled()
+    monkeypatch.setattr(autotune, "_enabled", None)
+
+
+def test_small_training_run_tracks_eager_loss():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.SiLU(),
+                          nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    opt_model = optimize(model)
+    ref = copy.deepcopy(model)
+    o1, o2 = torch.optim.SGD(opt_model.parameters(), lr=0.2), torch.optim.SGD(ref.parameters(), lr=0.2)
+    x, target = torch.randn(16, 3, 6, 6), torch.randint(0, 10, (16,))
+    losses = []
+    for _ in range(20):
+        l1 = F.cross_entropy(opt_model(x), target)
+        l2 = F.cross_entropy(ref(x), target)
+        for o, l in ((o1, l1), (o2, l2)):
+            o.zero_grad()
+            l.backward()
+            o.step()
+        losses.append((l1.item(), l2.item()))
+    assert losses[-1][0] < losses[0][0] * 0.8  # it learns
+    for a, b in losses:
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b))
+
+
+def test_public_namespace_has_nn_and_optimize():
+    assert cf.nn.Linear is cfnn.Linear
+    assert cf.optimize is optimize
