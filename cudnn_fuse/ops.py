@@ -41,6 +41,33 @@ _FUSED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.flo
 # channels_last output. Chosen by measurement (docs/decisions.md).
 CONV_NCHW_POLICY = os.environ.get("CUDNN_FUSE_CONV_NCHW", "convert")
 
+# ------------------------------------------------------------------------- CuPy
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.split(".", 1)[0] == "cupy"
+
+
+def cupy_io(fn):
+    """Let ``fn`` take CuPy arrays (zero-copy through DLPack) and return CuPy arrays
+    when its first argument is one. CuPy stays optional: it is imported only then."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if isinstance(args[0], torch.Tensor) or not _is_cupy(args[0]):
+            return fn(*args, **kwargs)
+        import cupy
+
+        conv = [torch.from_dlpack(a) if _is_cupy(a) else a for a in args]
+        kw = {k: torch.from_dlpack(v) if _is_cupy(v) else v for k, v in kwargs.items()}
+        out = fn(*conv, **kw)
+        if isinstance(out, tuple):
+            return tuple(cupy.from_dlpack(t) for t in out)
+        return cupy.from_dlpack(out)
+
+    return wrapper
+
+
 # --------------------------------------------------------------------- logging
 
 _said: set = set()
@@ -163,6 +190,7 @@ def _conv_padding(padding, ksize, dilation, stride, op="conv2d"):
     return p, p
 
 
+@cupy_io
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
            return_amax=False, *, negative_slope=0.01):
     """Fused ``act(conv2d(x, weight) + bias + residual)``, optionally with ``amax = max|y|``.
@@ -311,6 +339,7 @@ def _as_batched(t: torch.Tensor, batch: Tuple[int, ...]) -> Optional[torch.Tenso
     return t
 
 
+@cupy_io
 def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
     """Fused ``act(a @ b + bias + residual)`` with torch.matmul's batching and broadcasting.
 
@@ -389,6 +418,7 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
     return (y, amax.view(())) if return_amax else y
 
 
+@cupy_io
 def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
     """Fused ``act(x @ weight.T + bias + residual)``; the [out, in] weight is read
     through strides, never copied.
@@ -476,6 +506,7 @@ def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             raise ValueError(f"{op}: attn_mask.shape={tuple(attn_mask.shape)} does not broadcast to {target}") from None
 
 
+@cupy_io
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Fused attention forward, torch.nn.functional.scaled_dot_product_attention's semantics.
 

@@ -195,3 +195,34 @@ def test_inference_without_grad_does_not_touch_the_dispatcher(monkeypatch):
     assert not calls
     cf.linear(x, w)  # grad enabled and x requires grad: the custom op
     assert len(calls) == 1
+
+
+def test_cupy_arrays_in_and_out_through_dlpack(monkeypatch):
+    """With a stand-in 'cupy' module (numpy underneath; the real one is GPU-tested): arrays
+    go in zero-copy through DLPack and the result comes back through cupy.from_dlpack."""
+    import sys
+    import types
+
+    import numpy as np
+
+    fake = types.ModuleType("cupy")
+    fake.from_dlpack = np.from_dlpack
+
+    class Array:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, *args, **kwargs):
+            return self.a.__dlpack__(*args, **kwargs)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    Array.__module__ = "cupy._core.core"
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    x, w = np.random.randn(3, 4).astype(np.float32), np.random.randn(5, 4).astype(np.float32)
+    y = cf.linear(Array(x), Array(w), activation="relu")
+    assert isinstance(y, np.ndarray) and y.shape == (3, 5)
+    np.testing.assert_allclose(y, np.maximum(x @ w.T, 0), rtol=1e-5, atol=1e-6)
+    y2, amax = cf.matmul(Array(x), Array(w.T.copy()), return_amax=True)
+    assert isinstance(amax, np.ndarray) and np.isclose(amax, np.abs(y2).max())

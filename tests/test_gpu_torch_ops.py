@@ -1,0 +1,160 @@
+"""GPU tests of the PyTorch integration: gradients, optimize() on real models,
+a short training run, torch.compile, CuPy."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cudnn_fuse as cf
+from cudnn_fuse import reference
+
+pytestmark = pytest.mark.gpu
+
+ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def check_grads(fn, ref_fn, inputs, dtype, tol=2e-2):
+    ours = leaves(*[t.to(dtype) for t in inputs])
+    refs = leaves(*[t.float() for t in inputs])
+    y, yr = fn(*ours), ref_fn(*refs)
+    g = torch.randn_like(yr)
+    y.backward(g.to(dtype))
+    yr.backward(g)
+    assert rel(y, yr) <= tol
+    for a, b in zip(ours, refs):
+        assert rel(a.grad, b.grad) <= tol, "gradient mismatch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_conv2d_gradients(dtype, act):
+    x = torch.randn(4, 16, 12, 12, device="cuda").to(memory_format=torch.channels_last)
+    w = (torch.randn(32, 16, 3, 3, device="cuda") / 12).to(memory_format=torch.channels_last)
+    b, r = torch.randn(32, device="cuda"), torch.randn(4, 32, 12, 12, device="cuda")
+    check_grads(lambda x, w, b, r: cf.conv2d(x, w, b, padding=1, activation=act, residual=r),
+                lambda x, w, b, r: reference.activation(F.conv2d(x, w, b, padding=1) + r, act), (x, w, b, r), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_and_matmul_gradients(dtype, act):
+    x, w, b = torch.randn(2, 64, 96, device="cuda"), torch.randn(80, 96, device="cuda") / 10, torch.randn(80, device="cuda")
+    check_grads(lambda x, w, b: cf.linear(x, w, b, activation=act),
+                lambda x, w, b: reference.activation(F.linear(x, w, b), act), (x, w, b), dtype)
+    check_grads(lambda x, w, b: cf.matmul(x, w.t(), b, activation=act),
+                lambda x, w, b: reference.activation(x @ w.t() + b, act), (x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sdpa_gradients(dtype):
+    q, k, v = (torch.randn(2, 8, 128, 64, device="cuda") for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+
+    def ref(q, k, v):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+
+    check_grads(lambda q, k, v: cf.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), ref,
+                (q, k, v), dtype)
+
+
+def test_forward_with_grad_runs_the_fused_graph():
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    before = cf.plan_stats()["fallbacks"]
+    y = cf.linear(x, w, activation="gelu")
+    assert cf.plan_stats()["fallbacks"] == before
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+def test_torch_compile_fullgraph_on_cuda():
+    torch._dynamo.reset()
+    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) / 16
+
+    def f(x):
+        return cf.linear(cf.linear(x, w, activation="relu"), w, activation="silu")
+
+    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    out = torch.compile(f, fullgraph=True)(x)
+    assert rel(out, f(x)) < 1e-3
+
+
+def test_resnet50_through_optimize_matches_eager():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().cuda().half().eval().to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 224, 224, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+    opt = cf.optimize(model)
+    replaced = dict(opt.cudnn_fuse_summary.replaced)
+    assert sum("Conv2d" in p for p in replaced.values()) == 53  # every conv of resnet50
+    assert sum("residual add" in p for p in replaced.values()) == 16  # one per bottleneck
+    with torch.no_grad():
+        ref, out = model.float()(x.float()), opt(x)
+    assert rel(out, ref) < 2e-2
+
+
+def test_gpt2_through_optimize_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, n_positions=256, vocab_size=1000)
+    model = transformers.GPT2LMHeadModel(cfg).cuda().eval()
+    ids = torch.randint(0, 1000, (2, 128), device="cuda")
+    with torch.no_grad():
+        ref = model(ids).logits
+        opt = cf.optimize(model)
+        out = opt(ids).logits
+    assert rel(out, ref) < 1e-3
+    assert opt.cudnn_fuse_summary.replaced or opt.cudnn_fuse_summary.left_alone
+
+
+def test_training_100_steps_tracks_eager_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+                          nn.SiLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 64), nn.GELU(),
+                          nn.Linear(64, 10)).cuda()
+    ref = copy.deepcopy(model)
+    opt = cf.optimize(model)
+    o1, o2 = torch.optim.SGD(opt.parameters(), lr=0.05, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.05,
+                                                                                        momentum=0.9)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 3, 16, 16, device="cuda", generator=g)
+    target = torch.randint(0, 10, (64,), device="cuda", generator=g)
+    diffs, first, last = [], None, None
+    for step in range(100):
+        l1 = F.cross_entropy(opt(x), target)
+        l2 = F.cross_entropy(ref(x), target)
+        for o, l in ((o1, l1), (o2, l2)):
+            o.zero_grad()
+            l.backward()
+            o.step()
+        first = first if first is not None else l1.item()
+        last = l1.item()
+        diffs.append(abs(l1.item() - l2.item()) / max(l2.item(), 1e-3))
+    assert last < 0.5 * first
+    assert max(diffs[:20]) < 0.05 and math.isfinite(last)
+
+
+def test_cupy_in_cupy_out():
+    cp = pytest.importorskip("cupy")
+    x = cp.random.randn(64, 128).astype(cp.float16)
+    w = (cp.random.randn(96, 128) * 0.1).astype(cp.float16)
+    y = cf.linear(x, w, activation="relu")
+    assert isinstance(y, cp.ndarray) and y.shape == (64, 96)
+    ref = cp.maximum(x.astype(cp.float32) @ w.astype(cp.float32).T, 0)
+    assert float(cp.linalg.norm(y.astype(cp.float32) - ref) / cp.linalg.norm(ref)) < 1e-2
