@@ -241,10 +241,12 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) 
     try:
         gm = fx.symbolic_trace(module)
     except Exception as exc:  # noqa: BLE001 - untraceable forward: try its children
+        where = prefix.rstrip(".") or type(module).__name__
         if not list(module.children()):
-            summary.left_alone.append((prefix.rstrip(".") or type(module).__name__,
-                                       f"not traceable by torch.fx ({type(exc).__name__})"))
+            summary.left_alone.append((where, f"not traceable by torch.fx ({type(exc).__name__})"))
             return module
+        summary.left_alone.append((where, f"not traceable by torch.fx ({type(exc).__name__}); its children are "
+                                          "rewritten one by one"))
         for name, child in list(module.named_children()):
             setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute))
         return module

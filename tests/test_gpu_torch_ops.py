@@ -30,8 +30,10 @@ def leaves(*tensors):
 
 
 def check_grads(fn, ref_fn, inputs, dtype, tol=2e-2):
+    """Ours in ``dtype`` against fp32 autograd on the same (rounded) inputs upcast: a
+    reference on unrounded inputs would flip ReLU's mask wherever rounding crosses 0."""
     ours = leaves(*[t.to(dtype) for t in inputs])
-    refs = leaves(*[t.float() for t in inputs])
+    refs = leaves(*[t.to(dtype).float() for t in inputs])
     y, yr = fn(*ours), ref_fn(*refs)
     g = torch.randn_like(yr)
     y.backward(g.to(dtype))
@@ -120,7 +122,9 @@ def test_gpt2_through_optimize_matches_eager():
         opt = cf.optimize(model)
         out = opt(ids).logits
     assert rel(out, ref) < 1e-3
-    assert opt.cudnn_fuse_summary.replaced or opt.cudnn_fuse_summary.left_alone
+    # transformers' modules do not trace with torch.fx: optimize() says so and leaves them as they are
+    left = dict(opt.cudnn_fuse_summary.left_alone)
+    assert any("not traceable" in why for why in left.values())
 
 
 def test_training_100_steps_tracks_eager_loss():
@@ -130,8 +134,7 @@ def test_training_100_steps_tracks_eager_loss():
                           nn.Linear(64, 10)).cuda()
     ref = copy.deepcopy(model)
     opt = cf.optimize(model)
-    o1, o2 = torch.optim.SGD(opt.parameters(), lr=0.05, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.05,
-                                                                                        momentum=0.9)
+    o1, o2 = torch.optim.Adam(opt.parameters(), lr=2e-3), torch.optim.Adam(ref.parameters(), lr=2e-3)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 3, 16, 16, device="cuda", generator=g)
     target = torch.randint(0, 10, (64,), device="cuda", generator=g)
@@ -146,8 +149,8 @@ def test_training_100_steps_tracks_eager_loss():
         first = first if first is not None else l1.item()
         last = l1.item()
         diffs.append(abs(l1.item() - l2.item()) / max(l2.item(), 1e-3))
-    assert last < 0.5 * first
-    assert max(diffs[:20]) < 0.05 and math.isfinite(last)
+    assert math.isfinite(last) and last < 0.7 * first  # it learns (memorises the batch)
+    assert max(diffs[:50]) < 0.02 and max(diffs) < 0.1  # and tracks eager's loss curve
 
 
 def test_cupy_in_cupy_out():

@@ -229,6 +229,7 @@ def test_optimize_untraceable_model_rewrites_its_children():
     model = Untraceable()
     opt = optimize(model)
     assert dict(opt.cudnn_fuse_summary.replaced).get("mlp.0") == "Linear + relu"
+    assert "not traceable" in dict(opt.cudnn_fuse_summary.left_alone)["Untraceable"]
     x = torch.randn(4, 8)
     torch.testing.assert_close(opt(x), model(x))
 
