@@ -29,18 +29,24 @@ def leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 
 
-def check_grads(fn, ref_fn, inputs, dtype, tol=2e-2):
-    """Ours in ``dtype`` against fp32 autograd on the same (rounded) inputs upcast: a
-    reference on unrounded inputs would flip ReLU's mask wherever rounding crosses 0."""
+def check_grads(fn, ref_fn, inputs, dtype, tol=1e-2):
+    """Ours in ``dtype`` against fp32 autograd on the same (rounded) inputs upcast.
+
+    The gradient bound is a small multiple of torch's own error in ``dtype`` (its
+    autograd on the same inputs), floored at ``tol``: a 16-bit backward rounds dz
+    and every grad, and kinks (ReLU at 0) amplify that (flash-attention's rule).
+    """
     ours = leaves(*[t.to(dtype) for t in inputs])
     refs = leaves(*[t.to(dtype).float() for t in inputs])
-    y, yr = fn(*ours), ref_fn(*refs)
+    torch_lp = leaves(*[t.to(dtype) for t in inputs])
+    y, yr, yt = fn(*ours), ref_fn(*refs), ref_fn(*torch_lp)
     g = torch.randn_like(yr)
-    y.backward(g.to(dtype))
-    yr.backward(g)
+    for out, grad in ((y, g.to(dtype)), (yr, g), (yt, g.to(dtype))):
+        out.backward(grad)
     assert rel(y, yr) <= tol
-    for a, b in zip(ours, refs):
-        assert rel(a.grad, b.grad) <= tol, "gradient mismatch"
+    for a, b, t in zip(ours, refs, torch_lp):
+        bound = max(tol, 2 * rel(t.grad, b.grad))
+        assert rel(a.grad, b.grad) <= bound, "gradient error over twice torch's own"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
