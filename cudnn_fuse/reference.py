@@ -56,6 +56,13 @@ def epilogue(z, bias=None, residual=None, act=None, negative_slope=0.01, return_
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
            return_amax=False, negative_slope=0.01):
+    if x.is_cuda:
+        # the bias inside the conv is added before the 16-bit rounding (where z + bias cancels,
+        # rounding z first would cost all its digits); torch 2.13's CPU conv with a bias crashes
+        # on some channels_last inputs, so the CPU adds it after
+        z = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        shape = (-1, 1, 1) if z.dim() == 3 else (1, -1, 1, 1)
+        return epilogue(z, None, residual, activation, negative_slope, return_amax, bias_shape=shape)
     z = F.conv2d(x, weight, None, stride, padding, dilation, groups)
     shape = (-1, 1, 1) if z.dim() == 3 else (1, -1, 1, 1)
     return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape)
@@ -72,12 +79,16 @@ def conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activati
 
 
 def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, negative_slope=0.01):
-    z = F.linear(x, weight)
-    return epilogue(z, bias, residual, activation, negative_slope, return_amax)
+    z = F.linear(x, weight, bias)  # the GEMM adds the bias before rounding
+    return epilogue(z, None, residual, activation, negative_slope, return_amax)
 
 
 def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, negative_slope=0.01):
-    z = torch.matmul(a, b)
+    if bias is not None and b.dim() == 2 and a.dim() >= 2:
+        z = F.linear(a, b.t(), bias)  # bias added inside the GEMM, before rounding
+        bias = None
+    else:
+        z = torch.matmul(a, b)
     return epilogue(z, bias, residual, activation, negative_slope, return_amax)
 
 

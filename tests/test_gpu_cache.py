@@ -181,7 +181,7 @@ def test_concurrent_threads_share_one_plan_and_get_right_answers():
 
     w = (torch.randn(384, 256, device="cuda") * 0.06).to(torch.bfloat16)
     plans.clear()
-    before = cf.plan_stats()["builds"]
+    before = cf.plan_stats()["builds"] + cf.plan_stats()["loads"]
     errors, results = [], []
 
     def worker(seed):
@@ -205,4 +205,5 @@ def test_concurrent_threads_share_one_plan_and_get_right_answers():
         t.join()
     assert not errors, errors
     assert len(results) == 8 and max(results) < 1e-2
-    assert cf.plan_stats()["builds"] - before == 1
+    after = cf.plan_stats()
+    assert after["builds"] + after["loads"] - before == 1  # one plan, built or loaded from a warm disk cache

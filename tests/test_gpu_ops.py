@@ -56,6 +56,7 @@ class Fused:
     def __exit__(self, *exc):
         after = cf.plan_stats()
         self.builds = after["builds"] - self.before["builds"]
+        self.loads = after["loads"] - self.before["loads"]
         self.fallbacks = after["fallbacks"] - self.before["fallbacks"]
         if exc[0] is None and not self.allow_fallback:
             assert self.fallbacks == 0, "the op fell back to PyTorch"
@@ -332,8 +333,9 @@ def test_second_call_builds_nothing():
         for _ in range(5):
             cf.conv2d(rnd(*x.shape, dtype=x.dtype).to(memory_format=torch.channels_last), w, b, padding=1,
                       activation="relu")
-    assert first.builds == 1
-    assert second.builds == 0
+    # a warm disk cache loads the plan instead of building it: either way, one plan, once
+    assert first.builds + first.loads == 1
+    assert second.builds == 0 and second.loads == 0
 
 
 def test_non_default_stream_is_correct():
