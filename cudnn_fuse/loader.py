@@ -201,8 +201,10 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
 
 @contextlib.contextmanager
 def _tune_lock(pc, digest: str):
-    """Yield True when this process holds the tune lock of ``digest``; False when
-    another process held it for longer than TUNE_WAIT_S (or locking failed)."""
+    """Yield True when this process should tune ``digest``: it holds the tune lock
+    (or no lock file can be made: tuning unlocked beats not tuning). Yield False
+    when another process held the lock past TUNE_WAIT_S, or tuned the key while
+    this one waited (the caller then loads that result)."""
     path = None
     try:
         lock_dir = os.path.join(str(pc.dir), "locks")
