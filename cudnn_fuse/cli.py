@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -42,11 +43,51 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="run each public op against its plain torch expression")
     demo.set_defaults(run=_demo)
-    from . import cache_cli, cli_autotune
+    from . import cache_cli, cli_autotune, prewarm
 
     cli_autotune.add_command(commands)
     cache_cli.add_cache_commands(commands)
+    pw = commands.add_parser("prewarm", help="build every entry of a plan manifest into the cache",
+                             description=prewarm.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prewarm.add_arguments(pw)
+    pw.set_defaults(run=prewarm.run)
+    rec = commands.add_parser("record", help="run a Python script and write the op specs it used as a manifest")
+    rec.add_argument("-o", "--output", required=True, help="the manifest to write")
+    rec.add_argument("--name", default="", help="a name stored in the manifest")
+    rec.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS...] (or -- SCRIPT [ARGS...])")
+    rec.set_defaults(run=_record)
     return parser
+
+
+def _record(args: argparse.Namespace) -> int:
+    """Run a script in this process with cf.record active (every op spec it makes is kept)."""
+    import runpy
+    import sys
+
+    from . import manifest
+
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if cmd and os.path.basename(cmd[0]).startswith("python"):
+        cmd = cmd[1:]
+    if not cmd or not cmd[0].endswith(".py"):
+        print("cudnn-fuse record: give the script to run: cudnn-fuse record -o out.json -- python SCRIPT.py [ARGS]",
+              file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = cmd
+    status = 0
+    with manifest.record(args.output, name=args.name or os.path.basename(cmd[0])) as rec:
+        try:
+            runpy.run_path(cmd[0], run_name="__main__")
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        finally:
+            sys.argv = saved
+    entries = rec.entries
+    print(f"recorded {len(entries)} distinct op specs ({sum(e.count for e in entries)} calls) into {args.output}")
+    return status
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import plans, reference
+from . import manifest, plans, reference
 from .errors import UnsupportedError
 from .spec import (
     ACTIVATIONS,
@@ -89,7 +89,7 @@ def _fallback(op: str, reason: str) -> None:
 def _why_not_fused(op: str, tensors: Sequence[Optional[torch.Tensor]]) -> Optional[str]:
     """The reason the fused path cannot run these operands, or None."""
     ts = [t for t in tensors if t is not None]
-    if not all(t.is_cuda for t in ts):
+    if not all(t.is_cuda or t.is_meta for t in ts):  # meta: record the spec, run nothing
         return "no CUDA GPU" if not torch.cuda.is_available() else "tensors are not on a CUDA device"
     if ts[0].dtype not in _FUSED_DTYPES:
         return f"dtype {ts[0].dtype} has no cuDNN fused path"
@@ -160,7 +160,14 @@ def _amax_buffer(ref: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def _run(op: str, spec, buffers, ref_fn):
-    """Run ``spec``'s plan on ``buffers``; on UnsupportedError run ``ref_fn``."""
+    """Run ``spec``'s plan on ``buffers``; on UnsupportedError run ``ref_fn``.
+
+    An active ``cf.record`` notes the spec; meta tensors stop here (shapes only)."""
+    rec = manifest.active()
+    if rec is not None:
+        rec.add(spec)
+    if buffers[0].is_meta:
+        return None, None
     try:
         plan = plans.get_plan(spec, buffers[0].device.index)
     except UnsupportedError as exc:
@@ -237,8 +244,24 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
                        negative_slope)
 
 
+def _as_meta(v):
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+    return v
+
+
+def _record_as_gpu(fwd, *args) -> None:
+    """Under ``cf.record`` with CPU tensors: make the spec this call would make on a
+    GPU, by running ``fwd`` on meta copies (shapes and strides only, nothing computed)."""
+    if manifest.active() is not None and not any(isinstance(a, torch.Tensor) and (a.is_cuda or a.is_meta)
+                                                 for a in args):
+        fwd(*[_as_meta(a) for a in args])
+
+
 def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax, negative_slope):
     """conv2d on validated arguments: the fused graph, or the reference."""
+    _record_as_gpu(_conv2d_fwd, x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
+                   negative_slope)
     op = "conv2d"
     K = weight.shape[0]
     ref = functools.partial(reference.conv2d_padded, x, weight, bias, stride, pre, post, dilation, groups, activation,
@@ -291,7 +314,7 @@ def conv_out_channels_last(x: torch.Tensor) -> bool:
         return False
     if _is_channels_last(x):
         return True
-    return x.is_cuda and x.dtype in _FUSED_DTYPES and CONV_NCHW_POLICY == "convert"
+    return (x.is_cuda or x.is_meta) and x.dtype in _FUSED_DTYPES and CONV_NCHW_POLICY == "convert"
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -377,6 +400,7 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
 
 def _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope):
     """matmul on validated arguments: the fused graph, or the reference."""
+    _record_as_gpu(_matmul_fwd, a, b, bias, activation, residual, return_amax, negative_slope)
     a2 = a.unsqueeze(0) if a.dim() == 1 else a
     b2 = b.unsqueeze(-1) if b.dim() == 1 else b
     batch = tuple(torch.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
@@ -450,6 +474,7 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
 
 def _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope):
     """linear on validated arguments: the fused graph, or the reference."""
+    _record_as_gpu(_linear_fwd, x, weight, bias, activation, residual, return_amax, negative_slope)
     op = "linear"
     K, N = x.shape[-1], weight.shape[0]
     out_shape = tuple(x.shape[:-1]) + (N,)
@@ -530,6 +555,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
 
 def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """attention on validated arguments: the fused graph, or the reference."""
+    _record_as_gpu(_sdpa_fwd, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     op = "scaled_dot_product_attention"
     ref = functools.partial(reference.scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale,
                             enable_gqa)

@@ -1,0 +1,156 @@
+"""Plan manifests: the op specs a model will run, recorded once, pre-warmed offline.
+
+A manifest is JSON (documented in plans/README.md):
+
+    {"schema": "cudnn_fuse.manifest", "version": 1, "name": "...", "description": "...",
+     "entries": [{"spec": <spec.to_dict()>, "count": 3, "weight": 1.0, "name": "layer1.0.conv2"}, ...]}
+
+``record(path)`` writes every spec the ops build while it is active (deduplicated,
+counted). Specs are made as the GPU path would make them, also for CPU and meta
+tensors, so a manifest can be recorded without a GPU (a model on the "meta"
+device records without computing anything).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from .spec import spec_from_dict
+
+SCHEMA = "cudnn_fuse.manifest"
+VERSION = 1
+
+
+class ManifestError(ValueError):
+    """A manifest that does not follow the schema; the message names the entry and field."""
+
+
+@dataclass
+class Entry:
+    spec: object
+    count: int = 1
+    weight: float = 1.0
+    name: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        d = {"spec": self.spec.to_dict(), "count": self.count}
+        if self.weight != 1.0:
+            d["weight"] = self.weight
+        if self.name:
+            d["name"] = self.name
+        return d
+
+
+def _entry(i: int, raw) -> Entry:
+    where = f"entries[{i}]"
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where} must be an object, got {type(raw).__name__}")
+    unknown = set(raw) - {"spec", "count", "weight", "name"}
+    if unknown:
+        raise ManifestError(f"{where} has unknown field(s) {sorted(unknown)}")
+    if "spec" not in raw:
+        raise ManifestError(f"{where}.spec is missing")
+    try:
+        spec = spec_from_dict(raw["spec"])
+    except (ValueError, TypeError, KeyError) as exc:
+        detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ManifestError(f"{where}.spec is not a valid op spec: {detail}") from None
+    count = raw.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ManifestError(f"{where}.count must be a positive int, got {count!r}")
+    weight = raw.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise ManifestError(f"{where}.weight must be a positive number, got {weight!r}")
+    name = raw.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ManifestError(f"{where}.name must be a string, got {type(name).__name__}")
+    return Entry(spec, count, float(weight), name)
+
+
+def parse(data) -> list:
+    """Validate a decoded manifest; returns its entries. Raises ManifestError."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"a manifest is a JSON object, got {type(data).__name__}")
+    if data.get("schema") != SCHEMA:
+        raise ManifestError(f"schema must be {SCHEMA!r}, got {data.get('schema')!r}")
+    if data.get("version") != VERSION:
+        raise ManifestError(f"version must be {VERSION}, got {data.get('version')!r}")
+    entries = data.get("entries")
+    if not isinstance(entries, list):
+        raise ManifestError("entries must be a list")
+    return [_entry(i, e) for i, e in enumerate(entries)]
+
+
+def load(path) -> list:
+    """The entries of the manifest file ``path``; ManifestError names what is wrong."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{path}: not JSON ({exc})") from None
+    try:
+        return parse(data)
+    except ManifestError as exc:
+        raise ManifestError(f"{path}: {exc}") from None
+
+
+def dump(entries, path, name: str = "", description: str = "") -> None:
+    data = {"schema": SCHEMA, "version": VERSION, "name": name, "description": description,
+            "entries": [e.to_dict() for e in entries]}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+class Recorder:
+    """Collects the specs the ops make, deduplicated and counted (thread-safe)."""
+
+    def __init__(self):
+        self._entries: "OrderedDict[object, Entry]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, spec) -> None:
+        with self._lock:
+            e = self._entries.get(spec)
+            if e is None:
+                self._entries[spec] = Entry(spec)
+            else:
+                e.count += 1
+
+    @property
+    def entries(self) -> list:
+        with self._lock:
+            return list(self._entries.values())
+
+
+_active: list = []
+
+
+def active() -> Optional[Recorder]:
+    """The innermost active recorder, or None (checked by the ops on every fused call)."""
+    return _active[-1] if _active else None
+
+
+@contextlib.contextmanager
+def record(path=None, name: str = "", description: str = ""):
+    """Record every op spec made inside the block; write a manifest to ``path`` at exit.
+
+        with cf.record("plans/mymodel.json"):
+            model(x)
+    """
+    rec = Recorder()
+    _active.append(rec)
+    try:
+        yield rec
+    finally:
+        _active.remove(rec)
+        if path is not None:
+            dump(rec.entries, path, name=name, description=description)

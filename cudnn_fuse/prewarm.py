@@ -1,0 +1,214 @@
+"""Pre-warm: build (and optionally autotune) every entry of a manifest into the plan cache.
+
+    cudnn-fuse prewarm plans/resnet50_fp16.json [--autotune] [--dry-run] [--gpus N]
+    torchrun --nproc-per-node N -m cudnn_fuse.prewarm plans/resnet50_fp16.json --autotune
+
+With several ranks the manifest is sharded round-robin over them
+(torch.distributed; NCCL on GPUs, gloo otherwise); every rank writes into the
+shared cache and rank 0 prints the table. Across nodes: the same command under
+torchrun's multi-node rendezvous, with the cache exported and imported between
+nodes (``cudnn-fuse cache export|import``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+from . import manifest
+from .errors import UnsupportedError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Row:
+    index: int
+    name: str
+    op: str
+    digest: str
+    status: str  # built | cached | would build | failed
+    seconds: float = 0.0
+    reason: str = ""
+    rank: int = 0
+
+
+def default_builder(autotune: bool, device: int) -> Callable:
+    """Build through the normal load order (which stores into the cache)."""
+    from . import autotune as at
+    from . import loader
+
+    at.set_autotune(autotune)
+
+    def build(spec):
+        loader.load_or_build(spec, device)
+
+    return build
+
+
+def _cached(pc, digest: str, want_tuned: bool) -> bool:
+    if pc is None:
+        return False
+    entry = pc.get(digest)
+    return entry is not None and (entry.meta.get("tuned") or not want_tuned)
+
+
+def prewarm(entries, *, autotune: bool = False, dry_run: bool = False, builder: Optional[Callable] = None,
+            cache=None, rank: int = 0, world: int = 1, progress: Optional[Callable[[int, int], None]] = None,
+            device: int = 0) -> list:
+    """Build this rank's share of ``entries``; returns one Row per entry of the share."""
+    mine = [(i, e) for i, e in enumerate(entries) if i % world == rank]
+    if builder is None and not dry_run:
+        builder = default_builder(autotune, device)
+    rows = []
+    for n, (i, e) in enumerate(mine):
+        if progress is not None:
+            progress(n, len(mine))
+        digest = e.spec.digest()
+        row = Row(i, e.name or f"{e.spec.op}#{i}", e.spec.op, digest[:16], "cached", rank=rank)
+        t0 = time.perf_counter()
+        if not _cached(cache, digest, autotune):
+            if dry_run:
+                row.status = "would build"
+            else:
+                try:
+                    builder(e.spec)
+                    row.status = "built"
+                except UnsupportedError as exc:
+                    row.status, row.reason = "failed", str(exc).splitlines()[0][:200]
+                except Exception as exc:  # noqa: BLE001 - one bad entry must not stop the pre-warm
+                    row.status, row.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        row.seconds = time.perf_counter() - t0
+        rows.append(row)
+    if progress is not None:
+        progress(len(mine), len(mine))
+    return rows
+
+
+def summarize(rows: list, seconds: float) -> dict:
+    return {
+        "entries": len(rows),
+        "built": sum(r.status == "built" for r in rows),
+        "already cached": sum(r.status == "cached" for r in rows),
+        "would build": sum(r.status == "would build" for r in rows),
+        "failed": sum(r.status == "failed" for r in rows),
+        "seconds": round(seconds, 2),
+    }
+
+
+def format_report(rows: list, seconds: float) -> str:
+    from .cli import format_table
+
+    s = summarize(rows, seconds)
+    out = [format_table(list(s), [list(s.values())])]
+    failed = [r for r in rows if r.status == "failed"]
+    if failed:
+        out.append("\nfailed:")
+        out.append(format_table(["#", "name", "op", "reason"], [[r.index, r.name, r.op, r.reason] for r in failed]))
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def _dist_env() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def run_distributed(entries, *, autotune=False, dry_run=False, builder=None, cache=None, progress=None):
+    """Shard over torch.distributed's ranks (initialised here from torchrun's environment);
+    returns every rank's rows on rank 0, and this rank's rows elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local = _dist_env()
+    if world == 1:
+        return prewarm(entries, autotune=autotune, dry_run=dry_run, builder=builder, cache=cache, progress=progress,
+                       device=local)
+    use_cuda = torch.cuda.is_available() and not dry_run
+    if use_cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        rows = prewarm(entries, autotune=autotune, dry_run=dry_run, builder=builder, cache=cache, rank=rank,
+                       world=world, progress=progress if rank == 0 else None, device=local)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object([asdict(r) for r in rows], gathered, dst=0)
+        if rank != 0:
+            return rows
+        return sorted((Row(**d) for part in gathered for d in part), key=lambda r: r.index)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(local_rank: int, world: int, port: int, argv: list) -> None:
+    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    main(argv, _child=True)
+
+
+def _argv_of(args) -> list:
+    return ([args.manifest] + (["--autotune"] if args.autotune else []) + (["--dry-run"] if args.dry_run else [])
+            + ["--gpus", str(args.gpus)])
+
+
+def main(argv=None, _child: bool = False) -> int:
+    """``python -m cudnn_fuse.prewarm`` / ``cudnn-fuse prewarm``."""
+    p = argparse.ArgumentParser(prog="cudnn-fuse prewarm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return run(args, _child)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("manifest", help="a plan manifest (plans/*.json)")
+    p.add_argument("--autotune", action="store_true", help="autotune every entry (default: heuristics)")
+    p.add_argument("--dry-run", action="store_true", help="only report what would be built")
+    p.add_argument("--gpus", type=int, default=1, help="spread the entries over N local GPUs (processes)")
+
+
+def run(args, _child: bool = False) -> int:
+    from .cache import open_default_cache
+    from .cli_autotune import Bar
+
+    try:
+        entries = manifest.load(args.manifest)
+    except (OSError, manifest.ManifestError) as exc:
+        print(f"cudnn-fuse prewarm: {exc}", file=sys.stderr)
+        return 2
+    if args.gpus > 1 and not _child and "WORLD_SIZE" not in os.environ:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        t0 = time.perf_counter()
+        mp.spawn(_spawned, args=(args.gpus, port, _argv_of(args)), nprocs=args.gpus, join=True)
+        print(f"\n{args.gpus} processes done in {time.perf_counter() - t0:.1f} s")
+        return 0
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("cudnn-fuse prewarm: building plans needs a CUDA GPU (none found); try --dry-run", file=sys.stderr)
+        return 2
+    rank, world, _ = _dist_env()
+    cache = open_default_cache()
+    t0 = time.perf_counter()
+    rows = run_distributed(entries, autotune=args.autotune, dry_run=args.dry_run, cache=cache,
+                           progress=Bar(f"prewarm {os.path.basename(args.manifest)}"))
+    if rank == 0:
+        print(format_report(rows, time.perf_counter() - t0))
+    return 1 if rank == 0 and any(r.status == "failed" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Manifests, record mode, pre-warm (dry run, skipping cached entries, failures) and
+its sharding over 2 processes with the gloo backend — all on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import cudnn_fuse as cf
+from cudnn_fuse import cli, manifest, prewarm
+from cudnn_fuse.errors import UnsupportedError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _specs_from_ops():
+    """Three distinct specs (and one repeat) recorded from CPU calls."""
+    with manifest.record() as rec:
+        x, w = torch.randn(2, 8, 10, 10).half(), torch.randn(16, 8, 3, 3).half()
+        cf.conv2d(x, w, padding=1, activation="relu")
+        cf.conv2d(x, w, padding=1, activation="relu")
+        cf.linear(torch.randn(4, 32).bfloat16(), torch.randn(64, 32).bfloat16(), activation="gelu")
+        q = torch.randn(1, 4, 16, 64).half()
+        cf.scaled_dot_product_attention(q, q, q, is_causal=True)
+    return rec.entries
+
+
+def test_record_dedupes_and_counts_specs_made_as_on_the_gpu():
+    entries = _specs_from_ops()
+    assert [(e.spec.op, e.count) for e in entries] == [("conv2d", 2), ("matmul", 1), ("sdpa", 1)]
+    conv = entries[0].spec
+    # recorded as the GPU path builds it: NCHW input converted to channels_last
+    assert conv.x.stride[1] == 1 and conv.y.stride[1] == 1
+    assert conv.epilogue.activation == "relu" and conv.dtype == "float16"
+
+
+def test_record_on_meta_tensors_computes_nothing_and_returns_shapes():
+    with manifest.record() as rec:
+        x = torch.empty(4, 16, 32, 32, device="meta", dtype=torch.float16)
+        w = torch.empty(32, 16, 3, 3, device="meta", dtype=torch.float16)
+        y = cf.conv2d(x, w, stride=2, padding=1, activation="silu")
+    assert y.device.type == "meta" and y.shape == (4, 32, 16, 16)
+    assert len(rec.entries) == 1 and rec.entries[0].spec.stride == (2, 2)
+
+
+def test_manifest_round_trip(tmp_path):
+    entries = _specs_from_ops()
+    entries[1].name, entries[1].weight = "mlp.fc", 2.5
+    path = tmp_path / "m.json"
+    manifest.dump(entries, path, name="t", description="d")
+    back = manifest.load(path)
+    assert [e.spec for e in back] == [e.spec for e in entries]
+    assert (back[1].name, back[1].weight, back[0].count) == ("mlp.fc", 2.5, 2)
+    data = json.loads(path.read_text())
+    assert data["schema"] == "cudnn_fuse.manifest" and data["version"] == 1
+
+
+def _valid(tmp_path):
+    path = tmp_path / "m.json"
+    manifest.dump(_specs_from_ops(), path)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.update(schema="other"), "schema"),
+    (lambda d: d.update(version=9), "version"),
+    (lambda d: d.update(entries={}), "entries must be a list"),
+    (lambda d: d["entries"][1].update(count=0), r"entries\[1\]\.count"),
+    (lambda d: d["entries"][2].update(weight=-1), r"entries\[2\]\.weight"),
+    (lambda d: d["entries"][0].update(extra=1), r"entries\[0\] has unknown field"),
+    (lambda d: d["entries"][1].pop("spec"), r"entries\[1\]\.spec is missing"),
+    (lambda d: d["entries"][2]["spec"].update(op="conv3d"), r"entries\[2\]\.spec .*op"),
+    (lambda d: d["entries"][0]["spec"].pop("x"), r"entries\[0\]\.spec .*x"),
+    (lambda d: d["entries"][0]["spec"]["epilogue"].update(activation="swish"), r"entries\[0\]\.spec .*activation"),
+    (lambda d: d["entries"][1].update(name=3), r"entries\[1\]\.name"),
+])
+def test_bad_manifests_name_the_entry_and_field(tmp_path, mutate, match):
+    data = _valid(tmp_path)
+    mutate(data)
+    with pytest.raises(manifest.ManifestError, match=match):
+        manifest.parse(data)
+
+
+def test_load_reports_non_json(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text("{nope")
+    with pytest.raises(manifest.ManifestError, match="not JSON"):
+        manifest.load(p)
+
+
+class FakeCache:
+    def __init__(self, tuned=()):
+        self.meta = {d: {"tuned": t} for d, t in tuned}
+
+    def get(self, digest):
+        m = self.meta.get(digest)
+        return None if m is None else type("E", (), {"meta": m})()
+
+
+def test_prewarm_builds_skips_cached_and_reports_failures():
+    entries = _specs_from_ops()
+    built = []
+
+    def builder(spec):
+        if spec.op == "sdpa":
+            raise UnsupportedError("cuDNN declined sdpa: no engine")
+        built.append(spec.op)
+
+    cache = FakeCache([(entries[0].spec.digest(), False)])
+    rows = prewarm.prewarm(entries, builder=builder, cache=cache)
+    assert [r.status for r in rows] == ["cached", "built", "failed"]
+    assert built == ["matmul"] and "no engine" in rows[2].reason
+    s = prewarm.summarize(rows, 1.0)
+    assert (s["entries"], s["built"], s["already cached"], s["failed"]) == (3, 1, 1, 1)
+    report = prewarm.format_report(rows, 1.0)
+    assert "already cached" in report and "no engine" in report
+
+
+def test_prewarm_autotune_rebuilds_heuristic_entries_only():
+    entries = _specs_from_ops()
+    cache = FakeCache([(entries[0].spec.digest(), False), (entries[1].spec.digest(), True)])
+    built = []
+    rows = prewarm.prewarm(entries, autotune=True, builder=lambda s: built.append(s.op), cache=cache)
+    assert [r.status for r in rows] == ["built", "cached", "built"]
+
+
+def test_dry_run_builds_nothing():
+    entries = _specs_from_ops()
+    rows = prewarm.prewarm(entries, dry_run=True, builder=lambda s: pytest.fail("built in a dry run"),
+                           cache=FakeCache([(entries[2].spec.digest(), True)]))
+    assert [r.status for r in rows] == ["would build", "would build", "cached"]
+
+
+def test_cli_prewarm_dry_run_and_bad_manifest(tmp_path, capsys, cache_dir):
+    path = tmp_path / "m.json"
+    manifest.dump(_specs_from_ops(), path)
+    assert cli.main(["prewarm", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "would build" in out.out and "3/3" in out.err  # table, and the progress bar on stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "cudnn_fuse.manifest", "version": 1, "entries": [{"count": 1}]}))
+    assert cli.main(["prewarm", str(bad)]) == 2
+    assert "entries[0].spec is missing" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
+def test_cli_prewarm_without_gpu_says_so(tmp_path, capsys, cache_dir):
+    path = tmp_path / "m.json"
+    manifest.dump(_specs_from_ops(), path)
+    assert cli.main(["prewarm", str(path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_record_runs_a_script(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, cudnn_fuse as cf
+        x, w = torch.randn(2, 8, 6, 6).half(), torch.randn(8, 8, 1, 1).half()
+        for _ in range(int(sys.argv[1])):
+            cf.conv2d(x, w, activation="tanh")
+    """))
+    out = tmp_path / "rec.json"
+    assert cli.main(["record", "-o", str(out), "--", "python", str(script), "4"]) == 0
+    entries = manifest.load(out)
+    assert len(entries) == 1 and entries[0].count == 4 and entries[0].spec.epilogue.activation == "tanh"
+    assert "1 distinct" in capsys.readouterr().out
+
+
+SHARD_CHILD = textwrap.dedent("""
+    import json, os, sys
+    from cudnn_fuse import manifest, prewarm
+    entries = manifest.load(sys.argv[1])
+    built = []
+    rows = prewarm.run_distributed(entries, builder=lambda spec: built.append(spec.digest()))
+    print(json.dumps({"rank": int(os.environ["RANK"]), "built": built,
+                      "rows": [r.__dict__ for r in rows]}))
+""")
+
+
+def test_sharding_over_two_processes_with_gloo(tmp_path):
+    path = tmp_path / "m.json"
+    entries = _specs_from_ops()
+    manifest.dump(entries, path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen([sys.executable, "-c", SHARD_CHILD, str(path)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    results.sort(key=lambda r: r["rank"])
+    built = results[0]["built"] + results[1]["built"]
+    assert sorted(built) == sorted(e.spec.digest() for e in entries)  # each entry built once, by one rank
+    assert results[0]["built"] and results[1]["built"]  # both ranks worked
+    rank0_rows = results[0]["rows"]
+    assert [r["index"] for r in rank0_rows] == [0, 1, 2]  # rank 0 gathered every rank's rows
+    assert {r["rank"] for r in rank0_rows} == {0, 1}
