@@ -11,6 +11,7 @@ from .autotune import set_autotune
 from .errors import UnsupportedError
 from . import nn
 from .graphs import capture
+from .manifest import record
 from .optimize import optimize
 from .ops import conv2d, linear, matmul, scaled_dot_product_attention
 from .plans import plan_stats
@@ -41,6 +42,7 @@ __all__ = [
     "plan_stats",
     "cache_stats",
     "capture",
+    "record",
     "nn",
     "optimize",
     "set_autotune",

@@ -102,11 +102,33 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
+def _cache_rows() -> tuple[list, list]:
+    """(rows, problems) about the plan cache: where, mode, permissions, entries, size."""
+    from .cache import PlanCache
+
+    pc = PlanCache()
+    rows = [("cache directory", str(pc.dir))]
+    if pc.disabled:
+        return rows, [f"plan cache unusable ({pc.disabled}): ops run without it"]
+    try:
+        mode = oct(os.stat(pc.dir).st_mode & 0o777)
+    except OSError:
+        mode = "?"
+    st = pc.stats()
+    rows += [("cache mode", ("read-only" if pc.read_only else "read-write") + f", permissions {mode}"),
+             ("cache entries", f"{st.get('entries')} ({st.get('pinned', 0)} pinned), {st.get('bytes', 0)} bytes"),
+             ("cache hit rate", "n/a" if st.get("hit_rate") is None else f"{100 * st['hit_rate']:.1f}%")]
+    pc.close()
+    return rows, []
+
+
 def _doctor(args: argparse.Namespace) -> int:
     fp = env.fingerprint()
     found = env.problems(fp)
+    cache_rows, cache_problems = _cache_rows()
+    found += cache_problems
     print(f"cudnn-fuse {__version__} doctor\n")
-    print(format_table(("item", "value"), env.describe(fp)))
+    print(format_table(("item", "value"), list(env.describe(fp)) + cache_rows))
     print("\nproblems:")
     for problem in found or ["none"]:
         print(f"  {problem}")
