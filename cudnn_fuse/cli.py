@@ -152,6 +152,13 @@ def _demo(args: argparse.Namespace) -> int:
                          f"{_median_ms(fused, on_gpu):.3f}", f"{_median_ms(plain, on_gpu):.3f}",
                          f"{_rel_err(fused(), plain()):.2e}"))
     print(format_table(("op", "shape", "device", "cf ms", "torch ms", "rel err"), rows))
+    from . import demo
+
+    model_rows, notes = demo.run(on_gpu)
+    print("\nmodels through cf.optimize(): record -> pre-warm -> warm start\n")
+    print(format_table(demo.HEADERS, model_rows))
+    for note in notes:
+        print(note)
     stats = cf.plan_stats()
     print("\nplan stats: " + ", ".join(f"{k}={stats[k]}" for k in ("builds", "hits", "fallbacks")))
     if not on_gpu:

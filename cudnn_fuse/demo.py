@@ -1,0 +1,145 @@
+"""The model half of ``cudnn-fuse demo``: a small ResNet-style CNN and a transformer
+block, built in memory, through ``optimize()`` -> record -> pre-warm -> warm start.
+
+For each model: eager ms vs cf ms per forward, the cold start (empty cache: every
+plan built) against the warm start (in-memory plans dropped, a pre-warmed disk
+cache: every plan loaded), and the largest relative error against eager.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _Bottleneck(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c // 4, 1, bias=False), nn.BatchNorm2d(c // 4)
+        self.c2, self.b2 = nn.Conv2d(c // 4, c // 4, 3, padding=1, bias=False), nn.BatchNorm2d(c // 4)
+        self.c3, self.b3 = nn.Conv2d(c // 4, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = F.relu(self.b1(self.c1(x)))
+        out = F.relu(self.b2(self.c2(out)))
+        return F.relu(self.b3(self.c3(out)) + x)
+
+
+class SmallResNet(nn.Module):
+    def __init__(self, c=128):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.blocks = nn.Sequential(*[_Bottleneck(c) for _ in range(3)])
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class Block(nn.Module):
+    def __init__(self, d=512, h=8):
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, S, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(o.transpose(1, 2).reshape(B, S, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+def _models(device, on_gpu):
+    cnn_dt = torch.float16 if on_gpu else torch.float32
+    tr_dt = torch.bfloat16 if on_gpu else torch.float32
+    torch.manual_seed(0)
+    cnn = SmallResNet().to(device, cnn_dt).eval()
+    x = torch.randn(32 if on_gpu else 2, 3, 64, 64, device=device, dtype=cnn_dt)
+    if on_gpu:
+        cnn, x = cnn.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    block = Block().to(device, tr_dt).eval()
+    t = torch.randn(8 if on_gpu else 1, 512 if on_gpu else 64, 512, device=device, dtype=tr_dt)
+    return [("resnet-style CNN", cnn, x), ("transformer block", block, t)]
+
+
+def _median_ms(fn, on_gpu, n=20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(n if on_gpu else 3):
+        if on_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _first_call_ms(fn, on_gpu) -> float:
+    if on_gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if on_gpu:
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def run(on_gpu: bool) -> tuple[list, list]:
+    """Returns (table rows, notes)."""
+    import cudnn_fuse as cf
+    from cudnn_fuse import manifest, plans, prewarm
+
+    device = torch.device("cuda" if on_gpu else "cpu")
+    rows, notes = [], []
+    saved = os.environ.get("CUDNN_FUSE_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cold_dir, tempfile.TemporaryDirectory() as warm_dir:
+        try:
+            for name, model, x in _models(device, on_gpu):
+                with torch.no_grad():
+                    opt = cf.optimize(model)
+                    os.environ["CUDNN_FUSE_CACHE_DIR"] = cold_dir  # an empty cache: a true cold start
+                    plans.clear()
+                    before = cf.plan_stats()
+                    with manifest.record() as rec:
+                        cold_ms = _first_call_ms(lambda: opt(x), on_gpu)
+                    built = cf.plan_stats()["builds"] - before["builds"]
+                    # pre-warm a second cache from the recorded manifest, then start warm from it
+                    os.environ["CUDNN_FUSE_CACHE_DIR"] = warm_dir
+                    if on_gpu:
+                        prewarm.prewarm(rec.entries, cache=cf.PlanCache())
+                    plans.clear()
+                    before = cf.plan_stats()
+                    warm_ms = _first_call_ms(lambda: opt(x), on_gpu)
+                    after = cf.plan_stats()
+                    eager_ms, cf_ms = _median_ms(lambda: model(x), on_gpu), _median_ms(lambda: opt(x), on_gpu)
+                    ref, out = model(x).float(), opt(x).float()
+                err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                rows.append([name, f"{device.type} {str(x.dtype).replace('torch.', '')}", f"{eager_ms:.3f}",
+                             f"{cf_ms:.3f}", f"{eager_ms / cf_ms:.2f}x", len(rec.entries),
+                             f"{cold_ms:.0f} ({built} built)",
+                             f"{warm_ms:.0f} ({after['builds'] - before['builds']} built, "
+                             f"{after['loads'] - before['loads']} loaded)", f"{err:.1e}"])
+        finally:
+            if saved is None:
+                os.environ.pop("CUDNN_FUSE_CACHE_DIR", None)
+            else:
+                os.environ["CUDNN_FUSE_CACHE_DIR"] = saved
+            plans.clear()
+    if not on_gpu:
+        notes.append("no GPU: nothing was built or pre-warmed; cold/warm starts and plan counts need a CUDA GPU")
+    return rows, notes
+
+
+HEADERS = ["model", "device", "eager ms", "cf ms", "speedup", "specs", "cold start ms", "warm start ms", "rel err"]
