@@ -41,10 +41,12 @@ class Bottleneck(nn.Module):
             self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x):
-        identity = x if self.downsample is None else self.downsample(x)
+        # torchvision's order: the downsample runs after bn3, so optimize() hangs the
+        # residual add + ReLU on conv3's epilogue, as it does for torchvision's model
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
+        identity = x if self.downsample is None else self.downsample(x)
         out += identity
         return self.relu(out)
 

@@ -37,3 +37,20 @@ def test_shipped_manifests_are_up_to_date(tmp_path, monkeypatch):
         fresh = manifest.load(tmp_path / name)
         shipped = manifest.load(os.path.join(PLANS, name))
         assert [(e.spec, e.count) for e in fresh] == [(e.spec, e.count) for e in shipped], name
+
+
+def test_resnet50_manifest_matches_torchvision():
+    """The hand-written ResNet-50 of make_manifests.py records torchvision's exact specs
+    (torchvision is not importable beside CI's CPU torch: this runs where it is)."""
+    import torch
+
+    torchvision = pytest.importorskip("torchvision")
+    import cudnn_fuse as cf
+
+    m = torchvision.models.resnet50().to("meta", torch.float16).eval().to(memory_format=torch.channels_last)
+    x = torch.empty(32, 3, 224, 224, device="meta", dtype=torch.float16).to(memory_format=torch.channels_last)
+    opt = cf.optimize(m)
+    with cf.record() as rec, torch.no_grad():
+        opt(x)
+    shipped = manifest.load(os.path.join(PLANS, "resnet50_fp16_bs32.json"))
+    assert {e.spec: e.count for e in rec.entries} == {e.spec: e.count for e in shipped}
