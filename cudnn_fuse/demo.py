@@ -74,16 +74,7 @@ def _models(device, on_gpu):
 def _median_ms(fn, on_gpu, n=20) -> float:
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(n if on_gpu else 3):
-        if on_gpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if on_gpu:
-            torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return statistics.median(_first_call_ms(fn, on_gpu) for _ in range(n if on_gpu else 3))
 
 
 def _first_call_ms(fn, on_gpu) -> float:

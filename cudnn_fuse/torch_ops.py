@@ -145,7 +145,8 @@ def _linear_fake(x, weight, bias, activation, residual, return_amax, negative_sl
     return y, _amax_out(x, return_amax)
 
 
-def _linear_setup(ctx, inputs, output):
+def _gemm_setup(ctx, inputs, output):
+    """linear and matmul share one argument layout: (x|a, w|b, bias, act, residual, amax, slope)."""
     x, w, b, act, r, _, slope = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.act, ctx.slope = act, slope
@@ -165,7 +166,7 @@ def _linear_backward(ctx, gy, _gamax):
     return dx, dw, db, None, dr, None, None
 
 
-linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+linear_op.register_autograd(_linear_backward, setup_context=_gemm_setup)
 
 
 def linear(x, weight, bias, activation, residual, return_amax, negative_slope):
@@ -197,14 +198,6 @@ def _matmul_fake(a, b, bias, activation, residual, return_amax, negative_slope):
     return y, _amax_out(a, return_amax)
 
 
-def _matmul_setup(ctx, inputs, output):
-    a, b, bias, act, r, _, slope = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.act, ctx.slope = act, slope
-    ctx.has_bias, ctx.has_residual = bias is not None, r is not None
-    _save(ctx, (a, b), output[0], bias, r)
-
-
 def _matmul_backward(ctx, gy, _gamax):
     a, b, y, bias, r = ctx.saved_tensors
     dz = _pre_activation_grad(ctx, gy, y, lambda: reference.matmul(a, b, bias, None, r))
@@ -223,7 +216,7 @@ def _matmul_backward(ctx, gy, _gamax):
     return da, db_, dbias, None, dr, None, None
 
 
-matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+matmul_op.register_autograd(_matmul_backward, setup_context=_gemm_setup)
 
 
 def matmul(a, b, bias, activation, residual, return_amax, negative_slope):
