@@ -32,22 +32,11 @@ class TensorSpec:
 
     @classmethod
     def of(cls, t: Any) -> "TensorSpec":
-        # per call on the hot path: memoised on the raw metadata (a dict hit is far
-        # cheaper than building a frozen dataclass)
-        key = (t.shape, t.stride(), t.dtype)
-        spec = _OF_CACHE.get(key)
-        if spec is None:
-            if len(_OF_CACHE) > 4096:
-                _OF_CACHE.clear()
-            spec = _OF_CACHE[key] = cls(tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
-        return spec
+        return cls(tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
 
     @classmethod
     def contiguous(cls, shape, dtype: str) -> "TensorSpec":
         return cls(tuple(shape), contiguous_strides(shape), dtype)
-
-
-_OF_CACHE: dict = {}
 
 
 def contiguous_strides(shape) -> Tuple[int, ...]:
@@ -91,14 +80,6 @@ class Epilogue:
 
 class _SpecMixin:
     op: str
-
-    def __hash__(self) -> int:
-        # the plan LRU hashes the spec on every call: compute the field hash once
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
 
     def to_dict(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "op": self.op, **dataclasses.asdict(self)}
@@ -175,9 +156,6 @@ class SdpaSpec(_SpecMixin):
 
 
 OpSpec = Any  # ConvSpec | MatmulSpec | SdpaSpec
-
-for _cls in (ConvSpec, MatmulSpec, SdpaSpec):
-    _cls.__hash__ = _SpecMixin.__hash__  # dataclass(frozen=True) generated an uncached one
 
 
 def spec_from_dict(d: dict) -> OpSpec:
