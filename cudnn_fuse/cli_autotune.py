@@ -84,8 +84,9 @@ def _inputs(args):
 class Bar:
     """A one-line progress bar on stderr: counts, percentage, elapsed and ETA."""
 
-    def __init__(self, label: str, stream=sys.stderr, width: int = 30):
-        self.label, self.stream, self.width, self.t0 = label, stream, width, time.perf_counter()
+    def __init__(self, label: str, stream=None, width: int = 30):
+        # stderr is looked up now, not at import: a redirected stderr (tests, a caller) gets the bar
+        self.label, self.stream, self.width, self.t0 = label, stream or sys.stderr, width, time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
         total = max(total, 1)
