@@ -270,6 +270,10 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     if not inplace:
         model = copy.deepcopy(model)
     summary = Summary()
+    from .hf import use_cudnn_fuse_attention
+
+    if use_cudnn_fuse_attention(model):
+        summary.replaced.append((type(model).__name__, "transformers sdpa attention -> cudnn_fuse attention"))
     out = _rewrite(model, summary, "", recompute)
     if any(isinstance(m, nn.Conv2d) for m in out.modules()):
         out = out.to(memory_format=torch.channels_last)

@@ -128,7 +128,8 @@ def test_gpt2_through_optimize_matches_eager():
         opt = cf.optimize(model)
         out = opt(ids).logits
     assert rel(out, ref) < 1e-3
-    # transformers' modules do not trace with torch.fx: optimize() says so and leaves them as they are
+    # attention goes through transformers' AttentionInterface; the rest does not trace with fx
+    assert opt.config._attn_implementation == "cudnn_fuse"
     left = dict(opt.cudnn_fuse_summary.left_alone)
     assert any("not traceable" in why for why in left.values())
 

@@ -1,0 +1,67 @@
+"""transformers models through optimize(): attention switched to cudnn_fuse, outputs equal.
+
+transformers is not installed beside CI's CPU torch (the test skips there); it runs where
+transformers is importable (the GPU machine's image has it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cudnn_fuse as cf
+
+transformers = pytest.importorskip("transformers")
+
+
+def _models():
+    yield transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64,
+                                                               vocab_size=100, bos_token_id=0, eos_token_id=0))
+    yield transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64,
+                                                                 intermediate_size=128, num_attention_heads=8,
+                                                                 num_key_value_heads=2, vocab_size=100))
+
+
+@pytest.mark.parametrize("model", list(_models()), ids=lambda m: type(m).__name__)
+def test_attention_is_switched_and_outputs_match(model):
+    torch.manual_seed(0)
+    model = model.eval()
+    ids = torch.randint(0, 100, (2, 16))
+    pad = torch.ones(2, 16, dtype=torch.long)
+    pad[1, :5] = 0  # left padding: the padding mask must reach the attention
+    with torch.no_grad():
+        ref, ref_pad = model(ids).logits, model(ids, attention_mask=pad).logits
+        opt = cf.optimize(model)
+        out, out_pad = opt(ids).logits, opt(ids, attention_mask=pad).logits
+    assert opt.config._attn_implementation == "cudnn_fuse"
+    assert model.config._attn_implementation == "sdpa"  # the original is untouched
+    assert any("cudnn_fuse attention" in p for _, p in opt.cudnn_fuse_summary.replaced)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out_pad, ref_pad)
+
+
+def test_attention_calls_reach_cudnn_fuse(monkeypatch):
+    from cudnn_fuse import hf
+
+    calls = []
+    real = hf.attention_forward
+    monkeypatch.setattr(hf, "attention_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = next(_models()).eval()
+    opt = cf.optimize(model)
+    with torch.no_grad():
+        opt(torch.randint(0, 100, (1, 8)))
+    assert len(calls) == 2  # one per layer
+
+
+def test_gradients_flow_through_the_switched_attention():
+    model = list(_models())[1].train()
+    opt = cf.optimize(model)
+    ids = torch.randint(0, 100, (2, 8))
+    loss = opt(ids, labels=ids).loss
+    loss.backward()
+    ref_loss = model(ids, labels=ids).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    g = dict(opt.named_parameters())
+    for n, p in model.named_parameters():
+        if n in g and g[n].grad is not None:
+            torch.testing.assert_close(g[n].grad, p.grad, rtol=1e-4, atol=1e-6)
