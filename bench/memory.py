@@ -1,0 +1,94 @@
+"""Peak memory and step time of one training step, eager vs cudnn_fuse (issue 4).
+
+(a) a transformer-MLP stack of Linear+GELU layers: eager, cf (pre-activation kept), and cf with
+    recompute=True (the backward recomputes the pre-activation; the forward saves none);
+(b) a conv-bias-ReLU stack: eager vs cf (ReLU's backward needs only the output).
+
+    python3 bench/memory.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cudnn_fuse as cf  # noqa: E402
+from bench.common import device_name, write_json  # noqa: E402
+
+
+def mlp(d=2048, layers=8):
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)]
+    return nn.Sequential(*mods)
+
+
+def convs(c=128, layers=8):
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Conv2d(c, c, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+def step_stats(model, x, steps=10):
+    """(peak bytes of one step, median step ms) for forward + backward + zero_grad."""
+    def step():
+        model(x).float().square().mean().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    times = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        step()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return peak, statistics.median(times)
+
+
+def case(name, eager, fused, x):
+    ep, et = step_stats(eager, x)
+    cp, ct = step_stats(fused, x)
+    row = {"name": name, "eager_peak_bytes": ep, "cf_peak_bytes": cp, "eager_step_ms": round(et, 3),
+           "cf_step_ms": round(ct, 3)}
+    print(f"{name:40s} peak {ep / 2**20:8.1f} -> {cp / 2**20:8.1f} MiB ({cp / ep:5.2f}x)   "
+          f"step {et:7.3f} -> {ct:7.3f} ms ({ct / et:5.2f}x)", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    base = mlp().cuda().to(bf)
+    x = torch.randn(8192, 2048, device="cuda", dtype=bf, requires_grad=True)
+    rows = [case("mlp_linear_gelu", base, cf.optimize(copy.deepcopy(base)), x),
+            case("mlp_linear_gelu_recompute", base, cf.optimize(copy.deepcopy(base), recompute=True), x)]
+    cbase = convs().cuda().half().to(memory_format=torch.channels_last)
+    xc = torch.randn(32, 128, 56, 56, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+    rows.append(case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_()))
+    write_json(os.path.join(args.out, "memory.json"), {"device": device_name(), "cases": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
