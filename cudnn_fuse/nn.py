@@ -76,3 +76,22 @@ class Linear(torch.nn.Linear):
         if self.activation in NEEDS_INPUT:
             extra += f", recompute={self.recompute}"
         return super().extra_repr() + extra
+
+
+class TransposedLinear(torch.nn.Module):
+    """A linear layer kept as an ``[in, out]`` weight (transformers' Conv1D, GPT-2),
+    run as one fused ``act(x @ W + bias + residual)``: the weight is read through
+    its transposed view, never copied, and stays the original module's Parameter."""
+
+    def __init__(self, conv1d, activation=None, negative_slope: float = 0.01):
+        super().__init__()
+        _check_activation(activation)
+        self.weight, self.bias = conv1d.weight, conv1d.bias
+        self.activation, self.negative_slope = activation, negative_slope
+
+    def forward(self, x, residual=None):
+        return ops.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,
+                          negative_slope=self.negative_slope)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[0]}, out={self.weight.shape[1]}, activation={self.activation!r}"

@@ -45,8 +45,40 @@ class Summary:
         return "\n".join(lines)
 
 
+# transformers' activation modules, by class name (no import of transformers needed);
+# NewGELU / FastGELU / GELUTanh are the tanh approximation, GELUActivation the erf GELU
+_HF_ACTIVATIONS = {"NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
+                   "PytorchGELUTanh": "gelu_tanh", "GELUActivation": "gelu", "SiLUActivation": "silu"}
+
+
+def _is_hf_conv1d(m) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer with a [in, out] weight."""
+    if type(m).__name__ != "Conv1D" or not hasattr(m, "nf"):
+        return False
+    w = m._parameters.get("weight")  # not m.weight: under fx tracing that is a Proxy
+    return w is not None and w.dim() == 2
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer, with transformers' Conv1D and activation modules kept as leaves
+    (fx would trace into them and the patterns would not see the modules)."""
+
+    def is_leaf_module(self, m, qualname) -> bool:
+        name = type(m).__name__
+        if name in _HF_ACTIVATIONS or _is_hf_conv1d(m):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+def _trace(module) -> fx.GraphModule:
+    return fx.GraphModule(module, _Tracer().trace(module))
+
+
 def _module_activation(m):
     """(activation name, negative_slope) of an activation module, or None."""
+    hf = _HF_ACTIVATIONS.get(type(m).__name__)
+    if hf is not None:
+        return hf, 0.01
     if isinstance(m, nn.ReLU):
         return "relu", 0.01
     if isinstance(m, nn.GELU):
@@ -217,6 +249,17 @@ class _Rewriter:
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
 
+    def conv1d(self, node: fx.Node) -> None:
+        """transformers' Conv1D + [residual] + activation -> one fused linear on the transposed weight view."""
+        fused, residual, act = self.epilogue(node)
+        if not fused:
+            self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's addmm is as fast)"))
+            return
+        m = cfnn.TransposedLinear(self.gm.get_submodule(node.target), act[0] if act else None, act[1] if act else 0.01)
+        pattern = ["Conv1D"] + (["residual add"] if residual is not None else []) + ([act[0]] if act else [])
+        args = (node.args[0],) + ((residual,) if residual is not None else ())
+        self.replace(node, fused, m, args, " + ".join(pattern))
+
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
             if node.graph is not self.gm.graph or node not in self.gm.graph.nodes:
@@ -227,6 +270,8 @@ class _Rewriter:
                     self.conv(node)
                 elif type(m) is nn.Linear:
                     self.linear(node)
+                elif _is_hf_conv1d(m):
+                    self.conv1d(node)
             elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
                 node.target = scaled_dot_product_attention
                 self.summary.replaced.append((self.where(node), "F.scaled_dot_product_attention"))
@@ -239,7 +284,7 @@ class _Rewriter:
 def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) -> nn.Module:
     """The traced + rewritten module, or the module with its children rewritten."""
     try:
-        gm = fx.symbolic_trace(module)
+        gm = _trace(module)
     except Exception as exc:  # noqa: BLE001 - untraceable forward: try its children
         where = prefix.rstrip(".") or type(module).__name__
         if not list(module.children()):
@@ -250,7 +295,12 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) 
         for name, child in list(module.named_children()):
             setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute))
         return module
+    before = len(summary.replaced)
     _Rewriter(gm, summary, prefix, recompute).run()
+    if len(summary.replaced) == before:
+        # nothing fused: keep the original module (a GraphModule lacks the attributes other
+        # code may read, e.g. transformers reads ``attn_dropout.p``)
+        return module
     gm.train(module.training)
     return gm
 

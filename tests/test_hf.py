@@ -65,3 +65,22 @@ def test_gradients_flow_through_the_switched_attention():
     for n, p in model.named_parameters():
         if n in g and g[n].grad is not None:
             torch.testing.assert_close(g[n].grad, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_gpt2_mlp_conv1d_gelu_is_fused_and_trains():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=100, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()  # no dropout: the two runs must agree
+    opt = cf.optimize(model)
+    patterns = dict(opt.cudnn_fuse_summary.replaced)
+    assert patterns["transformer.h.0.mlp.c_fc"] == "Conv1D + gelu_tanh"
+    assert "no epilogue" in dict(opt.cudnn_fuse_summary.left_alone)["transformer.h.0.mlp.c_proj"]
+    fused = opt.get_submodule("transformer.h.0.mlp").get_submodule("cudnn_fuse_0")
+    assert isinstance(fused.weight, torch.nn.Parameter) and fused.weight.shape == (64, 256)  # [in, out], shared
+    ids = torch.randint(0, 100, (2, 8))
+    loss, ref = opt(ids, labels=ids).loss, model(ids, labels=ids).loss
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(fused.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad, rtol=1e-4, atol=1e-6)
