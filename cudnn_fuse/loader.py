@@ -84,7 +84,9 @@ def load_or_build(spec, device: int) -> Plan:
 
 
 def _from_cache(pc, spec, digest, device, want_tuned: bool):
+    t0 = time.perf_counter()
     entry = pc.get(digest)
+    STATS.cache_get_seconds += time.perf_counter() - t0
     if entry is not None and want_tuned and not entry.meta.get("tuned"):
         return None  # a heuristic entry is upgraded once tuned
     if entry is not None:
@@ -111,10 +113,12 @@ def _deserialize(spec, entry, device):
     import cudnn
 
     h = handle_for(device)
+    t0 = time.perf_counter()
     try:
         g = cudnn.pygraph(handle=h.handle)
         g.deserialize(h.handle, entry.blob)
         plan = Plan(spec, g, device, engine=entry.meta.get("engine_name", "?"))
+        STATS.deserialize_seconds += time.perf_counter() - t0
     except Exception as exc:  # noqa: BLE001 - a verified blob can still be nonsense to cuDNN
         _warn_once("deserialize", "cudnn_fuse cache: entry %s did not deserialize (%s: %s); rebuilding it",
                    entry.key[:12], type(exc).__name__, exc)

@@ -36,7 +36,9 @@ class _Stats:
     loads: int = 0
     rebuilds: int = 0
     build_seconds: float = 0.0
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0  # whole loads; of which:
+    cache_get_seconds: float = 0.0  # reading + verifying entries
+    deserialize_seconds: float = 0.0  # cuDNN deserialize + plan set-up
     autotune_seconds: float = 0.0
 
     def snapshot(self) -> dict:
