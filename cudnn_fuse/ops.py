@@ -376,6 +376,23 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     _check_same(op, "a", a, b=b, bias=bias, residual=residual)
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError(f"{op}: both arguments need at least 1 dimension, got a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}")
+    views = matmul_views(a, b)
+    out_shape, N = views[5], views[4]
+    if bias is not None and b.dim() == 1:
+        raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
+    _check_epilogue(op, activation, residual, out_shape, bias, N)
+
+    if _via_custom_op(a, b, bias, residual):
+        from . import torch_ops
+
+        return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
+    return _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views)
+
+
+def matmul_views(a, b, op: str = "matmul"):
+    """torch.matmul's geometry: (a2, b2, batch, M, N, out_shape), with 1-D operands
+    lifted to matrices. Raises ValueError for mismatched inner or batch dims. The
+    fake kernel of the custom op uses it too, so shapes cannot drift apart."""
     a2 = a.unsqueeze(0) if a.dim() == 1 else a
     b2 = b.unsqueeze(-1) if b.dim() == 1 else b
     if a2.shape[-1] != b2.shape[-2]:
@@ -387,25 +404,14 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
         raise ValueError(f"{op}: batch dimensions do not broadcast: a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}") from None
     M, N = a2.shape[-2], b2.shape[-1]
     out_shape = batch + ((M,) if a.dim() > 1 else ()) + ((N,) if b.dim() > 1 else ())
-    if bias is not None and b.dim() == 1:
-        raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
-    _check_epilogue(op, activation, residual, out_shape, bias, N)
-
-    if _via_custom_op(a, b, bias, residual):
-        from . import torch_ops
-
-        return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
-    return _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope)
+    return a2, b2, batch, M, N, out_shape
 
 
-def _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope):
-    """matmul on validated arguments: the fused graph, or the reference."""
+def _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views=None):
+    """matmul on validated arguments: the fused graph, or the reference. ``views``:
+    matmul_views(a, b) when the caller computed it already (the plain call does)."""
     _record_as_gpu(_matmul_fwd, a, b, bias, activation, residual, return_amax, negative_slope)
-    a2 = a.unsqueeze(0) if a.dim() == 1 else a
-    b2 = b.unsqueeze(-1) if b.dim() == 1 else b
-    batch = tuple(torch.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
-    M, N = a2.shape[-2], b2.shape[-1]
-    out_shape = batch + ((M,) if a.dim() > 1 else ()) + ((N,) if b.dim() > 1 else ())
+    a2, b2, batch, M, N, out_shape = views if views is not None else matmul_views(a, b)
     ref = functools.partial(reference.matmul, a, b, bias, activation, residual, return_amax, negative_slope)
     return _matmul_fused("matmul", a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax,
                          negative_slope, ref)

@@ -177,13 +177,6 @@ def linear(x, weight, bias, activation, residual, return_amax, negative_slope):
 # ------------------------------------------------------------------------ matmul
 
 
-def _matmul_shape(a_shape, b_shape) -> tuple:
-    a2 = (1,) + tuple(a_shape) if len(a_shape) == 1 else tuple(a_shape)
-    b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
-    batch = tuple(torch.broadcast_shapes(a2[:-2], b2[:-2]))
-    return batch + ((a2[-2],) if len(a_shape) > 1 else ()) + ((b2[-1],) if len(b_shape) > 1 else ())
-
-
 @torch.library.custom_op("cudnn_fuse::matmul", mutates_args=())
 def matmul_op(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: Optional[str], residual: Optional[Tensor],
               return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
@@ -194,7 +187,7 @@ def matmul_op(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: Optional
 
 @matmul_op.register_fake
 def _matmul_fake(a, b, bias, activation, residual, return_amax, negative_slope):
-    y = torch.empty(_matmul_shape(a.shape, b.shape), dtype=a.dtype, device=a.device)
+    y = torch.empty(ops.matmul_views(a, b)[5], dtype=a.dtype, device=a.device)
     return y, _amax_out(a, return_amax)
 
 
