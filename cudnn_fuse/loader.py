@@ -30,6 +30,7 @@ from .plans import STATS, Plan, finalize, handle_for, prepare
 
 log = logging.getLogger(__name__)
 
+
 def engine_record_key(digest: str) -> str:
     """Key of the second, tiny entry (engine id + knobs) that survives a corrupt blob entry."""
     return hashlib.sha256((digest + ":engine-record").encode()).hexdigest()
@@ -37,6 +38,8 @@ def engine_record_key(digest: str) -> str:
 
 def is_engine_record(meta: dict) -> bool:
     return meta.get("kind") == "engine-record"
+
+
 TUNE_WAIT_S = float(os.environ.get("CUDNN_FUSE_TUNE_WAIT_S", "60"))
 
 _warned: set = set()
