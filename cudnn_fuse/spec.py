@@ -155,7 +155,159 @@ class SdpaSpec(_SpecMixin):
         return (self.q, self.k, self.v)
 
 
-OpSpec = Any  # ConvSpec | MatmulSpec | SdpaSpec
+# ------------------------------------------------------------ training graphs
+#
+# New op families for autograd (issue 4). The forward specs above keep their
+# canonical JSON (existing caches and digests depend on it); training variants
+# are separate classes. A spec that wraps a forward spec (``fwd``) nests the
+# forward's own to_dict, op and schema_version included, so it round-trips.
+
+
+class _WrapsForward(_SpecMixin):
+    fwd: Any
+
+    def to_dict(self) -> dict:
+        d = {"schema_version": SCHEMA_VERSION, "op": self.op}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "fwd":
+                d[f.name] = v.to_dict()
+            else:
+                d[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        return d
+
+    def operands(self):
+        return self.fwd.operands()
+
+    @property
+    def allow_tf32(self) -> bool:
+        return self.fwd.allow_tf32
+
+
+@dataclass(frozen=True)
+class SaveZSpec(_WrapsForward):
+    """A conv/matmul forward with an activation that also writes its pre-activation
+    ``z = op(x) + bias + residual`` (the backward of GELU-like activations reads it)."""
+
+    fwd: Any  # ConvSpec | MatmulSpec, activation set, no amax
+    z: TensorSpec
+    op = "save_z"
+
+
+@dataclass(frozen=True)
+class RecomputeGradSpec(_WrapsForward):
+    """dz = act'(z) * dy where z = op(x) + bias + residual is recomputed inside the
+    graph (never stored); optionally dbias = sum of dz over all but the bias axis."""
+
+    fwd: Any  # ConvSpec | MatmulSpec with an activation
+    dy: TensorSpec
+    dz: TensorSpec
+    dbias: Optional[TensorSpec] = None  # float32, the bias's broadcast shape
+    op = "recompute_grad"
+
+
+@dataclass(frozen=True)
+class ActGradSpec(_SpecMixin):
+    """dz = act'(src) * dy from a saved tensor: the pre-activation z, or for ReLU
+    its output y (the mask y > 0 is z > 0); optionally dbias = sum of dz."""
+
+    dy: TensorSpec
+    src: TensorSpec
+    dz: TensorSpec
+    activation: str
+    negative_slope: float = 0.01
+    dbias: Optional[TensorSpec] = None
+    op = "act_grad"
+
+    def __post_init__(self):
+        Epilogue(activation=self.activation)  # same check of the name
+        object.__setattr__(self, "negative_slope", float(self.negative_slope) if self.activation == "leaky_relu" else 0.01)
+
+    def operands(self):
+        return (self.dy, self.src)
+
+
+@dataclass(frozen=True)
+class ConvDgradSpec(_SpecMixin):
+    """dx = conv_dgrad(dy, w): the data gradient of a ConvSpec's convolution."""
+
+    dy: TensorSpec
+    w: TensorSpec
+    dx: TensorSpec
+    stride: Tuple[int, int]
+    pre_padding: Tuple[int, int]
+    post_padding: Tuple[int, int]
+    dilation: Tuple[int, int]
+    allow_tf32: bool = False
+    op = "conv_dgrad"
+
+    def operands(self):
+        return (self.dy, self.w)
+
+
+@dataclass(frozen=True)
+class ConvWgradSpec(_SpecMixin):
+    """dw = conv_wgrad(x, dy): the weight gradient of a ConvSpec's convolution."""
+
+    x: TensorSpec
+    dy: TensorSpec
+    dw: TensorSpec
+    stride: Tuple[int, int]
+    pre_padding: Tuple[int, int]
+    post_padding: Tuple[int, int]
+    dilation: Tuple[int, int]
+    allow_tf32: bool = False
+    op = "conv_wgrad"
+
+    def operands(self):
+        return (self.x, self.dy)
+
+
+@dataclass(frozen=True)
+class SdpaTrainSpec(_SpecMixin):
+    """Attention forward that also writes the softmax stats (float32 [B, H, Sq, 1])
+    its backward reads. Same fields as SdpaSpec plus ``stats``."""
+
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    o: TensorSpec
+    stats: TensorSpec
+    bias: Optional[TensorSpec] = None
+    is_causal: bool = False
+    scale: float = 1.0
+    op = "sdpa_train"
+
+    def operands(self):
+        return (self.q, self.k, self.v)
+
+
+@dataclass(frozen=True)
+class SdpaBwdSpec(_SpecMixin):
+    """Attention backward from the forward's output and stats: dq, dk, dv."""
+
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    o: TensorSpec
+    do: TensorSpec
+    stats: TensorSpec
+    dq: TensorSpec
+    dk: TensorSpec
+    dv: TensorSpec
+    bias: Optional[TensorSpec] = None
+    is_causal: bool = False
+    scale: float = 1.0
+    op = "sdpa_backward"
+
+    def operands(self):
+        return (self.q, self.k, self.v)
+
+
+OpSpec = Any  # ConvSpec | MatmulSpec | SdpaSpec | the training specs above
+
+_BY_OP = {c.op: c for c in (ConvSpec, MatmulSpec, SdpaSpec, SaveZSpec, RecomputeGradSpec, ActGradSpec, ConvDgradSpec,
+                            ConvWgradSpec, SdpaTrainSpec, SdpaBwdSpec)}
 
 
 def spec_from_dict(d: dict) -> OpSpec:
@@ -165,9 +317,9 @@ def spec_from_dict(d: dict) -> OpSpec:
     if version != SCHEMA_VERSION:
         raise ValueError(f"spec schema_version must be {SCHEMA_VERSION}, got {version!r}")
     op = d.pop("op", None)
-    cls = {"conv2d": ConvSpec, "matmul": MatmulSpec, "sdpa": SdpaSpec}.get(op)
+    cls = _BY_OP.get(op) if isinstance(op, str) else None
     if cls is None:
-        raise ValueError(f"spec op must be conv2d, matmul or sdpa, got {op!r}")
+        raise ValueError(f"spec op must be one of {sorted(_BY_OP)}, got {op!r}")
 
     def tensor(v):
         return None if v is None else TensorSpec(tuple(v["shape"]), tuple(v["stride"]), v["dtype"])
@@ -177,7 +329,9 @@ def spec_from_dict(d: dict) -> OpSpec:
         if f.name not in d:
             continue
         v = d[f.name]
-        if f.name == "epilogue":
+        if f.name == "fwd":
+            v = spec_from_dict(v)
+        elif f.name == "epilogue":
             v = Epilogue(tensor(v["bias"]), tensor(v["residual"]), v["activation"], v["negative_slope"], v["amax"])
         elif isinstance(v, dict):
             v = tensor(v)

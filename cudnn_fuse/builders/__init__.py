@@ -6,11 +6,34 @@ selection, so one place decides how graphs are built and what a failure means.
 
 from __future__ import annotations
 
-from ..spec import ConvSpec, MatmulSpec, SdpaSpec
-from . import attention, conv, matmul
+from ..spec import (
+    ActGradSpec,
+    ConvDgradSpec,
+    ConvSpec,
+    ConvWgradSpec,
+    MatmulSpec,
+    RecomputeGradSpec,
+    SaveZSpec,
+    SdpaBwdSpec,
+    SdpaSpec,
+    SdpaTrainSpec,
+)
+from . import attention, backward, conv, matmul
 from .common import UIDS, roles_of
 
-_BUILDERS = {ConvSpec: conv.build, MatmulSpec: matmul.build, SdpaSpec: attention.build}
+_BUILDERS = {
+    ConvSpec: conv.build,
+    MatmulSpec: matmul.build,
+    SdpaSpec: attention.build,
+    # training graphs (issue 4)
+    SaveZSpec: backward.build_save_z,
+    RecomputeGradSpec: backward.build_recompute_grad,
+    ActGradSpec: backward.build_act_grad,
+    ConvDgradSpec: backward.build_dgrad,
+    ConvWgradSpec: backward.build_wgrad,
+    SdpaTrainSpec: attention.build_train,
+    SdpaBwdSpec: attention.build_backward,
+}
 
 
 def build_graph(spec, handle=None):

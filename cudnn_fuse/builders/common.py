@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import cudnn
 
-from ..spec import ConvSpec, MatmulSpec, SdpaSpec, TensorSpec
+from ..spec import (
+    ActGradSpec,
+    ConvDgradSpec,
+    ConvSpec,
+    ConvWgradSpec,
+    MatmulSpec,
+    RecomputeGradSpec,
+    SaveZSpec,
+    SdpaBwdSpec,
+    SdpaSpec,
+    SdpaTrainSpec,
+    TensorSpec,
+)
 
 # Fixed uids per role, the same for every op family, so a deserialized plan is
 # fed from the spec alone (no builder needed to learn its uids).
@@ -16,6 +28,16 @@ UIDS = {
     "residual": 5,
     "y": 10, "o": 10,
     "amax": 11,
+    # training graphs (builders/backward.py, attention.py)
+    "dy": 6, "do": 6,
+    "src": 7,
+    "z": 12,
+    "dz": 13,
+    "dbias": 14,
+    "dx": 15,
+    "dw": 16,
+    "stats": 17,
+    "dq": 18, "dk": 19, "dv": 20,
 }
 
 _DT = {
@@ -31,6 +53,9 @@ def cudnn_dtype(name: str):
 
 def roles_of(spec) -> tuple:
     """Operand roles of ``spec`` in buffer order: inputs, then outputs."""
+    training = _training_roles(spec)
+    if training is not None:
+        return training
     if isinstance(spec, SdpaSpec):
         return ("q", "k", "v") + (("bias",) if spec.bias is not None else ()) + ("o",)
     main = ("x", "w") if isinstance(spec, ConvSpec) else ("a", "b")
@@ -43,6 +68,27 @@ def roles_of(spec) -> tuple:
         + ("y",)
         + (("amax",) if epi.amax else ())
     )
+
+
+def _training_roles(spec):
+    if isinstance(spec, SaveZSpec):
+        return roles_of(spec.fwd) + ("z",)
+    if isinstance(spec, RecomputeGradSpec):
+        epi = spec.fwd.epilogue
+        main = ("x", "w") if isinstance(spec.fwd, ConvSpec) else ("a", "b")
+        return (main + (("bias",) if epi.bias is not None else ()) + (("residual",) if epi.residual is not None else ())
+                + ("dy", "dz") + (("dbias",) if spec.dbias is not None else ()))
+    if isinstance(spec, ActGradSpec):
+        return ("dy", "src", "dz") + (("dbias",) if spec.dbias is not None else ())
+    if isinstance(spec, ConvDgradSpec):
+        return ("dy", "w", "dx")
+    if isinstance(spec, ConvWgradSpec):
+        return ("x", "dy", "dw")
+    if isinstance(spec, SdpaTrainSpec):
+        return ("q", "k", "v") + (("bias",) if spec.bias is not None else ()) + ("o", "stats")
+    if isinstance(spec, SdpaBwdSpec):
+        return ("q", "k", "v", "o", "do", "stats") + (("bias",) if spec.bias is not None else ()) + ("dq", "dk", "dv")
+    return None
 
 
 def new_graph(io_dtype: str, handle=None):

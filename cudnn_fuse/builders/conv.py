@@ -11,6 +11,12 @@ from .common import declare, new_graph
 
 def build(spec: ConvSpec, handle=None):
     g = new_graph(spec.x.dtype, handle)
+    epilogue.apply(g, main(g, spec), spec.epilogue, spec.y)
+    return g
+
+
+def main(g, spec: ConvSpec):
+    """Declare x and w, add the convolution; returns its virtual output z."""
     x = declare(g, "x", spec.x)
     w = declare(g, "w", spec.w)
     z = g.conv_fprop(
@@ -26,5 +32,4 @@ def build(spec: ConvSpec, handle=None):
     # cuDNN infers conv outputs as NHWC-packed; pin the virtual tensor to the
     # real output's geometry so the epilogue operands broadcast against it.
     z.set_dim(list(spec.y.shape)).set_stride(list(spec.y.stride))
-    epilogue.apply(g, z, spec.epilogue, spec.y)
-    return g
+    return z

@@ -26,13 +26,22 @@ def _activation(g, z, name: str, slope: float):
     raise ValueError(f"activation {name!r} has no cuDNN pointwise mode")
 
 
-def apply(g, z, epi: Epilogue, y: TensorSpec):
-    """Append the epilogue to ``z`` (the main op's virtual output) and mark the
-    outputs. Returns the output tensor ``y``."""
+def pre_activation(g, z, epi: Epilogue):
+    """z + bias + residual (the activation's input), still virtual."""
     if epi.bias is not None:
         z = g.add(a=z, b=declare(g, "bias", epi.bias), name="bias_add")
     if epi.residual is not None:
         z = g.add(a=z, b=declare(g, "residual", epi.residual), name="residual_add")
+    return z
+
+
+def apply(g, z, epi: Epilogue, y: TensorSpec, save_z: TensorSpec = None):
+    """Append the epilogue to ``z`` (the main op's virtual output) and mark the
+    outputs; ``save_z`` also writes the pre-activation (role "z"). Returns the
+    output tensor ``y``."""
+    z = pre_activation(g, z, epi)
+    if save_z is not None:
+        mark_output(z, "z", save_z)
     if epi.activation is not None:
         z = _activation(g, z, epi.activation, epi.negative_slope)
     out = mark_output(z, "y", y)
