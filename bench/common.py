@@ -1,12 +1,17 @@
-"""Timing helpers shared by the benchmarks (CUDA events, warm-up, medians)."""
+"""Timing helpers shared by the benchmarks (CUDA events, warm-up, medians).
+
+The suite's harness lives in the package (cudnn_fuse/benchsuite.py, so that `cudnn-fuse bench`
+works from an install); the helpers it shares with these scripts are re-exported here.
+"""
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 
 import torch
+
+from cudnn_fuse.benchsuite import (  # noqa: F401 - re-exported for the bench scripts
+    device_name, device_times, l2_bytes, measure_ceilings, rel_err, rotation_sets, wall_block_ms, write_json)
 
 
 def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
@@ -41,24 +46,6 @@ def device_ms(fn, warmup: int = 10, iters: int = 50) -> float:
 
 def host_us(fn, calls: int = 2000) -> float:
     """Host microseconds per call of ``fn()`` (a tiny op: the host is the bottleneck)."""
-    import time
+    from cudnn_fuse.benchsuite import host_us as _host_us
 
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - t0) / calls
-
-
-def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+    return _host_us(fn, calls)
