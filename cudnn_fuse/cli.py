@@ -56,7 +56,22 @@ def _parser() -> argparse.ArgumentParser:
     rec.add_argument("--name", default="", help="a name stored in the manifest")
     rec.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS...] (or -- SCRIPT [ARGS...])")
     rec.set_defaults(run=_record)
+    from . import benchsuite
+
+    bench = commands.add_parser("bench", help="time cf against torch eager, torch.compile and SDPA backends (CUDA GPU)",
+                                description=benchsuite.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchsuite.add_arguments(bench)
+    bench.set_defaults(run=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """The benchmark suite; without a CUDA GPU it says so and exits 2 (--list and --merge still work)."""
+    import sys
+
+    from . import benchsuite
+
+    return benchsuite.main(args, emit=lambda s: print(s, flush=True), err=lambda s: print(s, file=sys.stderr))
 
 
 def _record(args: argparse.Namespace) -> int:
