@@ -1181,8 +1181,10 @@ def run_suite(workloads: Sequence[Workload], opts: Options, part: Optional[str] 
         _extras(doc, opts, part, emit)
         _save(doc, out_path)
     for i, w in enumerate(workloads):
-        emit(f"[{clock() - started:6.0f} s] {i + 1}/{len(workloads)} {w.name}")
+        t0 = clock()
+        emit(f"[{t0 - started:6.0f} s] {i + 1}/{len(workloads)} {w.name}")
         rec = run_workload(w, opts, started, timer=timer, clock=clock)
+        rec["wall_s"] = round(clock() - t0, 2)
         doc["workloads"].append(rec)
         emit("    " + format_record(rec))
         doc["parts"][0]["wall_s"] = round(clock() - started, 1)
@@ -1261,6 +1263,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nothing new starts past this many seconds (default budget + 50)")
     p.add_argument("--target-ms", type=float, default=200.0, help="device time spent timing each variant")
     p.add_argument("--no-extras", action="store_true", help="skip the ceilings, host overhead and time to ready")
+    p.add_argument("--no-time-to-ready", action="store_true", help="skip the time-to-ready processes (about 90 s)")
     p.add_argument("--out", help="the JSON to write (default bench/results/peers.json, or peers_<part>.json)")
     p.add_argument("--list", action="store_true", help="list the selected workloads and exit")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge part files into --out (no GPU needed)")
@@ -1306,7 +1309,8 @@ def main(args: argparse.Namespace, emit: Callable[[str], None], err: Callable[[s
         return 2
     opts = Options(max_autotune=args.max_autotune, budget_s=args.budget_s,
                    deadline_s=args.deadline_s if args.deadline_s is not None else args.budget_s + 50,
-                   target_ms=args.target_ms, time_to_ready=not args.no_extras, host_overhead=not args.no_extras)
+                   target_ms=args.target_ms, time_to_ready=not (args.no_extras or args.no_time_to_ready),
+                   host_overhead=not args.no_extras)
     out = args.out or default_out(args.part)
     doc = run_suite(chosen, opts, args.part, out, emit=emit, extras=not args.no_extras)
     emit(format_summary(doc))
