@@ -65,9 +65,11 @@ def step_stats(model, x, steps=10):
 
 def case(name, eager, fused, x):
     ep, et = step_stats(eager, x)
+    f0 = cf.plan_stats()["fallbacks"]
     cp, ct = step_stats(fused, x)
+    # fallbacks counts every op call that ran torch instead of a cuDNN graph (forward or backward)
     row = {"name": name, "eager_peak_bytes": ep, "cf_peak_bytes": cp, "eager_step_ms": round(et, 3),
-           "cf_step_ms": round(ct, 3)}
+           "cf_step_ms": round(ct, 3), "cf_fallbacks": cf.plan_stats()["fallbacks"] - f0}
     print(f"{name:40s} peak {ep / 2**20:8.1f} -> {cp / 2**20:8.1f} MiB ({cp / ep:5.2f}x)   "
           f"step {et:7.3f} -> {ct:7.3f} ms ({ct / et:5.2f}x)", flush=True)
     return row

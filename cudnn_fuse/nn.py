@@ -48,10 +48,11 @@ class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` + fused epilogue: ``act(x @ W.T + bias + residual)``.
 
     ``recompute`` matters for activations whose backward needs their input
-    (GELU, SiLU, ...): with ``recompute=True`` the forward is one fused graph and
-    saves no pre-activation (the backward recomputes it); with ``False`` (torch's
-    trade) the forward writes the pre-activation with a fused linear + bias graph,
-    keeps it for the backward and applies the activation separately.
+    (GELU, SiLU, ...): with ``recompute=True`` the forward saves no pre-activation
+    and the backward recomputes it inside one fused matmul + bias +
+    activation-backward graph; with ``False`` (torch's trade) one forward graph
+    writes both the pre-activation and the output, and the backward reads the
+    kept pre-activation.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation=None,
@@ -66,10 +67,22 @@ class Linear(torch.nn.Linear):
         act = self.activation
         if act in NEEDS_INPUT and not self.recompute and torch.is_grad_enabled() and (
                 x.requires_grad or self.weight.requires_grad):
-            z = ops.linear(x, self.weight, self.bias, residual=residual)
-            return reference.activation(z, act, self.negative_slope)
+            self._check(x, residual)
+            from . import torch_ops
+
+            return torch_ops.linear_save_z(x, self.weight, self.bias, act, residual, self.negative_slope)
         return ops.linear(x, self.weight, self.bias, activation=act, residual=residual,
                           negative_slope=self.negative_slope)
+
+    def _check(self, x, residual) -> None:
+        """ops.linear's argument checks, for the path that bypasses it."""
+        ops._check_tensor("x", x, "linear")
+        ops._check_floating("linear", "x", x)
+        ops._check_same("linear", "x", x, weight=self.weight, bias=self.bias, residual=residual)
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"linear: x has in_features={x.shape[-1] if x.dim() else None} but "
+                             f"weight.shape={tuple(self.weight.shape)} expects {self.in_features}")
+        ops._check_epilogue("linear", self.activation, residual, tuple(x.shape[:-1]) + (self.out_features,))
 
     def extra_repr(self) -> str:
         extra = f", activation={self.activation!r}" if self.activation else ""

@@ -7,11 +7,16 @@ and ``register_autograd`` gives it a backward. The public functions in ops.py
 call these only when autograd or torch.compile needs them; plain inference
 calls the implementation directly (no dispatcher on the hot path).
 
-Backward (reference math on torch kernels for now; cuDNN backward graphs are
-the next step): ReLU's backward reads the saved OUTPUT (y > 0), so the forward
-saves y, never the pre-activation; other activations recompute the
-pre-activation from the saved inputs in the backward (the forward saves no
-M x N intermediate). The amax output has no gradient.
+Backward: on CUDA in float16/bfloat16 it runs cuDNN training graphs
+(backward.py): the activation's backward with the bias gradient fused as a
+reduction, then dgrad/wgrad (conv) or two matmuls (linear, matmul), and SDPA's
+backward from the softmax stats of a training forward. ReLU's backward reads
+the saved OUTPUT (y > 0), so the forward saves y, never the pre-activation;
+other activations recompute the pre-activation inside the backward graph (the
+forward saves no M x N intermediate), except ``linear_save_z`` (cf.nn.Linear
+with recompute=False), whose one forward graph writes z too and keeps it.
+Anything cuDNN declines, float32, and the CPU run the same math on torch
+kernels. The amax output has no gradient.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ops, reference
+from . import backward, ops, reference
 
 # ------------------------------------------------------------------------ helpers
 
@@ -98,9 +103,38 @@ def _conv2d_setup(ctx, inputs, output):
 
 def _conv2d_backward(ctx, gy, _gamax):
     x, w, y, b, r = ctx.saved_tensors
+    if ctx.geo[4] == 1 and backward.usable(x, w, b, r, gy):  # grouped: torch (untested on cuDNN here)
+        out = _conv2d_backward_cudnn(ctx, x, w, y, b, r, gy)
+        if out is not None:
+            return out
     stride, pre, post, dilation, groups = ctx.geo
     dz = _pre_activation_grad(ctx, gy, y, lambda: reference.conv2d_padded(x, w, b, stride, pre, post, dilation, groups,
                                                                             None, r))
+    return _conv2d_products_torch(ctx, x, w, dz)
+
+
+def _conv2d_backward_cudnn(ctx, x, w, y, b, r, gy):
+    """Graph 1: dz (+ dbias), graph 2: dgrad, graph 3: wgrad; torch for a product cuDNN declines."""
+    unbatched = x.dim() == 3
+    sq = (lambda t: t.unsqueeze(0) if t is not None else None) if unbatched else (lambda t: t)
+    need_b = ctx.has_bias and ctx.needs_input_grad[2]
+    out = backward.conv_dz(sq(x), w, b, sq(r), sq(gy), sq(y), ctx.geo, ctx.act, ctx.slope, need_b)
+    if out is None:
+        return None
+    dz, dbias, x4, w4 = out
+    dx = backward.conv_dgrad(dz, w4, x4, ctx.geo) if ctx.needs_input_grad[0] else None
+    dw = backward.conv_wgrad(x4, dz, w4, ctx.geo) if ctx.needs_input_grad[1] else None
+    if (dx is None and ctx.needs_input_grad[0]) or (dw is None and ctx.needs_input_grad[1]):
+        tdx, tdw = _conv2d_products_torch(ctx, sq(x), w, dz)[:2]
+        dx, dw = dx if dx is not None else tdx, dw if dw is not None else tdw
+    unsq = (lambda t: t.squeeze(0) if t is not None else None) if unbatched else (lambda t: t)
+    db = dbias.view(-1).to(gy.dtype) if dbias is not None else None
+    dr = unsq(dz) if ctx.has_residual and ctx.needs_input_grad[9] else None
+    return unsq(dx), dw, db, None, None, None, None, None, None, dr, None, None
+
+
+def _conv2d_products_torch(ctx, x, w, dz):
+    stride, pre, post, dilation, groups = ctx.geo
     unbatched = x.dim() == 3
     xb, dzb = (x.unsqueeze(0), dz.unsqueeze(0)) if unbatched else (x, dz)
     symmetric = tuple(pre) == tuple(post)
@@ -154,8 +188,23 @@ def _gemm_setup(ctx, inputs, output):
     _save(ctx, (x, w), output[0], b, r)
 
 
+def _gemm_needs(ctx) -> tuple:
+    n = ctx.needs_input_grad
+    return (n[0], n[1], ctx.has_bias and n[2], ctx.has_residual and n[4])
+
+
+def _gemm_result(grads) -> tuple:
+    dx, dw, db, dr = grads
+    return dx, dw, db, None, dr, None, None
+
+
 def _linear_backward(ctx, gy, _gamax):
     x, w, y, b, r = ctx.saved_tensors
+    if backward.usable(x, w, b, r, gy):
+        out = backward.linear_grads(x, w, b, r, gy, ctx.act, ctx.slope, y if ctx.act == "relu" else None,
+                                    _gemm_needs(ctx))
+        if out is not None:
+            return _gemm_result(out)
     dz = _pre_activation_grad(ctx, gy, y, lambda: reference.linear(x, w, b, None, r))
     N, K = w.shape
     dz2 = dz.reshape(-1, N)
@@ -172,6 +221,66 @@ linear_op.register_autograd(_linear_backward, setup_context=_gemm_setup)
 def linear(x, weight, bias, activation, residual, return_amax, negative_slope):
     y, amax = linear_op(x, weight, bias, activation, residual, return_amax, float(negative_slope))
     return (y, amax) if return_amax else y
+
+
+# ------------------------------------------------------------------------ linear, pre-activation kept
+
+
+@torch.library.custom_op("cudnn_fuse::linear_save_z", mutates_args=())
+def linear_save_z_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, residual: Optional[Tensor],
+                     negative_slope: float) -> Tuple[Tensor, Tensor]:
+    """(y, z): y = act(z), z = x @ weight.T + bias + residual; one cuDNN graph writes both."""
+    if backward.usable(x, weight, bias, residual):
+        out = backward.linear_save_z(x, weight, bias, residual, activation, negative_slope)
+        if out is not None:
+            return out
+    elif not x.is_cuda:
+        ops._fallback("linear", "no CUDA GPU" if not torch.cuda.is_available() else "tensors are not on a CUDA device")
+    z = reference.linear(x, weight, bias, None, residual).contiguous()
+    return reference.activation(z, activation, negative_slope), z
+
+
+@linear_save_z_op.register_fake
+def _linear_save_z_fake(x, weight, bias, activation, residual, negative_slope):
+    shape = tuple(x.shape[:-1]) + (weight.shape[0],)
+    return (torch.empty(shape, dtype=x.dtype, device=x.device), torch.empty(shape, dtype=x.dtype, device=x.device))
+
+
+def _linear_save_z_setup(ctx, inputs, output):
+    x, w, b, act, r, slope = inputs
+    ctx.set_materialize_grads(False)  # z's gradient is never used: no M x N zeros for it
+    ctx.mark_non_differentiable(output[1])
+    ctx.act, ctx.slope = act, slope
+    ctx.has_bias, ctx.has_residual = b is not None, r is not None
+    ctx.save_for_backward(x, w, output[1], b)
+
+
+def _linear_save_z_backward(ctx, gy, _gz):
+    x, w, z, b = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = (n[0], n[1], ctx.has_bias and n[2], ctx.has_residual and n[4])
+    if gy is None:
+        return None, None, None, None, None, None
+    if backward.usable(x, w, b, gy):
+        out = backward.linear_grads(x, w, b, None, gy, ctx.act, ctx.slope, z, needs)
+        if out is not None:
+            dx, dw, db, dr = out
+            return dx, dw, db, None, dr, None
+    dz = _act_grad(z, gy, ctx.act, ctx.slope)
+    N, K = w.shape
+    dz2 = dz.reshape(-1, N)
+    dx = (dz @ w) if needs[0] else None
+    dw = (dz2.t() @ x.reshape(-1, K)) if needs[1] else None
+    db = dz2.sum(0) if needs[2] else None
+    return dx, dw, db, None, (dz if needs[3] else None), None
+
+
+linear_save_z_op.register_autograd(_linear_save_z_backward, setup_context=_linear_save_z_setup)
+
+
+def linear_save_z(x, weight, bias, activation, residual, negative_slope):
+    """act(x @ weight.T + bias + residual) whose backward reads the kept pre-activation."""
+    return linear_save_z_op(x, weight, bias, activation, residual, float(negative_slope))[0]
 
 
 # ------------------------------------------------------------------------ matmul
@@ -193,6 +302,11 @@ def _matmul_fake(a, b, bias, activation, residual, return_amax, negative_slope):
 
 def _matmul_backward(ctx, gy, _gamax):
     a, b, y, bias, r = ctx.saved_tensors
+    if backward.usable(a, b, bias, r, gy):
+        out = backward.matmul_grads(a, b, bias, r, gy, ctx.act, ctx.slope, y if ctx.act == "relu" else None,
+                                    _gemm_needs(ctx))
+        if out is not None:
+            return _gemm_result(out)
     dz = _pre_activation_grad(ctx, gy, y, lambda: reference.matmul(a, b, bias, None, r))
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     da = db_ = None
@@ -265,7 +379,60 @@ def _sdpa_backward(ctx, go):
 sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 
 
+@torch.library.custom_op("cudnn_fuse::scaled_dot_product_attention_train", mutates_args=())
+def sdpa_train_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                  scale: Optional[float], enable_gqa: bool) -> Tuple[Tensor, Tensor]:
+    """(o, stats): the training forward; stats float32 [B, H, Sq, 1] for the cuDNN
+    backward, or empty (0,) when cuDNN declined (the backward is then torch's)."""
+    if backward.sdpa_train_usable(q, k, v, attn_mask):
+        out = backward.sdpa_train_forward(q, k, v, attn_mask, is_causal, scale)
+        if out is not None:
+            return out
+    o = sdpa_op(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return o, torch.empty((0,), dtype=torch.float32, device=q.device)
+
+
+@sdpa_train_op.register_fake
+def _sdpa_train_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    # used only in eager autograd (sdpa() below keeps torch.compile on sdpa_op),
+    # where the stats' shape is the fused path's
+    o = _sdpa_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    shape = (tuple(q.shape[:-3]) if q.dim() == 4 else (1,)) + tuple(q.shape[-3:-1]) + (1,)
+    return o, torch.empty(shape, dtype=torch.float32, device=q.device)
+
+
+def _sdpa_train_setup(ctx, inputs, output):
+    q, k, v, mask, is_causal, scale, gqa = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.conf = (is_causal, scale, gqa)
+    ctx.save_for_backward(q, k, v, mask, output[0], output[1])
+
+
+def _sdpa_train_backward(ctx, go, _gstats):
+    q, k, v, mask, o, stats = ctx.saved_tensors
+    is_causal, scale, _ = ctx.conf
+    if stats.numel() > 0 and not (mask is not None and ctx.needs_input_grad[3]):
+        grads = backward.sdpa_grads(q, k, v, mask, o, stats, go, is_causal, scale)
+        if grads is not None:
+            return tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])) + (None,) * 4
+    return _sdpa_backward(_SavedView(ctx, (q, k, v, mask)), go)
+
+
+class _SavedView:
+    """ctx as _sdpa_backward reads it, over a subset of the saved tensors."""
+
+    def __init__(self, ctx, saved):
+        self.saved_tensors, self.conf, self.needs_input_grad = saved, ctx.conf, ctx.needs_input_grad
+
+
+sdpa_train_op.register_autograd(_sdpa_train_backward, setup_context=_sdpa_train_setup)
+
+
 def sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     # dropout_p > 0 never reaches here (ops runs the autograd-capable reference: the
     # backward could not replay the forward's random mask)
+    if (q.is_cuda and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))):
+        return sdpa_train_op(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale),
+                             bool(enable_gqa))[0]
     return sdpa_op(q, k, v, attn_mask, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))

@@ -1,0 +1,347 @@
+"""The CUDA backward of the fused ops through cuDNN training graphs (issue 4).
+
+Each function here returns None (or leaves a product to torch) when cuDNN
+declines a graph; the caller in torch_ops.py then runs the reference math, and
+the decline is logged once like a forward fallback. Only float16 / bfloat16 on
+CUDA take this path: float32 keeps torch's own backward (cuDNN matmul rounds
+fp32 through TF32).
+
+Gemm backward, as the graphs see it (3-D views, no copies):
+
+    dz = act'(z) * dy     one graph: from z recomputed as matmul(a, b) + bias inside
+                          the graph (recompute), or from a saved z (or y for ReLU);
+                          dbias = ADD reduction of dz in the same graph
+    da = dz @ b^T         cuDNN matmul on the transposed view of b
+    db = a^T @ dz         (for linear: dW = dz^T @ x, written in W's [out, in] layout)
+
+Conv backward: dz as above (ReLU from the saved output), then dgrad and wgrad
+graphs (ReLU's backward fused into dgrad has no Hopper engine).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import ops, plans
+from .errors import UnsupportedError
+from .spec import (
+    ActGradSpec,
+    ConvDgradSpec,
+    ConvSpec,
+    ConvWgradSpec,
+    Epilogue,
+    MatmulSpec,
+    RecomputeGradSpec,
+    SaveZSpec,
+    SdpaBwdSpec,
+    SdpaTrainSpec,
+    TensorSpec,
+)
+
+_DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def usable(*tensors) -> bool:
+    """Whether the cuDNN backward can take these operands (16-bit CUDA, non-empty)."""
+    ts = [t for t in tensors if t is not None]
+    return (all(t.is_cuda for t in ts) and ts[0].dtype in _DT and all(t.dtype == ts[0].dtype for t in ts)
+            and all(t.numel() > 0 for t in ts))
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec.of(t)
+
+
+def _f32(shape) -> TensorSpec:
+    return TensorSpec.contiguous(shape, "float32")
+
+
+def _try(op: str, spec, buffers) -> bool:
+    """Run ``spec`` on ``buffers`` (roles order); False, logged once, when cuDNN declines."""
+    try:
+        plan = plans.get_plan(spec, buffers[0].device.index)
+    except UnsupportedError as exc:
+        ops._fallback(op, str(exc))
+        return False
+    plan.run(buffers)
+    return True
+
+
+def _dense_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``like``'s strides (a copy only when they differ)."""
+    if t.stride() == like.stride():
+        return t
+    return torch.empty_like(like).copy_(t)
+
+
+# ------------------------------------------------------------------ dz (+ dbias)
+
+
+def _sum_bias(dz: torch.Tensor, bias_shape) -> torch.Tensor:
+    dims = tuple(i for i, n in enumerate(bias_shape) if n == 1)
+    return dz.sum(dim=dims, keepdim=True, dtype=torch.float32)
+
+
+def _with_dbias(op: str, make_spec, buffers, dz, bias_shape) -> Optional[torch.Tensor]:
+    """Run the dz graph with the bias gradient fused as a reduction; when cuDNN
+    declines that, without it (then the bias gradient is a torch sum).
+    Returns the float32 dbias (or an empty tensor when none is wanted), None if
+    cuDNN declined the graph altogether."""
+    if bias_shape is not None:
+        dbias = torch.empty(bias_shape, dtype=torch.float32, device=dz.device)
+        if _try(op, make_spec(_f32(bias_shape)), buffers + [dz, dbias]):
+            return dbias
+    if not _try(op, make_spec(None), buffers + [dz]):
+        return None
+    return _sum_bias(dz, bias_shape) if bias_shape is not None else torch.empty(0, device=dz.device)
+
+
+def act_grad(dy, src, act: str, slope: float, bias_shape=None):
+    """(dz, dbias) with dz = act'(src) * dy from a saved src (z, or y for ReLU); None if declined."""
+    dz = torch.empty_like(dy)
+
+    def make(db):
+        return ActGradSpec(_spec(dy), _spec(src), _spec(dz), act, slope, db)
+
+    dbias = _with_dbias("act_grad", make, [dy, src], dz, bias_shape)
+    return None if dbias is None else (dz, dbias)
+
+
+def recompute_grad(fwd, fwd_buffers, dy, bias_shape=None):
+    """(dz, dbias), the pre-activation recomputed inside the graph from ``fwd``'s
+    operands (``fwd.y`` is dz's geometry); None if declined."""
+    dz = torch.empty_strided(fwd.y.shape, fwd.y.stride, dtype=dy.dtype, device=dy.device)
+
+    def make(db):
+        return RecomputeGradSpec(fwd, _spec(dy), _spec(dz), db)
+
+    dbias = _with_dbias("recompute_grad", make, list(fwd_buffers) + [dy], dz, bias_shape)
+    return None if dbias is None else (dz, dbias)
+
+
+# ------------------------------------------------------------------ gemm
+
+
+def mm(a3: torch.Tensor, b3: torch.Tensor) -> torch.Tensor:
+    """[Ba, M, K] @ [Bb, K, N] -> [B, M, N] through a plain cuDNN matmul graph;
+    torch.matmul when cuDNN declines it."""
+    B = max(a3.shape[0], b3.shape[0])
+    y = torch.empty((B, a3.shape[1], b3.shape[2]), dtype=a3.dtype, device=a3.device)
+    spec = MatmulSpec(_spec(a3), _spec(b3), _spec(y), Epilogue())
+    if not _try("matmul_backward", spec, [a3, b3, y]):
+        return torch.matmul(a3, b3)
+    return y
+
+
+def gemm_dz(a3, b3, bias, r3, dy3, act, slope, src=None, want_dbias=False):
+    """(dz, dbias f32 [1,1,N] or None) for y = act(a3 @ b3 + bias + r3); None if declined.
+
+    ``src``: the saved pre-activation z (or y for ReLU); None recomputes z."""
+    N = b3.shape[-1]
+    bias_shape = (1, 1, N) if want_dbias else None
+    if act is None:
+        return dy3, (_sum_bias(dy3, bias_shape) if want_dbias else None)
+    if src is not None:
+        out = act_grad(dy3, src.reshape(dy3.shape), act, slope, bias_shape)
+    else:
+        epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), _DT[a3.dtype]) if bias is not None else None,
+                       residual=_spec(r3) if r3 is not None else None, activation=act, negative_slope=slope)
+        fwd = MatmulSpec(_spec(a3), _spec(b3), _spec(dy3), epi)
+        buffers = [a3, b3] + ([bias.view(1, 1, N)] if bias is not None else []) + ([r3] if r3 is not None else [])
+        out = recompute_grad(fwd, buffers, dy3, bias_shape)
+    if out is None:
+        return None
+    return out[0], (out[1] if want_dbias else None)
+
+
+def gemm_products(a3, b3, dz, need_a: bool, need_b: bool, weight_layout: bool = False):
+    """(da [Ba, M, K], db) for y = a3 @ b3 with dz = dL/dy [B, M, N].
+
+    ``weight_layout``: b3 is a linear weight's transposed view [1, K, N]; db is
+    then returned as dW [1, N, K] = dz^T @ a (the weight's own layout)."""
+    B, M, N = dz.shape
+    K = a3.shape[-1]
+    da = db = None
+    if need_a:
+        da = mm(dz, b3.transpose(1, 2))
+        if a3.shape[0] == 1 and B > 1:
+            da = da.sum(0, keepdim=True)
+    if need_b:
+        if b3.shape[0] == 1 and B > 1:  # b broadcast over the batch: one product over all rows
+            a_rows, dz_rows = a3.expand(B, M, K).reshape(1, B * M, K), dz.reshape(1, B * M, N)
+        else:
+            a_rows, dz_rows = a3, dz
+        db = mm(dz_rows.transpose(1, 2), a_rows) if weight_layout else mm(a_rows.transpose(1, 2), dz_rows)
+    return da, db
+
+
+def linear_grads(x, w, bias, residual, gy, act, slope, src, needs):
+    """(dx, dw, dbias, dresidual) of y = act(x @ w.T + bias + residual) on the
+    cuDNN graphs, or None when the dz graph was declined. ``needs``: 4 bools
+    (x, w, bias, residual); the residual's gradient is dz itself. ``bias`` and
+    ``residual`` are needed only when z is recomputed (the caller saves them then)."""
+    N, K = w.shape
+    rows = math.prod(x.shape[:-1])
+    a3 = x.reshape(1, rows, K)
+    if a3.stride(-1) != 1 and a3.stride(-2) != 1:
+        a3 = a3.contiguous()
+    b3 = w.t().unsqueeze(0)
+    dy3 = gy.contiguous().reshape(1, rows, N)
+    r3 = residual.reshape(1, rows, N) if residual is not None else None
+    out = gemm_dz(a3, b3, bias, r3, dy3, act, slope, src, want_dbias=needs[2])
+    if out is None:
+        return None
+    dz, dbias = out
+    da, dw = gemm_products(a3, b3, dz, needs[0], needs[1], weight_layout=True)
+    return (da.view(x.shape) if da is not None else None, dw.view(N, K) if dw is not None else None,
+            dbias.view(N).to(gy.dtype) if dbias is not None else None,
+            dz.view(gy.shape) if needs[3] else None)
+
+
+def matmul_grads(a, b, bias, residual, gy, act, slope, src, needs):
+    """(da, db, dbias, dresidual) of y = act(a @ b + bias + residual) with
+    torch.matmul's broadcasting; None when the operands need torch's own
+    backward (partial broadcasts) or the dz graph was declined."""
+    a2, b2, batch, M, N, _ = ops.matmul_views(a, b)
+    a3, b3 = ops._as_batched(a2, batch), ops._as_batched(b2, batch)
+    if a3 is None or b3 is None:
+        return None
+    B = max(a3.shape[0], b3.shape[0])
+    dy3 = gy.contiguous().reshape(B, M, N)
+    r3 = residual.reshape(B, M, N) if residual is not None else None
+    src3 = src.reshape(B, M, N) if src is not None else None
+    out = gemm_dz(a3, b3, bias, r3, dy3, act, slope, src3, want_dbias=needs[2])
+    if out is None:
+        return None
+    dz, dbias = out
+    da, db = gemm_products(a3, b3, dz, needs[0], needs[1])
+    if da is not None:
+        da = da.reshape(a2.shape).reshape(a.shape)
+    if db is not None:
+        db = db.reshape(b2.shape).reshape(b.shape)
+    return (da, db, dbias.view(N).to(gy.dtype) if dbias is not None else None,
+            dz.view(gy.shape) if needs[3] else None)
+
+
+def linear_save_z(x, w, bias, residual, act, slope):
+    """(y, z) of y = act(z), z = x @ w.T + bias + residual, written by ONE graph;
+    None when cuDNN declines it."""
+    N, K = w.shape
+    rows = math.prod(x.shape[:-1])
+    a3 = x.reshape(1, rows, K)
+    if a3.stride(-1) != 1 and a3.stride(-2) != 1:
+        a3 = a3.contiguous()
+    b3 = w.t().unsqueeze(0)
+    y = torch.empty((1, rows, N), dtype=x.dtype, device=x.device)
+    z = torch.empty_like(y)
+    r3 = residual.reshape(1, rows, N).contiguous() if residual is not None else None
+    dt = _DT[x.dtype]
+    epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), dt) if bias is not None else None,
+                   residual=_spec(r3) if r3 is not None else None, activation=act, negative_slope=slope)
+    spec = SaveZSpec(MatmulSpec(_spec(a3), _spec(b3), _spec(y), epi), _spec(z))
+    buffers = [a3, b3] + ([bias.view(1, 1, N)] if bias is not None else []) + ([r3] if r3 is not None else []) + [y, z]
+    if not _try("linear", spec, buffers):
+        return None
+    shape = tuple(x.shape[:-1]) + (N,)
+    return y.view(shape), z.view(shape)
+
+
+# ------------------------------------------------------------------ conv
+
+
+def conv_dz(x, w, bias, residual, gy, y, geo, act, slope, want_dbias):
+    """(dz, dbias f32 [1,K,1,1] or None, x4, w4) for a batched conv, in the layout
+    the forward ran; None if declined. ``geo``: (stride, pre, post, dilation, groups)."""
+    stride, pre, post, dilation, groups = geo
+    x4, w4, channels_last = ops._conv_layout(x, w)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    dy = gy.contiguous(memory_format=fmt)
+    K = w.shape[0]
+    bias_shape = (1, K, 1, 1) if want_dbias else None
+    if act is None:
+        return dy, (_sum_bias(dy, bias_shape) if want_dbias else None), x4, w4
+    if act == "relu":
+        out = act_grad(dy, y.contiguous(memory_format=fmt), act, slope, bias_shape)
+    else:
+        r = residual.contiguous(memory_format=fmt) if residual is not None else None
+        epi = Epilogue(bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), _DT[x.dtype]) if bias is not None else None,
+                       residual=_spec(r) if r is not None else None, activation=act, negative_slope=slope)
+        fwd = ConvSpec(_spec(x4), _spec(w4), _spec(dy), tuple(stride), tuple(pre), tuple(post), tuple(dilation),
+                       groups, epi)
+        buffers = [x4, w4] + ([bias.view(1, K, 1, 1)] if bias is not None else []) + ([r] if r is not None else [])
+        out = recompute_grad(fwd, buffers, dy, bias_shape)
+    if out is None:
+        return None
+    return out[0], (out[1] if want_dbias else None), x4, w4
+
+
+def conv_dgrad(dz, w4, x4, geo) -> Optional[torch.Tensor]:
+    """dx in x4's layout, or None if declined."""
+    stride, pre, post, dilation, _ = geo
+    dx = torch.empty_like(x4)
+    spec = ConvDgradSpec(_spec(dz), _spec(w4), _spec(dx), tuple(stride), tuple(pre), tuple(post), tuple(dilation))
+    return dx if _try("conv2d_dgrad", spec, [dz, w4, dx]) else None
+
+
+def conv_wgrad(x4, dz, w4, geo) -> Optional[torch.Tensor]:
+    """dw in w4's layout, or None if declined."""
+    stride, pre, post, dilation, _ = geo
+    dw = torch.empty_like(w4)
+    spec = ConvWgradSpec(_spec(x4), _spec(dz), _spec(dw), tuple(stride), tuple(pre), tuple(post), tuple(dilation))
+    return dw if _try("conv2d_wgrad", spec, [x4, dz, dw]) else None
+
+
+# ------------------------------------------------------------------ attention
+
+
+def _sdpa_inputs(q, k, v, attn_mask):
+    """The 4-D, last-dim-dense views the fused forward used, and the additive bias."""
+    if q.dim() == 3:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    B, H, Sq, _ = q.shape
+    bias = ops._sdpa_bias(attn_mask, B, H, Sq, k.shape[-2], q.dtype)
+    return q, k, v, bias
+
+
+def sdpa_train_usable(q, k, v, attn_mask) -> bool:
+    return usable(q, k, v) and q.dim() in (3, 4) and (attn_mask is None or attn_mask.is_cuda)
+
+
+def sdpa_train_forward(q, k, v, attn_mask, is_causal, scale):
+    """(o, stats) of the training forward (stats float32 [B, H, Sq, 1]), or None if declined."""
+    squeeze = q.dim() == 3
+    q4, k4, v4, bias = _sdpa_inputs(q, k, v, attn_mask)
+    B, H, Sq, D = q4.shape
+    o = ops._sdpa_output(q4, v4.shape[-1])
+    stats = torch.empty((B, H, Sq, 1), dtype=torch.float32, device=q.device)
+    spec = SdpaTrainSpec(_spec(q4), _spec(k4), _spec(v4), _spec(o), _spec(stats),
+                         _spec(bias) if bias is not None else None, bool(is_causal), _scale(scale, D))
+    bufs = [q4, k4, v4] + ([bias] if bias is not None else []) + [o, stats]
+    if not _try("scaled_dot_product_attention", spec, bufs):
+        return None
+    return (o.squeeze(0) if squeeze else o), stats
+
+
+def _scale(scale, D) -> float:
+    return float(scale) if scale is not None else 1.0 / math.sqrt(D)
+
+
+def sdpa_grads(q, k, v, attn_mask, o, stats, go, is_causal, scale):
+    """(dq, dk, dv) from the forward's output and stats, or None if declined."""
+    squeeze = q.dim() == 3
+    q4, k4, v4, bias = _sdpa_inputs(q, k, v, attn_mask)
+    o4, go4 = (o.unsqueeze(0), go.unsqueeze(0)) if squeeze else (o, go)
+    do = _dense_like(go4, o4)
+    dq, dk, dv = torch.empty_like(q4), torch.empty_like(k4), torch.empty_like(v4)
+    spec = SdpaBwdSpec(_spec(q4), _spec(k4), _spec(v4), _spec(o4), _spec(do), _spec(stats), _spec(dq), _spec(dk),
+                       _spec(dv), _spec(bias) if bias is not None else None, bool(is_causal), _scale(scale, q4.shape[-1]))
+    bufs = [q4, k4, v4, o4, do, stats] + ([bias] if bias is not None else []) + [dq, dk, dv]
+    if not _try("scaled_dot_product_attention_backward", spec, bufs):
+        return None
+    if squeeze:
+        dq, dk, dv = dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
+    return dq, dk, dv

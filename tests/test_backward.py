@@ -1,0 +1,436 @@
+"""The cuDNN backward without a GPU: training specs (round trips, digests), their
+builders' IR, and the backward's plumbing (views, strides, buffer order,
+declines) run against an executor that interprets each spec with torch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnn_fuse as cf
+from cudnn_fuse import backward, reference, torch_ops
+from cudnn_fuse.builders import UIDS, build_graph, roles_of, uids_of
+from cudnn_fuse.errors import UnsupportedError
+from cudnn_fuse.spec import (
+    ActGradSpec,
+    ConvDgradSpec,
+    ConvSpec,
+    ConvWgradSpec,
+    Epilogue,
+    MatmulSpec,
+    RecomputeGradSpec,
+    SaveZSpec,
+    SdpaBwdSpec,
+    SdpaTrainSpec,
+    TensorSpec,
+    spec_from_dict,
+)
+
+BF = "bfloat16"
+
+
+def _mm(act="gelu", bias=True):
+    a = TensorSpec.contiguous((1, 64, 32), BF)
+    b = TensorSpec((1, 32, 48), (1536, 1, 32), BF)
+    y = TensorSpec.contiguous((1, 64, 48), BF)
+    return MatmulSpec(a, b, y, Epilogue(bias=TensorSpec((1, 1, 48), (48, 48, 1), BF) if bias else None, activation=act))
+
+
+def _conv(act="silu"):
+    x = TensorSpec.contiguous((2, 4, 9, 9), BF)
+    w = TensorSpec.contiguous((8, 4, 3, 3), BF)
+    y = TensorSpec.contiguous((2, 8, 9, 9), BF)
+    return ConvSpec(x, w, y, (1, 1), (1, 1), (1, 1), (1, 1), 1, Epilogue(bias=TensorSpec((1, 8, 1, 1), (8, 1, 8, 8), BF),
+                                                                        activation=act))
+
+
+def _specs():
+    y = TensorSpec.contiguous((1, 64, 48), BF)
+    db = TensorSpec.contiguous((1, 1, 48), "float32")
+    c4 = lambda *s: TensorSpec.contiguous(s, BF)  # noqa: E731
+    q, st = c4(2, 4, 16, 64), TensorSpec.contiguous((2, 4, 16, 1), "float32")
+    geo = ((2, 2), (1, 1), (0, 0), (1, 1))
+    return {
+        "save_z": SaveZSpec(_mm(), y),
+        "recompute_mm": RecomputeGradSpec(_mm(), y, y, db),
+        "recompute_conv": RecomputeGradSpec(_conv(), c4(2, 8, 9, 9), c4(2, 8, 9, 9), None),
+        "act_grad": ActGradSpec(y, y, y, "leaky_relu", 0.2, db),
+        "dgrad": ConvDgradSpec(c4(2, 8, 5, 5), c4(8, 4, 3, 3), c4(2, 4, 9, 9), *geo),
+        "wgrad": ConvWgradSpec(c4(2, 4, 9, 9), c4(2, 8, 5, 5), c4(8, 4, 3, 3), *geo),
+        "sdpa_train": SdpaTrainSpec(q, q, q, q, st, None, True, 0.125),
+        "sdpa_bwd": SdpaBwdSpec(q, q, q, q, q, st, q, q, q, c4(1, 1, 16, 16), False, 0.125),
+    }
+
+
+# ------------------------------------------------------------------ specs
+
+
+@pytest.mark.parametrize("name", list(_specs()))
+def test_training_specs_round_trip_through_json(name):
+    spec = _specs()[name]
+    back = spec_from_dict(json.loads(spec.canonical_json()))
+    assert back == spec and back.digest() == spec.digest()
+
+
+def test_training_specs_have_distinct_digests_and_keep_the_forward_digest():
+    specs = _specs()
+    assert len({s.digest() for s in specs.values()}) == len(specs)
+    # wrapping a forward spec never changes the forward's own key
+    assert specs["save_z"].fwd.digest() == _mm().digest()
+    assert specs["save_z"].digest() != _mm().digest()
+    assert json.loads(specs["save_z"].canonical_json())["fwd"]["op"] == "matmul"
+
+
+def test_act_grad_spec_normalises_the_slope_and_checks_the_activation():
+    y = TensorSpec.contiguous((1, 4, 4), BF)
+    assert ActGradSpec(y, y, y, "gelu", 0.3) == ActGradSpec(y, y, y, "gelu", 0.01)
+    with pytest.raises(ValueError, match="activation"):
+        ActGradSpec(y, y, y, "mish")
+
+
+# ------------------------------------------------------------------ builders
+
+
+NODES = {
+    "save_z": ["matmul", "bias_add", "gelu.0"],
+    "recompute_mm": ["matmul", "bias_add", "act_backward", "dbias"],
+    "recompute_conv": ["conv", "bias_add", "act_backward"],
+    "act_grad": ["act_backward", "dbias"],
+    "dgrad": ["dgrad"],
+    "wgrad": ["wgrad"],
+    "sdpa_train": ["sdpa"],
+    "sdpa_bwd": ["sdpa_backward"],
+}
+
+
+@pytest.mark.parametrize("name", list(_specs()))
+def test_training_builders_nodes_and_fixed_uids(name):
+    spec = _specs()[name]
+    ir = build_graph(spec).inspect()
+    assert [n["name"] for n in ir["nodes"]] == NODES[name]
+    io = {n: t for n, t in ir["tensors"].items() if not t["is_virtual"]}
+    # every role is a real tensor with its fixed uid, and nothing else is
+    assert {n: t["uid"] for n, t in io.items()} == {r: UIDS[r] for r in roles_of(spec)}
+    assert uids_of(spec) == tuple(UIDS[r] for r in roles_of(spec))
+    for role in roles_of(spec):
+        t = _geometry(spec, role)
+        assert (tuple(io[role]["dim"]), tuple(io[role]["stride"])) == (t.shape, t.stride), role
+
+
+def test_activation_backward_modes():
+    modes = {}
+    for act in ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"):
+        y = TensorSpec.contiguous((1, 8, 8), BF)
+        node = build_graph(ActGradSpec(y, y, y, act, 0.2)).inspect()["nodes"][0]
+        modes[act] = (node["params"]["mode"], node["params"].get("negative_slope"), node["params"].get("swish_beta"))
+    assert modes == {"relu": ("relu_backward", None, None), "gelu": ("gelu_backward", None, None),
+                     "gelu_tanh": ("gelu_approx_tanh_backward", None, None), "silu": ("swish_backward", None, 1.0),
+                     "tanh": ("tanh_backward", None, None), "sigmoid": ("sigmoid_backward", None, None),
+                     "leaky_relu": ("leaky_relu_backward", 0.2, None)}
+
+
+def test_sdpa_training_forward_asks_for_stats():
+    ir = build_graph(_specs()["sdpa_train"]).inspect()
+    assert ir["nodes"][0]["params"].get("generate_stats") is True
+
+
+# ------------------------------------------------------------------ a torch executor for specs
+
+
+def _geometry(spec, role) -> TensorSpec:
+    for holder in (spec, getattr(spec, "fwd", None)):
+        if holder is None:
+            continue
+        if hasattr(holder, role) and isinstance(getattr(holder, role), TensorSpec):
+            return getattr(holder, role)
+        epi = getattr(holder, "epilogue", None)
+        if epi is not None and isinstance(getattr(epi, role, None), TensorSpec):
+            return getattr(epi, role)
+    raise KeyError(role)
+
+
+def _act_grad(z, dy, act, slope):
+    z = z.detach().float().requires_grad_()
+    with torch.enable_grad():
+        return torch.autograd.grad(reference.activation(z, act, slope), z, dy.float())[0]
+
+
+def _forward_z(fwd, t):
+    if isinstance(fwd, ConvSpec):
+        z = reference.conv2d_padded(t["x"].float(), t["w"].float(), None, fwd.stride, fwd.pre_padding,
+                                    fwd.post_padding, fwd.dilation, fwd.groups)
+    else:
+        z = t["a"].float() @ t["b"].float()
+    if "bias" in t:
+        z = z + t["bias"].float()
+    if "residual" in t:
+        z = z + t["residual"].float()
+    return z
+
+
+def _pad(spec):
+    assert spec.pre_padding == spec.post_padding, "the test executor pads symmetrically"
+    return dict(stride=spec.stride, padding=spec.pre_padding, dilation=spec.dilation)
+
+
+def _sdpa_ref(t, spec):
+    q, k, v = (t[r].float() for r in "qkv")
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) * spec.scale + (t["bias"].float() if "bias" in t else 0)
+    if spec.is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s, v
+
+
+def torch_exec(spec, buffers):
+    """Run ``spec`` on ``buffers`` with torch, after checking the buffers follow
+    roles_of(spec) and each one's shape and strides are the spec's."""
+    roles = roles_of(spec)
+    assert len(buffers) == len(roles)
+    t = dict(zip(roles, buffers))
+    for r, buf in t.items():
+        g = _geometry(spec, r)
+        # a stride of a size-1 dim is never read (the forward's bias spec writes K there too)
+        strides = tuple(st for st, n in zip(buf.stride(), buf.shape) if n > 1)
+        assert strides == tuple(st for st, n in zip(g.stride, g.shape) if n > 1), r
+        assert (tuple(buf.shape), str(buf.dtype)[6:]) == (g.shape, g.dtype), r
+    out = {}
+    if isinstance(spec, MatmulSpec):
+        out["y"] = t["a"].float() @ t["b"].float()
+    elif isinstance(spec, SaveZSpec):
+        out["z"] = _forward_z(spec.fwd, t)
+        out["y"] = reference.activation(out["z"], spec.fwd.epilogue.activation, spec.fwd.epilogue.negative_slope)
+    elif isinstance(spec, (RecomputeGradSpec, ActGradSpec)):
+        if isinstance(spec, ActGradSpec):
+            src, act, slope = t["src"], spec.activation, spec.negative_slope
+        else:
+            src, act, slope = _forward_z(spec.fwd, t), spec.fwd.epilogue.activation, spec.fwd.epilogue.negative_slope
+        out["dz"] = _act_grad(src, t["dy"], act, slope)
+        if "dbias" in t:
+            out["dbias"] = out["dz"].sum([i for i, n in enumerate(spec.dbias.shape) if n == 1], keepdim=True)
+    elif isinstance(spec, ConvDgradSpec):
+        out["dx"] = torch.nn.grad.conv2d_input(spec.dx.shape, t["w"].float(), t["dy"].float(), **_pad(spec))
+    elif isinstance(spec, ConvWgradSpec):
+        out["dw"] = torch.nn.grad.conv2d_weight(t["x"].float(), spec.dw.shape, t["dy"].float(), **_pad(spec))
+    elif isinstance(spec, SdpaTrainSpec):
+        s, v = _sdpa_ref(t, spec)
+        out["o"], out["stats"] = s.softmax(-1) @ v, s.logsumexp(-1, keepdim=True)
+    elif isinstance(spec, SdpaBwdSpec):
+        leaves = {r: t[r].detach().float().requires_grad_() for r in "qkv"}
+        with torch.enable_grad():
+            s, v = _sdpa_ref({**t, **leaves}, spec)
+            dq, dk, dv = torch.autograd.grad(s.softmax(-1) @ v, [leaves[r] for r in "qkv"], t["do"].float())
+        out.update(dq=dq, dk=dk, dv=dv)
+    else:
+        raise AssertionError(type(spec))
+    for r, v in out.items():
+        t[r].copy_(v)
+
+
+class Runner:
+    """Stands in for backward._try; ``decline`` says which specs cuDNN 'declines'."""
+
+    def __init__(self, decline=lambda spec: False):
+        self.decline, self.ran, self.declined = decline, [], []
+
+    def __call__(self, op, spec, buffers):
+        if self.decline(spec):
+            self.declined.append(spec.op)
+            return False
+        torch_exec(spec, buffers)
+        self.ran.append(spec.op)
+        return True
+
+
+@pytest.fixture
+def cudnn_on_cpu(monkeypatch):
+    """The cuDNN backward path on CPU bf16 tensors, graphs run by torch_exec."""
+    torch.manual_seed(0)
+    runner = Runner()
+    monkeypatch.setattr(backward, "_try", runner)
+    monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
+    monkeypatch.setattr(backward, "sdpa_train_usable", lambda *ts: True)
+    return runner
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def grads_of(fn, inputs):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    y = fn(*leaves)
+    y.backward(torch.ones_like(y) * torch.linspace(-1, 1, y.numel()).view(y.shape).to(y.dtype))
+    return [lf.grad for lf in leaves]
+
+
+def compare(fn, ref_fn, inputs, tol=2e-2):
+    """Gradients in bf16 against fp32 autograd; the bound is max(tol, 2 x torch's
+    own bf16 error), since a kink (ReLU) flips where bf16 rounding moves z."""
+    ours = grads_of(fn, [t.to(torch.bfloat16) for t in inputs])
+    refs = grads_of(ref_fn, [t.to(torch.bfloat16).float() for t in inputs])
+    torch_bf16 = grads_of(ref_fn, [t.to(torch.bfloat16) for t in inputs])
+    for a, b, t in zip(ours, refs, torch_bf16):
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        assert rel(a, b) <= max(tol, 2 * rel(t, b))
+
+
+ACTS = [None, "relu", "gelu", "silu", "tanh", "leaky_relu"]
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_backward_plumbing(cudnn_on_cpu, act):
+    x, w, b, r = torch.randn(2, 6, 32), torch.randn(24, 32) / 5, torch.randn(24), torch.randn(2, 6, 24)
+    compare(lambda x, w, b, r: cf.linear(x, w, b, activation=act, residual=r),
+            lambda x, w, b, r: reference.activation(F.linear(x, w, b) + r, act), (x, w, b, r))
+    if act in (None,):
+        assert cudnn_on_cpu.ran == ["matmul", "matmul"]
+    elif act == "relu":
+        assert cudnn_on_cpu.ran == ["act_grad", "matmul", "matmul"]  # from the saved output
+    else:
+        assert cudnn_on_cpu.ran == ["recompute_grad", "matmul", "matmul"]
+
+
+@pytest.mark.parametrize("shapes", [((3, 8, 16), (16, 12)), ((3, 8, 16), (3, 16, 12)), ((8, 16), (3, 16, 12)),
+                                    ((2, 3, 8, 16), (16, 12)), ((16,), (3, 16, 12)), ((3, 8, 16), (16,))])
+def test_matmul_backward_plumbing(cudnn_on_cpu, shapes):
+    a, b = torch.randn(*shapes[0]), torch.randn(*shapes[1]) / 4
+    compare(lambda a, b: cf.matmul(a, b, activation="gelu"), lambda a, b: F.gelu(a @ b), (a, b))
+
+
+def test_matmul_backward_with_bias(cudnn_on_cpu):
+    a, b, bias = torch.randn(3, 8, 16), torch.randn(16, 12) / 4, torch.randn(12)
+    compare(lambda a, b, c: cf.matmul(a, b, c, activation="silu"), lambda a, b, c: F.silu(a @ b + c), (a, b, bias))
+
+
+def test_linear_save_z_plumbing(cudnn_on_cpu):
+    m = cf.nn.Linear(32, 24, activation="gelu", recompute=False)
+    x = torch.randn(5, 32)
+    compare(lambda x, w, b: torch_ops.linear_save_z(x, w, b, "gelu", None, 0.01),
+            lambda x, w, b: F.gelu(F.linear(x, w, b)), (x, m.weight, m.bias))
+    assert cudnn_on_cpu.ran == ["save_z", "act_grad", "matmul", "matmul"]
+
+
+def test_dbias_declined_in_the_graph_falls_back_to_a_sum(monkeypatch, cudnn_on_cpu):
+    cudnn_on_cpu.decline = lambda spec: getattr(spec, "dbias", None) is not None
+    x, w, b = torch.randn(6, 32), torch.randn(24, 32) / 5, torch.randn(24)
+    compare(lambda x, w, b: cf.linear(x, w, b, activation="gelu"), lambda x, w, b: F.gelu(F.linear(x, w, b)), (x, w, b))
+    assert cudnn_on_cpu.declined == ["recompute_grad"] and cudnn_on_cpu.ran[0] == "recompute_grad"
+
+
+def test_everything_declined_runs_the_reference(cudnn_on_cpu):
+    cudnn_on_cpu.decline = lambda spec: True
+    x, w, b = torch.randn(6, 32), torch.randn(24, 32) / 5, torch.randn(24)
+    compare(lambda x, w, b: cf.linear(x, w, b, activation="gelu"), lambda x, w, b: F.gelu(F.linear(x, w, b)), (x, w, b))
+    assert cudnn_on_cpu.ran == []
+
+
+def test_declined_matmul_product_uses_torch(cudnn_on_cpu):
+    cudnn_on_cpu.decline = lambda spec: isinstance(spec, MatmulSpec)
+    x, w, b = torch.randn(6, 32), torch.randn(24, 32) / 5, torch.randn(24)
+    compare(lambda x, w, b: cf.linear(x, w, b, activation="tanh"), lambda x, w, b: torch.tanh(F.linear(x, w, b)),
+            (x, w, b))
+    assert cudnn_on_cpu.ran == ["recompute_grad"]
+
+
+@pytest.mark.parametrize("act", [None, "relu", "silu"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "unbatched"])
+def test_conv_backward_plumbing(cudnn_on_cpu, act, layout):
+    x, w, b = torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8)
+    if layout == "channels_last":
+        x, w = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+    elif layout == "unbatched":
+        x = x[0]
+    compare(lambda x, w, b: cf.conv2d(x, w, b, stride=2, padding=1, activation=act),
+            lambda x, w, b: reference.activation(F.conv2d(x, w, b, stride=2, padding=1), act), (x, w, b))
+    first = {None: [], "relu": ["act_grad"], "silu": ["recompute_grad"]}[act]
+    assert cudnn_on_cpu.ran == first + ["conv_dgrad", "conv_wgrad"]
+
+
+def test_conv_backward_declined_dgrad_uses_torch(cudnn_on_cpu):
+    cudnn_on_cpu.decline = lambda spec: isinstance(spec, ConvDgradSpec)
+    x, w, b, r = torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8), torch.randn(2, 8, 9, 9)
+    compare(lambda x, w, b, r: cf.conv2d(x, w, b, padding=1, activation="relu", residual=r),
+            lambda x, w, b, r: F.relu(F.conv2d(x, w, b, padding=1) + r), (x, w, b, r))
+    assert cudnn_on_cpu.ran == ["act_grad", "conv_wgrad"]
+
+
+@pytest.mark.parametrize("case", ["causal-gqa", "mask", "bshd", "3d"])
+def test_sdpa_backward_plumbing(cudnn_on_cpu, monkeypatch, case):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # torch_ops.sdpa picks the train op
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    kw, rep = {}, 1
+    if case == "causal-gqa":
+        k, v, kw, rep = k[:, :2].contiguous(), v[:, :2].contiguous(), dict(is_causal=True, enable_gqa=True), 2
+    elif case == "mask":
+        kw = dict(attn_mask=torch.rand(2, 1, 16, 16) > 0.3)
+    elif case == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    else:
+        q, k, v = q[0], k[0], v[0]
+
+    def ref(q, k, v):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3),
+                                              attn_mask=kw.get("attn_mask"), is_causal=kw.get("is_causal", False))
+
+    compare(lambda q, k, v: torch_ops.sdpa(q, k, v, kw.get("attn_mask"), 0.0, kw.get("is_causal", False), None,
+                                           kw.get("enable_gqa", False)), ref, (q, k, v))
+    assert cudnn_on_cpu.ran == ["sdpa_train", "sdpa_backward"]
+
+
+# ------------------------------------------------------------------ the CPU path itself
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu"])
+def test_linear_module_gradients_on_cpu_match_torch(act, recompute):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(16, 12).double()
+    m = cf.nn.Linear(16, 12, activation=act, recompute=recompute).double()
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    m(x).square().sum().backward()
+    reference.activation(ref(x2), act).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(m.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(m.bias.grad, ref.bias.grad)
+
+
+def test_linear_save_z_gradcheck_and_residual():
+    x, w, b, r = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((3, 6), (4, 6), (4,), (3, 4)))
+    assert torch.autograd.gradcheck(lambda *a: torch_ops.linear_save_z(*a[:3], "silu", a[3], 0.01), (x, w, b, r))
+
+
+def test_linear_module_validates_on_the_save_z_path():
+    m = cf.nn.Linear(16, 12, activation="gelu")
+    with pytest.raises(ValueError, match="in_features"):
+        m(torch.randn(3, 15, requires_grad=True))
+    with pytest.raises(ValueError, match="residual"):
+        m(torch.randn(3, 16, requires_grad=True), residual=torch.randn(3, 11))
+
+
+def test_backward_is_not_usable_on_cpu_or_fp32():
+    assert not backward.usable(torch.randn(2, 2, dtype=torch.bfloat16))
+    assert not backward.usable(torch.randn(2, 2))
+
+
+def test_opcheck_linear_save_z():
+    args = (torch.randn(3, 6, requires_grad=True), torch.randn(4, 6, requires_grad=True), torch.randn(4), "gelu", None,
+            0.01)
+    torch.library.opcheck(torch_ops.linear_save_z_op, args)
+
+
+def test_unsupported_error_is_what_try_catches(monkeypatch):
+    from cudnn_fuse import plans
+
+    def declined(spec, device):
+        raise UnsupportedError("no engine")
+
+    monkeypatch.setattr(plans, "get_plan", declined)
+    t = torch.empty(1)
+    assert backward._try("matmul_backward", _mm(), [t]) is False

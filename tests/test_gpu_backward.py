@@ -1,0 +1,189 @@
+"""GPU tests of the cuDNN backward (issue 4): gradients of every op x activation x
+fp16/bf16 against fp32 autograd, with no fallback to torch on the way; the
+modules' recompute and save-z paths; a short bf16 training run."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cudnn_fuse as cf
+from cudnn_fuse import reference
+
+pytestmark = pytest.mark.gpu
+
+ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def check_grads(fn, ref_fn, inputs, dtype, tol=1e-2):
+    """Ours in ``dtype`` against fp32 autograd on the same rounded inputs; the
+    bound is max(tol, 2 x torch's own error in ``dtype``). Asserts that the
+    backward ran on cuDNN graphs only (no fallback). Returns the errors."""
+    ours = leaves(*[t.to(dtype) for t in inputs])
+    refs = leaves(*[t.to(dtype).float() for t in inputs])
+    torch_lp = leaves(*[t.to(dtype) for t in inputs])
+    y, yr, yt = fn(*ours), ref_fn(*refs), ref_fn(*torch_lp)
+    g = torch.randn_like(yr)
+    before = cf.plan_stats()["fallbacks"]
+    y.backward(g.to(dtype))
+    assert cf.plan_stats()["fallbacks"] == before, "the backward fell back to torch"
+    yr.backward(g)
+    yt.backward(g.to(dtype))
+    assert rel(y, yr) <= tol
+    errs = []
+    for a, b, t in zip(ours, refs, torch_lp):
+        err, bound = rel(a.grad, b.grad), max(tol, 2 * rel(t.grad, b.grad))
+        errs.append(err)
+        assert err <= bound, f"gradient error {err:.2e} over {bound:.2e}"
+    return errs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_gradients(dtype, act):
+    x, w = torch.randn(2, 64, 96, device="cuda"), torch.randn(80, 96, device="cuda") / 10
+    b, r = torch.randn(80, device="cuda"), torch.randn(2, 64, 80, device="cuda")
+    check_grads(lambda x, w, b, r: cf.linear(x, w, b, activation=act, residual=r),
+                lambda x, w, b, r: reference.activation(F.linear(x, w, b) + r, act), (x, w, b, r), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_matmul_gradients(dtype, act):
+    a, w, b = torch.randn(3, 64, 96, device="cuda"), torch.randn(96, 80, device="cuda") / 10, torch.randn(80, device="cuda")
+    check_grads(lambda a, w, b: cf.matmul(a, w, b, activation=act),
+                lambda a, w, b: reference.activation(a @ w + b, act), (a, w, b), dtype)
+
+
+@pytest.mark.parametrize("shapes", [((3, 64, 96), (3, 96, 80)), ((64, 96), (3, 96, 80)), ((2, 3, 64, 96), (96, 80))],
+                         ids=["batched", "a-broadcast", "4d-a"])
+def test_matmul_gradients_batched(shapes):
+    a, b = torch.randn(*shapes[0], device="cuda"), torch.randn(*shapes[1], device="cuda") / 10
+    check_grads(lambda a, b: cf.matmul(a, b, activation="gelu"), lambda a, b: F.gelu(a @ b), (a, b), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_conv2d_gradients(dtype, act):
+    x = torch.randn(4, 16, 12, 12, device="cuda").to(memory_format=torch.channels_last)
+    w = (torch.randn(32, 16, 3, 3, device="cuda") / 12).to(memory_format=torch.channels_last)
+    b, r = torch.randn(32, device="cuda"), torch.randn(4, 32, 12, 12, device="cuda")
+    check_grads(lambda x, w, b, r: cf.conv2d(x, w, b, padding=1, activation=act, residual=r),
+                lambda x, w, b, r: reference.activation(F.conv2d(x, w, b, padding=1) + r, act), (x, w, b, r), dtype)
+
+
+@pytest.mark.parametrize("case", ["stride2", "same-even-kernel", "nchw", "unbatched"])
+def test_conv2d_gradients_geometry(case):
+    x = torch.randn(2, 16, 13, 13, device="cuda")
+    w = torch.randn(24, 16, 3, 3, device="cuda") / 12
+    b = torch.randn(24, device="cuda")
+    kw = dict(padding=1)
+    if case == "stride2":
+        kw = dict(stride=2, padding=1)
+    elif case == "same-even-kernel":
+        w, kw = torch.randn(24, 16, 4, 4, device="cuda") / 16, dict(padding="same")
+    elif case == "unbatched":
+        x = x[0]
+    if case != "nchw" and x.dim() == 4:
+        x = x.to(memory_format=torch.channels_last)
+    check_grads(lambda x, w, b: cf.conv2d(x, w, b, activation="relu", **kw),
+                lambda x, w, b: F.relu(F.conv2d(x, w, b, **kw)), (x, w, b), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["causal-gqa", "bool-mask", "bshd", "3d"])
+def test_sdpa_gradients(dtype, case):
+    q, k, v = (torch.randn(2, 8, 128, 64, device="cuda") for _ in range(3))
+    kw, expand = {}, 1
+    if case == "causal-gqa":
+        k, v, kw, expand = k[:, :2].contiguous(), v[:, :2].contiguous(), dict(is_causal=True, enable_gqa=True), 4
+    elif case == "bool-mask":
+        kw = dict(attn_mask=torch.rand(2, 1, 128, 128, device="cuda") > 0.2)
+    elif case == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    else:
+        q, k, v = q[0], k[0], v[0]
+
+    def ref(q, k, v):
+        kk, vv = k.repeat_interleave(expand, -3), v.repeat_interleave(expand, -3)
+        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=kw.get("attn_mask"), is_causal=kw.get("is_causal", False))
+
+    check_grads(lambda q, k, v: cf.scaled_dot_product_attention(q, k, v, **kw), ref, (q, k, v), dtype)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu"])
+def test_linear_module_gradients(act, recompute):
+    torch.manual_seed(0)
+    ref = nn.Linear(96, 80).cuda()
+    m = cf.nn.Linear(96, 80, activation=act, recompute=recompute).cuda()
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 32, 96, device="cuda")
+    check_grads(lambda x, w, b: m.__class__.forward(_with(m, w, b), x),
+                lambda x, w, b: reference.activation(F.linear(x, w, b), act), (x, ref.weight, ref.bias),
+                torch.bfloat16)
+
+
+def _with(m, w, b):
+    """``m`` with its parameters swapped for the leaves under test."""
+    m2 = copy.copy(m)
+    m2._parameters = dict(m._parameters, weight=w, bias=b)
+    return m2
+
+
+def test_save_z_keeps_z_and_recompute_keeps_none():
+    """recompute=False saves z (M x N) besides x; recompute=True saves only x."""
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+    for recompute in (False, True):
+        m = cf.nn.Linear(512, 2048, activation="gelu", recompute=recompute).cuda().to(torch.bfloat16)
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            m(x)
+        saved[recompute] = sum(sizes)
+    assert saved[True] == x.numel() + 512 * 2048 + 2048
+    assert saved[False] == saved[True] + 256 * 2048
+
+
+def test_training_100_steps_bf16_tracks_eager_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.SiLU(),
+                          nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)).cuda().to(torch.bfloat16)
+    ref = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    opt = cf.optimize(model)
+    o1, o2 = torch.optim.Adam(opt.parameters(), lr=2e-3, eps=1e-4), torch.optim.Adam(ref.parameters(), lr=2e-3, eps=1e-4)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 3, 16, 16, device="cuda", generator=g).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    target = torch.randint(0, 10, (64,), device="cuda", generator=g)
+    before = cf.plan_stats()["fallbacks"]
+    diffs, first, last = [], None, None
+    for step in range(100):
+        l1 = F.cross_entropy(opt(x).float(), target)
+        l2 = F.cross_entropy(ref(x).float(), target)
+        for o, l in ((o1, l1), (o2, l2)):
+            o.zero_grad()
+            l.backward()
+            o.step()
+        first = first if first is not None else l1.item()
+        last = l1.item()
+        diffs.append(abs(l1.item() - l2.item()) / max(l2.item(), 1e-3))
+    assert cf.plan_stats()["fallbacks"] == before
+    assert math.isfinite(last) and last < 0.7 * first
+    assert max(diffs[:30]) < 0.05 and max(diffs) < 0.2, (max(diffs[:30]), max(diffs))
