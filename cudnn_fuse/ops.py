@@ -177,6 +177,73 @@ def _run(op: str, spec, buffers, ref_fn):
     return plan, None
 
 
+# ------------------------------------------------------------ per-signature memo
+#
+# The first call of a signature (operand shapes, strides, dtypes, devices and the
+# op's attributes) validates, canonicalizes, makes the spec and finds the plan; when
+# the plan runs the caller's own tensors (no copy, no reshape that moved data), it is
+# remembered with its output geometry. A later call of the same signature skips all
+# of that: it allocates the outputs and launches the plan with raw pointers. Only
+# plain inference of 16-bit dtypes takes it (fp32's TF32 flags are global state that
+# can change between calls); autograd, torch.compile and cf.record never do.
+
+_FAST = plans.FAST
+_FAST_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _fast_ready(*tensors) -> bool:
+    """Whether a memo lookup may serve this call."""
+    if _active_recorders or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if getattr(t, "requires_grad", False):
+                return False
+    return True
+
+
+_active_recorders = manifest._active  # the live list: non-empty while cf.record runs
+
+
+class _Launch:
+    """A remembered signature: the plan and the outputs' geometry."""
+
+    __slots__ = ("plan", "size", "stride", "dtype", "device", "amax")
+
+    def __init__(self, plan, y: torch.Tensor, amax: bool):
+        self.plan, self.size, self.stride = plan, tuple(y.shape), tuple(y.stride())
+        self.dtype, self.device, self.amax = y.dtype, y.device, amax
+
+    def __call__(self, *inputs):
+        y = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+        ptrs = [t.data_ptr() for t in inputs if t is not None]
+        ptrs.append(y.data_ptr())
+        if not self.amax:
+            self.plan.launch(ptrs)
+            return y
+        a = torch.empty((), dtype=torch.float32, device=self.device)
+        ptrs.append(a.data_ptr())
+        self.plan.launch(ptrs)
+        return y, a
+
+
+def _remember(key, originals, plan, buffers, out) -> None:
+    """Memoize ``key`` when ``plan`` ran on the caller's tensors themselves."""
+    if key is None or plan is None or not plan.raw or originals[0].dtype not in _FAST_DTYPES:
+        return
+    ins = [t for t in originals if t is not None]
+    y, amax = out if isinstance(out, tuple) else (out, None)
+    if any(a.data_ptr() != b.data_ptr() for a, b in zip(ins, buffers)) or y.data_ptr() != buffers[len(ins)].data_ptr():
+        return  # a copy or a moved view fed the plan: the slow path must keep making it
+    if len(_FAST) >= plans.FAST_CAPACITY:
+        _FAST.clear()
+    _FAST[key] = _Launch(plan, y, amax is not None)
+
+
 # ----------------------------------------------------------------------- conv2d
 
 
@@ -207,6 +274,16 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
     float32 0-dim tensor.
     """
+    key = None
+    if type(x) is torch.Tensor and _fast_ready(x, weight, bias, residual):
+        try:
+            key = ("conv2d", _meta(x), _meta(weight), _meta(bias), _meta(residual), stride, padding, dilation, groups,
+                   activation, return_amax, negative_slope)
+            launch = _FAST.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable arguments: validate below
+            key = launch = None
+        if launch is not None:
+            return launch(x, weight, bias, residual)
     op = "conv2d"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -241,7 +318,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
         return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
                                 negative_slope)
     return _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
-                       negative_slope)
+                       negative_slope, memo=key)
 
 
 def _as_meta(v):
@@ -258,8 +335,10 @@ def _record_as_gpu(fwd, *args) -> None:
         fwd(*[_as_meta(a) for a in args])
 
 
-def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax, negative_slope):
-    """conv2d on validated arguments: the fused graph, or the reference."""
+def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax, negative_slope,
+                memo=None):
+    """conv2d on validated arguments: the fused graph, or the reference.
+    ``memo``: the plain call's signature key, remembered when the plan ran on its tensors."""
     _record_as_gpu(_conv2d_fwd, x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
                    negative_slope)
     op = "conv2d"
@@ -272,6 +351,7 @@ def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation
         _fallback(op, why)
         return ref()
 
+    originals = (x, weight, bias, residual)
     out_shape = conv_out_shape(x.shape, weight.shape, stride, pre, post, dilation)
     unbatched = x.dim() == 3
     if unbatched:
@@ -292,12 +372,15 @@ def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation
         activation=activation, negative_slope=negative_slope, amax=return_amax)
     spec = ConvSpec(_spec(x), _spec(weight), TensorSpec(out_shape, y_stride, _FUSED_DTYPES[x.dtype]), stride, pre,
                     post, dilation, groups, epi, allow_tf32=_conv_tf32(x))
-    _, fallback_out = _run(op, spec, [t for t in (x, weight, b4, residual, y, amax) if t is not None], ref)
+    buffers = [t for t in (x, weight, b4, residual, y, amax) if t is not None]
+    plan, fallback_out = _run(op, spec, buffers, ref)
     if fallback_out is not None:
         return fallback_out
     if unbatched:
         y = y.squeeze(0)
-    return (y, amax.view(())) if return_amax else y
+    out = (y, amax.view(())) if return_amax else y
+    _remember(memo, originals, plan, buffers, out)
+    return out
 
 
 def conv_out_shape(x_shape, w_shape, stride, pre, post, dilation) -> tuple:
@@ -369,6 +452,15 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
     residual: the output's shape. Returns y, or (y, amax).
     """
+    key = None
+    if type(a) is torch.Tensor and _fast_ready(a, b, bias, residual):
+        try:
+            key = ("matmul", _meta(a), _meta(b), _meta(bias), _meta(residual), activation, return_amax, negative_slope)
+            launch = _FAST.get(key)
+        except (AttributeError, TypeError):
+            key = launch = None
+        if launch is not None:
+            return launch(a, b, bias, residual)
     op = "matmul"
     _check_tensor("a", a, op)
     _check_tensor("b", b, op)
@@ -386,7 +478,7 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
         from . import torch_ops
 
         return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
-    return _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views)
+    return _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views, memo=key)
 
 
 def matmul_views(a, b, op: str = "matmul"):
@@ -407,17 +499,18 @@ def matmul_views(a, b, op: str = "matmul"):
     return a2, b2, batch, M, N, out_shape
 
 
-def _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views=None):
+def _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views=None, memo=None):
     """matmul on validated arguments: the fused graph, or the reference. ``views``:
     matmul_views(a, b) when the caller computed it already (the plain call does)."""
     _record_as_gpu(_matmul_fwd, a, b, bias, activation, residual, return_amax, negative_slope)
     a2, b2, batch, M, N, out_shape = views if views is not None else matmul_views(a, b)
     ref = functools.partial(reference.matmul, a, b, bias, activation, residual, return_amax, negative_slope)
     return _matmul_fused("matmul", a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax,
-                         negative_slope, ref)
+                         negative_slope, ref, memo=memo and (memo, (a, b, bias, residual)))
 
 
-def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax, negative_slope, ref):
+def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax, negative_slope, ref,
+                  memo=None):
     why = _why_not_fused(op, (a2, b2, bias, residual))
     if why is None and a2.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         # cuDNN matmul rounds fp32 through TF32 even with tensor cores deselected
@@ -441,11 +534,15 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
         activation=activation, negative_slope=negative_slope, amax=return_amax)
     spec = MatmulSpec(_spec(a3), _spec(b3), _spec(y), epi, allow_tf32=a2.dtype == torch.float32)
     b1 = bias.view(1, 1, N) if bias is not None else None
-    _, fallback_out = _run(op, spec, [t for t in (a3, b3, b1, r3, y, amax) if t is not None], ref)
+    buffers = [t for t in (a3, b3, b1, r3, y, amax) if t is not None]
+    plan, fallback_out = _run(op, spec, buffers, ref)
     if fallback_out is not None:
         return fallback_out
     y = y.view(out_shape)
-    return (y, amax.view(())) if return_amax else y
+    out = (y, amax.view(())) if return_amax else y
+    if memo:
+        _remember(memo[0], memo[1], plan, buffers, out)
+    return out
 
 
 @cupy_io
@@ -455,6 +552,16 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
 
     x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
     """
+    key = None
+    if type(x) is torch.Tensor and _fast_ready(x, weight, bias, residual):
+        try:
+            key = ("linear", _meta(x), _meta(weight), _meta(bias), _meta(residual), activation, return_amax,
+                   negative_slope)
+            launch = _FAST.get(key)
+        except (AttributeError, TypeError):
+            key = launch = None
+        if launch is not None:
+            return launch(x, weight, bias, residual)
     op = "linear"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -475,10 +582,10 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
         from . import torch_ops
 
         return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
-    return _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope)
+    return _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=key)
 
 
-def _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope):
+def _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=None):
     """linear on validated arguments: the fused graph, or the reference."""
     _record_as_gpu(_linear_fwd, x, weight, bias, activation, residual, return_amax, negative_slope)
     op = "linear"
@@ -489,7 +596,8 @@ def _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slo
     a2 = x.reshape(1, rows, K)
     b2 = weight.t().unsqueeze(0)
     r = residual.reshape(1, rows, N) if residual is not None else None
-    return _matmul_fused(op, a2, b2, (1,), rows, N, out_shape, bias, r, activation, return_amax, negative_slope, ref)
+    return _matmul_fused(op, a2, b2, (1,), rows, N, out_shape, bias, r, activation, return_amax, negative_slope, ref,
+                         memo=memo and (memo, (x, weight, bias, residual)))
 
 
 # -------------------------------------------------------------------- attention

@@ -1,0 +1,101 @@
+"""Host time per call of a tiny fused op, by path (issue 6's host-overhead gap).
+
+`cf.linear(x, w, b, activation="relu")` at 64x256x256 fp16, where the host is the
+bottleneck: the memoized fast path (what users get), the first-call path with the
+memo off, the same with the public cuDNN execute instead of raw pointers, the op
+replayed under `cf.capture` (per op), and torch's `F.relu(F.linear(x, w, b))`. All
+in one process, interleaved rounds, median of rounds.
+
+    python3 bench/host_overhead.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import cudnn_fuse as cf  # noqa: E402
+from cudnn_fuse import ops, plans  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t) / calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--calls", type=int, default=10000)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) * 0.06
+    b = torch.randn(256, device="cuda", dtype=torch.float16)
+    chain = 100
+    fast_ready = ops._fast_ready
+
+    def no_memo(*_):
+        return False
+
+    def cf_op():
+        return cf.linear(x, w, b, activation="relu")
+
+    def torch_op():
+        return F.relu(F.linear(x, w, b))
+
+    def chain_fn(t):
+        for _ in range(chain):
+            t = cf.linear(t, w, b, activation="relu")
+        return t
+
+    with torch.no_grad():
+        captured = cf.capture(chain_fn, x)
+        rows = {k: [] for k in ("eager", "eager_no_memo", "eager_public_execute", "captured", "torch_eager")}
+        for _ in range(args.rounds):
+            rows["torch_eager"].append(per_call_us(torch_op, args.calls))
+            rows["eager"].append(per_call_us(cf_op, args.calls))
+            ops._fast_ready = no_memo
+            rows["eager_no_memo"].append(per_call_us(cf_op, args.calls))
+            plans.RAW_EXECUTE = False
+            plans.clear()
+            rows["eager_public_execute"].append(per_call_us(cf_op, args.calls))
+            plans.RAW_EXECUTE = True
+            plans.clear()
+            ops._fast_ready = fast_ready
+            cf_op()
+            rows["captured"].append(per_call_us(captured.replay, max(1, args.calls // chain)) / chain)
+    med = {k: round(statistics.median(v), 2) for k, v in rows.items()}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "op": "cf.linear(x[64,256], w[256,256], b, activation='relu') fp16",
+        "calls_per_round": args.calls,
+        "rounds": args.rounds,
+        "host_us_per_call": med,
+        "ratio_to_torch_eager": {k: round(v / med["torch_eager"], 3) for k, v in med.items()},
+        "all_rounds_us": {k: [round(t, 2) for t in v] for k, v in rows.items()},
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: result[k] for k in ("host_us_per_call", "ratio_to_torch_eager")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

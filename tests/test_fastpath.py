@@ -1,0 +1,138 @@
+"""CPU tests of the host fast path's logic: when a call may use the memo, what gets
+remembered, how a remembered signature launches, and the raw-launch set-up on fake
+frontend graphs. The launches themselves are GPU tests (test_gpu_fastpath.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import cudnn_fuse as cf
+from cudnn_fuse import ops, plans
+
+
+class FakePlan:
+    raw = True
+
+    def __init__(self):
+        self.launched = []
+
+    def launch(self, ptrs):
+        self.launched.append(list(ptrs))
+
+
+@pytest.fixture(autouse=True)
+def _empty_memo():
+    plans.FAST.clear()
+    yield
+    plans.FAST.clear()
+
+
+def test_fast_ready_only_for_plain_inference(tmp_path):
+    x = torch.randn(2, 3)
+    assert ops._fast_ready(x, None)
+    xg = x.clone().requires_grad_(True)
+    assert not ops._fast_ready(xg, None)
+    with torch.no_grad():
+        assert ops._fast_ready(xg, None)
+    with cf.record(str(tmp_path / "m.json")):
+        assert not ops._fast_ready(x, None)
+    assert ops._fast_ready(x, None)
+    assert ops._fast_ready(x, "not a tensor")  # validation, not the memo check, names bad arguments
+
+
+def test_remember_and_launch_pass_pointers_in_role_order():
+    x, w, b = (torch.randn(4, 8, dtype=torch.float16), torch.randn(6, 8, dtype=torch.float16),
+               torch.randn(6, dtype=torch.float16))
+    y = torch.empty(4, 6, dtype=torch.float16)
+    amax = torch.empty((), dtype=torch.float32)
+    plan = FakePlan()
+    buffers = [x.view(1, 4, 8), w.t().unsqueeze(0), b.view(1, 1, 6), y.view(1, 4, 6), amax.view(1, 1, 1)]
+    ops._remember("k", (x, w, b, None), plan, buffers, (y, amax))
+    launch = plans.FAST["k"]
+    x2 = torch.randn(4, 8, dtype=torch.float16)
+    y2, a2 = launch(x2, w, b, None)
+    assert y2.shape == (4, 6) and y2.stride() == (6, 1) and y2.dtype == torch.float16
+    assert a2.shape == () and a2.dtype == torch.float32
+    assert plan.launched == [[x2.data_ptr(), w.data_ptr(), b.data_ptr(), y2.data_ptr(), a2.data_ptr()]]
+
+
+def test_remember_keeps_the_layout_of_the_output():
+    x = torch.randn(2, 4, 5, 5, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    w = torch.randn(8, 4, 3, 3, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    y = torch.empty(2, 8, 5, 5, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    ops._remember("c", (x, w, None, None), FakePlan(), [x, w, y], y)
+    out = plans.FAST["c"](x, w, None, None)
+    assert out.stride() == y.stride() and out.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("why", ["copied input", "copied output", "fp32", "no raw launch", "no key"])
+def test_remember_refuses(why):
+    dtype = torch.float32 if why == "fp32" else torch.float16
+    x, w = torch.randn(4, 8, dtype=dtype), torch.randn(6, 8, dtype=dtype)
+    y = torch.empty(4, 6, dtype=dtype)
+    plan = FakePlan()
+    if why == "no raw launch":
+        plan.raw = False
+    xin = x.clone() if why == "copied input" else x
+    yout = y.clone() if why == "copied output" else y
+    ops._remember(None if why == "no key" else "k", (x, w, None, None), plan, [xin, w.t(), y], yout)
+    assert plans.FAST == {}
+
+
+def test_cpu_calls_never_memoize_and_clear_forgets():
+    x, w, b = torch.randn(4, 8, dtype=torch.float16), torch.randn(6, 8, dtype=torch.float16), torch.randn(6, dtype=torch.float16)
+    with torch.no_grad():
+        for _ in range(2):
+            cf.linear(x, w, b, activation="relu")
+            cf.matmul(x, w.t())
+            cf.conv2d(torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3))
+    assert plans.FAST == {}
+    plans.FAST["k"] = object()
+    plans.clear()
+    assert plans.FAST == {}
+
+
+def test_unhashable_arguments_take_the_validated_path():
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    with torch.no_grad():
+        y = cf.conv2d(x, w, stride=[1, 1], padding=[1, 1])  # lists: no memo key, same answer
+    assert y.shape == (1, 3, 5, 5)
+    with pytest.raises(TypeError, match="weight"):
+        cf.linear(torch.randn(2, 3), "w")
+
+
+def _fake_graph(order, engine=None, bindings=None, plans_=None, fail=False):
+    lowered = types.SimpleNamespace(
+        _prepare_variant_pack_template=lambda: None,
+        _get_variant_pack_uids_sorted=(lambda: (_ for _ in ()).throw(RuntimeError("no template"))) if fail else
+        (lambda: list(order)),
+        _execute_with_raw_ptrs=lambda *a: None)
+    g = types.SimpleNamespace(selected_engine=engine, _data_bindings=bindings or {}, _lowered_graph=lowered,
+                              _plans=plans_ or [], _plan_index=0)
+    g._materialize_backend_plan = lambda i: types.SimpleNamespace(cpp_index=7)
+    return g
+
+
+HANDLE = types.SimpleNamespace(backend_handle=1234)
+
+
+def test_raw_launcher_maps_roles_to_pointer_slots():
+    fn, slots, array, address, n, index, handle = plans._raw_launcher(_fake_graph([1, 2, 4, 10]), (1, 2, 4, 10), HANDLE)
+    assert slots == (0, 1, 2, 3) and n == 4 and index == -1 and handle == 1234 and len(array) == 4
+    _, slots, *_ = plans._raw_launcher(_fake_graph([1, 2, 10]), (2, 1, 10), HANDLE)
+    assert slots == (1, 0, 2)
+    *_, index, _ = plans._raw_launcher(_fake_graph([1, 2, 10], plans_=[object()]), (1, 2, 10), HANDLE)
+    assert index == 7  # the backend plan the selection walk built
+
+
+@pytest.mark.parametrize("case", ["python engine", "graph-bound input", "other uids", "template fails", "switched off"])
+def test_raw_launcher_declines(case, monkeypatch):
+    kw = {"python engine": dict(engine=object()), "graph-bound input": dict(bindings={7: 1.0}),
+          "template fails": dict(fail=True)}.get(case, {})
+    order = [1, 2, 3, 10] if case == "other uids" else [1, 2, 10]
+    if case == "switched off":
+        monkeypatch.setattr(plans, "RAW_EXECUTE", False)
+    assert plans._raw_launcher(_fake_graph(order, **kw), (1, 2, 10), HANDLE) is None

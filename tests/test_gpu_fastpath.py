@@ -1,0 +1,162 @@
+"""GPU tests of the host fast path: raw-pointer launches and the per-signature memo.
+
+Every fast result is compared bit for bit with the public cuDNN execute path on the
+same plan, for plans built here and plans deserialized from the disk cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cudnn_fuse as cf
+from cudnn_fuse import ops, plans
+
+pytestmark = pytest.mark.gpu
+
+
+def rnd(*shape, dtype=torch.float16, scale=1.0, cl=False):
+    t = (torch.randn(*shape, device="cuda") * scale).to(dtype)
+    return t.to(memory_format=torch.channels_last) if cl else t
+
+
+def _cases():
+    x = rnd(8, 32, 16, 16, cl=True)
+    w = rnd(64, 32, 3, 3, scale=0.1, cl=True)
+    b = rnd(64)
+    r = rnd(8, 64, 16, 16, cl=True)
+    xl, wl, bl = rnd(4, 64, 256, dtype=torch.bfloat16), rnd(512, 256, dtype=torch.bfloat16, scale=0.05), \
+        rnd(512, dtype=torch.bfloat16)
+    a, bm = rnd(3, 128, 96), rnd(3, 96, 160, scale=0.1)
+    q, k, v = (rnd(2, 4, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+    return {
+        "conv_bias_res_relu": lambda: cf.conv2d(x, w, b, padding=1, activation="relu", residual=r),
+        "conv_amax": lambda: cf.conv2d(x, w, b, padding=1, activation="gelu", return_amax=True),
+        "linear_gelu": lambda: cf.linear(xl, wl, bl, activation="gelu"),
+        "linear_amax": lambda: cf.linear(xl, wl, bl, activation="relu", return_amax=True),
+        "matmul_batched_silu": lambda: cf.matmul(a, bm, activation="silu"),
+        "sdpa_causal": lambda: cf.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.fixture
+def public_path(monkeypatch):
+    def set_raw(on: bool):
+        monkeypatch.setattr(plans, "RAW_EXECUTE", on)
+        plans.clear()
+    return set_raw
+
+
+CASES = ["conv_bias_res_relu", "conv_amax", "linear_gelu", "linear_amax", "matmul_batched_silu", "sdpa_causal"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_raw_launch_equals_public_execute(name, public_path, cache_dir):
+    fn = _cases()[name]
+    public_path(False)
+    with torch.no_grad():
+        ref = _as_tuple(fn())
+        assert not any(p.raw for p in plans.plans_in_memory())
+        public_path(True)
+        built = [_as_tuple(fn()) for _ in range(3)]  # built (from disk), then memo, then memo
+        assert all(p.raw for p in plans.plans_in_memory())
+    for out in built:
+        for o, r in zip(out, ref):
+            assert o.shape == r.shape and o.stride() == r.stride() and o.dtype == r.dtype
+            assert torch.equal(o, r), name
+
+
+def test_deserialized_plans_launch_raw(cache_dir):
+    cases = _cases()
+    with torch.no_grad():
+        first = {k: _as_tuple(fn()) for k, fn in cases.items()}  # built and stored
+        plans.clear()
+        before = cf.plan_stats()
+        again = {k: _as_tuple(fn()) for k, fn in cases.items()}  # deserialized from disk
+    after = cf.plan_stats()
+    counts = {k: after[k] - before[k] for k in ("loads", "builds", "rebuilds")}
+    assert counts == {"loads": len(cases), "builds": 0, "rebuilds": 0}, counts
+    assert all(p.raw for p in plans.plans_in_memory()), [(p.spec.op, p.engine, p.raw) for p in plans.plans_in_memory()]
+    for k in cases:
+        for o, r in zip(again[k], first[k]):
+            assert torch.equal(o, r), k
+
+
+def test_memo_serves_repeat_calls_and_only_those(cache_dir):
+    x, w, b = rnd(64, 256), rnd(256, 256, scale=0.06), rnd(256)
+    plans.clear()
+    with torch.no_grad():
+        y0 = cf.linear(x, w, b, activation="relu")
+        assert len(plans.FAST) == 1
+        hits = cf.plan_stats()["hits"]
+        y1 = cf.linear(x, w, b, activation="relu")
+        assert cf.plan_stats()["hits"] == hits, "a memo hit must not reach the plan LRU"
+        assert torch.equal(y0, y1)
+        # new values, same signature: the memo reads the new tensors
+        x2 = rnd(64, 256)
+        y_memo = cf.linear(x2, w, b, activation="relu")
+        plans.clear()  # forgets the memo too: the next call takes the slow path
+        assert len(plans.FAST) == 0
+        assert torch.equal(y_memo, cf.linear(x2, w, b, activation="relu"))
+        assert len(plans.FAST) == 1
+        # another attribute is another signature
+        cf.linear(x, w, b, activation="gelu")
+        assert len(plans.FAST) == 2
+        # a column-major x is a view the plan reads as is: memoized under its own strides
+        xt = rnd(256, 64).t()
+        yt = cf.linear(xt, w, b, activation="relu")
+        assert len(plans.FAST) == 3
+        assert torch.equal(cf.linear(xt, w, b, activation="relu"), yt)
+        # x [4, 64, 256] with batch dims that do not merge: reshape copies it, never memoized
+        xc = rnd(64, 4, 256).transpose(0, 1)
+        yc = cf.linear(xc, w, b, activation="relu")
+        assert len(plans.FAST) == 3
+        assert (yc.float() - torch.relu(xc.float() @ w.float().t() + b.float())).abs().max() < 2e-2
+    # autograd goes through the custom op, not the memo
+    xg = x.clone().requires_grad_(True)
+    cf.linear(xg, w, b, activation="relu").float().sum().backward()
+    assert xg.grad is not None and len(plans.FAST) == 3
+
+
+def test_memo_skips_nchw_conv_and_record_sees_memoized_calls(cache_dir, tmp_path):
+    x = rnd(4, 16, 8, 8)  # NCHW: converted (copied) on every call, never memoized
+    w, b = rnd(32, 16, 3, 3, scale=0.1, cl=True), rnd(32)
+    plans.clear()
+    with torch.no_grad():
+        y = cf.conv2d(x, w, b, padding=1, activation="relu")
+        cf.conv2d(x, w, b, padding=1, activation="relu")
+        assert len(plans.FAST) == 0
+        xc = x.contiguous(memory_format=torch.channels_last)
+        assert torch.equal(cf.conv2d(xc, w, b, padding=1, activation="relu"), y)
+        assert len(plans.FAST) == 1
+        out = tmp_path / "m.json"
+        with cf.record(str(out)):
+            cf.conv2d(xc, w, b, padding=1, activation="relu")
+    import json
+
+    assert len(json.loads(out.read_text())["entries"]) == 1
+
+
+def test_memo_on_side_streams_and_under_capture(cache_dir):
+    x, w, b = rnd(64, 256), rnd(256, 256, scale=0.06), rnd(256)
+    with torch.no_grad():
+        ref = cf.linear(x, w, b, activation="gelu")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            ys = [cf.linear(x, w, b, activation="gelu") for _ in range(3)]
+        torch.cuda.current_stream().wait_stream(s)
+        for y in ys:
+            assert torch.equal(y, ref)
+
+        def f(t):
+            return cf.linear(cf.linear(t, w, b, activation="gelu"), w, b)
+
+        g = cf.capture(f, x)
+        x2 = rnd(64, 256)
+        out = g(x2).clone()
+        assert torch.equal(out, f(x2))
