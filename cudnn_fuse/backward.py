@@ -20,7 +20,9 @@ graphs (ReLU's backward fused into dgrad has no Hopper engine).
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from typing import Optional
 
 import torch
@@ -43,6 +45,15 @@ from .spec import (
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
+log = logging.getLogger(__name__)
+
+# Which engine runs each piece, for measuring one against the other (bench/backward_probe.py):
+# the gemm products dX / dW ("cudnn" matmul graphs or "torch"), the bias gradient ("fused" as a
+# reduction in the dz graph, or a "torch" sum), conv dgrad / wgrad ("cudnn" graphs or "torch").
+MM = os.environ.get("CUDNN_FUSE_BWD_MM", "cudnn")
+DBIAS = os.environ.get("CUDNN_FUSE_BWD_DBIAS", "fused")
+CONV = os.environ.get("CUDNN_FUSE_BWD_CONV", "cudnn")
+
 
 def usable(*tensors) -> bool:
     """Whether the cuDNN backward can take these operands (16-bit CUDA, non-empty)."""
@@ -55,16 +66,16 @@ def _spec(t: torch.Tensor) -> TensorSpec:
     return TensorSpec.of(t)
 
 
-def _f32(shape) -> TensorSpec:
-    return TensorSpec.contiguous(shape, "float32")
-
-
-def _try(op: str, spec, buffers) -> bool:
-    """Run ``spec`` on ``buffers`` (roles order); False, logged once, when cuDNN declines."""
+def _try(op: str, spec, buffers, quiet: bool = False) -> bool:
+    """Run ``spec`` on ``buffers`` (roles order); False, logged once, when cuDNN declines.
+    ``quiet``: a decline that the caller answers with another graph (DEBUG, not a fallback)."""
     try:
         plan = plans.get_plan(spec, buffers[0].device.index)
     except UnsupportedError as exc:
-        ops._fallback(op, str(exc))
+        if quiet:
+            log.debug("%s: cuDNN declined a variant, trying another: %s", op, exc)
+        else:
+            ops._fallback(op, str(exc))
         return False
     plan.run(buffers)
     return True
@@ -90,13 +101,27 @@ def _with_dbias(op: str, make_spec, buffers, dz, bias_shape) -> Optional[torch.T
     declines that, without it (then the bias gradient is a torch sum).
     Returns the float32 dbias (or an empty tensor when none is wanted), None if
     cuDNN declined the graph altogether."""
-    if bias_shape is not None:
-        dbias = torch.empty(bias_shape, dtype=torch.float32, device=dz.device)
-        if _try(op, make_spec(_f32(bias_shape)), buffers + [dz, dbias]):
+    if bias_shape is not None and DBIAS == "fused":
+        dbias = torch.empty_strided(bias_shape, _bias_strides(dz, bias_shape), dtype=torch.float32, device=dz.device)
+        if _try(op, make_spec(_spec(dbias)), buffers + [dz, dbias], quiet=True):
             return dbias
     if not _try(op, make_spec(None), buffers + [dz]):
         return None
     return _sum_bias(dz, bias_shape) if bias_shape is not None else torch.empty(0, device=dz.device)
+
+
+def _bias_strides(dz, bias_shape):
+    """The reduction output in dz's layout (channels_last dz: NHWC-packed [1, K, 1, 1])."""
+    if len(bias_shape) == 4 and dz.stride(1) == 1:
+        return (bias_shape[1], 1, bias_shape[1], bias_shape[1])
+    return TensorSpec.contiguous(bias_shape, "float32").stride
+
+
+def _rows_as_nhwc(t: torch.Tensor) -> torch.Tensor:
+    """A row-major [B, M, N] as [B*M, N, 1, 1] with NHWC strides: cuDNN fuses a
+    pointwise op with a reduction only on NHWC tensors (a 3-D one was declined)."""
+    B, M, N = t.shape
+    return t.as_strided((B * M, N, 1, 1), (N, 1, N, N))
 
 
 def act_grad(dy, src, act: str, slope: float, bias_shape=None):
@@ -128,6 +153,8 @@ def recompute_grad(fwd, fwd_buffers, dy, bias_shape=None):
 def mm(a3: torch.Tensor, b3: torch.Tensor) -> torch.Tensor:
     """[Ba, M, K] @ [Bb, K, N] -> [B, M, N] through a plain cuDNN matmul graph;
     torch.matmul when cuDNN declines it."""
+    if MM == "torch":
+        return torch.matmul(a3, b3)
     B = max(a3.shape[0], b3.shape[0])
     y = torch.empty((B, a3.shape[1], b3.shape[2]), dtype=a3.dtype, device=a3.device)
     spec = MatmulSpec(_spec(a3), _spec(b3), _spec(y), Epilogue())
@@ -145,7 +172,13 @@ def gemm_dz(a3, b3, bias, r3, dy3, act, slope, src=None, want_dbias=False):
     if act is None:
         return dy3, (_sum_bias(dy3, bias_shape) if want_dbias else None)
     if src is not None:
-        out = act_grad(dy3, src.reshape(dy3.shape), act, slope, bias_shape)
+        src3 = src.reshape(dy3.shape)
+        if dy3.is_contiguous() and src3.is_contiguous():
+            out = act_grad(_rows_as_nhwc(dy3), _rows_as_nhwc(src3), act, slope, (1, N, 1, 1) if want_dbias else None)
+            out = None if out is None else (out[0].as_strided(dy3.shape, dy3.stride()),
+                                            out[1].view(1, 1, N) if want_dbias else None)
+        else:
+            out = act_grad(dy3, src3, act, slope, bias_shape)
     else:
         epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), _DT[a3.dtype]) if bias is not None else None,
                        residual=_spec(r3) if r3 is not None else None, activation=act, negative_slope=slope)
@@ -280,6 +313,8 @@ def conv_dz(x, w, bias, residual, gy, y, geo, act, slope, want_dbias):
 
 def conv_dgrad(dz, w4, x4, geo) -> Optional[torch.Tensor]:
     """dx in x4's layout, or None if declined."""
+    if CONV == "torch":
+        return None
     stride, pre, post, dilation, _ = geo
     dx = torch.empty_like(x4)
     spec = ConvDgradSpec(_spec(dz), _spec(w4), _spec(dx), tuple(stride), tuple(pre), tuple(post), tuple(dilation))
@@ -288,6 +323,8 @@ def conv_dgrad(dz, w4, x4, geo) -> Optional[torch.Tensor]:
 
 def conv_wgrad(x4, dz, w4, geo) -> Optional[torch.Tensor]:
     """dw in w4's layout, or None if declined."""
+    if CONV == "torch":
+        return None
     stride, pre, post, dilation, _ = geo
     dw = torch.empty_like(w4)
     spec = ConvWgradSpec(_spec(x4), _spec(dz), _spec(dw), tuple(stride), tuple(pre), tuple(post), tuple(dilation))

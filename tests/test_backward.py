@@ -237,7 +237,7 @@ class Runner:
     def __init__(self, decline=lambda spec: False):
         self.decline, self.ran, self.declined = decline, [], []
 
-    def __call__(self, op, spec, buffers):
+    def __call__(self, op, spec, buffers, quiet=False):
         if self.decline(spec):
             self.declined.append(spec.op)
             return False
