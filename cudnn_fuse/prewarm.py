@@ -1,6 +1,6 @@
 """Pre-warm: build (and optionally autotune) every entry of a manifest into the plan cache.
 
-    cudnn-fuse prewarm plans/resnet50_fp16.json [--autotune] [--dry-run] [--gpus N]
+    cudnn-fuse prewarm plans/resnet50_fp16.json [more.json ...] [--autotune] [--dry-run] [--gpus N]
     torchrun --nproc-per-node N -m cudnn_fuse.prewarm plans/resnet50_fp16.json --autotune
 
 With several ranks the manifest is sharded round-robin over them
@@ -154,7 +154,7 @@ def _spawned(local_rank: int, world: int, port: int, argv: list) -> None:
 
 
 def _argv_of(args) -> list:
-    return ([args.manifest] + (["--autotune"] if args.autotune else []) + (["--dry-run"] if args.dry_run else [])
+    return (([args.manifest] if isinstance(args.manifest, str) else list(args.manifest)) + (["--autotune"] if args.autotune else []) + (["--dry-run"] if args.dry_run else [])
             + ["--gpus", str(args.gpus)])
 
 
@@ -168,7 +168,7 @@ def main(argv=None, _child: bool = False) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("manifest", help="a plan manifest (plans/*.json)")
+    p.add_argument("manifest", nargs="+", help="plan manifests (plans/*.json); their entries are built together")
     p.add_argument("--autotune", action="store_true", help="autotune every entry (default: heuristics)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be built")
     p.add_argument("--gpus", type=int, default=1, help="spread the entries over N local GPUs (processes)")
@@ -178,11 +178,19 @@ def run(args, _child: bool = False) -> int:
     from .cache import open_default_cache
     from .cli_autotune import Bar
 
-    try:
-        entries = manifest.load(args.manifest)
-    except (OSError, manifest.ManifestError) as exc:
-        print(f"cudnn-fuse prewarm: {exc}", file=sys.stderr)
-        return 2
+    paths = [args.manifest] if isinstance(args.manifest, str) else list(args.manifest)
+    entries, seen = [], set()
+    for path in paths:
+        try:
+            loaded = manifest.load(path)
+        except (OSError, manifest.ManifestError) as exc:
+            print(f"cudnn-fuse prewarm: {exc}", file=sys.stderr)
+            return 2
+        for e in loaded:  # a spec in two manifests is built once
+            d = e.spec.digest()
+            if d not in seen:
+                seen.add(d)
+                entries.append(e)
     if args.gpus > 1 and not _child and "WORLD_SIZE" not in os.environ:
         import socket
 
@@ -204,7 +212,7 @@ def run(args, _child: bool = False) -> int:
     cache = open_default_cache()
     t0 = time.perf_counter()
     rows = run_distributed(entries, autotune=args.autotune, dry_run=args.dry_run, cache=cache,
-                           progress=Bar(f"prewarm {os.path.basename(args.manifest)}"))
+                           progress=Bar(f"prewarm {', '.join(os.path.basename(p) for p in paths)}"))
     if rank == 0:
         print(format_report(rows, time.perf_counter() - t0))
     return 1 if rank == 0 and any(r.status == "failed" for r in rows) else 0

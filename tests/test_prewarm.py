@@ -150,6 +150,23 @@ def test_cli_prewarm_dry_run_and_bad_manifest(tmp_path, capsys, cache_dir):
     assert "entries[0].spec is missing" in capsys.readouterr().err
 
 
+def test_cli_prewarm_takes_several_manifests_and_builds_shared_specs_once(tmp_path, capsys, cache_dir):
+    entries = _specs_from_ops()
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    manifest.dump(entries[:2], a)
+    manifest.dump(entries[1:], b)  # entries[1] is in both
+    assert cli.main(["prewarm", str(a), str(b), "--dry-run"]) == 0
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    header = lines[0].split("  ")
+    values = [v for v in lines[2].split(" ") if v]
+    assert values[0] == "3" and values[3] == "3", (header, values)  # 3 entries, 3 would build
+    assert "a.json, b.json" in out.err
+    missing = tmp_path / "missing.json"
+    assert cli.main(["prewarm", str(a), str(missing), "--dry-run"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
 def test_cli_prewarm_without_gpu_says_so(tmp_path, capsys, cache_dir):
     path = tmp_path / "m.json"

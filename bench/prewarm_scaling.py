@@ -1,0 +1,80 @@
+"""Pre-warm with --autotune of the ResNet-50 manifests (fp16, batch 32 and 1) on one GPU and on
+two (issue 5), each into its own empty cache, then fresh processes running torchvision's
+resnet50 through optimize() on the two-GPU cache: they must build 0 plans.
+
+    python3 bench/prewarm_scaling.py --out bench/results     # on a machine with 2 GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MANIFESTS = [os.path.join(ROOT, "plans", f) for f in ("resnet50_fp16_bs32.json", "resnet50_fp16_bs1.json")]
+
+
+def _env(cache_dir: str, budget_s: float) -> dict:
+    return dict(os.environ, CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_TUNE_BUDGET_S=str(budget_s),
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def prewarm(gpus: int, cache_dir: str, budget_s: float) -> tuple[float, str]:
+    cmd = [sys.executable, "-m", "cudnn_fuse.prewarm", *MANIFESTS, "--autotune", "--gpus", str(gpus)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=_env(cache_dir, budget_s), capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"prewarm --gpus {gpus} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    return wall, p.stdout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--budget-s", type=float, default=2.0, help="autotune budget per graph")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from cudnn_fuse import manifest
+
+    entries = {e.spec.digest() for m in MANIFESTS for e in manifest.load(m)}
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("needs 2 GPUs")
+    with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as two:
+        one_s, one_out = prewarm(1, one, args.budget_s)
+        two_s, two_out = prewarm(2, two, args.budget_s)
+        warm = []
+        for batch in (32, 1):
+            p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "resnet50_warm.py"), "--batch", str(batch)],
+                               env=_env(two, args.budget_s), capture_output=True, text=True, timeout=600)
+            if p.returncode != 0:
+                raise SystemExit(f"resnet50_warm failed:\n{p.stderr[-3000:]}")
+            warm.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    result = {
+        "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+        "entries": len(entries),
+        "one_gpu_s": round(one_s, 2),
+        "two_gpu_s": round(two_s, 2),
+        "autotune": True,
+        "two_over_one": round(two_s / one_s, 3),
+        "tune_budget_s_per_graph": args.budget_s,
+        "seconds_are": "wall time of the whole `python -m cudnn_fuse.prewarm ... --autotune --gpus N` process",
+        "after_prewarm_resnet50": warm,
+        "tables": {"one_gpu": one_out.strip().splitlines()[-6:], "two_gpu": two_out.strip().splitlines()[-8:]},
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "prewarm.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
