@@ -91,8 +91,10 @@ def test_select_filters():
     core = bs.select(ws, part="core")
     assert {w.group for w in core} == set(bs.PARTS["core"])
     assert len(bs.select(ws, part="all")) == len(ws)
-    # every workload is in exactly one part
-    assert sorted(w.name for p in bs.PARTS for w in bs.select(ws, part=p)) == sorted(w.name for w in ws)
+    # every workload is in exactly one part ("models" is a union of the four model parts)
+    singles = [p for p in bs.PARTS if p != "models"]
+    assert sorted(w.name for p in singles for w in bs.select(ws, part=p)) == sorted(w.name for w in ws)
+    assert [w.name for w in bs.select(ws, part="models")] == [w.name for w in ws if w.kind == "model"]
     with pytest.raises(ValueError, match="part"):
         bs.select(ws, part="nope")
     with pytest.raises(ValueError, match="kinds"):
@@ -176,10 +178,25 @@ def test_run_suite_schema_from_injected_timings(tmp_path):
     assert on_disk["parts"][0]["part"] == "core"
 
 
+def test_each_variant_is_saved_as_it_ends(tmp_path):
+    out = tmp_path / "part.json"
+    seen = []
+
+    def timer(name, fn, case):
+        on_disk = json.loads(out.read_text())["workloads"] if out.exists() else []
+        seen.append((name, [r["peers"] for r in on_disk]))
+        return FAKE_MS[name]
+
+    bs.run_suite([_fake_workload("mm")], bs.Options(), out_path=str(out), timer=timer, clock=Clock(), extras=False)
+    # when max-autotune is timed, the file already holds the record with torch_eager and torch.compile
+    at_max = dict(seen)[bs.MAX_AUTOTUNE]
+    assert at_max == [{"torch_eager": 2.0, "torch_compile": 1.5}]
+
+
 def test_build_failure_is_recorded_not_raised():
     def broken(opts):
         raise ImportError("No module named 'torchvision'")
-    w = bs.Workload("model_x", "model", "model_gpt2", 1, None, broken)
+    w = bs.Workload("model_x", "model", "model_gpt2_infer", 1, None, broken)
     rec = bs.run_workload(w, bs.Options(), started=0.0, timer=_timer, clock=Clock())
     assert rec["errors"] == {"build": "ImportError: No module named 'torchvision'"}
     assert rec["cf_ms"] is None and rec["best_peer"] is None and rec["speedup_vs_best_peer"] is None
@@ -226,7 +243,7 @@ def test_merge_of_parts():
     p1 = _doc("core", [_rec(first), _rec(second, tuned=None, peers={"torch_eager": 2.0})], ceiling_tflops=780.0,
               hbm_tbps=4.3, host_overhead_us={"eager": 30.0, "captured": 2.5, "torch_eager": 20.0})
     better = _rec(second, tuned=0.5)
-    p2 = _doc("conv32a", [better], ceiling_tflops=790.0, hbm_tbps=4.2,
+    p2 = _doc("conv32", [better], ceiling_tflops=790.0, hbm_tbps=4.2,
               time_to_ready_s={"cf": 3.0, "torch_compile": 40.0})
     merged = bs.merge([p2, p1])
     assert [r["name"] for r in merged["workloads"]] == [first, second]  # registry order
@@ -234,7 +251,7 @@ def test_merge_of_parts():
     assert (merged["ceiling_tflops"], merged["hbm_tbps"]) == (790.0, 4.3)
     assert merged["host_overhead_us"]["eager"] == 30.0
     assert merged["time_to_ready_s"]["torch_compile"] == 40.0
-    assert [p["part"] for p in merged["parts"]] == ["conv32a", "core"]
+    assert [p["part"] for p in merged["parts"]] == ["conv32", "core"]
     assert merged["summary"]["workloads"] == 2
     with pytest.raises(ValueError, match="schema"):
         bs.merge([{"schema": "other", "workloads": []}])
