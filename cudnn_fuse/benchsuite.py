@@ -50,6 +50,9 @@ PEER_VARIANTS = ("torch_eager", "torch_compile", "torch_compile_max_autotune", "
                  "sdpa_efficient", "torch_eager_captured", "torch_compile_reduce_overhead")
 MAX_AUTOTUNE = "torch_compile_max_autotune"
 COMPUTE_BOUND_TARGET = 0.85  # issue 6: compute-bound workloads >= 85% of the measured bf16 ceiling
+# Under this roofline floor a kernel is latency-bound whatever its intensity (a batch-1 conv's 8 us
+# against a 0.3 us floor): it does not count as compute-bound for the 85% target.
+MIN_COMPUTE_BOUND_FLOOR_MS = 0.01
 
 
 # ================================================================ workloads
@@ -949,8 +952,9 @@ def summarize(doc: dict) -> dict:
         ms = rec.get("cf_autotuned_ms") if _finite(rec.get("cf_autotuned_ms")) else rec.get("cf_best_ms")
         rec["cf_tflops"] = round(rec["flops"] / ms / 1e9, 2) if _finite(ms) else None
         rec["intensity"] = round(rec["flops"] / rec["bytes"], 2) if rec.get("bytes") else None
-        rec["compute_bound"] = (rec["intensity"] >= ridge) if ridge and rec["intensity"] else None
         floor = _floor_ms(rec, ceiling, bw)
+        rec["compute_bound"] = (rec["intensity"] >= ridge and floor >= MIN_COMPUTE_BOUND_FLOOR_MS) \
+            if ridge and rec["intensity"] else None
         rec["floor_ms"] = round(floor, 5) if floor else None
         rec["roofline_fraction"] = round(floor / ms, 4) if floor and _finite(ms) else None
     kernels = [r for r in doc["workloads"] if r["kind"] in ("conv", "matmul", "attention")]

@@ -273,6 +273,14 @@ def test_summary_roofline_and_targets():
                             "compute_bound_ge_85pct": False}
 
 
+def test_a_tiny_kernel_is_not_compute_bound_whatever_its_intensity():
+    # 1 GFLOP over 1 MB is 1000 FLOP/B, far over the ridge, but its floor is 1.25 us: latency-bound
+    tiny = _rec("t", cf=0.01, tuned=0.008, flops=10**9, nbytes=10**6)
+    doc = bs.summarize(_doc("all", [tiny], ceiling_tflops=800.0, hbm_tbps=4.0))
+    assert tiny["compute_bound"] is False
+    assert doc["summary"]["compute_bound_under_85pct_of_ceiling"] == []
+
+
 # ---------------------------------------------------------------- plots
 
 
