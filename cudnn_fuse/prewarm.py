@@ -58,36 +58,133 @@ def _cached(pc, digest: str, want_tuned: bool) -> bool:
     return entry is not None and (entry.meta.get("tuned") or not want_tuned)
 
 
+def work_order(entries) -> list:
+    """Entry indices, most expensive first (by flops: a proxy for build and tuning time), so
+    that static shards are balanced and a shared queue ends with short jobs."""
+    from .spec import flops
+
+    def cost(i):
+        try:
+            return flops(entries[i].spec)
+        except Exception:  # noqa: BLE001 - an odd spec still gets built, last
+            return 0
+
+    return sorted(range(len(entries)), key=lambda i: (-cost(i), i))
+
+
+def prewarm_one(i: int, e, *, autotune: bool, dry_run: bool, builder, cache, rank: int = 0) -> Row:
+    """Build entry ``i`` unless the cache has it; never raises for a bad entry."""
+    digest = e.spec.digest()
+    row = Row(i, e.name or f"{e.spec.op}#{i}", e.spec.op, digest[:16], "cached", rank=rank)
+    t0 = time.perf_counter()
+    if not _cached(cache, digest, autotune):
+        if dry_run:
+            row.status = "would build"
+        else:
+            try:
+                builder(e.spec)
+                row.status = "built"
+            except UnsupportedError as exc:
+                row.status, row.reason = "failed", str(exc).splitlines()[0][:200]
+            except Exception as exc:  # noqa: BLE001 - one bad entry must not stop the pre-warm
+                row.status, row.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
 def prewarm(entries, *, autotune: bool = False, dry_run: bool = False, builder: Optional[Callable] = None,
             cache=None, rank: int = 0, world: int = 1, progress: Optional[Callable[[int, int], None]] = None,
             device: int = 0) -> list:
-    """Build this rank's share of ``entries``; returns one Row per entry of the share."""
-    mine = [(i, e) for i, e in enumerate(entries) if i % world == rank]
+    """Build this rank's share of ``entries`` (every world-th of the cost-ordered list);
+    returns one Row per entry of the share, in manifest order."""
+    mine = [i for n, i in enumerate(work_order(entries)) if n % world == rank]
     if builder is None and not dry_run:
         builder = default_builder(autotune, device)
     rows = []
-    for n, (i, e) in enumerate(mine):
+    for n, i in enumerate(mine):
         if progress is not None:
             progress(n, len(mine))
-        digest = e.spec.digest()
-        row = Row(i, e.name or f"{e.spec.op}#{i}", e.spec.op, digest[:16], "cached", rank=rank)
-        t0 = time.perf_counter()
-        if not _cached(cache, digest, autotune):
-            if dry_run:
-                row.status = "would build"
-            else:
-                try:
-                    builder(e.spec)
-                    row.status = "built"
-                except UnsupportedError as exc:
-                    row.status, row.reason = "failed", str(exc).splitlines()[0][:200]
-                except Exception as exc:  # noqa: BLE001 - one bad entry must not stop the pre-warm
-                    row.status, row.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        row.seconds = time.perf_counter() - t0
-        rows.append(row)
+        rows.append(prewarm_one(i, entries[i], autotune=autotune, dry_run=dry_run, builder=builder, cache=cache,
+                                rank=rank))
     if progress is not None:
         progress(len(mine), len(mine))
-    return rows
+    return sorted(rows, key=lambda r: r.index)
+
+
+# ----------------------------------------------------------------------------- local GPUs
+
+
+def _local_worker(rank: int, entries, autotune: bool, work, results, builder_factory=None) -> None:
+    """One process per GPU: take the next entry from the shared queue until it is empty."""
+    try:
+        from .cache import open_default_cache
+
+        if builder_factory is None:
+            import torch
+
+            torch.cuda.set_device(rank)
+            builder = default_builder(autotune, rank)
+        else:  # tests: a fake builder, no GPU
+            builder = builder_factory(rank)
+        cache = open_default_cache()
+        while True:
+            i = work.get()
+            if i is None:
+                break
+            row = prewarm_one(i, entries[i], autotune=autotune, dry_run=False, builder=builder, cache=cache, rank=rank)
+            results.put(asdict(row))
+    except BaseException as exc:  # noqa: BLE001 - the parent must hear of it, not wait forever
+        results.put({"worker_error": f"rank {rank}: {type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        results.put({"worker_done": rank})
+
+
+def run_local(entries, gpus: int, *, autotune: bool = False, progress=None, builder_factory=None) -> list:
+    """Pre-warm on ``gpus`` local GPUs, one process each, pulling entries from one shared
+    queue (most expensive first), so no GPU idles while another has a backlog. Forked when
+    the platform allows (no re-import of torch; CUDA is not initialised in this parent)."""
+    import multiprocessing as mp
+
+    import torch
+
+    fork = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+    ctx = mp.get_context("fork" if fork else "spawn")
+    work, results = ctx.Queue(), ctx.Queue()
+    for i in work_order(entries):
+        work.put(i)
+    for _ in range(gpus):
+        work.put(None)
+    procs = [ctx.Process(target=_local_worker, args=(r, entries, autotune, work, results, builder_factory), daemon=True)
+             for r in range(gpus)]
+    for p in procs:
+        p.start()
+    rows, done, errors = [], 0, []
+    if progress is not None:
+        progress(0, len(entries))
+    while done < gpus:
+        try:
+            msg = results.get(timeout=5.0)
+        except Exception:  # noqa: BLE001 - queue.Empty: is anyone still alive?
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        if "worker_done" in msg:
+            done += 1
+        elif "worker_error" in msg:
+            errors.append(msg["worker_error"])
+        else:
+            rows.append(Row(**msg))
+            if progress is not None:
+                progress(len(rows), len(entries))
+    for p in procs:
+        p.join(timeout=30)
+    seen = {r.index for r in rows}
+    for i, e in enumerate(entries):  # entries a dead worker never reported
+        if i not in seen:
+            rows.append(Row(i, e.name or f"{e.spec.op}#{i}", e.spec.op, e.spec.digest()[:16], "failed",
+                            reason="; ".join(errors) or "worker process died"))
+    return sorted(rows, key=lambda r: r.index)
 
 
 def summarize(rows: list, seconds: float) -> dict:
@@ -147,17 +244,6 @@ def run_distributed(entries, *, autotune=False, dry_run=False, builder=None, cac
         dist.destroy_process_group()
 
 
-def _spawned(local_rank: int, world: int, port: int, argv: list) -> None:
-    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    main(argv, _child=True)
-
-
-def _argv_of(args) -> list:
-    return (([args.manifest] if isinstance(args.manifest, str) else list(args.manifest)) + (["--autotune"] if args.autotune else []) + (["--dry-run"] if args.dry_run else [])
-            + ["--gpus", str(args.gpus)])
-
-
 def main(argv=None, _child: bool = False) -> int:
     """``python -m cudnn_fuse.prewarm`` / ``cudnn-fuse prewarm``."""
     p = argparse.ArgumentParser(prog="cudnn-fuse prewarm", description=__doc__,
@@ -191,19 +277,20 @@ def run(args, _child: bool = False) -> int:
             if d not in seen:
                 seen.add(d)
                 entries.append(e)
-    if args.gpus > 1 and not _child and "WORLD_SIZE" not in os.environ:
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        t0 = time.perf_counter()
-        mp.spawn(_spawned, args=(args.gpus, port, _argv_of(args)), nprocs=args.gpus, join=True)
-        print(f"\n{args.gpus} processes done in {time.perf_counter() - t0:.1f} s")
-        return 0
     import torch
+
+    if args.gpus > 1 and not args.dry_run and not _child and "WORLD_SIZE" not in os.environ:
+        # no CUDA call here: the workers are forked from this process (a missing GPU fails its worker)
+        t0 = time.perf_counter()
+        rows = run_local(entries, args.gpus, autotune=args.autotune,
+                         progress=Bar(f"prewarm {', '.join(os.path.basename(p) for p in paths)} on {args.gpus} GPUs"))
+        print(format_report(rows, time.perf_counter() - t0))
+        per_gpu = [[r, sum(x.rank == r for x in rows), round(sum(x.seconds for x in rows if x.rank == r), 2)]
+                   for r in range(args.gpus)]
+        from .cli import format_table
+
+        print("\n" + format_table(["gpu", "entries", "busy seconds"], per_gpu))
+        return 1 if any(r.status == "failed" for r in rows) else 0
 
     if not args.dry_run and not torch.cuda.is_available():
         print("cudnn-fuse prewarm: building plans needs a CUDA GPU (none found); try --dry-run", file=sys.stderr)

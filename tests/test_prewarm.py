@@ -227,3 +227,49 @@ def test_sharding_over_two_processes_with_gloo(tmp_path):
     rank0_rows = results[0]["rows"]
     assert [r["index"] for r in rank0_rows] == [0, 1, 2]  # rank 0 gathered every rank's rows
     assert {r["rank"] for r in rank0_rows} == {0, 1}
+
+
+def _slow_builder(rank):
+    import time as _time
+
+    def build(spec):
+        _time.sleep(0.05)  # long enough that both workers take entries
+    return build
+
+
+def _failing_builder(rank):
+    import time as _time
+
+    def build(spec):
+        _time.sleep(0.05)
+        if rank == 1:
+            raise RuntimeError("engine exploded")
+    return build
+
+
+def test_run_local_shares_one_queue_over_gpus(cache_dir):
+    entries = _specs_from_ops() * 1
+    many = [manifest.Entry(e.spec, name=f"e{i}") for i, e in enumerate(entries * 4)]
+    ticks = []
+    rows = prewarm.run_local(many, 2, builder_factory=_slow_builder, progress=lambda n, t: ticks.append((n, t)))
+    assert [r.index for r in rows] == list(range(len(many)))
+    assert all(r.status == "built" for r in rows)
+    assert {r.rank for r in rows} == {0, 1}  # both workers took work
+    assert ticks[0] == (0, len(many)) and ticks[-1] == (len(many), len(many))
+
+
+def test_run_local_reports_a_failing_worker_per_entry(cache_dir):
+    many = [manifest.Entry(e.spec, name=f"e{i}") for i, e in enumerate(_specs_from_ops() * 3)]
+    rows = prewarm.run_local(many, 2, builder_factory=_failing_builder)
+    assert len(rows) == len(many)
+    failed = [r for r in rows if r.status == "failed"]
+    assert failed and all(r.rank == 1 and "engine exploded" in r.reason for r in failed)
+
+
+def test_work_order_puts_expensive_entries_first():
+    entries = _specs_from_ops()
+    from cudnn_fuse.spec import flops
+
+    order = prewarm.work_order(entries)
+    costs = [flops(entries[i].spec) for i in order]
+    assert sorted(order) == list(range(len(entries))) and costs == sorted(costs, reverse=True)
