@@ -123,9 +123,10 @@ def steps():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--steps", action="store_true", help="also the memory bench's steps under each engine choice")
     args = ap.parse_args(argv)
     out = {}
-    for name, fn in (("gemm", gemm_pieces), ("conv", conv_pieces), ("steps", steps)):
+    for name, fn in (("gemm", gemm_pieces), ("conv", conv_pieces)) + ((("steps", steps),) if args.steps else ()):
         try:
             out[name] = fn()
         except Exception as exc:  # noqa: BLE001 - a diagnostic reports what broke and goes on

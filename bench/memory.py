@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -75,9 +76,25 @@ def case(name, eager, fused, x):
     return row
 
 
+@contextlib.contextmanager
+def _engines(**kw):
+    """Switch cudnn_fuse.backward's engine choices (MM, DBIAS, CONV) inside the block."""
+    from cudnn_fuse import backward
+
+    old = {k: getattr(backward, k) for k in kw}
+    for k, v in kw.items():
+        setattr(backward, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(backward, k, v)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--variants", action="store_true", help="also time the backward with torch for some pieces")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     bf = torch.bfloat16
@@ -85,9 +102,17 @@ def main(argv=None) -> int:
     x = torch.randn(8192, 2048, device="cuda", dtype=bf, requires_grad=True)
     rows = [case("mlp_linear_gelu", base, cf.optimize(copy.deepcopy(base)), x),
             case("mlp_linear_gelu_recompute", base, cf.optimize(copy.deepcopy(base), recompute=True), x)]
+    if args.variants:  # the same cases with torch (cuBLAS) for the backward's dX / dW products
+        with _engines(MM="torch"):
+            rows += [case("mlp_linear_gelu [bwd mm: torch]", base, cf.optimize(copy.deepcopy(base)), x),
+                     case("mlp_linear_gelu_recompute [bwd mm: torch]", base,
+                          cf.optimize(copy.deepcopy(base), recompute=True), x)]
     cbase = convs().cuda().half().to(memory_format=torch.channels_last)
     xc = torch.randn(32, 128, 56, 56, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
     rows.append(case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_()))
+    if args.variants:  # dgrad / wgrad through torch's convolution_backward instead of cuDNN graphs
+        with _engines(CONV="torch"):
+            rows.append(case("conv_bias_relu [bwd dgrad/wgrad: torch]", cbase, cf.optimize(copy.deepcopy(cbase)), xc))
     write_json(os.path.join(args.out, "memory.json"), {"device": device_name(), "cases": rows})
     return 0
 
