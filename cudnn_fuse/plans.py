@@ -172,11 +172,14 @@ def _raw_launcher(graph, uids, handle):
 _workspaces: dict = {}  # (device, stream) -> uint8 tensor, reused by every launch on that stream
 
 
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 def _workspace_ptr(device: int, stream: int, size: int) -> tuple:
     """(pointer, keep-alive) of at least ``size`` bytes usable on ``stream``. Launches on
     one stream run in order, so one buffer per stream serves them all; under CUDA graph
     capture it comes from the allocator (the graph's pool) like any captured tensor."""
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing():
         t = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
         return t.data_ptr(), t
     key = (device, stream)
