@@ -434,3 +434,43 @@ def test_unsupported_error_is_what_try_catches(monkeypatch):
     monkeypatch.setattr(plans, "get_plan", declined)
     t = torch.empty(1)
     assert backward._try("matmul_backward", _mm(), [t]) is False
+
+
+@pytest.mark.parametrize("gemm_dbias", ["torch", "fused"])
+def test_gemm_bias_gradient_from_a_saved_z_either_way(cudnn_on_cpu, monkeypatch, gemm_dbias):
+    """The saved-z path's bias gradient: a torch sum (default, faster on the H200) or the
+    reduction fused into the act-grad graph; the same gradients either way."""
+    monkeypatch.setattr(backward, "GEMM_DBIAS", gemm_dbias)
+    seen = []
+    real = cudnn_on_cpu.__call__
+
+    def spy(op, spec, buffers, quiet=False):
+        if spec.op == "act_grad":
+            seen.append(getattr(spec, "dbias", None) is not None)
+        return real(op, spec, buffers, quiet)
+
+    monkeypatch.setattr(backward, "_try", spy)
+    m = cf.nn.Linear(32, 24, activation="gelu", recompute=False)
+    compare(lambda x, w, b: torch_ops.linear_save_z(x, w, b, "gelu", None, 0.01),
+            lambda x, w, b: F.gelu(F.linear(x, w, b)), (torch.randn(5, 32), m.weight, m.bias))
+    assert seen == [gemm_dbias == "fused"]
+
+
+def test_eager_autograd_runs_without_the_dispatcher(monkeypatch):
+    """Eager autograd goes through a plain autograd.Function with the custom op's formulas;
+    the registered custom op (torch.compile's path) is not called."""
+    def boom(*a, **k):
+        raise AssertionError("the custom op ran in eager autograd")
+
+    for name in ("conv2d_op", "linear_op", "matmul_op"):
+        monkeypatch.setattr(torch_ops, name, boom)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    cf.conv2d(x, w, padding=1, activation="gelu").sum().backward()
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    F.gelu(F.conv2d(xr, wr, padding=1)).sum().backward()
+    assert torch.allclose(x.grad, xr.grad, atol=1e-5) and torch.allclose(w.grad, wr.grad, atol=1e-5)
+    a = torch.randn(4, 5, requires_grad=True)
+    cf.linear(a, torch.randn(3, 5), activation="relu").sum().backward()
+    cf.matmul(a, torch.randn(5, 3), activation="silu").sum().backward()
+    assert a.grad is not None
