@@ -220,17 +220,37 @@ def random_buffers(spec, roles, device: int, sets: int = 1):
         for r in roles:
             shape, stride, dtype = geo[r]
             t = torch.empty_strided(shape, stride, dtype=dt[dtype], device=torch.device("cuda", device))
-            if r not in ("y", "o", "amax"):
+            if r not in _OUTPUT_ROLES:
                 t.normal_(0, 0.5 if r != "bias" else 1.0)
             bufs.append(t)
         out.append(bufs)
     return out
 
 
+_OUTPUT_ROLES = ("y", "o", "amax", "z", "dz", "dbias", "dx", "dw", "dq", "dk", "dv")
+
+
 def _geometry(spec) -> dict:
-    from .spec import ConvSpec, SdpaSpec
+    """role -> (shape, strides, dtype) of every operand ``spec``'s graph can take."""
+    import dataclasses
+
+    from .spec import ConvSpec, MatmulSpec, SdpaSpec, TensorSpec
 
     g = {}
+    fwd = getattr(spec, "fwd", None)
+    if fwd is not None:  # training graphs around a forward (save_z, recompute_grad): its operands + theirs
+        g = _geometry(fwd)
+        for r in ("z", "dy", "dz", "dbias"):
+            t = getattr(spec, r, None)
+            if t is not None:
+                g[r] = (t.shape, t.stride, t.dtype)
+        return g
+    if not isinstance(spec, (ConvSpec, MatmulSpec, SdpaSpec)):  # the other training specs name operands by role
+        for f in dataclasses.fields(spec):
+            t = getattr(spec, f.name)
+            if isinstance(t, TensorSpec):
+                g[f.name] = (t.shape, t.stride, t.dtype)
+        return g
     if isinstance(spec, SdpaSpec):
         for r in ("q", "k", "v", "o", "bias"):
             t = getattr(spec, r)

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from . import ops, plans
+from . import manifest, ops, plans
 from .errors import UnsupportedError
 from .spec import (
     ActGradSpec,
@@ -72,7 +72,9 @@ def _spec(t: torch.Tensor) -> TensorSpec:
 
 def _try(op: str, spec, buffers, quiet: bool = False) -> bool:
     """Run ``spec`` on ``buffers`` (roles order); False, logged once, when cuDNN declines.
-    ``quiet``: a decline that the caller answers with another graph (DEBUG, not a fallback)."""
+    ``quiet``: a decline that the caller answers with another graph (DEBUG, not a fallback).
+    An active ``cf.record`` notes each graph that runs, so a recorded training step pre-warms
+    its backward too."""
     try:
         plan = plans.get_plan(spec, buffers[0].device.index)
     except UnsupportedError as exc:
@@ -81,6 +83,9 @@ def _try(op: str, spec, buffers, quiet: bool = False) -> bool:
         else:
             ops._fallback(op, str(exc))
         return False
+    rec = manifest.active()
+    if rec is not None:
+        rec.add(spec)
     plan.run(buffers)
     return True
 

@@ -474,3 +474,54 @@ def test_eager_autograd_runs_without_the_dispatcher(monkeypatch):
     cf.linear(a, torch.randn(3, 5), activation="relu").sum().backward()
     cf.matmul(a, torch.randn(5, 3), activation="silu").sum().backward()
     assert a.grad is not None
+
+
+@pytest.mark.parametrize("name", list(_specs()))
+def test_autotune_knows_every_operand_of_the_training_graphs(name):
+    """The autotuner makes timing buffers from a spec's geometry: every role of every
+    training graph must have one (else tuning those graphs would decline)."""
+    from cudnn_fuse import autotune
+    from cudnn_fuse.builders import roles_of
+
+    spec = _specs()[name]
+    geo = autotune._geometry(spec)
+    for role in roles_of(spec):
+        assert role in geo, role
+        shape, stride, dtype = geo[role]
+        assert len(shape) == len(stride) and dtype in ("float16", "bfloat16", "float32")
+    if name == "act_grad":
+        assert geo["dbias"] == ((1, 1, 48), (48, 48, 1), "float32")
+    if name.startswith("recompute"):
+        assert geo["dz"][0] == spec.dz.shape and geo["b" if name.endswith("mm") else "w"][0] == \
+            (spec.fwd.b if name.endswith("mm") else spec.fwd.w).shape
+
+
+def test_record_keeps_the_backward_graphs_that_ran(monkeypatch, tmp_path):
+    """Under cf.record a training step's backward graphs are recorded (declined variants are not)."""
+    from cudnn_fuse import manifest
+
+    class Plan:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def run(self, buffers):
+            torch_exec(self.spec, buffers)
+
+    def get_plan(spec, device):
+        if getattr(spec, "dbias", None) is not None:
+            raise UnsupportedError("no fused dbias here")
+        return Plan(spec)
+
+    monkeypatch.setattr(backward.plans, "get_plan", get_plan)
+    monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
+    x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(24, 32) / 5).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(24, dtype=torch.bfloat16, requires_grad=True)
+    out = tmp_path / "train.json"
+    with cf.record(str(out)):
+        cf.linear(x, w, b, activation="gelu").float().sum().backward()
+    entries = manifest.load(str(out))
+    # the forward (a matmul spec, made as on a GPU), the recompute graph and the two products
+    assert sorted(e.spec.op for e in entries) == ["matmul", "matmul", "matmul", "recompute_grad"]
+    assert all(getattr(e.spec, "dbias", None) is None for e in entries)
+    assert x.grad is not None and b.grad is not None
