@@ -95,9 +95,9 @@ def _pick(op, eager):
 # ------------------------------------------------------------------------ conv2d
 
 
-def _conv2d_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], pre: List[int], post: List[int],
-              dilation: List[int], groups: int, activation: Optional[str], residual: Optional[Tensor],
-              return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
+def _conv2d_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], pre: List[int],
+                    post: List[int], dilation: List[int], groups: int, activation: Optional[str], residual: Optional[Tensor],
+                    return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
     out = ops._conv2d_fwd(x, weight, bias, tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups, activation,
                           residual, return_amax, negative_slope)
     y, amax = _split(out, x, return_amax)
@@ -192,7 +192,7 @@ def conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, res
 
 
 def _linear_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str],
-              residual: Optional[Tensor], return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
+                    residual: Optional[Tensor], return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
     out = ops._linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope)
     y, amax = _split(out, x, return_amax)
     return y.contiguous(), amax
@@ -255,8 +255,8 @@ def linear(x, weight, bias, activation, residual, return_amax, negative_slope):
 # ------------------------------------------------------------------------ linear, pre-activation kept
 
 
-def _linear_save_z_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, residual: Optional[Tensor],
-                     negative_slope: float) -> Tuple[Tensor, Tensor]:
+def _linear_save_z_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
+                           residual: Optional[Tensor], negative_slope: float) -> Tuple[Tensor, Tensor]:
     """(y, z): y = act(z), z = x @ weight.T + bias + residual; one cuDNN graph writes both."""
     if backward.usable(x, weight, bias, residual):
         out = backward.linear_save_z(x, weight, bias, residual, activation, negative_slope)
@@ -319,7 +319,7 @@ def linear_save_z(x, weight, bias, activation, residual, negative_slope):
 
 
 def _matmul_op_impl(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: Optional[str], residual: Optional[Tensor],
-              return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
+                    return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
     out = ops._matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope)
     y, amax = _split(out, a, return_amax)
     return y.contiguous(), amax
@@ -374,7 +374,7 @@ def _sdpa_bshd(q: Tensor) -> bool:
 
 
 def _sdpa_op_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
-            enable_gqa: bool) -> Tensor:
+                  enable_gqa: bool) -> Tensor:
     o = ops._sdpa_fwd(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
     if _sdpa_bshd(q):
         return o.transpose(1, 2).contiguous().transpose(1, 2)
@@ -418,7 +418,7 @@ _SdpaFn = _eager_autograd(_sdpa_op_impl, _sdpa_setup, _sdpa_backward)
 
 
 def _sdpa_train_op_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                  scale: Optional[float], enable_gqa: bool) -> Tuple[Tensor, Tensor]:
+                        scale: Optional[float], enable_gqa: bool) -> Tuple[Tensor, Tensor]:
     """(o, stats): the training forward; stats float32 [B, H, Sq, 1] for the cuDNN
     backward, or empty (0,) when cuDNN declined (the backward is then torch's)."""
     if backward.sdpa_train_usable(q, k, v, attn_mask):
