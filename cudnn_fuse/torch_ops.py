@@ -96,8 +96,8 @@ def _pick(op, eager):
 
 
 def _conv2d_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], pre: List[int],
-                    post: List[int], dilation: List[int], groups: int, activation: Optional[str], residual: Optional[Tensor],
-                    return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
+                    post: List[int], dilation: List[int], groups: int, activation: Optional[str],
+                    residual: Optional[Tensor], return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
     out = ops._conv2d_fwd(x, weight, bias, tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups, activation,
                           residual, return_amax, negative_slope)
     y, amax = _split(out, x, return_amax)
