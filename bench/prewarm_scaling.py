@@ -19,12 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFESTS = [os.path.join(ROOT, "plans", f) for f in ("resnet50_fp16_bs32.json", "resnet50_fp16_bs1.json")]
 
 
-def _env(cache_dir: str, budget_s: float) -> dict:
-    return dict(os.environ, CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_TUNE_BUDGET_S=str(budget_s),
-                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _env(cache_dir: str, budget_s) -> dict:
+    env = dict(os.environ, CUDNN_FUSE_CACHE_DIR=cache_dir, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if budget_s is not None:
+        env["CUDNN_FUSE_TUNE_BUDGET_S"] = str(budget_s)
+    return env
 
 
-def prewarm(gpus: int, cache_dir: str, budget_s: float) -> tuple[float, str]:
+def prewarm(gpus: int, cache_dir: str, budget_s) -> tuple[float, str]:
     cmd = [sys.executable, "-m", "cudnn_fuse.prewarm", *MANIFESTS, "--autotune", "--gpus", str(gpus)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=_env(cache_dir, budget_s), capture_output=True, text=True, timeout=900)
@@ -34,15 +36,26 @@ def prewarm(gpus: int, cache_dir: str, budget_s: float) -> tuple[float, str]:
     return wall, p.stdout
 
 
+def _table_seconds(out: str):
+    """The pre-warm's own elapsed seconds (its table's last column), which leave out the
+    interpreter, torch and CUDA start-up that the process wall time includes."""
+    for line in out.splitlines():
+        cols = line.split()
+        if len(cols) == 6 and cols[0].isdigit():
+            return float(cols[5])
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    ap.add_argument("--budget-s", type=float, default=2.0, help="autotune budget per graph")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="autotune budget per graph (default: the library's, as `cudnn-fuse prewarm` uses it)")
     args = ap.parse_args(argv)
     sys.path.insert(0, ROOT)
     import torch
 
-    from cudnn_fuse import manifest
+    from cudnn_fuse import autotune, manifest
 
     entries = {e.spec.digest() for m in MANIFESTS for e in manifest.load(m)}
     if torch.cuda.device_count() < 2:
@@ -64,7 +77,8 @@ def main(argv=None) -> int:
         "two_gpu_s": round(two_s, 2),
         "autotune": True,
         "two_over_one": round(two_s / one_s, 3),
-        "tune_budget_s_per_graph": args.budget_s,
+        "tune_budget_s_per_graph": args.budget_s if args.budget_s is not None else autotune.DEFAULT_CONFIG.budget_s,
+        "prewarm_seconds": {"one_gpu": _table_seconds(one_out), "two_gpu": _table_seconds(two_out)},
         "seconds_are": "wall time of the whole `python -m cudnn_fuse.prewarm ... --autotune --gpus N` process",
         "after_prewarm_resnet50": warm,
         "tables": {"one_gpu": one_out.strip().splitlines()[-6:], "two_gpu": two_out.strip().splitlines()[-8:]},
