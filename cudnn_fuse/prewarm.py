@@ -244,13 +244,13 @@ def run_distributed(entries, *, autotune=False, dry_run=False, builder=None, cac
         dist.destroy_process_group()
 
 
-def main(argv=None, _child: bool = False) -> int:
+def main(argv=None) -> int:
     """``python -m cudnn_fuse.prewarm`` / ``cudnn-fuse prewarm``."""
     p = argparse.ArgumentParser(prog="cudnn-fuse prewarm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
-    return run(args, _child)
+    return run(args)
 
 
 def add_arguments(p) -> None:
@@ -260,11 +260,11 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus", type=int, default=1, help="spread the entries over N local GPUs (processes)")
 
 
-def run(args, _child: bool = False) -> int:
+def run(args) -> int:
     from .cache import open_default_cache
     from .cli_autotune import Bar
 
-    paths = [args.manifest] if isinstance(args.manifest, str) else list(args.manifest)
+    paths = args.manifest  # nargs="+": always a list
     entries, seen = [], set()
     for path in paths:
         try:
@@ -279,7 +279,7 @@ def run(args, _child: bool = False) -> int:
                 entries.append(e)
     import torch
 
-    if args.gpus > 1 and not args.dry_run and not _child and "WORLD_SIZE" not in os.environ:
+    if args.gpus > 1 and not args.dry_run and "WORLD_SIZE" not in os.environ:
         # no CUDA call here: the workers are forked from this process (a missing GPU fails its worker)
         t0 = time.perf_counter()
         rows = run_local(entries, args.gpus, autotune=args.autotune,
