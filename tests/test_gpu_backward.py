@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudnn_fuse as cf
-from cudnn_fuse import ops, reference
+from cudnn_fuse import reference
+
+import grad_check
 
 pytestmark = pytest.mark.gpu
 
@@ -21,37 +23,9 @@ ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_rel
 DTYPES = [torch.float16, torch.bfloat16]
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
 def check_grads(fn, ref_fn, inputs, dtype, tol=1e-2):
-    """Ours in ``dtype`` against fp32 autograd on the same rounded inputs; the
-    bound is max(tol, 2 x torch's own error in ``dtype``). Asserts that the
-    backward ran on cuDNN graphs only (no fallback). Returns the errors."""
-    ours = leaves(*[t.to(dtype) for t in inputs])
-    refs = leaves(*[t.to(dtype).float() for t in inputs])
-    torch_lp = leaves(*[t.to(dtype) for t in inputs])
-    y, yr, yt = fn(*ours), ref_fn(*refs), ref_fn(*torch_lp)
-    g = torch.randn_like(yr)
-    before, said = cf.plan_stats()["fallbacks"], set(ops._said)
-    y.backward(g.to(dtype))
-    assert cf.plan_stats()["fallbacks"] == before, f"the backward fell back to torch: {set(ops._said) - said}"
-    yr.backward(g)
-    yt.backward(g.to(dtype))
-    assert rel(y, yr) <= tol
-    errs = []
-    for a, b, t in zip(ours, refs, torch_lp):
-        err, bound = rel(a.grad, b.grad), max(tol, 2 * rel(t.grad, b.grad))
-        errs.append(err)
-        assert err <= bound, f"gradient error {err:.2e} over {bound:.2e}"
-    return errs
+    """grad_check.check_grads, asserting that the backward never fell back to torch."""
+    return grad_check.check_grads(fn, ref_fn, inputs, dtype, tol, no_fallback=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -14,39 +14,11 @@ from torch import nn
 import cudnn_fuse as cf
 from cudnn_fuse import reference
 
+from grad_check import check_grads, rel
+
 pytestmark = pytest.mark.gpu
 
 ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
-def check_grads(fn, ref_fn, inputs, dtype, tol=1e-2):
-    """Ours in ``dtype`` against fp32 autograd on the same (rounded) inputs upcast.
-
-    The gradient bound is a small multiple of torch's own error in ``dtype`` (its
-    autograd on the same inputs), floored at ``tol``: a 16-bit backward rounds dz
-    and every grad, and kinks (ReLU at 0) amplify that (flash-attention's rule).
-    """
-    ours = leaves(*[t.to(dtype) for t in inputs])
-    refs = leaves(*[t.to(dtype).float() for t in inputs])
-    torch_lp = leaves(*[t.to(dtype) for t in inputs])
-    y, yr, yt = fn(*ours), ref_fn(*refs), ref_fn(*torch_lp)
-    g = torch.randn_like(yr)
-    for out, grad in ((y, g.to(dtype)), (yr, g), (yt, g.to(dtype))):
-        out.backward(grad)
-    assert rel(y, yr) <= tol
-    for a, b, t in zip(ours, refs, torch_lp):
-        bound = max(tol, 2 * rel(t.grad, b.grad))
-        assert rel(a.grad, b.grad) <= bound, "gradient error over twice torch's own"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -1,0 +1,47 @@
+"""Gradient checks shared by the GPU test modules (imported, not collected)."""
+
+from __future__ import annotations
+
+import torch
+
+import cudnn_fuse as cf
+from cudnn_fuse import ops
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def check_grads(fn, ref_fn, inputs, dtype, tol=1e-2, no_fallback=False):
+    """Ours in ``dtype`` against fp32 autograd on the same (rounded) inputs upcast.
+
+    The gradient bound is a small multiple of torch's own error in ``dtype`` (its
+    autograd on the same inputs), floored at ``tol``: a 16-bit backward rounds dz
+    and every grad, and kinks (ReLU at 0) amplify that (flash-attention's rule).
+    ``no_fallback``: also assert that the backward ran on cuDNN graphs only.
+    Returns the gradient errors.
+    """
+    ours = leaves(*[t.to(dtype) for t in inputs])
+    refs = leaves(*[t.to(dtype).float() for t in inputs])
+    torch_lp = leaves(*[t.to(dtype) for t in inputs])
+    y, yr, yt = fn(*ours), ref_fn(*refs), ref_fn(*torch_lp)
+    g = torch.randn_like(yr)
+    before, said = cf.plan_stats()["fallbacks"], set(ops._said)
+    y.backward(g.to(dtype))
+    if no_fallback:
+        assert cf.plan_stats()["fallbacks"] == before, f"the backward fell back to torch: {set(ops._said) - said}"
+    yr.backward(g)
+    yt.backward(g.to(dtype))
+    assert rel(y, yr) <= tol
+    errs = []
+    for a, b, t in zip(ours, refs, torch_lp):
+        err, bound = rel(a.grad, b.grad), max(tol, 2 * rel(t.grad, b.grad))
+        errs.append(err)
+        assert err <= bound, f"gradient error {err:.2e} over twice torch's own ({bound:.2e})"
+    return errs
