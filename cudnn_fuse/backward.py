@@ -105,12 +105,12 @@ def _sum_bias(dz: torch.Tensor, bias_shape) -> torch.Tensor:
     return dz.sum(dim=dims, keepdim=True, dtype=torch.float32)
 
 
-def _with_dbias(op: str, make_spec, buffers, dz, bias_shape) -> Optional[torch.Tensor]:
+def _with_dbias(op: str, make_spec, buffers, dz, bias_shape, fuse: Optional[bool] = None) -> Optional[torch.Tensor]:
     """Run the dz graph with the bias gradient fused as a reduction; when cuDNN
     declines that, without it (then the bias gradient is a torch sum).
     Returns the float32 dbias (or an empty tensor when none is wanted), None if
     cuDNN declined the graph altogether."""
-    if bias_shape is not None and DBIAS == "fused":
+    if bias_shape is not None and (fuse if fuse is not None else DBIAS == "fused"):
         dbias = torch.empty_strided(bias_shape, _bias_strides(dz, bias_shape), dtype=torch.float32, device=dz.device)
         if _try(op, make_spec(_spec(dbias)), buffers + [dz, dbias], quiet=True):
             return dbias
@@ -133,14 +133,15 @@ def _rows_as_nhwc(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((B * M, N, 1, 1), (N, 1, N, N))
 
 
-def act_grad(dy, src, act: str, slope: float, bias_shape=None):
-    """(dz, dbias) with dz = act'(src) * dy from a saved src (z, or y for ReLU); None if declined."""
+def act_grad(dy, src, act: str, slope: float, bias_shape=None, fuse_dbias: Optional[bool] = None):
+    """(dz, dbias) with dz = act'(src) * dy from a saved src (z, or y for ReLU); None if declined.
+    ``fuse_dbias``: whether to try the bias reduction inside the graph (default: DBIAS)."""
     dz = torch.empty_like(dy)
 
     def make(db):
         return ActGradSpec(_spec(dy), _spec(src), _spec(dz), act, slope, db)
 
-    dbias = _with_dbias("act_grad", make, [dy, src], dz, bias_shape)
+    dbias = _with_dbias("act_grad", make, [dy, src], dz, bias_shape, fuse_dbias)
     return None if dbias is None else (dz, dbias)
 
 
@@ -183,11 +184,10 @@ def gemm_dz(a3, b3, bias, r3, dy3, act, slope, src=None, want_dbias=False):
     if src is not None:
         src3 = src.reshape(dy3.shape)
         if dy3.is_contiguous() and src3.is_contiguous():
-            fused = want_dbias and GEMM_DBIAS == "fused"
-            out = act_grad(_rows_as_nhwc(dy3), _rows_as_nhwc(src3), act, slope, (1, N, 1, 1) if fused else None)
-            if out is not None:
-                dz3 = out[0].as_strided(dy3.shape, dy3.stride())
-                out = (dz3, out[1].view(1, 1, N) if fused else (_sum_bias(dz3, bias_shape) if want_dbias else None))
+            out = act_grad(_rows_as_nhwc(dy3), _rows_as_nhwc(src3), act, slope, (1, N, 1, 1) if want_dbias else None,
+                           fuse_dbias=GEMM_DBIAS == "fused")
+            out = None if out is None else (out[0].as_strided(dy3.shape, dy3.stride()),
+                                            out[1].view(1, 1, N) if want_dbias else None)
         else:
             out = act_grad(dy3, src3, act, slope, bias_shape)
     else:
