@@ -195,6 +195,19 @@ def _meta(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def _memo(name: str, a, b, c, d, attrs: tuple):
+    """(key, remembered launch or None) of a plain call with operands a, b, c, d; (None, None) when the memo may not
+    serve it (autograd, tracing, recording, a first operand that is not a plain tensor) or the
+    arguments cannot be keyed (non-tensors, unhashable values: validation then names them)."""
+    if type(a) is not torch.Tensor or not _fast_ready(a, b, c, d):
+        return None, None
+    try:  # four operands, spelled out: this runs on every call
+        key = (name, _meta(a), _meta(b), _meta(c), _meta(d), attrs)
+        return key, _FAST.get(key)
+    except (AttributeError, TypeError):
+        return None, None
+
+
 def _fast_ready(*tensors) -> bool:
     """Whether a memo lookup may serve this call."""
     if _active_recorders or torch.compiler.is_compiling():
@@ -274,16 +287,10 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
     float32 0-dim tensor.
     """
-    key = None
-    if type(x) is torch.Tensor and _fast_ready(x, weight, bias, residual):
-        try:
-            key = ("conv2d", _meta(x), _meta(weight), _meta(bias), _meta(residual), stride, padding, dilation, groups,
-                   activation, return_amax, negative_slope)
-            launch = _FAST.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable arguments: validate below
-            key = launch = None
-        if launch is not None:
-            return launch(x, weight, bias, residual)
+    key, launch = _memo("conv2d", x, weight, bias, residual,
+                        (stride, padding, dilation, groups, activation, return_amax, negative_slope))
+    if launch is not None:
+        return launch(x, weight, bias, residual)
     op = "conv2d"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -452,15 +459,9 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
     residual: the output's shape. Returns y, or (y, amax).
     """
-    key = None
-    if type(a) is torch.Tensor and _fast_ready(a, b, bias, residual):
-        try:
-            key = ("matmul", _meta(a), _meta(b), _meta(bias), _meta(residual), activation, return_amax, negative_slope)
-            launch = _FAST.get(key)
-        except (AttributeError, TypeError):
-            key = launch = None
-        if launch is not None:
-            return launch(a, b, bias, residual)
+    key, launch = _memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope))
+    if launch is not None:
+        return launch(a, b, bias, residual)
     op = "matmul"
     _check_tensor("a", a, op)
     _check_tensor("b", b, op)
@@ -552,16 +553,9 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
 
     x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
     """
-    key = None
-    if type(x) is torch.Tensor and _fast_ready(x, weight, bias, residual):
-        try:
-            key = ("linear", _meta(x), _meta(weight), _meta(bias), _meta(residual), activation, return_amax,
-                   negative_slope)
-            launch = _FAST.get(key)
-        except (AttributeError, TypeError):
-            key = launch = None
-        if launch is not None:
-            return launch(x, weight, bias, residual)
+    key, launch = _memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope))
+    if launch is not None:
+        return launch(x, weight, bias, residual)
     op = "linear"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
