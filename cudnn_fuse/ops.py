@@ -649,6 +649,15 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
     Returns o [B, Hq, Sq, Dv] in q's memory layout.
     """
+    key = None
+    if type(q) is torch.Tensor and _fast_ready(q, k, v, attn_mask):
+        try:
+            key = ("sdpa", _meta(q), _meta(k), _meta(v), _meta(attn_mask), dropout_p, is_causal, scale, enable_gqa)
+            launch = _FAST.get(key)
+        except (AttributeError, TypeError):
+            key = launch = None
+        if launch is not None:
+            return launch(q, k, v, attn_mask)
     op = "scaled_dot_product_attention"
     _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
@@ -658,10 +667,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         from . import torch_ops
 
         return torch_ops.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=key)
 
 
-def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=None):
     """attention on validated arguments: the fused graph, or the reference."""
     _record_as_gpu(_sdpa_fwd, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     op = "scaled_dot_product_attention"
@@ -676,6 +685,7 @@ def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         _fallback(op, why)
         return ref()
 
+    originals = (q, k, v, attn_mask)
     squeeze = q.dim() == 3
     if squeeze:  # [H, S, D]: dim -3 is the heads, as for torch's enable_gqa
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -686,10 +696,13 @@ def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     bias = _sdpa_bias(attn_mask, B, H, Sq, Skv, q.dtype)
     spec = SdpaSpec(_spec(q), _spec(k), _spec(v), _spec(o), _spec(bias) if bias is not None else None,
                     bool(is_causal), float(scale) if scale is not None else 1.0 / math.sqrt(D))
-    _, fallback_out = _run(op, spec, [t for t in (q, k, v, bias, o) if t is not None], ref)
+    buffers = [t for t in (q, k, v, bias, o) if t is not None]
+    plan, fallback_out = _run(op, spec, buffers, ref)
     if fallback_out is not None:
         return fallback_out
-    return o.squeeze(0) if squeeze else o
+    out = o.squeeze(0) if squeeze else o
+    _remember(memo, originals, plan, buffers, out)  # not when a mask became a new bias tensor (a copy)
+    return out
 
 
 def _sdpa_output(q: torch.Tensor, Dv: int) -> torch.Tensor:

@@ -89,6 +89,8 @@ def test_cpu_calls_never_memoize_and_clear_forgets():
             cf.linear(x, w, b, activation="relu")
             cf.matmul(x, w.t())
             cf.conv2d(torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3))
+            q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
+            cf.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert plans.FAST == {}
     plans.FAST["k"] = object()
     plans.clear()

@@ -169,3 +169,22 @@ def test_memo_on_side_streams_and_under_capture(cache_dir):
         x2 = rnd(64, 256)
         out = g(x2).clone()
         assert torch.equal(out, f(x2))
+
+
+def test_memo_serves_attention_and_skips_bool_masks(cache_dir):
+    q, k, v = (rnd(2, 4, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+    qs = rnd(2, 128, 4, 64, dtype=torch.bfloat16).transpose(1, 2)  # BSHD memory: the output keeps it
+    mask = torch.rand(128, 128, device="cuda") > 0.3
+    plans.clear()
+    with torch.no_grad():
+        o1 = cf.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o2 = cf.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert len(plans.FAST) == 1 and torch.equal(o1, o2)
+        b1 = cf.scaled_dot_product_attention(qs, k, v)
+        b2 = cf.scaled_dot_product_attention(qs, k, v)
+        assert len(plans.FAST) == 2 and b2.stride() == b1.stride() and torch.equal(b1, b2)
+        m1 = cf.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        m2 = cf.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert len(plans.FAST) == 2 and torch.equal(m1, m2)  # the bool mask became a new bias: no memo
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+        assert (m1.float() - ref).abs().max() < 2e-2
