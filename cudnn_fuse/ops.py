@@ -649,15 +649,9 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
     Returns o [B, Hq, Sq, Dv] in q's memory layout.
     """
-    key = None
-    if type(q) is torch.Tensor and _fast_ready(q, k, v, attn_mask):
-        try:
-            key = ("sdpa", _meta(q), _meta(k), _meta(v), _meta(attn_mask), dropout_p, is_causal, scale, enable_gqa)
-            launch = _FAST.get(key)
-        except (AttributeError, TypeError):
-            key = launch = None
-        if launch is not None:
-            return launch(q, k, v, attn_mask)
+    key, launch = _memo("sdpa", q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa))
+    if launch is not None:
+        return launch(q, k, v, attn_mask)
     op = "scaled_dot_product_attention"
     _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
