@@ -90,6 +90,22 @@ def _try(op: str, spec, buffers, quiet: bool = False) -> bool:
     return True
 
 
+def _cached_spec(kind: str, attrs: tuple, buffers, make):
+    """The spec ``make()`` builds for these buffers' geometry and ``attrs``, built once per
+    signature (a training step rebuilt three or four frozen specs per layer: the host time of
+    the step, not its kernels). Every spec here is a function of its buffers' shapes, strides
+    and dtypes and of ``attrs``, which is what the key holds. Kept in the ops' memo (cleared
+    with the plans)."""
+    key = ("spec", kind, attrs, tuple((t.shape, t.stride(), t.dtype) for t in buffers))
+    spec = plans.FAST.get(key)
+    if spec is None:
+        spec = make()
+        if len(plans.FAST) >= plans.FAST_CAPACITY:
+            plans.FAST.clear()
+        plans.FAST[key] = spec
+    return spec
+
+
 def _dense_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` with ``like``'s strides (a copy only when they differ)."""
     if t.stride() == like.stride():
@@ -105,16 +121,20 @@ def _sum_bias(dz: torch.Tensor, bias_shape) -> torch.Tensor:
     return dz.sum(dim=dims, keepdim=True, dtype=torch.float32)
 
 
-def _with_dbias(op: str, make_spec, buffers, dz, bias_shape, fuse: Optional[bool] = None) -> Optional[torch.Tensor]:
+def _with_dbias(op: str, make_spec, buffers, dz, bias_shape, attrs: tuple,
+                fuse: Optional[bool] = None) -> Optional[torch.Tensor]:
     """Run the dz graph with the bias gradient fused as a reduction; when cuDNN
     declines that, without it (then the bias gradient is a torch sum).
     Returns the float32 dbias (or an empty tensor when none is wanted), None if
-    cuDNN declined the graph altogether."""
+    cuDNN declined the graph altogether. ``attrs``: what ``make_spec`` reads besides the
+    buffers' geometry."""
     if bias_shape is not None and (fuse if fuse is not None else DBIAS == "fused"):
         dbias = torch.empty_strided(bias_shape, _bias_strides(dz, bias_shape), dtype=torch.float32, device=dz.device)
-        if _try(op, make_spec(_spec(dbias)), buffers + [dz, dbias], quiet=True):
+        bufs = buffers + [dz, dbias]
+        if _try(op, _cached_spec(op + "+dbias", attrs, bufs, lambda: make_spec(_spec(dbias))), bufs, quiet=True):
             return dbias
-    if not _try(op, make_spec(None), buffers + [dz]):
+    bufs = buffers + [dz]
+    if not _try(op, _cached_spec(op, attrs, bufs, lambda: make_spec(None)), bufs):
         return None
     return _sum_bias(dz, bias_shape) if bias_shape is not None else torch.empty(0, device=dz.device)
 
@@ -141,7 +161,7 @@ def act_grad(dy, src, act: str, slope: float, bias_shape=None, fuse_dbias: Optio
     def make(db):
         return ActGradSpec(_spec(dy), _spec(src), _spec(dz), act, slope, db)
 
-    dbias = _with_dbias("act_grad", make, [dy, src], dz, bias_shape, fuse_dbias)
+    dbias = _with_dbias("act_grad", make, [dy, src], dz, bias_shape, (act, slope), fuse_dbias)
     return None if dbias is None else (dz, dbias)
 
 
@@ -153,7 +173,7 @@ def recompute_grad(fwd, fwd_buffers, dy, bias_shape=None):
     def make(db):
         return RecomputeGradSpec(fwd, _spec(dy), _spec(dz), db)
 
-    dbias = _with_dbias("recompute_grad", make, list(fwd_buffers) + [dy], dz, bias_shape)
+    dbias = _with_dbias("recompute_grad", make, list(fwd_buffers) + [dy], dz, bias_shape, (fwd,))
     return None if dbias is None else (dz, dbias)
 
 
@@ -167,7 +187,7 @@ def mm(a3: torch.Tensor, b3: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a3, b3)
     B = max(a3.shape[0], b3.shape[0])
     y = torch.empty((B, a3.shape[1], b3.shape[2]), dtype=a3.dtype, device=a3.device)
-    spec = MatmulSpec(_spec(a3), _spec(b3), _spec(y), Epilogue())
+    spec = _cached_spec("mm", (), (a3, b3, y), lambda: MatmulSpec(_spec(a3), _spec(b3), _spec(y), Epilogue()))
     if not _try("matmul_backward", spec, [a3, b3, y]):
         return torch.matmul(a3, b3)
     return y
@@ -191,10 +211,14 @@ def gemm_dz(a3, b3, bias, r3, dy3, act, slope, src=None, want_dbias=False):
         else:
             out = act_grad(dy3, src3, act, slope, bias_shape)
     else:
-        epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), _DT[a3.dtype]) if bias is not None else None,
-                       residual=_spec(r3) if r3 is not None else None, activation=act, negative_slope=slope)
-        fwd = MatmulSpec(_spec(a3), _spec(b3), _spec(dy3), epi)
         buffers = [a3, b3] + ([bias.view(1, 1, N)] if bias is not None else []) + ([r3] if r3 is not None else [])
+
+        def make_fwd():
+            epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), _DT[a3.dtype]) if bias is not None else None,
+                           residual=_spec(r3) if r3 is not None else None, activation=act, negative_slope=slope)
+            return MatmulSpec(_spec(a3), _spec(b3), _spec(dy3), epi)
+
+        fwd = _cached_spec("gemm_fwd", (act, slope, bias is not None, r3 is not None), buffers + [dy3], make_fwd)
         out = recompute_grad(fwd, buffers, dy3, bias_shape)
     if out is None:
         return None
@@ -282,11 +306,14 @@ def linear_save_z(x, w, bias, residual, act, slope):
     y = torch.empty((1, rows, N), dtype=x.dtype, device=x.device)
     z = torch.empty_like(y)
     r3 = residual.reshape(1, rows, N).contiguous() if residual is not None else None
-    dt = _DT[x.dtype]
-    epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), dt) if bias is not None else None,
-                   residual=_spec(r3) if r3 is not None else None, activation=act, negative_slope=slope)
-    spec = SaveZSpec(MatmulSpec(_spec(a3), _spec(b3), _spec(y), epi), _spec(z))
     buffers = [a3, b3] + ([bias.view(1, 1, N)] if bias is not None else []) + ([r3] if r3 is not None else []) + [y, z]
+
+    def make():
+        epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), _DT[x.dtype]) if bias is not None else None,
+                       residual=_spec(r3) if r3 is not None else None, activation=act, negative_slope=slope)
+        return SaveZSpec(MatmulSpec(_spec(a3), _spec(b3), _spec(y), epi), _spec(z))
+
+    spec = _cached_spec("save_z", (act, slope, bias is not None, r3 is not None), buffers, make)
     if not _try("linear", spec, buffers):
         return None
     shape = tuple(x.shape[:-1]) + (N,)
@@ -311,11 +338,16 @@ def conv_dz(x, w, bias, residual, gy, y, geo, act, slope, want_dbias):
         out = act_grad(dy, y.contiguous(memory_format=fmt), act, slope, bias_shape)
     else:
         r = residual.contiguous(memory_format=fmt) if residual is not None else None
-        epi = Epilogue(bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), _DT[x.dtype]) if bias is not None else None,
-                       residual=_spec(r) if r is not None else None, activation=act, negative_slope=slope)
-        fwd = ConvSpec(_spec(x4), _spec(w4), _spec(dy), tuple(stride), tuple(pre), tuple(post), tuple(dilation),
-                       groups, epi)
         buffers = [x4, w4] + ([bias.view(1, K, 1, 1)] if bias is not None else []) + ([r] if r is not None else [])
+
+        def make_fwd():
+            epi = Epilogue(bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), _DT[x.dtype]) if bias is not None else None,
+                           residual=_spec(r) if r is not None else None, activation=act, negative_slope=slope)
+            return ConvSpec(_spec(x4), _spec(w4), _spec(dy), tuple(stride), tuple(pre), tuple(post),
+                            tuple(dilation), groups, epi)
+
+        fwd = _cached_spec("conv_fwd", (act, slope, bias is not None, r is not None, tuple(stride), tuple(pre),
+                                        tuple(post), tuple(dilation), groups), buffers + [dy], make_fwd)
         out = recompute_grad(fwd, buffers, dy, bias_shape)
     if out is None:
         return None
@@ -328,7 +360,9 @@ def conv_dgrad(dz, w4, x4, geo) -> Optional[torch.Tensor]:
         return None
     stride, pre, post, dilation, _ = geo
     dx = torch.empty_like(x4)
-    spec = ConvDgradSpec(_spec(dz), _spec(w4), _spec(dx), tuple(stride), tuple(pre), tuple(post), tuple(dilation))
+    spec = _cached_spec("dgrad", (tuple(stride), tuple(pre), tuple(post), tuple(dilation)), (dz, w4, dx),
+                        lambda: ConvDgradSpec(_spec(dz), _spec(w4), _spec(dx), tuple(stride), tuple(pre), tuple(post),
+                                              tuple(dilation)))
     return dx if _try("conv2d_dgrad", spec, [dz, w4, dx]) else None
 
 
@@ -338,7 +372,9 @@ def conv_wgrad(x4, dz, w4, geo) -> Optional[torch.Tensor]:
         return None
     stride, pre, post, dilation, _ = geo
     dw = torch.empty_like(w4)
-    spec = ConvWgradSpec(_spec(x4), _spec(dz), _spec(dw), tuple(stride), tuple(pre), tuple(post), tuple(dilation))
+    spec = _cached_spec("wgrad", (tuple(stride), tuple(pre), tuple(post), tuple(dilation)), (x4, dz, dw),
+                        lambda: ConvWgradSpec(_spec(x4), _spec(dz), _spec(dw), tuple(stride), tuple(pre), tuple(post),
+                                              tuple(dilation)))
     return dw if _try("conv2d_wgrad", spec, [x4, dz, dw]) else None
 
 

@@ -98,8 +98,15 @@ def _pick(op, eager):
 def _conv2d_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], pre: List[int],
                     post: List[int], dilation: List[int], groups: int, activation: Optional[str],
                     residual: Optional[Tensor], return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
-    out = ops._conv2d_fwd(x, weight, bias, tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups, activation,
-                          residual, return_amax, negative_slope)
+    # inside autograd's forward grad is off, so the ops' per-signature memo serves training too
+    key, launch = ops._memo("conv2d:train", x, weight, bias, residual, (tuple(stride), tuple(pre), tuple(post),
+                                                                        tuple(dilation), groups, activation,
+                                                                        return_amax, negative_slope))
+    if launch is not None:
+        out = launch(x, weight, bias, residual)
+    else:
+        out = ops._conv2d_fwd(x, weight, bias, tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups,
+                              activation, residual, return_amax, negative_slope, memo=key)
     y, amax = _split(out, x, return_amax)
     fmt = torch.channels_last if ops.conv_out_channels_last(x) else torch.contiguous_format
     return y.contiguous(memory_format=fmt), amax
@@ -193,7 +200,11 @@ def conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, res
 
 def _linear_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str],
                     residual: Optional[Tensor], return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
-    out = ops._linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope)
+    key, launch = ops._memo("linear:train", x, weight, bias, residual, (activation, return_amax, negative_slope))
+    if launch is not None:
+        out = launch(x, weight, bias, residual)
+    else:
+        out = ops._linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=key)
     y, amax = _split(out, x, return_amax)
     return y.contiguous(), amax
 
@@ -320,7 +331,11 @@ def linear_save_z(x, weight, bias, activation, residual, negative_slope):
 
 def _matmul_op_impl(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: Optional[str], residual: Optional[Tensor],
                     return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
-    out = ops._matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope)
+    key, launch = ops._memo("matmul:train", a, b, bias, residual, (activation, return_amax, negative_slope))
+    if launch is not None:
+        out = launch(a, b, bias, residual)
+    else:
+        out = ops._matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, memo=key)
     y, amax = _split(out, a, return_amax)
     return y.contiguous(), amax
 

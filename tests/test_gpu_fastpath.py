@@ -188,3 +188,24 @@ def test_memo_serves_attention_and_skips_bool_masks(cache_dir):
         assert len(plans.FAST) == 2 and torch.equal(m1, m2)  # the bool mask became a new bias: no memo
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
         assert (m1.float() - ref).abs().max() < 2e-2
+
+
+def test_training_forward_uses_the_memo_and_backward_specs_are_reused(cache_dir):
+    x = rnd(4, 32, 16, 16, cl=True).requires_grad_()
+    w = rnd(32, 32, 3, 3, scale=0.1, cl=True).requires_grad_()
+    b = rnd(32).requires_grad_()
+    plans.clear()
+    grads = []
+    for _ in range(3):
+        y = cf.conv2d(x, w, b, padding=1, activation="relu")
+        y.float().square().mean().backward()
+        grads.append((y.detach().clone(), x.grad.clone(), w.grad.clone(), b.grad.clone()))
+        x.grad = w.grad = b.grad = None
+    assert any(isinstance(k, tuple) and k[0] == "conv2d:train" for k in plans.FAST)
+    assert sum(isinstance(k, tuple) and k[0] == "spec" for k in plans.FAST) >= 3  # act-grad, dgrad, wgrad
+    for later in grads[1:]:
+        for a, b_ in zip(later, grads[0]):
+            assert torch.equal(a, b_)
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    torch.relu(torch.nn.functional.conv2d(xr, wr, br, padding=1)).square().mean().backward()
+    assert (grads[0][1].float() - xr.grad).norm() / xr.grad.norm() < 2e-2
