@@ -48,6 +48,10 @@ class Config:
     warmup: int = 3
     repeats: int = 30
     deterministic: Optional[bool] = None  # None: torch.are_deterministic_algorithms_enabled()
+    # Take a precompiled engine over a runtime-compiled winner that is at most this fraction
+    # faster: a runtime-compiled plan costs every process NVRTC work and its blob deserializes
+    # 2-4x slower (1.5-2.7 ms vs 0.5-0.7 ms on the H200, bench/results/deserialize_probe.json).
+    prefer_precompiled: float = float(os.environ.get("CUDNN_FUSE_PREFER_PRECOMPILED", "0"))
     progress: Optional[Callable[[int, int], None]] = None  # (candidates done, total), e.g. a CLI bar
 
 
@@ -62,6 +66,7 @@ class Candidate:
     name: str = ""
     workspace: int = 0
     deterministic: bool = True
+    runtime_compiled: Optional[bool] = None  # cuDNN's RUNTIME_COMPILATION behavior note (None: unknown)
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Timing:
     engine_id: Optional[int]
     knobs: dict
     workspace: int
+    runtime_compiled: Optional[bool] = None
     first_ms: float = INF
     median_ms: float = INF
     status: str = "pending"  # timed | pruned | failed | skipped:<why> | budget
@@ -119,7 +125,7 @@ def select(
     candidate produced a finite time.
     """
     t0 = clock()
-    timings = [Timing(c.index, c.name, c.engine_id, c.knobs, c.workspace) for c in candidates]
+    timings = [Timing(c.index, c.name, c.engine_id, c.knobs, c.workspace, c.runtime_compiled) for c in candidates]
     live: list[tuple[Candidate, Timing]] = []
     best_first = INF
     total = len(candidates)
@@ -173,7 +179,15 @@ def select(
         winner = min(firsts, key=lambda t: t.first_ms)
         winner.median_ms = winner.first_ms
         return winner, timings
-    return min(timed, key=lambda t: t.median_ms), timings
+    return _prefer_precompiled(min(timed, key=lambda t: t.median_ms), timed, cfg.prefer_precompiled), timings
+
+
+def _prefer_precompiled(winner: Timing, timed: list, within: float) -> Timing:
+    """The fastest precompiled candidate when it is within ``within`` of a runtime-compiled winner."""
+    if within <= 0 or winner.runtime_compiled is not True:
+        return winner
+    near = [t for t in timed if t.runtime_compiled is False and t.median_ms <= winner.median_ms * (1 + within)]
+    return min(near, key=lambda t: t.median_ms) if near else winner
 
 
 # ----------------------------------------------------------------------------- GPU side
@@ -293,7 +307,8 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     # took 11 s for one matmul (CUDNN_NOTES).
     candidates = []
     for i in range(g.get_execution_plan_count()):
-        c = Candidate(index=i, deterministic=not _has_note(g, i, "NONDETERMINISTIC"))
+        c = Candidate(index=i, deterministic=not _has_note(g, i, "NONDETERMINISTIC"),
+                      runtime_compiled=_has_note(g, i, "RUNTIME_COMPILATION", kind="behavior", unknown=None))
         try:
             c.name = str(g.get_plan_name_at_index(i))
             eid, knobs = g.get_engine_and_knobs_at_index(i)
@@ -350,12 +365,12 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     return winner.index, winner, timings
 
 
-def _has_note(g, index: int, note: str) -> bool:
+def _has_note(g, index: int, note: str, kind: str = "numerical", unknown=False):
     import cudnn
 
     try:  # private in cudnn-frontend 1.32 (pinned); the public deselect filter backs it up
-        notes = g._notes_of(g._plans[index], "numerical")
+        notes = g._notes_of(g._plans[index], kind)
     except Exception:  # noqa: BLE001
-        return False
-    want = getattr(cudnn.numerical_note, note)
+        return unknown
+    want = getattr(cudnn.numerical_note if kind == "numerical" else cudnn.behavior_note, note)
     return any(n == want for n in notes)
