@@ -35,13 +35,27 @@ def child() -> None:
     open_default_cache()  # environment fingerprint + opening the cache: once per process
     torch.cuda.synchronize()
     setup_ms = 1e3 * (time.perf_counter() - t0)
-    per, parts = {}, {}
+    per, parts, slow = {}, {}, {}
+    profiling = os.environ.get("COLD_START_PROFILE") == "1"
     for name, fn in graphs:
         before = cf.plan_stats()
+        if profiling:  # where a slow first call spends its time (a separate run: cProfile adds its own cost)
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         per[name] = 1e3 * (time.perf_counter() - t0)
+        if profiling:
+            prof.disable()
+            if per[name] > 20:
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(6)
+                slow[name] = buf.getvalue()[-1500:]
         after = cf.plan_stats()
         t0 = time.perf_counter()
         fn()  # the same call again: plan in memory, kernels loaded
@@ -50,11 +64,12 @@ def child() -> None:
         parts[name] = {k: round(1e3 * (after[k + "_seconds"] - before[k + "_seconds"]), 3)
                        for k in ("build", "load", "cache_get", "deserialize", "autotune")}
         parts[name]["second_call"] = round(again, 3)
-    print(json.dumps({"per_graph_ms": per, "parts_ms": parts, "stats": cf.plan_stats(), "setup_ms": setup_ms}))
+    print(json.dumps({"per_graph_ms": per, "parts_ms": parts, "stats": cf.plan_stats(), "setup_ms": setup_ms,
+                      "slow_first_calls": slow}))
 
 
-def run_child(cache_dir: str, autotune: bool, budget_s: float) -> dict:
-    env = dict(os.environ, CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_AUTOTUNE="1" if autotune else "0",
+def run_child(cache_dir: str, autotune: bool, budget_s: float, profile: bool = False) -> dict:
+    env = dict(os.environ, COLD_START_PROFILE="1" if profile else "0", CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_AUTOTUNE="1" if autotune else "0",
                CUDNN_FUSE_TUNE_BUDGET_S=str(budget_s), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, capture_output=True, text=True,
                        timeout=900)
@@ -67,6 +82,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--budget-s", type=float, default=1.0, help="autotune budget per graph")
+    ap.add_argument("--profile-slow", action="store_true",
+                    help="one more warm process under cProfile: where each first call over 20 ms goes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -79,6 +96,7 @@ def main(argv=None) -> int:
         heur = run_child(heur_dir, autotune=False, budget_s=args.budget_s)
         tuned = run_child(tune_dir, autotune=True, budget_s=args.budget_s)
         warm = run_child(tune_dir, autotune=True, budget_s=args.budget_s)
+        profiled = run_child(tune_dir, autotune=True, budget_s=args.budget_s, profile=True) if args.profile_slow else None
     n = len(heur["per_graph_ms"])
 
     def mean(r):
@@ -104,7 +122,10 @@ def main(argv=None) -> int:
                              "warm": round(warm["per_graph_ms"][k], 3)} for k in heur["per_graph_ms"]},
         "warm_parts_ms": warm["parts_ms"],
         "stats": {"cold_heuristic": heur["stats"], "cold_autotune": tuned["stats"], "warm": warm["stats"]},
+        "prefer_precompiled": float(os.environ.get("CUDNN_FUSE_PREFER_PRECOMPILED", "0")),
     }
+    if profiled is not None:
+        result["warm_profiled_slow_first_calls"] = profiled["slow_first_calls"]
     write_json(os.path.join(args.out, "cold_start.json"), result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("per_graph_ms", "stats")}, indent=1))
     return 0

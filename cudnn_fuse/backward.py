@@ -74,15 +74,22 @@ def _try(op: str, spec, buffers, quiet: bool = False) -> bool:
     """Run ``spec`` on ``buffers`` (roles order); False, logged once, when cuDNN declines.
     ``quiet``: a decline that the caller answers with another graph (DEBUG, not a fallback).
     An active ``cf.record`` notes each graph that runs, so a recorded training step pre-warms
-    its backward too."""
-    try:
-        plan = plans.get_plan(spec, buffers[0].device.index)
-    except UnsupportedError as exc:
-        if quiet:
-            log.debug("%s: cuDNN declined a variant, trying another: %s", op, exc)
-        else:
-            ops._fallback(op, str(exc))
-        return False
+    its backward too. A spec from ``_cached_spec`` keeps its plan beside it, so a repeat
+    skips hashing the spec and the plan LRU."""
+    slot = plans.FAST.get(("plan", id(spec)))
+    if slot is not None and slot[0] is spec and slot[1] is not None:
+        plan = slot[1]
+    else:
+        try:
+            plan = plans.get_plan(spec, buffers[0].device.index)
+        except UnsupportedError as exc:
+            if quiet:
+                log.debug("%s: cuDNN declined a variant, trying another: %s", op, exc)
+            else:
+                ops._fallback(op, str(exc))
+            return False
+        if slot is not None and slot[0] is spec:
+            slot[1] = plan
     rec = manifest.active()
     if rec is not None:
         rec.add(spec)
@@ -95,14 +102,16 @@ def _cached_spec(kind: str, attrs: tuple, buffers, make):
     signature (a training step rebuilt three or four frozen specs per layer: the host time of
     the step, not its kernels). Every spec here is a function of its buffers' shapes, strides
     and dtypes and of ``attrs``, which is what the key holds. Kept in the ops' memo (cleared
-    with the plans)."""
-    key = ("spec", kind, attrs, tuple((t.shape, t.stride(), t.dtype) for t in buffers))
+    with the plans), with a slot for its plan (``_try`` fills it; the slot holds the spec, so
+    its id cannot be reused while the slot lives)."""
+    key = ("spec", kind, attrs, tuple([(t.shape, t.stride(), t.dtype) for t in buffers]))
     spec = plans.FAST.get(key)
     if spec is None:
         spec = make()
-        if len(plans.FAST) >= plans.FAST_CAPACITY:
+        if len(plans.FAST) >= plans.FAST_CAPACITY - 1:
             plans.FAST.clear()
         plans.FAST[key] = spec
+        plans.FAST[("plan", id(spec))] = [spec, None]
     return spec
 
 

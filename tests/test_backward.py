@@ -436,6 +436,53 @@ def test_unsupported_error_is_what_try_catches(monkeypatch):
     assert backward._try("matmul_backward", _mm(), [t]) is False
 
 
+def test_cached_specs_keep_their_plan_and_declines_are_asked_again(monkeypatch):
+    from cudnn_fuse import plans
+
+    class FakePlan:
+        def __init__(self):
+            self.runs = 0
+
+        def run(self, buffers):
+            self.runs += 1
+
+    asked, decline = [], {"now": False}
+    plan = FakePlan()
+
+    def get_plan(spec, device):
+        asked.append(spec)
+        if decline["now"]:
+            raise UnsupportedError("no engine")
+        return plan
+
+    monkeypatch.setattr(plans, "get_plan", get_plan)
+    plans.clear()
+    a, b = torch.empty(2, 4, 8), torch.empty(2, 8, 3)
+    made = []
+
+    def spec_of(bufs):
+        return backward._cached_spec("mm", (), bufs, lambda: made.append(1) or _mm())
+
+    s1 = spec_of((a, b))
+    assert backward._try("matmul_backward", s1, [a]) and backward._try("matmul_backward", spec_of((a, b)), [a])
+    assert len(made) == 1 and len(asked) == 1 and plan.runs == 2  # built once, looked up once, ran twice
+    # other strides are another signature: another spec, asked for its own plan
+    s2 = spec_of((a.transpose(1, 2).contiguous().transpose(1, 2), b))
+    assert s2 is not s1 and backward._try("matmul_backward", s2, [a]) and len(asked) == 2
+    # a spec not from the cache is asked every time (no slot: its id could be reused)
+    backward._try("matmul_backward", _mm(), [a])
+    backward._try("matmul_backward", _mm(), [a])
+    assert len(asked) == 4
+    # a declined cached spec keeps no plan: the next call asks again (the LRU remembers the decline)
+    plans.clear()
+    decline["now"] = True
+    s3 = spec_of((a, b))
+    assert not backward._try("matmul_backward", s3, [a], quiet=True)
+    assert not backward._try("matmul_backward", s3, [a], quiet=True)
+    assert asked[-2:] == [s3, s3]
+    plans.clear()
+
+
 @pytest.mark.parametrize("gemm_dbias", ["torch", "fused"])
 def test_gemm_bias_gradient_from_a_saved_z_either_way(cudnn_on_cpu, monkeypatch, gemm_dbias):
     """The saved-z path's bias gradient: a torch sum (default, faster on the H200) or the

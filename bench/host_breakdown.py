@@ -1,0 +1,118 @@
+"""Host time per call of a conv layer's training pieces, cf vs torch (issue 4's conv step).
+
+bench/step_profile.py showed the cf conv-bias-ReLU step host-bound (its kernels take 1.85 ms,
+the step 3.9-5.5 ms). This splits the host time of one layer at a shape small enough that
+the GPU never holds the host back (2x128x8x8 fp16, channels_last, 3x3): the cuDNN launch
+alone of each graph (forward, activation-grad + dbias, dgrad, wgrad), the cf forward and
+backward functions, and a whole forward + backward through autograd, against torch's.
+Median of interleaved rounds, one process.
+
+    python3 bench/host_breakdown.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import cudnn_fuse as cf  # noqa: E402
+from cudnn_fuse import autotune, plans, torch_ops  # noqa: E402
+from cudnn_fuse.builders import roles_of  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t) / calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--hw", type=int, default=8)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    C = 128
+    x = torch.randn(args.batch, C, args.hw, args.hw, device="cuda", dtype=torch.float16).to(memory_format=cl)
+    w = (0.05 * torch.randn(C, C, 3, 3, device="cuda", dtype=torch.float16)).to(memory_format=cl)
+    b = torch.randn(C, device="cuda", dtype=torch.float16)
+    xg, wg, bg = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    gy = torch.randn_like(x)
+
+    def cf_step():
+        cf.conv2d(xg, wg, bg, padding=1, activation="relu").backward(gy)
+
+    def torch_step():
+        F.relu(F.conv2d(xg, wg, bg, padding=1)).backward(gy)
+
+    cf_step()  # builds every graph of the layer
+    torch.cuda.synchronize()
+    by_op = {}
+    for p in plans.plans_in_memory():
+        by_op.setdefault(p.spec.op, p)
+
+    def raw(plan):
+        bufs = autotune.random_buffers(plan.spec, roles_of(plan.spec), 0, 1)[0]
+        ptrs = [t.data_ptr() for t in bufs]
+        return (lambda: plan.launch(ptrs)) if plan.raw else (lambda: plan.run(bufs))
+
+    y = cf.conv2d(x, w, b, padding=1, activation="relu")
+    ctx = types.SimpleNamespace(geo=((1, 1), (1, 1), (1, 1), (1, 1), 1), act="relu", slope=0.01, has_bias=True,
+                                has_residual=False, needs_input_grad=[True] * 12)
+    fns = {
+        "torch_fwd": lambda: F.relu(F.conv2d(x, w, b, padding=1)),
+        "cf_fwd": lambda: cf.conv2d(x, w, b, padding=1, activation="relu"),
+        "cf_bwd_fn": lambda: torch_ops._conv2d_backward_cudnn(ctx, x, w, y, b, None, gy),
+        "torch_bwd_ops": lambda: (torch.ops.aten.threshold_backward(gy, y, 0).sum((0, 2, 3)),
+                                  torch.ops.aten.convolution_backward(gy, x, w, None, [1, 1], [1, 1], [1, 1], False,
+                                                                      [0, 0], 1, [True, True, False])),
+        "cf_step": cf_step,
+        "torch_step": torch_step,
+    }
+    for op, p in sorted(by_op.items()):
+        fns[f"launch_{op}"] = raw(p)
+    with torch.no_grad():
+        for f in fns.values():
+            with torch.enable_grad():
+                f()
+    rounds = {k: [] for k in fns}
+    for _ in range(args.rounds):
+        for k, f in fns.items():
+            if k.endswith("_step"):
+                rounds[k].append(per_call_us(f, args.calls))
+            else:
+                with torch.no_grad():
+                    rounds[k].append(per_call_us(f, args.calls))
+    med = {k: round(statistics.median(v), 2) for k, v in rounds.items()}
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "layer": f"conv2d {args.batch}x{C}x{args.hw}x{args.hw} 3x3 fp16 channels_last, bias, relu",
+              "calls_per_round": args.calls, "rounds": args.rounds, "host_us_per_call": med,
+              "engines": {op: p.engine for op, p in by_op.items()}, "raw_launch": {op: p.raw for op, p in by_op.items()},
+              "all_rounds_us": {k: [round(v, 2) for v in r] for k, r in rounds.items()}}
+    for k, v in med.items():
+        print(f"{k:28s} {v:8.2f} us")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
