@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--hw", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="also cProfile 500 cf steps (host_breakdown_profile.txt)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     cl = torch.channels_last
@@ -109,6 +110,21 @@ def main(argv=None) -> int:
     for k, v in med.items():
         print(f"{k:28s} {v:8.2f} us")
     os.makedirs(args.out, exist_ok=True)
+    if args.profile:  # where the cf step's host time goes, by Python function (C calls inside them included)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            cf_step()
+        torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
+        with open(os.path.join(args.out, "host_breakdown_profile.txt"), "w") as f:
+            f.write(buf.getvalue())
     with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -195,6 +195,45 @@ def _meta(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def broadcast_shapes(s1, s2) -> tuple:
+    """torch.broadcast_shapes of two shapes, in plain Python for int shapes: torch's imports
+    torch.fx's symbolic shapes (and sympy) on its first call, ~2 s of a process's first
+    matmul on the H200 host (bench/results/cold_start.json). Symbolic shapes (tracing) go
+    to torch's. Raises RuntimeError when they do not broadcast, as torch's does."""
+    if not all(type(n) is int for n in (*s1, *s2)):
+        return tuple(torch.broadcast_shapes(s1, s2))
+    n = max(len(s1), len(s2))
+    s1, s2 = (1,) * (n - len(s1)) + tuple(s1), (1,) * (n - len(s2)) + tuple(s2)
+    out = []
+    for a, b in zip(s1, s2):
+        if a != b and a != 1 and b != 1:
+            raise RuntimeError(f"shapes {s1} and {s2} do not broadcast")
+        out.append(b if a == 1 else a)
+    return tuple(out)
+
+
+def _grad_memo(name: str, a, b, c, d, attrs: tuple):
+    """The key of a training call (autograd on, an operand requiring grad) whose validated
+    arguments may be remembered, or None (tracing, recording, non-tensor operands). A training
+    call cannot take the launch memo (autograd must see it), but its validation depends only on
+    the operands' metadata and ``attrs``: a repeat skips it."""
+    if type(a) is not torch.Tensor or _active_recorders or torch.compiler.is_compiling():
+        return None
+    try:
+        key = (name + ":grad", _meta(a), _meta(b), _meta(c), _meta(d), attrs)
+        hash(key)  # unhashable attributes (lists): validation names or canonicalizes them
+        return key
+    except (AttributeError, TypeError):
+        return None
+
+
+def _remember_validated(key, args: tuple) -> None:
+    if key is not None:
+        if len(_FAST) >= plans.FAST_CAPACITY:
+            _FAST.clear()
+        _FAST[key] = args
+
+
 def _memo(name: str, a, b, c, d, attrs: tuple):
     """(key, remembered launch or None) of a plain call with operands a, b, c, d; (None, None) when the memo may not
     serve it (autograd, tracing, recording, a first operand that is not a plain tensor) or the
@@ -287,10 +326,17 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
     float32 0-dim tensor.
     """
-    key, launch = _memo("conv2d", x, weight, bias, residual,
-                        (stride, padding, dilation, groups, activation, return_amax, negative_slope))
+    attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
+    key, launch = _memo("conv2d", x, weight, bias, residual, attrs)
     if launch is not None:
         return launch(x, weight, bias, residual)
+    gkey = _grad_memo("conv2d", x, weight, bias, residual, attrs) if key is None else None
+    if gkey is not None:
+        valid = _FAST.get(gkey)
+        if valid is not None:
+            from . import torch_ops
+
+            return torch_ops.conv2d(x, weight, bias, *valid, activation, residual, return_amax, negative_slope)
     op = "conv2d"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -322,6 +368,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
 
+        _remember_validated(gkey, (stride, pre, post, dilation, groups))  # attributes only, never tensors
         return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
                                 negative_slope)
     return _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
@@ -462,6 +509,11 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     key, launch = _memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(a, b, bias, residual)
+    gkey = _grad_memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope)) if key is None else None
+    if gkey is not None and gkey in _FAST:  # a training call seen before: validated already
+        from . import torch_ops
+
+        return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
     op = "matmul"
     _check_tensor("a", a, op)
     _check_tensor("b", b, op)
@@ -478,6 +530,7 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     if _via_custom_op(a, b, bias, residual):
         from . import torch_ops
 
+        _remember_validated(gkey, ())
         return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
     return _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views, memo=key)
 
@@ -492,7 +545,7 @@ def matmul_views(a, b, op: str = "matmul"):
         raise ValueError(f"{op}: inner dimensions differ: a.shape={tuple(a.shape)} and b.shape={tuple(b.shape)} "
                          f"(K={a2.shape[-1]} vs {b2.shape[-2]})")
     try:
-        batch = tuple(torch.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
+        batch = broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
     except RuntimeError:
         raise ValueError(f"{op}: batch dimensions do not broadcast: a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}") from None
     M, N = a2.shape[-2], b2.shape[-1]
@@ -556,6 +609,11 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     key, launch = _memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(x, weight, bias, residual)
+    gkey = _grad_memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope)) if key is None else None
+    if gkey is not None and gkey in _FAST:  # a training call seen before: validated already
+        from . import torch_ops
+
+        return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
     op = "linear"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -575,6 +633,7 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
 
+        _remember_validated(gkey, ())
         return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
     return _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=key)
 
@@ -633,7 +692,7 @@ def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             raise TypeError(f"{op}: attn_mask must be bool or query's dtype {q.dtype}, got {attn_mask.dtype}")
         target = tuple(q.shape[:-1]) + (k.shape[-2],)
         try:
-            if tuple(torch.broadcast_shapes(attn_mask.shape, target)) != target:
+            if broadcast_shapes(attn_mask.shape, target) != target:
                 raise RuntimeError
         except RuntimeError:
             raise ValueError(f"{op}: attn_mask.shape={tuple(attn_mask.shape)} does not broadcast to {target}") from None

@@ -138,3 +138,89 @@ def test_raw_launcher_declines(case, monkeypatch):
     if case == "switched off":
         monkeypatch.setattr(plans, "RAW_EXECUTE", False)
     assert plans._raw_launcher(_fake_graph(order, **kw), (1, 2, 10), HANDLE) is None
+
+
+@pytest.mark.parametrize("s1,s2", [((), ()), ((3,), ()), ((2, 1), (4,)), ((1, 5, 1), (3, 1, 7)), ((2, 3), (2, 3)),
+                                   ((0,), (1,)), ((4, 1, 2), (1,)), ((2, 3), (3, 3)), ((5,), (2, 5, 4))])
+def test_broadcast_shapes_matches_torch(s1, s2):
+    try:
+        want = tuple(torch.broadcast_shapes(s1, s2))
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            ops.broadcast_shapes(s1, s2)
+        return
+    assert ops.broadcast_shapes(s1, s2) == want
+    assert ops.broadcast_shapes(torch.Size(s1), torch.Size(s2)) == want
+
+
+def _count(monkeypatch, name):
+    seen = []
+    real = getattr(ops, name)
+
+    def counted(*a, **k):
+        seen.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ops, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("op", ["conv2d", "linear", "matmul"])
+def test_training_calls_validate_once_per_signature(monkeypatch, op):
+    plans.clear()
+    checks = _count(monkeypatch, "_check_epilogue")
+    torch.manual_seed(0)
+    if op == "conv2d":
+        x, w, b = torch.randn(2, 4, 6, 6), torch.randn(8, 4, 3, 3), torch.randn(8)
+
+        def call(x, w, b):
+            return cf.conv2d(x, w, b, padding=1, activation="relu")
+
+        def ref(x, w, b):
+            return torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1))
+    else:
+        x, w, b = torch.randn(3, 5, 16), torch.randn(24, 16), torch.randn(24)
+        if op == "matmul":
+            w = w.t().contiguous()
+
+        def call(x, w, b):
+            return getattr(cf, op)(x, w, b, activation="gelu")
+
+        def ref(x, w, b):
+            return torch.nn.functional.gelu((x @ w.t() if op == "linear" else x @ w) + b)
+
+    def grads(fn, *ts):
+        leaves = [t.detach().clone().requires_grad_() for t in ts]
+        fn(*leaves).square().sum().backward()
+        return [t.grad for t in leaves]
+
+    first = grads(call, x, w, b)
+    assert len(checks) == 1
+    again = grads(call, x + 1, w, b)  # new values, same signature: no validation, right gradients
+    assert len(checks) == 1
+    for got, want in zip(again, grads(ref, x + 1, w, b)):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(first, grads(ref, x, w, b)))
+    grads(call, x[:1], w, b)  # another shape: validated again
+    assert len(checks) == 2
+    with torch.no_grad():  # inference does not read or add training entries
+        call(x, w, b)
+    assert len(checks) == 3
+    # a bad call of a signature never seen still names its argument
+    with pytest.raises((ValueError, TypeError)):
+        getattr(cf, op)(x.detach().requires_grad_(), w, torch.randn(7), activation="relu")
+    assert len(checks) == 4
+    plans.clear()  # forgets the training entries too
+    grads(call, x, w, b)
+    assert len(checks) == 5
+
+
+def test_training_memo_is_off_while_recording(monkeypatch, tmp_path):
+    plans.clear()
+    checks = _count(monkeypatch, "_check_epilogue")
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    cf.linear(x, w, activation="relu").sum().backward()
+    with cf.record(str(tmp_path / "m.json")):
+        cf.linear(x, w, activation="relu").sum().backward()
+    assert len(checks) == 2
+    plans.clear()
