@@ -95,7 +95,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--variants", action="store_true", help="also time the backward with torch for some pieces")
+    ap.add_argument("--autotune", action="store_true",
+                    help="cf autotunes every graph on its first call (budget: $CUDNN_FUSE_TUNE_BUDGET_S); "
+                         "written to memory_autotuned.json")
     args = ap.parse_args(argv)
+    if args.autotune:
+        cf.set_autotune(True)
     torch.manual_seed(0)
     bf = torch.bfloat16
     base = mlp().cuda().to(bf)
@@ -113,7 +118,8 @@ def main(argv=None) -> int:
     if args.variants:  # dgrad / wgrad through torch's convolution_backward instead of cuDNN graphs
         with _engines(CONV="torch"):
             rows.append(case("conv_bias_relu [bwd dgrad/wgrad: torch]", cbase, cf.optimize(copy.deepcopy(cbase)), xc))
-    write_json(os.path.join(args.out, "memory.json"), {"device": device_name(), "cases": rows})
+    write_json(os.path.join(args.out, "memory_autotuned.json" if args.autotune else "memory.json"),
+               {"device": device_name(), "autotune": args.autotune, "cases": rows})
     return 0
 
 
