@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks and benchmarks, each step bounded, all output under $OUT
+# (at most 8 files come back from a device call: keep STEPS to what you need).
+#
+#   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
+#
+# Steps: tests (the GPU suite, junit XML), demo, memory, memory_at (autotuned), host (host_overhead +
+# host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>.
+# Expects the recipe of ../shared/device/README.md: wheels in .whl/, this checkout on PYTHONPATH.
+set -u
+OUT=${OUT:?set OUT}
+STEPS=${STEPS:-"tests demo memory host"}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+log=$OUT/log.txt
+step() {  # step NAME TIMEOUT_S CMD...: a fresh plan cache per step
+    local name=$1 t=$2; shift 2
+    local s=$SECONDS
+    export CUDNN_FUSE_CACHE_DIR=$(mktemp -d)
+    timeout "$t" "$@" >> "$log" 2>&1
+    echo "== $name rc=$? $((SECONDS - s))s" >> "$log"
+}
+for s in $STEPS; do
+    case $s in
+        tests) step tests 260 python3 -m pytest -m gpu -q -p no:cacheprovider tests --junit-xml="$OUT/gpu_junit.xml" ;;
+        demo) step demo 90 python3 -c "import sys; from cudnn_fuse.cli import main; sys.exit(main(['demo']))" ;;
+        memory) step memory 90 python3 bench/memory.py --out "$OUT" ;;
+        memory_at) CUDNN_FUSE_TUNE_BUDGET_S=${BUDGET:-3} step memory_autotune 180 python3 bench/memory.py --out "$OUT" --autotune ;;
+        host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3
+              step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT" ;;
+        cold) step cold_start 150 python3 bench/cold_start.py --out "$OUT" ;;
+        prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
+        peers:*) step "$s" "${PEERS_TIMEOUT:-420}" python3 bench/peers.py --part "${s#peers:}" \
+                     --budget-s "${PEERS_BUDGET:-320}" --deadline-s "${PEERS_DEADLINE:-370}" --out "$OUT/peers_${s#peers:}.json" ;;
+        *) echo "unknown step $s" >> "$log" ;;
+    esac
+done
+grep -a "^== \|passed\|failed\| peak \|^[a-z_]* *[0-9.]* us$" "$log" | tail -60
