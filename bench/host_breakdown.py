@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import types
 
 import torch
@@ -26,17 +25,9 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
+from bench.common import host_us  # noqa: E402
 from cudnn_fuse import autotune, plans, torch_ops  # noqa: E402
 from cudnn_fuse.builders import roles_of  # noqa: E402
-
-
-def per_call_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - t) / calls
 
 
 def main(argv=None) -> int:
@@ -97,10 +88,10 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for k, f in fns.items():
             if k.endswith("_step"):
-                rounds[k].append(per_call_us(f, args.calls))
+                rounds[k].append(host_us(f, args.calls))
             else:
                 with torch.no_grad():
-                    rounds[k].append(per_call_us(f, args.calls))
+                    rounds[k].append(host_us(f, args.calls))
     med = {k: round(statistics.median(v), 2) for k, v in rounds.items()}
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "layer": f"conv2d {args.batch}x{C}x{args.hw}x{args.hw} 3x3 fp16 channels_last, bias, relu",

@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +23,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
+from bench.common import host_us  # noqa: E402
 from cudnn_fuse import ops, plans  # noqa: E402
-
-
-def per_call_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - t) / calls
 
 
 def main(argv=None) -> int:
@@ -67,18 +58,18 @@ def main(argv=None) -> int:
         captured = cf.capture(chain_fn, x)
         rows = {k: [] for k in ("eager", "eager_no_memo", "eager_public_execute", "captured", "torch_eager")}
         for _ in range(args.rounds):
-            rows["torch_eager"].append(per_call_us(torch_op, args.calls))
-            rows["eager"].append(per_call_us(cf_op, args.calls))
+            rows["torch_eager"].append(host_us(torch_op, args.calls))
+            rows["eager"].append(host_us(cf_op, args.calls))
             ops._fast_ready = no_memo
-            rows["eager_no_memo"].append(per_call_us(cf_op, args.calls))
+            rows["eager_no_memo"].append(host_us(cf_op, args.calls))
             plans.RAW_EXECUTE = False
             plans.clear()
-            rows["eager_public_execute"].append(per_call_us(cf_op, args.calls))
+            rows["eager_public_execute"].append(host_us(cf_op, args.calls))
             plans.RAW_EXECUTE = True
             plans.clear()
             ops._fast_ready = fast_ready
             cf_op()
-            rows["captured"].append(per_call_us(captured.replay, max(1, args.calls // chain)) / chain)
+            rows["captured"].append(host_us(captured.replay, max(1, args.calls // chain)) / chain)
     med = {k: round(statistics.median(v), 2) for k, v in rows.items()}
     result = {
         "device": torch.cuda.get_device_name(),
