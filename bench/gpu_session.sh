@@ -5,7 +5,9 @@
 #   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
 # Steps: tests (the GPU suite, junit XML), demo, memory, memory_at (autotuned), host (host_overhead +
-# host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>.
+# host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
+# peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
+# device-second; each workload's variants still share one process and one GPU).
 # Expects the recipe of ../shared/device/README.md: wheels in .whl/, this checkout on PYTHONPATH.
 set -u
 OUT=${OUT:?set OUT}
@@ -32,6 +34,15 @@ for s in $STEPS; do
         prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
         peers:*) step "$s" "${PEERS_TIMEOUT:-420}" python3 bench/peers.py --part "${s#peers:}" \
                      --budget-s "${PEERS_BUDGET:-320}" --deadline-s "${PEERS_DEADLINE:-370}" --out "$OUT/peers_${s#peers:}.json" ;;
+        peers2:*) parts=${s#peers2:}; a=${parts%%,*}; b=${parts#*,}; t0=$SECONDS
+            for pair in "0 $a" "1 $b"; do
+                set -- $pair
+                ( export CUDA_VISIBLE_DEVICES=$1 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=/tmp/inductor$1
+                  timeout "${PEERS_TIMEOUT:-420}" python3 bench/peers.py --part "$2" --budget-s "${PEERS_BUDGET:-320}" \
+                      --deadline-s "${PEERS_DEADLINE:-370}" --out "$OUT/peers_$2.json" > "$OUT/peers_$2.log" 2>&1
+                  echo "== peers:$2 (GPU $1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
+            done
+            wait ;;
         *) echo "unknown step $s" >> "$log" ;;
     esac
 done
