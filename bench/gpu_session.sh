@@ -4,7 +4,7 @@
 #
 #   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
-# Steps: tests (the GPU suite, junit XML), demo, memory, memory_at (autotuned), host (host_overhead +
+# Steps: tests (the GPU suite, junit XML), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned), host (host_overhead +
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
@@ -25,6 +25,16 @@ step() {  # step NAME TIMEOUT_S CMD...: a fresh plan cache per step
 for s in $STEPS; do
     case $s in
         tests) step tests 260 python3 -m pytest -m gpu -q -p no:cacheprovider tests --junit-xml="$OUT/gpu_junit.xml" ;;
+        tests2) t0=$SECONDS  # the GPU suite split over two GPUs (nvidia-h200-x2), by file
+            files=(tests/test_gpu_*.py); half=(); other=()
+            for i in "${!files[@]}"; do if (( i % 2 )); then other+=("${files[$i]}"); else half+=("${files[$i]}"); fi; done
+            ( CUDA_VISIBLE_DEVICES=0 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout 260 python3 -m pytest -m gpu -q \
+                -p no:cacheprovider "${half[@]}" --junit-xml="$OUT/gpu_junit_0.xml" > "$OUT/gpu_tests_0.txt" 2>&1
+              echo "== tests (GPU 0) rc=$? $((SECONDS - t0))s" >> "$log" ) &
+            ( CUDA_VISIBLE_DEVICES=1 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout 260 python3 -m pytest -m gpu -q \
+                -p no:cacheprovider "${other[@]}" --junit-xml="$OUT/gpu_junit_1.xml" > "$OUT/gpu_tests_1.txt" 2>&1
+              echo "== tests (GPU 1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
+            wait; tail -n 3 "$OUT"/gpu_tests_[01].txt >> "$log" ;;
         demo) step demo 90 python3 -c "import sys; from cudnn_fuse.cli import main; sys.exit(main(['demo']))" ;;
         memory) step memory 90 python3 bench/memory.py --out "$OUT" ;;
         memory_at) CUDNN_FUSE_TUNE_BUDGET_S=${BUDGET:-3} step memory_autotune 180 python3 bench/memory.py --out "$OUT" --autotune ;;
