@@ -8,6 +8,7 @@
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
+# PEERS_ARGS adds options to every peers run (e.g. "--no-max-autotune").
 # Expects the recipe of ../shared/device/README.md: wheels in .whl/, this checkout on PYTHONPATH.
 set -u
 OUT=${OUT:?set OUT}
@@ -43,13 +44,13 @@ for s in $STEPS; do
         cold) step cold_start 150 python3 bench/cold_start.py --out "$OUT" ;;
         prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
         peers:*) step "$s" "${PEERS_TIMEOUT:-420}" python3 bench/peers.py --part "${s#peers:}" \
-                     --budget-s "${PEERS_BUDGET:-320}" --deadline-s "${PEERS_DEADLINE:-370}" --out "$OUT/peers_${s#peers:}.json" ;;
+                     --budget-s "${PEERS_BUDGET:-320}" --deadline-s "${PEERS_DEADLINE:-370}" --out "$OUT/peers_${s#peers:}.json" ${PEERS_ARGS:-} ;;
         peers2:*) parts=${s#peers2:}; a=${parts%%,*}; b=${parts#*,}; t0=$SECONDS
             for pair in "0 $a" "1 $b"; do
                 set -- $pair
                 ( export CUDA_VISIBLE_DEVICES=$1 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=/tmp/inductor$1
                   timeout "${PEERS_TIMEOUT:-420}" python3 bench/peers.py --part "$2" --budget-s "${PEERS_BUDGET:-320}" \
-                      --deadline-s "${PEERS_DEADLINE:-370}" --out "$OUT/peers_$2.json" > "$OUT/peers_$2.log" 2>&1
+                      --deadline-s "${PEERS_DEADLINE:-370}" --out "$OUT/peers_$2.json" ${PEERS_ARGS:-} > "$OUT/peers_$2.log" 2>&1
                   echo "== peers:$2 (GPU $1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
             done
             wait ;;
