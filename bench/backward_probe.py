@@ -11,7 +11,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -21,20 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
 from cudnn_fuse import backward  # noqa: E402
 from bench import memory  # noqa: E402
+from bench.common import synced_ms  # noqa: E402
 
 
 def timed(fn, reps=20) -> float:
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return round(statistics.median(times), 4)
+    return round(synced_ms(fn, reps), 4)
 
 
 def gemm_pieces():

@@ -33,6 +33,20 @@ def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def synced_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events, each run waited for before the next
+    (a whole training step: what one step takes with nothing of the previous one in flight)."""
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
 def device_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     """Median device milliseconds of ``fn()``: calls queued behind a GPU spin so the
     events time the kernels, not the host's launch overhead (``host_us`` measures that)."""

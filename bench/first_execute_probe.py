@@ -36,15 +36,16 @@ def _spec_of(name: str):
     return plans.plans_in_memory()[-1].spec
 
 
-def child(name: str, index: int) -> dict:
+def child(index: int) -> dict:
     import torch
 
     from cudnn_fuse import autotune, plans
     from cudnn_fuse.builders import build_graph, roles_of, uids_of
+    from cudnn_fuse.spec import spec_from_dict
 
     h = plans.handle_for(0)
     torch.cuda.synchronize()
-    spec = _spec_of_without_running(name)
+    spec = spec_from_dict(json.loads(os.environ["PROBE_SPEC"]))  # the parent's --spec-of run made it
     g = build_graph(spec, h.handle)
     plans.prepare(g, spec)
     n = g.get_execution_plan_count()
@@ -70,26 +71,19 @@ def child(name: str, index: int) -> dict:
     return row
 
 
-def _spec_of_without_running(name: str):
-    """The graph's spec, recorded on the CPU path of cf.record (no cuDNN work in this process)."""
-    from cudnn_fuse.spec import spec_from_dict
-
-    return spec_from_dict(json.loads(os.environ["PROBE_SPEC"]))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--graphs", nargs="*", default=list(DEFAULT))
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--spec-of", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sys.path.insert(0, ROOT)
     if args.spec_of:
         print(json.dumps(_spec_of(args.spec_of).to_dict()))
         return 0
-    if args.child:
-        print(json.dumps(child(args.child[0], int(args.child[1]))))
+    if args.child is not None:
+        print(json.dumps(child(args.child)))
         return 0
     from bench.common import device_name, write_json
 
@@ -106,8 +100,8 @@ def main(argv=None) -> int:
     result = {"device": device_name(), "graphs": {}}
     for name in args.graphs:
         spec = json.dumps(sub("--spec-of", name))
-        count = sub("--child", name, "-1", spec=spec).get("count", 0)
-        rows = [sub("--child", name, str(i), spec=spec) for i in range(count)]
+        count = sub("--child", "-1", spec=spec).get("count", 0)
+        rows = [sub("--child", str(i), spec=spec) for i in range(count)]
         result["graphs"][name] = rows
         for r in rows:
             print(name, json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import copy
 import os
-import statistics
 import sys
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import device_name, write_json  # noqa: E402
+from bench.common import device_name, synced_ms, write_json  # noqa: E402
 
 
 def mlp(d=2048, layers=8):
@@ -38,12 +37,17 @@ def convs(c=128, layers=8):
     return nn.Sequential(*mods)
 
 
+def train_step(model, x):
+    """One training step: forward, a scalar loss, backward, and the gradients dropped."""
+    model(x).float().square().mean().backward()
+    for p in model.parameters():
+        p.grad = None
+
+
 def step_stats(model, x, steps=10):
     """(peak bytes of one step, median step ms) for forward + backward + zero_grad."""
     def step():
-        model(x).float().square().mean().backward()
-        for p in model.parameters():
-            p.grad = None
+        train_step(model, x)
 
     for _ in range(3):
         step()
@@ -53,15 +57,7 @@ def step_stats(model, x, steps=10):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    times = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        step()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return peak, statistics.median(times)
+    return peak, synced_ms(step, steps)
 
 
 def case(name, eager, fused, x):

@@ -19,13 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from bench.memory import convs  # noqa: E402
-
-
-def step(model, x):
-    model(x).float().square().mean().backward()
-    for p in model.parameters():
-        p.grad = None
+from bench.memory import convs, train_step as step  # noqa: E402
 
 
 def main(argv=None) -> int:

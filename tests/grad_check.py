@@ -6,7 +6,10 @@ import torch
 
 import cudnn_fuse as cf
 from cudnn_fuse import ops
+from cudnn_fuse.spec import ACTIVATIONS
 
+ACTS = [None, *ACTIVATIONS]  # every activation cf fuses, and none
+DTYPES = [torch.float16, torch.bfloat16]
 
 def rel(a, b) -> float:
     a, b = a.double(), b.double()

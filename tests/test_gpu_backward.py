@@ -19,8 +19,7 @@ import grad_check
 
 pytestmark = pytest.mark.gpu
 
-ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
-DTYPES = [torch.float16, torch.bfloat16]
+ACTS, DTYPES = grad_check.ACTS, grad_check.DTYPES
 
 
 def check_grads(fn, ref_fn, inputs, dtype, tol=1e-2):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import ops, plans
+from cudnn_fuse import plans
 
 pytestmark = pytest.mark.gpu
 

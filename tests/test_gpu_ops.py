@@ -14,10 +14,11 @@ import torch.nn.functional as F
 
 import cudnn_fuse as cf
 from cudnn_fuse import plans, reference
+from cudnn_fuse.spec import ACTIVATIONS
 
 pytestmark = pytest.mark.gpu
 
-ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
+ACTS = [None, *ACTIVATIONS]  # every activation cf fuses, and none
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 

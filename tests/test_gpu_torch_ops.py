@@ -14,24 +14,11 @@ from torch import nn
 import cudnn_fuse as cf
 from cudnn_fuse import reference
 
-from grad_check import check_grads, rel
+from grad_check import ACTS, DTYPES, check_grads, rel
 
 pytestmark = pytest.mark.gpu
 
-ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("act", ACTS)
-def test_conv2d_gradients(dtype, act):
-    x = torch.randn(4, 16, 12, 12, device="cuda").to(memory_format=torch.channels_last)
-    w = (torch.randn(32, 16, 3, 3, device="cuda") / 12).to(memory_format=torch.channels_last)
-    b, r = torch.randn(32, device="cuda"), torch.randn(4, 32, 12, 12, device="cuda")
-    check_grads(lambda x, w, b, r: cf.conv2d(x, w, b, padding=1, activation=act, residual=r),
-                lambda x, w, b, r: reference.activation(F.conv2d(x, w, b, padding=1) + r, act), (x, w, b, r), dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", ACTS)
 def test_linear_and_matmul_gradients(dtype, act):
     x, w, b = torch.randn(2, 64, 96, device="cuda"), torch.randn(80, 96, device="cuda") / 10, torch.randn(80, device="cuda")
@@ -39,18 +26,6 @@ def test_linear_and_matmul_gradients(dtype, act):
                 lambda x, w, b: reference.activation(F.linear(x, w, b), act), (x, w, b), dtype)
     check_grads(lambda x, w, b: cf.matmul(x, w.t(), b, activation=act),
                 lambda x, w, b: reference.activation(x @ w.t() + b, act), (x, w, b), dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_sdpa_gradients(dtype):
-    q, k, v = (torch.randn(2, 8, 128, 64, device="cuda") for _ in range(3))
-    k, v = k[:, :2], v[:, :2]
-
-    def ref(q, k, v):
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
-
-    check_grads(lambda q, k, v: cf.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), ref,
-                (q, k, v), dtype)
 
 
 def test_forward_with_grad_runs_the_fused_graph():
