@@ -73,7 +73,7 @@ def per_call_us(fn, calls):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", choices=("conv2d", "linear"), help="cProfile 1000 steps of this op")
     args = ap.parse_args(argv)
     cl = torch.channels_last
     dt = torch.float16
@@ -109,8 +109,9 @@ def main(argv=None) -> int:
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
+            step = conv_step if args.profile == "conv2d" else linear_step
             for _ in range(1000):
-                conv_step()
+                step()
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)

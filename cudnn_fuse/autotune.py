@@ -53,6 +53,10 @@ class Config:
     # 2-4x slower (1.5-2.7 ms vs 0.5-0.7 ms on the H200, bench/results/deserialize_probe.json).
     prefer_precompiled: float = float(os.environ.get("CUDNN_FUSE_PREFER_PRECOMPILED", "0"))
     progress: Optional[Callable[[int, int], None]] = None  # (candidates done, total), e.g. a CLI bar
+    # Also time torch's own implementation (cuBLAS + the epilogue, torch_engine.py) of matmul-class
+    # graphs; the op runs it where it beats every cuDNN candidate.
+    torch_candidate: bool = os.environ.get("CUDNN_FUSE_TORCH_CANDIDATE", "1").strip().lower() not in ("0", "false",
+                                                                                                       "no", "off")
 
 
 DEFAULT_CONFIG = Config()
@@ -362,7 +366,54 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
         workspaces.clear()
     g.build_plan_at_index(winner.index)
     log.info("autotune %s: %d candidates, winner %s %.4f ms", spec.op, len(candidates), winner.name, winner.median_ms)
+    if cfg.torch_candidate and not deterministic:
+        from . import torch_engine
+
+        if torch_engine.supports(spec):
+            tp = torch_engine.TorchPlan(spec, device)
+            counter = iter(range(10**9))
+
+            def run_torch():
+                tp.run(sets[next(counter) % len(sets)])
+
+            timings.append(torch_timing(run_torch, lambda: statistics.median(device_ms(run_torch, cfg.repeats)), cfg))
+            if torch_wins(winner, timings):
+                log.info("autotune %s: torch (cuBLAS) %.4f ms beats the cuDNN winner", spec.op, timings[-1].median_ms)
     return winner.index, winner, timings
+
+
+TORCH_INDEX = -1  # the torch candidate's index in a tuned entry's timings
+
+
+def torch_timing(run_once: Callable[[], None], median: Callable[[], float], cfg: Config) -> Timing:
+    """The torch candidate's Timing: warm-up, then the median of repeats, as the cuDNN
+    candidates get; a failure scores inf."""
+    t = Timing(TORCH_INDEX, "torch", None, {}, 0, runtime_compiled=False)
+    try:
+        for _ in range(max(1, cfg.warmup)):
+            run_once()
+        t.median_ms = t.first_ms = float(median())
+        t.status = "timed" if math.isfinite(t.median_ms) else "failed"
+    except Exception as exc:  # noqa: BLE001 - a failing candidate is a score, not an error
+        t.status = f"failed:{type(exc).__name__}: {exc}"[:200]
+    return t
+
+
+# Below this much device time a call is launch-bound: a cuDNN plan launches through the ops'
+# per-signature memo (~15 us of host time on the H200, bench/results/host_overhead.json), a
+# TorchPlan through the validated path (~65 us), so torch must not win on device time alone.
+TORCH_MIN_MS = float(os.environ.get("CUDNN_FUSE_TORCH_MIN_MS", "0.1"))
+
+
+def torch_wins(winner: Timing, timings: Sequence[Timing]) -> bool:
+    """Whether the torch candidate timed faster than the cuDNN winner, on a graph long enough
+    (TORCH_MIN_MS) for device time to be what the caller waits for."""
+    if not winner.median_ms >= TORCH_MIN_MS:
+        return False
+    for t in timings:
+        if t.index == TORCH_INDEX:
+            return t.status == "timed" and t.median_ms < winner.median_ms
+    return False
 
 
 def _has_note(g, index: int, note: str, kind: str = "numerical", unknown=False):

@@ -95,7 +95,7 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
     if entry is not None:
         plan = _deserialize(spec, entry, device)
         if plan is not None:
-            return plan
+            return _maybe_torch(plan, entry.meta)
         pc.delete(digest)
     record = pc.get(engine_record_key(digest))
     meta = entry.meta if entry is not None else (record.meta if record is not None else None)
@@ -109,7 +109,19 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
         return None
     blob = plan.graph.serialize(as_bytes=True)
     pc.put(digest, meta, blob, pinned=bool(meta.get("pinned")))
-    return plan
+    return _maybe_torch(plan, meta)
+
+
+def _maybe_torch(plan, meta: dict):
+    """The cuDNN plan, or torch's implementation standing in for it when the tuned entry
+    found torch faster (``use_torch``; the cuDNN plan stays the entry's blob)."""
+    if not meta.get("use_torch"):
+        return plan
+    from . import torch_engine
+
+    if not torch_engine.supports(plan.spec):  # an entry written by a newer cudnn_fuse: trust cuDNN
+        return plan
+    return torch_engine.TorchPlan(plan.spec, plan.device, plan)
 
 
 def _deserialize(spec, entry, device):
@@ -147,7 +159,7 @@ def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
 def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     h = handle_for(device)
     g = build_graph(spec, h.handle)
-    candidates, winner_index = [], None
+    candidates, winner_index, use_torch = [], None, False
     try:
         if tuning:
             prepare(g, spec)
@@ -162,6 +174,7 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
             h.stream = None  # tune() bound the handle to the current stream itself
             candidates = [t.to_dict() for t in timings]
             winner_index = winner.index
+            use_torch = autotune.torch_wins(winner, timings)
         else:
             finalize(g, spec)
         plan = Plan(spec, g, device)
@@ -174,11 +187,12 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     log.debug("built %s plan %s (%s, %s) on cuda:%d in %.1f ms", spec.op, digest[:12], plan.engine,
               "tuned" if tuning else "heuristic", device, 1e3 * build_s)
     if pc is not None:
-        _store(pc, spec, digest, plan, tuning, candidates, build_s, winner_index)
-    return plan
+        _store(pc, spec, digest, plan, tuning, candidates, build_s, winner_index, use_torch)
+    return _maybe_torch(plan, {"use_torch": use_torch})
 
 
-def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winner_index=None) -> None:
+def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winner_index=None,
+           use_torch: bool = False) -> None:
     try:
         engine_id, knobs = plan.graph.get_engine_and_knobs_at_index(plan.graph._plan_index)
         blob = plan.graph.serialize(as_bytes=True)
@@ -195,13 +209,15 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
         "tuned": tuned,
         "candidates": candidates,
         "winner_index": winner_index,
+        "use_torch": bool(use_torch),  # torch (cuBLAS) timed faster than the cuDNN winner: the op runs it
         "build_ms": round(1e3 * build_s, 3),
         "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "device_name": torch.cuda.get_device_name(plan.device),
     }
     pc.put(digest, meta, blob)
-    record = {k: meta[k] for k in ("op", "engine_id", "knobs", "engine_name", "workspace", "tuned", "tuned_at")}
+    record = {k: meta[k] for k in ("op", "engine_id", "knobs", "engine_name", "workspace", "tuned", "tuned_at",
+                                   "use_torch")}
     record["kind"] = "engine-record"
     pc.put(engine_record_key(digest), record, b"")
 

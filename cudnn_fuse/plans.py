@@ -295,7 +295,7 @@ class PlanLRU:
     def plans(self) -> list:
         """The built plans held now, least recently used first."""
         with self._lock:
-            return [p for p in self._items.values() if isinstance(p, Plan)]
+            return [p for p in self._items.values() if not isinstance(p, _Declined)]  # Plan or TorchPlan
 
     def _lookup(self, key):
         with self._lock:

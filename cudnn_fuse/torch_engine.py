@@ -1,0 +1,126 @@
+"""torch (cuBLAS) as one more candidate engine for matmul-class graphs.
+
+On the H200, cuDNN's GEMM engines run large compute-bound matmuls up to ~15% slower than
+cuBLAS (bench/results/peers.json: matmul + bias + GELU at M = 16384, 0.86x of the best peer;
+the fused keep-z forward of a training MLP, 0.60 vs 0.51 ms a layer), so fusing the epilogue
+does not pay for the slower mainloop there. The autotuner times this implementation beside
+cuDNN's candidates; when it is faster, the cache entry says so (``use_torch``) and the op runs
+it: cuBLAS's matmul with the bias in its epilogue (``addmm``), then the residual, the activation
+in place and the amax as one reduction — what eager PyTorch does, with no extra copy.
+
+Only for 16-bit MatmulSpec and SaveZSpec (fp32 would follow torch's global TF32 flags, not the
+spec's), and never when deterministic algorithms are required (cuBLAS's determinism depends on
+CUBLAS_WORKSPACE_CONFIG, which cudnn_fuse does not control).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .builders import roles_of
+from .spec import MatmulSpec, SaveZSpec
+
+ENGINE_NAME = "torch"
+_DTYPES = ("float16", "bfloat16")
+
+
+def supports(spec) -> bool:
+    """Whether this implementation can stand in for ``spec``'s graph."""
+    fwd = spec.fwd if isinstance(spec, SaveZSpec) else spec
+    if not isinstance(fwd, MatmulSpec) or type(spec) not in (MatmulSpec, SaveZSpec):
+        return False
+    if fwd.a.dtype not in _DTYPES or getattr(fwd, "allow_tf32", False):
+        return False
+    return not (isinstance(spec, SaveZSpec) and fwd.epilogue.amax)
+
+
+def _act_inplace(y: torch.Tensor, act, slope: float) -> None:
+    if act is None:
+        return
+    if act == "relu":
+        y.relu_()
+    elif act == "gelu":
+        torch.ops.aten.gelu_(y)
+    elif act == "gelu_tanh":
+        torch.ops.aten.gelu_(y, approximate="tanh")
+    elif act == "silu":
+        F.silu(y, inplace=True)
+    elif act == "tanh":
+        y.tanh_()
+    elif act == "sigmoid":
+        y.sigmoid_()
+    elif act == "leaky_relu":
+        F.leaky_relu(y, slope, inplace=True)
+    else:
+        raise ValueError(f"torch engine: unknown activation {act!r}")
+
+
+def _act_out(z: torch.Tensor, y: torch.Tensor, act, slope: float) -> None:
+    """y = act(z) written into y (z kept)."""
+    if act is None:
+        y.copy_(z)
+    elif act == "relu":
+        torch.clamp_min(z, 0, out=y)
+    elif act == "gelu":
+        torch.ops.aten.gelu.out(z, out=y)
+    elif act == "gelu_tanh":
+        torch.ops.aten.gelu.out(z, approximate="tanh", out=y)
+    elif act == "silu":
+        torch.ops.aten.silu.out(z, out=y)
+    elif act == "tanh":
+        torch.tanh(z, out=y)
+    elif act == "sigmoid":
+        torch.sigmoid(z, out=y)
+    elif act == "leaky_relu":
+        torch.ops.aten.leaky_relu.out(z, slope, out=y)
+    else:
+        raise ValueError(f"torch engine: unknown activation {act!r}")
+
+
+def _gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias) -> None:
+    """out = a @ b (+ bias): one cuBLAS call, the bias in its epilogue when there is one batch."""
+    if out.shape[0] == 1 and a.shape[0] == 1 and b.shape[0] == 1:
+        if bias is not None:
+            torch.addmm(bias.reshape(-1), a[0], b[0], out=out[0])
+        else:
+            torch.mm(a[0], b[0], out=out[0])
+        return
+    torch.matmul(a, b, out=out)
+    if bias is not None:
+        out.add_(bias)
+
+
+class TorchPlan:
+    """A plan whose launch is torch's: same ``run(buffers)`` contract as plans.Plan (buffers in
+    ``roles_of(spec)`` order); it takes no raw pointers, so the ops' launch memo passes it by."""
+
+    __slots__ = ("spec", "device", "engine", "roles", "workspace_size", "cudnn_plan")
+    raw = False
+
+    def __init__(self, spec, device: int, cudnn_plan=None):
+        self.spec, self.device, self.engine = spec, device, ENGINE_NAME
+        self.roles = roles_of(spec)
+        self.workspace_size = 0
+        self.cudnn_plan = cudnn_plan  # the cached cuDNN plan it stands in for (None in tests)
+
+    @property
+    def graph(self):
+        return self.cudnn_plan.graph if self.cudnn_plan is not None else None
+
+    def run(self, buffers) -> None:
+        t = dict(zip(self.roles, buffers))
+        save_z = isinstance(self.spec, SaveZSpec)
+        fwd = self.spec.fwd if save_z else self.spec
+        epi = fwd.epilogue
+        z = t["z"] if save_z else t["y"]
+        _gemm_into(z, t["a"], t["b"], t.get("bias"))
+        if "residual" in t:
+            z.add_(t["residual"])
+        if save_z:
+            _act_out(z, t["y"], epi.activation, epi.negative_slope)
+        else:
+            _act_inplace(z, epi.activation, epi.negative_slope)
+        if epi.amax:
+            y = t["y"]
+            t["amax"].copy_(torch.linalg.vector_norm(y, float("inf")).reshape(t["amax"].shape))

@@ -1,0 +1,71 @@
+"""GPU: torch (cuBLAS) as an autotune candidate of matmul-class graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnn_fuse as cf
+from cudnn_fuse import autotune, plans, torch_engine
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def tuned_cache(cache_dir):
+    plans.clear()
+    cf.set_autotune(True)
+    old = autotune.DEFAULT_CONFIG
+    autotune.DEFAULT_CONFIG = autotune.Config(budget_s=3, torch_candidate=True)
+    yield cache_dir
+    autotune.DEFAULT_CONFIG = old
+    cf.set_autotune(False)
+    plans.clear()
+
+
+def test_tuned_entries_time_torch_and_the_op_follows_the_decision(tuned_cache):
+    torch.manual_seed(0)
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    y = cf.linear(x, w, b, activation="gelu")
+    plan = plans.plans_in_memory()[-1]
+    from cudnn_fuse.cache import open_default_cache
+
+    pc = open_default_cache()
+    entry = pc.get(plan.spec.digest())
+    assert entry is not None and entry.meta["tuned"]
+    rows = [c for c in entry.meta["candidates"] if c["index"] == autotune.TORCH_INDEX]
+    assert len(rows) == 1 and rows[0]["status"] == "timed" and rows[0]["median_ms"] > 0
+    cudnn_best = min(c["median_ms"] for c in entry.meta["candidates"]
+                     if c["index"] != autotune.TORCH_INDEX and c["median_ms"] is not None)
+    assert entry.meta["use_torch"] == (rows[0]["median_ms"] < cudnn_best)
+    assert isinstance(plan, torch_engine.TorchPlan) == entry.meta["use_torch"]
+    ref = F.gelu(F.linear(x.float(), w.float(), b.float()))
+    assert ((y.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+    # a fresh load of the entry makes the same choice
+    plans.clear()
+    y2 = cf.linear(x, w, b, activation="gelu")
+    assert isinstance(plans.plans_in_memory()[-1], torch_engine.TorchPlan) == entry.meta["use_torch"]
+    assert ((y2.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu", None])
+def test_torch_plan_on_the_gpu_matches_eager(act):
+    torch.manual_seed(1)
+    from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+
+    M, K, N = 256, 512, 384
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    a3, b3, y = x.view(1, M, K), w.t().unsqueeze(0), torch.empty(1, M, N, device="cuda", dtype=torch.bfloat16)
+    amax = torch.empty(1, 1, 1, device="cuda", dtype=torch.float32)
+    spec = MatmulSpec(TensorSpec.of(a3), TensorSpec.of(b3), TensorSpec.of(y),
+                      Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), "bfloat16"), activation=act, amax=True))
+    torch_engine.TorchPlan(spec, 0).run([a3, b3, b.view(1, 1, N), y, amax])
+    eager = F.linear(x, w, b)
+    eager = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, None: lambda t: t}[act](eager)
+    assert torch.equal(y[0], eager)  # the same cuBLAS call and the same activation kernel as eager
+    assert amax.item() == eager.float().abs().max().item()

@@ -1,0 +1,174 @@
+"""torch (cuBLAS) as an autotune candidate: its implementation of matmul-class graphs against the
+reference, which specs it may stand in for, the timing and the decision, and the loader's use of
+a tuned entry that chose it. CPU tensors: the implementation is plain torch."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cudnn_fuse import autotune, loader, reference, torch_engine
+from cudnn_fuse.builders import roles_of
+from cudnn_fuse.spec import ConvSpec, Epilogue, MatmulSpec, SaveZSpec, TensorSpec
+
+ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
+
+
+def _matmul_spec(B, M, K, N, dtype="bfloat16", bias=True, residual=False, act="gelu", amax=False, slope=0.01,
+                 b_batch=None):
+    a = TensorSpec.contiguous((B, M, K), dtype)
+    bb = B if b_batch is None else b_batch
+    b = TensorSpec((bb, K, N), (K * N, 1, K), dtype)  # a transposed weight, as linear passes it
+    y = TensorSpec.contiguous((B, M, N), dtype)
+    epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), dtype) if bias else None,
+                   residual=TensorSpec.contiguous((B, M, N), dtype) if residual else None,
+                   activation=act, negative_slope=slope, amax=amax)
+    return MatmulSpec(a, b, y, epi)
+
+
+def _buffers(spec):
+    """Random operands in roles order, with the spec's shapes and strides (outputs poisoned)."""
+    geo = autotune._geometry(spec)
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    out = []
+    for r in roles_of(spec):
+        shape, stride, dtype = geo[r]
+        t = torch.empty_strided(shape, stride, dtype=dt[dtype])
+        t.copy_(torch.randn(shape) * (0.5 if r != "bias" else 1.0)) if r not in autotune._OUTPUT_ROLES else t.fill_(7)
+        out.append(t)
+    return out
+
+
+def _close(got, want):
+    """Within bf16 rounding of z (relative) plus a small absolute slack, element by element."""
+    return bool(((got.float() - want).abs() <= 0.02 * want.abs() + 0.03).all())
+
+
+def _expected(spec, t):
+    fwd = spec.fwd if isinstance(spec, SaveZSpec) else spec
+    epi = fwd.epilogue
+    z = torch.matmul(t["a"].float(), t["b"].float())
+    if "bias" in t:
+        z = z + t["bias"].float()
+    if "residual" in t:
+        z = z + t["residual"].float()
+    return z, reference.activation(z, epi.activation, epi.negative_slope)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias,residual,amax", [(True, False, False), (False, False, False), (True, True, True),
+                                                (False, True, False)])
+def test_matmul_matches_the_reference(act, bias, residual, amax):
+    torch.manual_seed(0)
+    spec = _matmul_spec(1, 24, 32, 40, bias=bias, residual=residual, act=act, amax=amax, slope=0.2)
+    bufs = _buffers(spec)
+    torch_engine.TorchPlan(spec, 0).run(bufs)
+    t = dict(zip(roles_of(spec), bufs))
+    _, want = _expected(spec, t)
+    assert _close(t["y"], want)
+    if amax:
+        assert t["amax"].dtype == torch.float32
+        assert t["amax"].item() == pytest.approx(t["y"].float().abs().max().item())
+
+
+@pytest.mark.parametrize("B,b_batch", [(3, 3), (3, 1)])
+def test_batched_and_broadcast_matmul(B, b_batch):
+    torch.manual_seed(1)
+    spec = _matmul_spec(B, 8, 16, 12, act="relu", b_batch=b_batch)
+    bufs = _buffers(spec)
+    torch_engine.TorchPlan(spec, 0).run(bufs)
+    t = dict(zip(roles_of(spec), bufs))
+    _, want = _expected(spec, t)
+    assert t["y"].shape == (B, 8, 12)
+    assert _close(t["y"], want)
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "silu", "leaky_relu", None])
+def test_save_z_writes_both_outputs(act):
+    torch.manual_seed(2)
+    fwd = _matmul_spec(1, 16, 32, 24, act=act, residual=True, slope=0.3)
+    spec = SaveZSpec(fwd, TensorSpec.contiguous((1, 16, 24), "bfloat16"))
+    bufs = _buffers(spec)
+    torch_engine.TorchPlan(spec, 0).run(bufs)
+    t = dict(zip(roles_of(spec), bufs))
+    z, y = _expected(spec, t)
+    assert _close(t["z"], z)
+    # y is act of the rounded z, as eager computes it
+    assert torch.equal(t["y"], reference.activation(t["z"], act, 0.3).to(t["y"].dtype))
+
+
+def test_supports_only_16_bit_matmul_class_graphs():
+    assert torch_engine.supports(_matmul_spec(1, 8, 8, 8))
+    assert torch_engine.supports(_matmul_spec(1, 8, 8, 8, dtype="float16", amax=True))
+    assert not torch_engine.supports(_matmul_spec(1, 8, 8, 8, dtype="float32"))
+    fwd = _matmul_spec(1, 8, 8, 8)
+    assert torch_engine.supports(SaveZSpec(fwd, TensorSpec.contiguous((1, 8, 8), "bfloat16")))
+    fwd_amax = _matmul_spec(1, 8, 8, 8, amax=True)
+    assert not torch_engine.supports(SaveZSpec(fwd_amax, TensorSpec.contiguous((1, 8, 8), "bfloat16")))
+    x = TensorSpec.contiguous((1, 4, 8, 8), "float16")
+    conv = ConvSpec(x, TensorSpec.contiguous((4, 4, 3, 3), "float16"), TensorSpec.contiguous((1, 4, 6, 6), "float16"),
+                    (1, 1), (0, 0), (0, 0), (1, 1), 1, Epilogue())
+    assert not torch_engine.supports(conv)
+
+
+def _winner(ms):
+    t = autotune.Timing(2, "eng4", 4, {}, 0)
+    t.median_ms, t.status = ms, "timed"
+    return t
+
+
+def test_torch_timing_and_decision():
+    cfg = autotune.Config(warmup=2, repeats=5, torch_candidate=True)
+    runs = []
+    fast = autotune.torch_timing(lambda: runs.append(1), lambda: 0.8, cfg)
+    assert len(runs) == 2 and fast.index == autotune.TORCH_INDEX and fast.status == "timed"
+    assert autotune.torch_wins(_winner(1.0), [_winner(1.0), fast])
+    slow = autotune.torch_timing(lambda: None, lambda: 1.2, cfg)
+    assert not autotune.torch_wins(_winner(1.0), [_winner(1.0), slow])
+    assert not autotune.torch_wins(_winner(1.0), [_winner(1.0)])  # no torch candidate: cuDNN
+    tiny = autotune.torch_timing(lambda: None, lambda: 0.01, cfg)
+    assert not autotune.torch_wins(_winner(0.05), [_winner(0.05), tiny])  # launch-bound: the memo'd cuDNN launch
+
+    def boom():
+        raise RuntimeError("cuBLAS said no")
+
+    failed = autotune.torch_timing(boom, lambda: 0.1, cfg)
+    assert failed.status.startswith("failed") and not autotune.torch_wins(_winner(1.0), [failed])
+    assert failed.to_dict()["median_ms"] is None  # stored as JSON like any failed candidate
+
+
+def test_torch_candidate_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("CUDNN_FUSE_TORCH_CANDIDATE", "0")
+    import importlib
+
+    fresh = importlib.reload(autotune)
+    try:
+        assert fresh.Config().torch_candidate is False
+    finally:
+        monkeypatch.delenv("CUDNN_FUSE_TORCH_CANDIDATE")
+        importlib.reload(autotune)
+
+
+def test_loader_serves_torch_only_where_the_tuned_entry_chose_it():
+    spec = _matmul_spec(1, 8, 8, 8)
+    cudnn_plan = types.SimpleNamespace(spec=spec, device=0, graph="g", raw=True)
+    assert loader._maybe_torch(cudnn_plan, {"tuned": True}) is cudnn_plan
+    assert loader._maybe_torch(cudnn_plan, {"use_torch": False}) is cudnn_plan
+    tp = loader._maybe_torch(cudnn_plan, {"use_torch": True})
+    assert isinstance(tp, torch_engine.TorchPlan) and tp.cudnn_plan is cudnn_plan and tp.raw is False
+    assert tp.graph == "g" and tp.engine == "torch"
+    fp32 = types.SimpleNamespace(spec=_matmul_spec(1, 8, 8, 8, dtype="float32"), device=0)
+    assert loader._maybe_torch(fp32, {"use_torch": True}) is fp32  # not one it may stand in for
+
+
+def test_a_torch_plan_is_never_memoized_for_raw_launch():
+    from cudnn_fuse import ops
+
+    spec = _matmul_spec(1, 8, 8, 8, bias=False, act=None)
+    x = torch.randn(8, 8, dtype=torch.bfloat16)
+    y = torch.empty(8, 8, dtype=torch.bfloat16)
+    ops._FAST.clear()
+    ops._remember(("k",), (x, x, None, None), torch_engine.TorchPlan(spec, 0), [x, x, y], y)
+    assert ("k",) not in ops._FAST
