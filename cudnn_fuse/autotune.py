@@ -55,8 +55,8 @@ class Config:
     progress: Optional[Callable[[int, int], None]] = None  # (candidates done, total), e.g. a CLI bar
     # Also time torch's own implementation (cuBLAS + the epilogue, torch_engine.py) of matmul-class
     # graphs; the op runs it where it beats every cuDNN candidate.
-    torch_candidate: bool = os.environ.get("CUDNN_FUSE_TORCH_CANDIDATE", "1").strip().lower() not in ("0", "false",
-                                                                                                       "no", "off")
+    torch_candidate: bool = field(default_factory=lambda: os.environ.get("CUDNN_FUSE_TORCH_CANDIDATE", "1").strip()
+                                  .lower() not in ("0", "false", "no", "off"))
 
 
 DEFAULT_CONFIG = Config()

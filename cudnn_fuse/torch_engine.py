@@ -16,7 +16,6 @@ CUBLAS_WORKSPACE_CONFIG, which cudnn_fuse does not control).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .builders import roles_of
 from .spec import MatmulSpec, SaveZSpec
@@ -35,31 +34,11 @@ def supports(spec) -> bool:
     return not (isinstance(spec, SaveZSpec) and fwd.epilogue.amax)
 
 
-def _act_inplace(y: torch.Tensor, act, slope: float) -> None:
-    if act is None:
-        return
-    if act == "relu":
-        y.relu_()
-    elif act == "gelu":
-        torch.ops.aten.gelu_(y)
-    elif act == "gelu_tanh":
-        torch.ops.aten.gelu_(y, approximate="tanh")
-    elif act == "silu":
-        F.silu(y, inplace=True)
-    elif act == "tanh":
-        y.tanh_()
-    elif act == "sigmoid":
-        y.sigmoid_()
-    elif act == "leaky_relu":
-        F.leaky_relu(y, slope, inplace=True)
-    else:
-        raise ValueError(f"torch engine: unknown activation {act!r}")
-
-
 def _act_out(z: torch.Tensor, y: torch.Tensor, act, slope: float) -> None:
-    """y = act(z) written into y (z kept)."""
+    """y = act(z) written into y; y may be z itself (elementwise ``out=`` ops take an aliased output)."""
     if act is None:
-        y.copy_(z)
+        if y is not z:
+            y.copy_(z)
     elif act == "relu":
         torch.clamp_min(z, 0, out=y)
     elif act == "gelu":
@@ -120,7 +99,7 @@ class TorchPlan:
         if save_z:
             _act_out(z, t["y"], epi.activation, epi.negative_slope)
         else:
-            _act_inplace(z, epi.activation, epi.negative_slope)
+            _act_out(z, z, epi.activation, epi.negative_slope)
         if epi.amax:
             y = t["y"]
             t["amax"].copy_(torch.linalg.vector_norm(y, float("inf")).reshape(t["amax"].shape))

@@ -140,15 +140,12 @@ def test_torch_timing_and_decision():
 
 
 def test_torch_candidate_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("CUDNN_FUSE_TORCH_CANDIDATE", "0")
-    import importlib
-
-    fresh = importlib.reload(autotune)
-    try:
-        assert fresh.Config().torch_candidate is False
-    finally:
-        monkeypatch.delenv("CUDNN_FUSE_TORCH_CANDIDATE")
-        importlib.reload(autotune)
+    assert autotune.Config().torch_candidate is True
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("CUDNN_FUSE_TORCH_CANDIDATE", off)
+        assert autotune.Config().torch_candidate is False
+    monkeypatch.setenv("CUDNN_FUSE_TORCH_CANDIDATE", "1")
+    assert autotune.Config().torch_candidate is True
 
 
 def test_loader_serves_torch_only_where_the_tuned_entry_chose_it():
