@@ -171,7 +171,7 @@ def _conv2d_setup(ctx, inputs, output):
 
 def _conv2d_backward(ctx, gy, _gamax):
     x, w, y, b, r = ctx.saved_tensors
-    if ctx.geo[4] == 1 and backward.usable(x, w, b, r, gy):  # grouped: torch (untested on cuDNN here)
+    if backward.usable(x, w, b, r, gy):  # grouped too: dgrad / wgrad read the groups from w's shape
         out = _conv2d_backward_cudnn(ctx, x, w, y, b, r, gy)
         if out is not None:
             return out
