@@ -40,6 +40,13 @@ def _amax_out(like: Tensor, return_amax: bool) -> Tensor:
     return torch.empty((), dtype=torch.float32, device=like.device) if return_amax else _no_amax(like)
 
 
+def _memoized(name: str, a, b, bias, residual, attrs: tuple, fwd):
+    """The ops' remembered launch of this signature, else ``fwd(memo_key)``, which remembers it.
+    Inside autograd's forward grad is off, so the per-signature memo serves training too."""
+    key, launch = ops._memo(name, a, b, bias, residual, attrs)
+    return launch(a, b, bias, residual) if launch is not None else fwd(key)
+
+
 def _split(out, like: Tensor, return_amax: bool):
     return out if return_amax else (out, _no_amax(like))
 
@@ -98,15 +105,10 @@ def _pick(op, eager):
 def _conv2d_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int], pre: List[int],
                     post: List[int], dilation: List[int], groups: int, activation: Optional[str],
                     residual: Optional[Tensor], return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
-    # inside autograd's forward grad is off, so the ops' per-signature memo serves training too
-    key, launch = ops._memo("conv2d:train", x, weight, bias, residual, (tuple(stride), tuple(pre), tuple(post),
-                                                                        tuple(dilation), groups, activation,
-                                                                        return_amax, negative_slope))
-    if launch is not None:
-        out = launch(x, weight, bias, residual)
-    else:
-        out = ops._conv2d_fwd(x, weight, bias, tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups,
-                              activation, residual, return_amax, negative_slope, memo=key)
+    geo = (tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups)
+    out = _memoized("conv2d:train", x, weight, bias, residual, geo + (activation, return_amax, negative_slope),
+                    lambda key: ops._conv2d_fwd(x, weight, bias, *geo, activation, residual, return_amax,
+                                                negative_slope, memo=key))
     y, amax = _split(out, x, return_amax)
     fmt = torch.channels_last if ops.conv_out_channels_last(x) else torch.contiguous_format
     return y.contiguous(memory_format=fmt), amax
@@ -239,11 +241,9 @@ def conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, res
 
 def _linear_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str],
                     residual: Optional[Tensor], return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
-    key, launch = ops._memo("linear:train", x, weight, bias, residual, (activation, return_amax, negative_slope))
-    if launch is not None:
-        out = launch(x, weight, bias, residual)
-    else:
-        out = ops._linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=key)
+    out = _memoized("linear:train", x, weight, bias, residual, (activation, return_amax, negative_slope),
+                    lambda key: ops._linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope,
+                                                memo=key))
     y, amax = _split(out, x, return_amax)
     return y.contiguous(), amax
 
@@ -370,11 +370,9 @@ def linear_save_z(x, weight, bias, activation, residual, negative_slope):
 
 def _matmul_op_impl(a: Tensor, b: Tensor, bias: Optional[Tensor], activation: Optional[str], residual: Optional[Tensor],
                     return_amax: bool, negative_slope: float) -> Tuple[Tensor, Tensor]:
-    key, launch = ops._memo("matmul:train", a, b, bias, residual, (activation, return_amax, negative_slope))
-    if launch is not None:
-        out = launch(a, b, bias, residual)
-    else:
-        out = ops._matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, memo=key)
+    out = _memoized("matmul:train", a, b, bias, residual, (activation, return_amax, negative_slope),
+                    lambda key: ops._matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope,
+                                                memo=key))
     y, amax = _split(out, a, return_amax)
     return y.contiguous(), amax
 
