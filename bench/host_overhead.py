@@ -38,10 +38,10 @@ def main(argv=None) -> int:
     w = torch.randn(256, 256, device="cuda", dtype=torch.float16) * 0.06
     b = torch.randn(256, device="cuda", dtype=torch.float16)
     chain = 100
-    fast_ready = ops._fast_ready
+    memo = ops._memo
 
     def no_memo(*_):
-        return False
+        return None, None
 
     def cf_op():
         return cf.linear(x, w, b, activation="relu")
@@ -60,14 +60,14 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             rows["torch_eager"].append(host_us(torch_op, args.calls))
             rows["eager"].append(host_us(cf_op, args.calls))
-            ops._fast_ready = no_memo
+            ops._memo = no_memo
             rows["eager_no_memo"].append(host_us(cf_op, args.calls))
             plans.RAW_EXECUTE = False
             plans.clear()
             rows["eager_public_execute"].append(host_us(cf_op, args.calls))
             plans.RAW_EXECUTE = True
             plans.clear()
-            ops._fast_ready = fast_ready
+            ops._memo = memo
             cf_op()
             rows["captured"].append(host_us(captured.replay, max(1, args.calls // chain)) / chain)
     med = {k: round(statistics.median(v), 2) for k, v in rows.items()}

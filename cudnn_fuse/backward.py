@@ -334,8 +334,7 @@ def linear_save_z(x, w, bias, residual, act, slope):
 
 def conv_dz(x, w, bias, residual, gy, y, geo, act, slope, want_dbias):
     """(dz, dbias f32 [1,K,1,1] or None, x4, w4) for a batched conv, in the layout
-    the forward ran; None if declined. ``geo``: (stride, pre, post, dilation, groups)."""
-    stride, pre, post, dilation, groups = geo
+    the forward ran; None if declined. ``geo``: (stride, pre, post, dilation, groups), as tuples (ctx.geo)."""
     x4, w4, channels_last = ops._conv_layout(x, w)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     dy = gy.contiguous(memory_format=fmt)
@@ -352,39 +351,34 @@ def conv_dz(x, w, bias, residual, gy, y, geo, act, slope, want_dbias):
         def make_fwd():
             epi = Epilogue(bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), _DT[x.dtype]) if bias is not None else None,
                            residual=_spec(r) if r is not None else None, activation=act, negative_slope=slope)
-            return ConvSpec(_spec(x4), _spec(w4), _spec(dy), tuple(stride), tuple(pre), tuple(post),
-                            tuple(dilation), groups, epi)
+            return ConvSpec(_spec(x4), _spec(w4), _spec(dy), *geo, epi)
 
-        fwd = _cached_spec("conv_fwd", (act, slope, bias is not None, r is not None, tuple(stride), tuple(pre),
-                                        tuple(post), tuple(dilation), groups), buffers + [dy], make_fwd)
+        fwd = _cached_spec("conv_fwd", (act, slope, bias is not None, r is not None) + geo, buffers + [dy], make_fwd)
         out = recompute_grad(fwd, buffers, dy, bias_shape)
     if out is None:
         return None
     return out[0], (out[1] if want_dbias else None), x4, w4
 
 
-def conv_dgrad(dz, w4, x4, geo) -> Optional[torch.Tensor]:
-    """dx in x4's layout, or None if declined."""
+def _conv_grad(op: str, kind: str, spec_type, a, b, like, geo) -> Optional[torch.Tensor]:
+    """``spec_type(a, b) -> out`` (dgrad or wgrad), out in ``like``'s layout; None if declined.
+    ``geo``'s stride, padding and dilation are tuples already (ctx.geo); the groups are in w's shape."""
     if CONV == "torch":
         return None
-    stride, pre, post, dilation, _ = geo
-    dx = torch.empty_like(x4)
-    spec = _cached_spec("dgrad", (tuple(stride), tuple(pre), tuple(post), tuple(dilation)), (dz, w4, dx),
-                        lambda: ConvDgradSpec(_spec(dz), _spec(w4), _spec(dx), tuple(stride), tuple(pre), tuple(post),
-                                              tuple(dilation)))
-    return dx if _try("conv2d_dgrad", spec, [dz, w4, dx]) else None
+    out = torch.empty_like(like)
+    g = geo[:4]
+    spec = _cached_spec(kind, g, (a, b, out), lambda: spec_type(_spec(a), _spec(b), _spec(out), *g))
+    return out if _try(op, spec, [a, b, out]) else None
+
+
+def conv_dgrad(dz, w4, x4, geo) -> Optional[torch.Tensor]:
+    """dx in x4's layout, or None if declined."""
+    return _conv_grad("conv2d_dgrad", "dgrad", ConvDgradSpec, dz, w4, x4, geo)
 
 
 def conv_wgrad(x4, dz, w4, geo) -> Optional[torch.Tensor]:
     """dw in w4's layout, or None if declined."""
-    if CONV == "torch":
-        return None
-    stride, pre, post, dilation, _ = geo
-    dw = torch.empty_like(w4)
-    spec = _cached_spec("wgrad", (tuple(stride), tuple(pre), tuple(post), tuple(dilation)), (x4, dz, dw),
-                        lambda: ConvWgradSpec(_spec(x4), _spec(dz), _spec(dw), tuple(stride), tuple(pre), tuple(post),
-                                              tuple(dilation)))
-    return dw if _try("conv2d_wgrad", spec, [x4, dz, dw]) else None
+    return _conv_grad("conv2d_wgrad", "wgrad", ConvWgradSpec, x4, dz, w4, geo)
 
 
 # ------------------------------------------------------------------ attention

@@ -185,7 +185,8 @@ def _run(op: str, spec, buffers, ref_fn):
 # remembered with its output geometry. A later call of the same signature skips all
 # of that: it allocates the outputs and launches the plan with raw pointers. Only
 # plain inference of 16-bit dtypes takes it (fp32's TF32 flags are global state that
-# can change between calls); autograd, torch.compile and cf.record never do.
+# can change between calls). A training call remembers only its validated call of the
+# autograd op; torch.compile and cf.record never take the memo.
 
 _FAST = plans.FAST
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
@@ -212,34 +213,20 @@ def broadcast_shapes(s1, s2) -> tuple:
     return tuple(out)
 
 
-def _grad_memo(name: str, a, b, c, d, attrs: tuple):
-    """The key of a training call (autograd on, an operand requiring grad) whose validated
-    arguments may be remembered, or None (tracing, recording, non-tensor operands). A training
-    call cannot take the launch memo (autograd must see it), but its validation depends only on
-    the operands' metadata and ``attrs``: a repeat skips it."""
-    if type(a) is not torch.Tensor or _active_recorders or torch.compiler.is_compiling():
-        return None
-    try:
-        key = (name + ":grad", _meta(a), _meta(b), _meta(c), _meta(d), attrs)
-        hash(key)  # unhashable attributes (lists): validation names or canonicalizes them
-        return key
-    except (AttributeError, TypeError):
-        return None
-
-
-def _remember_validated(key, args: tuple) -> None:
-    if key is not None:
-        if len(_FAST) >= plans.FAST_CAPACITY:
-            _FAST.clear()
-        _FAST[key] = args
-
-
 def _memo(name: str, a, b, c, d, attrs: tuple):
-    """(key, remembered launch or None) of a plain call with operands a, b, c, d; (None, None) when the memo may not
-    serve it (autograd, tracing, recording, a first operand that is not a plain tensor) or the
-    arguments cannot be keyed (non-tensors, unhashable values: validation then names them)."""
-    if type(a) is not torch.Tensor or not _fast_ready(a, b, c, d):
+    """(key, remembered call or None) of a call with operands a, b, c, d; (None, None) when the
+    memo may not serve it (tracing, recording, a first operand that is not a plain tensor) or the
+    arguments cannot be keyed (non-tensors, unhashable values: validation then names them).
+
+    A plain call's entry is its launch (``_Launch``, raw pointers). A training call (autograd
+    on, an operand requiring grad; its key's name ends in ":grad") must go through autograd,
+    but its validation depends only on the operands' metadata and ``attrs``: its entry is the
+    validated call of the autograd op (``_remember_call``), attributes only, never tensors."""
+    if type(a) is not torch.Tensor or _active_recorders or torch.compiler.is_compiling():
         return None, None
+    if torch.is_grad_enabled() and (a.requires_grad or getattr(b, "requires_grad", False)
+                                    or getattr(c, "requires_grad", False) or getattr(d, "requires_grad", False)):
+        name += ":grad"
     try:  # four operands, spelled out: this runs on every call
         key = (name, _meta(a), _meta(b), _meta(c), _meta(d), attrs)
         return key, _FAST.get(key)
@@ -247,15 +234,12 @@ def _memo(name: str, a, b, c, d, attrs: tuple):
         return None, None
 
 
-def _fast_ready(*tensors) -> bool:
-    """Whether a memo lookup may serve this call."""
-    if _active_recorders or torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled():
-        for t in tensors:
-            if getattr(t, "requires_grad", False):
-                return False
-    return True
+def _remember_call(key, call) -> None:
+    """Remember a training call's validated call of the autograd op under its ":grad" key."""
+    if key is not None and key[0].endswith(":grad"):
+        if len(_FAST) >= plans.FAST_CAPACITY:
+            _FAST.clear()
+        _FAST[key] = call
 
 
 _active_recorders = manifest._active  # the live list: non-empty while cf.record runs
@@ -285,8 +269,9 @@ class _Launch:
 
 def _remember(key, originals, plan, buffers, out) -> None:
     """Memoize ``key`` when ``plan`` ran on the caller's tensors themselves."""
-    if key is None or plan is None or not plan.raw or originals[0].dtype not in _FAST_DTYPES:
-        return
+    if key is None or key[0].endswith(":grad") or plan is None or not plan.raw or \
+            originals[0].dtype not in _FAST_DTYPES:
+        return  # a training call must reach autograd: never a raw launch
     ins = [t for t in originals if t is not None]
     y, amax = out if isinstance(out, tuple) else (out, None)
     if any(a.data_ptr() != b.data_ptr() for a, b in zip(ins, buffers)) or y.data_ptr() != buffers[len(ins)].data_ptr():
@@ -330,13 +315,6 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     key, launch = _memo("conv2d", x, weight, bias, residual, attrs)
     if launch is not None:
         return launch(x, weight, bias, residual)
-    gkey = _grad_memo("conv2d", x, weight, bias, residual, attrs) if key is None else None
-    if gkey is not None:
-        valid = _FAST.get(gkey)
-        if valid is not None:
-            from . import torch_ops
-
-            return torch_ops.conv2d(x, weight, bias, *valid, activation, residual, return_amax, negative_slope)
     op = "conv2d"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -368,9 +346,12 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
 
-        _remember_validated(gkey, (stride, pre, post, dilation, groups))  # attributes only, never tensors
-        return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
-                                negative_slope)
+        def call(x, weight, bias, residual):
+            return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
+                                    return_amax, negative_slope)
+
+        _remember_call(key, call)
+        return call(x, weight, bias, residual)
     return _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
                        negative_slope, memo=key)
 
@@ -509,11 +490,6 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     key, launch = _memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(a, b, bias, residual)
-    gkey = _grad_memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope)) if key is None else None
-    if gkey is not None and gkey in _FAST:  # a training call seen before: validated already
-        from . import torch_ops
-
-        return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
     op = "matmul"
     _check_tensor("a", a, op)
     _check_tensor("b", b, op)
@@ -530,8 +506,11 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     if _via_custom_op(a, b, bias, residual):
         from . import torch_ops
 
-        _remember_validated(gkey, ())
-        return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
+        def call(a, b, bias, residual):
+            return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
+
+        _remember_call(key, call)
+        return call(a, b, bias, residual)
     return _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views, memo=key)
 
 
@@ -609,11 +588,6 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     key, launch = _memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(x, weight, bias, residual)
-    gkey = _grad_memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope)) if key is None else None
-    if gkey is not None and gkey in _FAST:  # a training call seen before: validated already
-        from . import torch_ops
-
-        return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
     op = "linear"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -633,8 +607,11 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
 
-        _remember_validated(gkey, ())
-        return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
+        def call(x, weight, bias, residual):
+            return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
+
+        _remember_call(key, call)
+        return call(x, weight, bias, residual)
     return _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=key)
 
 

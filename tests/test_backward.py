@@ -212,10 +212,13 @@ def torch_exec(spec, buffers):
         out["dz"] = _act_grad(src, t["dy"], act, slope)
         if "dbias" in t:
             out["dbias"] = out["dz"].sum([i for i, n in enumerate(spec.dbias.shape) if n == 1], keepdim=True)
-    elif isinstance(spec, ConvDgradSpec):
-        out["dx"] = torch.nn.grad.conv2d_input(spec.dx.shape, t["w"].float(), t["dy"].float(), **_pad(spec))
+    elif isinstance(spec, ConvDgradSpec):  # the groups are implied by the shapes, as cuDNN reads them
+        g = spec.dx.shape[1] // spec.w.shape[1]
+        out["dx"] = torch.nn.grad.conv2d_input(spec.dx.shape, t["w"].float(), t["dy"].float(), groups=g, **_pad(spec))
     elif isinstance(spec, ConvWgradSpec):
-        out["dw"] = torch.nn.grad.conv2d_weight(t["x"].float(), spec.dw.shape, t["dy"].float(), **_pad(spec))
+        g = spec.x.shape[1] // spec.dw.shape[1]
+        out["dw"] = torch.nn.grad.conv2d_weight(t["x"].float(), spec.dw.shape, t["dy"].float(), groups=g,
+                                                **_pad(spec))
     elif isinstance(spec, SdpaTrainSpec):
         s, v = _sdpa_ref(t, spec)
         out["o"], out["stats"] = s.softmax(-1) @ v, s.logsumexp(-1, keepdim=True)
@@ -349,6 +352,15 @@ def test_conv_backward_plumbing(cudnn_on_cpu, act, layout):
             lambda x, w, b: reference.activation(F.conv2d(x, w, b, stride=2, padding=1), act), (x, w, b))
     first = {None: [], "relu": ["act_grad"], "silu": ["recompute_grad"]}[act]
     assert cudnn_on_cpu.ran == first + ["conv_dgrad", "conv_wgrad"]
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_grouped_conv_backward_runs_the_cudnn_graphs(cudnn_on_cpu, groups):
+    x, w, b = torch.randn(2, 8, 9, 9), torch.randn(12, 8 // groups, 3, 3) / 4, torch.randn(12)
+    x, w = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+    compare(lambda x, w, b: cf.conv2d(x, w, b, padding=1, groups=groups, activation="relu"),
+            lambda x, w, b: F.relu(F.conv2d(x, w, b, padding=1, groups=groups)), (x, w, b))
+    assert cudnn_on_cpu.ran == ["act_grad", "conv_dgrad", "conv_wgrad"]
 
 
 def test_conv_backward_declined_dgrad_uses_torch(cudnn_on_cpu):

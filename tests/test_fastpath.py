@@ -30,17 +30,31 @@ def _empty_memo():
     plans.FAST.clear()
 
 
-def test_fast_ready_only_for_plain_inference(tmp_path):
+def test_memo_keys_plain_and_training_calls_apart(tmp_path):
     x = torch.randn(2, 3)
-    assert ops._fast_ready(x, None)
+
+    def name(*ops_args):
+        key, _ = ops._memo("op", *ops_args, None, None, ())
+        return None if key is None else key[0]
+
+    assert name(x, None) == "op"
     xg = x.clone().requires_grad_(True)
-    assert not ops._fast_ready(xg, None)
+    assert name(xg, None) == "op:grad" and name(x, xg) == "op:grad"  # any operand requiring grad
     with torch.no_grad():
-        assert ops._fast_ready(xg, None)
+        assert name(xg, None) == "op"
     with cf.record(str(tmp_path / "m.json")):
-        assert not ops._fast_ready(x, None)
-    assert ops._fast_ready(x, None)
-    assert ops._fast_ready(x, "not a tensor")  # validation, not the memo check, names bad arguments
+        assert name(x, None) is None and name(xg, None) is None
+    assert name(x, None) == "op"
+    assert name(x, "not a tensor") is None  # validation, not the memo, names bad arguments
+
+
+def test_a_training_key_never_takes_a_raw_launch():
+    x = torch.randn(2, 3, dtype=torch.float16)
+    plan = types.SimpleNamespace(raw=True)
+    ops._remember(("op:grad",), (x, None, None, None), plan, [x, x], x)
+    assert ("op:grad",) not in ops._FAST
+    ops._remember_call(("op",), lambda *a: None)  # and a plain key never holds a training call
+    assert ("op",) not in ops._FAST
 
 
 def test_remember_and_launch_pass_pointers_in_role_order():

@@ -61,13 +61,17 @@ def test_conv2d_gradients(dtype, act):
                 lambda x, w, b, r: reference.activation(F.conv2d(x, w, b, padding=1) + r, act), (x, w, b, r), dtype)
 
 
-@pytest.mark.parametrize("case", ["stride2", "same-even-kernel", "nchw", "unbatched"])
+@pytest.mark.parametrize("case", ["stride2", "same-even-kernel", "nchw", "unbatched", "groups2", "depthwise"])
 def test_conv2d_gradients_geometry(case):
     x = torch.randn(2, 16, 13, 13, device="cuda")
     w = torch.randn(24, 16, 3, 3, device="cuda") / 12
     b = torch.randn(24, device="cuda")
     kw = dict(padding=1)
-    if case == "stride2":
+    if case == "groups2":  # dgrad / wgrad graphs read the grouping from the weight's shape
+        w, kw = torch.randn(24, 8, 3, 3, device="cuda") / 8, dict(padding=1, groups=2)
+    elif case == "depthwise":
+        w, b, kw = torch.randn(16, 1, 3, 3, device="cuda") / 3, torch.randn(16, device="cuda"), dict(padding=1, groups=16)
+    elif case == "stride2":
         kw = dict(stride=2, padding=1)
     elif case == "same-even-kernel":
         w, kw = torch.randn(24, 16, 4, 4, device="cuda") / 16, dict(padding="same")

@@ -227,3 +227,32 @@ def test_cupy_arrays_in_and_out_through_dlpack(monkeypatch):
     np.testing.assert_allclose(y, np.maximum(x @ w.T, 0), rtol=1e-5, atol=1e-6)
     y2, amax = cf.matmul(Array(x), Array(w.T.copy()), return_amax=True)
     assert isinstance(amax, np.ndarray) and np.isclose(amax, np.abs(y2).max())
+
+
+@pytest.mark.parametrize("needs", ["x", "w", "b", "r", "xr", "wb"])
+def test_lean_conv_function_maps_every_gradient_slot(needs):
+    """Eager training convs without amax take the 5-input Function; each subset of operands
+    that requires grad gets exactly torch's gradients, and the others none."""
+    torch.manual_seed(0)
+    base = {"x": torch.randn(2, 4, 7, 7, dtype=torch.float64), "w": torch.randn(6, 4, 3, 3, dtype=torch.float64),
+            "b": torch.randn(6, dtype=torch.float64), "r": torch.randn(2, 6, 7, 7, dtype=torch.float64)}
+    ours = {k: v.clone().requires_grad_(k in needs) for k, v in base.items()}
+    theirs = {k: v.clone().requires_grad_(k in needs) for k, v in base.items()}
+    y = cf.conv2d(ours["x"], ours["w"], ours["b"], padding=1, activation="gelu", residual=ours["r"])
+    assert type(y.grad_fn).__name__.startswith("_Conv2dTrain")
+    (y * y).sum().backward()
+    ref = F.gelu(F.conv2d(theirs["x"], theirs["w"], theirs["b"], padding=1) + theirs["r"])
+    (ref * ref).sum().backward()
+    for k in base:
+        if k in needs:
+            torch.testing.assert_close(ours[k].grad, theirs[k].grad)
+        else:
+            assert ours[k].grad is None
+
+
+def test_conv_with_amax_keeps_the_custom_op_layout():
+    x, w = rg(1, 2, 5, 5), rg(3, 2, 3, 3)
+    y, amax = cf.conv2d(x, w, padding=1, activation="relu", return_amax=True)
+    assert not type(y.grad_fn).__name__.startswith("_Conv2dTrain") and not amax.requires_grad
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
