@@ -4,7 +4,8 @@
 #
 #   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
-# Steps: tests (the GPU suite, junit XML), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned), host (host_overhead +
+# Steps: tests (the GPU suite, junit XML), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
+# memory2 (memory and memory_at at once, one per GPU), host (host_overhead +
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
@@ -30,15 +31,22 @@ for s in $STEPS; do
             files=(tests/test_gpu_*.py); half=(); other=()
             for i in "${!files[@]}"; do if (( i % 2 )); then other+=("${files[$i]}"); else half+=("${files[$i]}"); fi; done
             ( CUDA_VISIBLE_DEVICES=0 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout 260 python3 -m pytest -m gpu -q \
-                -p no:cacheprovider "${half[@]}" --junit-xml="$OUT/gpu_junit_0.xml" > "$OUT/gpu_tests_0.txt" 2>&1
+                -p no:cacheprovider "${half[@]}" -rfE > "$OUT/gpu_tests_0.txt" 2>&1
               echo "== tests (GPU 0) rc=$? $((SECONDS - t0))s" >> "$log" ) &
             ( CUDA_VISIBLE_DEVICES=1 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout 260 python3 -m pytest -m gpu -q \
-                -p no:cacheprovider "${other[@]}" --junit-xml="$OUT/gpu_junit_1.xml" > "$OUT/gpu_tests_1.txt" 2>&1
+                -p no:cacheprovider "${other[@]}" -rfE > "$OUT/gpu_tests_1.txt" 2>&1
               echo "== tests (GPU 1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
             wait; tail -n 3 "$OUT"/gpu_tests_[01].txt >> "$log" ;;
         demo) step demo 90 python3 -c "import sys; from cudnn_fuse.cli import main; sys.exit(main(['demo']))" ;;
         memory) step memory 90 python3 bench/memory.py --out "$OUT" ;;
         memory_at) CUDNN_FUSE_TUNE_BUDGET_S=${BUDGET:-3} step memory_autotune 180 python3 bench/memory.py --out "$OUT" --autotune ;;
+        memory2) t0=$SECONDS  # memory (heuristic plans) on GPU 0 and memory_at (autotuned) on GPU 1, at once
+            ( CUDA_VISIBLE_DEVICES=0 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout 120 python3 bench/memory.py --out "$OUT" >> "$OUT/memory.log" 2>&1
+              echo "== memory (GPU 0) rc=$? $((SECONDS - t0))s" >> "$log" ) &
+            ( CUDA_VISIBLE_DEVICES=1 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) CUDNN_FUSE_TUNE_BUDGET_S=${BUDGET:-3} timeout 180 \
+                python3 bench/memory.py --out "$OUT" --autotune >> "$log" 2>&1
+              echo "== memory_autotune (GPU 1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
+            wait; cat "$OUT/memory.log" >> "$log"; rm -f "$OUT/memory.log" ;;
         host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3
               step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT" ;;
         cold) step cold_start 150 python3 bench/cold_start.py --out "$OUT" ;;
