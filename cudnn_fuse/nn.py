@@ -108,3 +108,47 @@ class TransposedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[0]}, out={self.weight.shape[1]}, activation={self.activation!r}"
+
+
+class AlignedLinear(torch.nn.Linear):
+    """A linear layer with no epilogue whose output width is not a multiple of 16 bytes
+    (GPT-2's lm_head: 50257 outputs). Its output rows start at odd addresses, so cuBLAS falls
+    back to an sm75 ``align1`` kernel (6.6 ms instead of 0.9 ms for GPT-2's logits at 8×1024 on
+    the H200, ``bench/results/step_profile_gpt2_infer.json``). On the GPU this layer runs the
+    GEMM on a weight padded with zero rows to an aligned width and returns the first
+    ``out_features`` columns, contiguous (one copy, far cheaper than the misaligned GEMM).
+    Gradients flow to the original Parameters, so tied weights (lm_head / wte) stay tied;
+    state_dict is ``torch.nn.Linear``'s."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (ties kept)
+        self.train(linear.training)
+
+    MIN_WEIGHT = 1 << 20  # elements: a smaller layer is left to torch (the padding's 3 launches cost more)
+    MIN_MACS = 1 << 30  # per call: below it the misaligned kernel is cheaper than pad + GEMM + copy
+
+    @staticmethod
+    def misaligned(out_features: int, element_size: int = 2) -> bool:
+        return (out_features * element_size) % 16 != 0
+
+    @classmethod
+    def wanted(cls, linear: torch.nn.Linear) -> bool:
+        """optimize()'s test: a large layer whose 16-bit output rows are misaligned."""
+        return cls.misaligned(linear.out_features) and linear.in_features * linear.out_features >= cls.MIN_WEIGHT
+
+    def forward(self, x):
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) \
+                and self.misaligned(self.out_features, x.element_size()) \
+                and x.numel() * self.out_features >= self.MIN_MACS:
+            return self.padded_forward(x)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def padded_forward(self, x):
+        """``F.linear`` computed at an aligned output width, then cut back (on any device)."""
+        n = self.out_features
+        pad = (-n) % (16 // x.element_size())
+        w = torch.nn.functional.pad(self.weight, (0, 0, 0, pad))
+        b = None if self.bias is None else torch.nn.functional.pad(self.bias, (0, pad))
+        return torch.nn.functional.linear(x, w, b)[..., :n].contiguous()

@@ -6,7 +6,10 @@ when the whole model does not trace):
 - Conv2d [+ BatchNorm2d, folded, eval mode only] [+ residual add] [+ activation]
   -> cudnn_fuse.nn.Conv2d (the residual rides in the epilogue);
 - Linear [+ residual add] [+ activation] -> cudnn_fuse.nn.Linear;
-- F.scaled_dot_product_attention call sites -> cudnn_fuse.scaled_dot_product_attention.
+- F.scaled_dot_product_attention call sites -> cudnn_fuse.scaled_dot_product_attention;
+- a large Linear (>= 1M weights) with nothing to fuse whose output width is not a multiple of
+  16 bytes (GPT-2's lm_head, 50257 wide) -> cudnn_fuse.nn.AlignedLinear (aligned GEMM on a padded weight; torch's
+  is 7x slower there).
 
 A node is fused into its producer only when the producer's output has no other
 user. Everything replaced and everything left alone (with the reason) is
@@ -242,6 +245,9 @@ class _Rewriter:
         lin = self.gm.get_submodule(node.target)
         fused, residual, act = self.epilogue(node)
         if not fused:
+            if cfnn.AlignedLinear.wanted(lin):
+                self.replace(node, [], cfnn.AlignedLinear(lin), (node.args[0],), _aligned_pattern(lin))
+                return
             self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's linear is as fast)"))
             return
         m = _new_linear(lin, act[0] if act else None, act[1] if act else 0.01, self.recompute)
@@ -281,8 +287,18 @@ class _Rewriter:
         self.gm.recompile()
 
 
+def _aligned_pattern(lin: nn.Linear) -> str:
+    n = lin.out_features
+    return f"Linear, output {n} wide padded to {n + (-n) % 8} (aligned GEMM)"
+
+
 def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) -> nn.Module:
     """The traced + rewritten module, or the module with its children rewritten."""
+    if type(module) is nn.Linear:  # a lone Linear child (e.g. an untraceable model's lm_head)
+        if cfnn.AlignedLinear.wanted(module):
+            summary.replaced.append((prefix.rstrip(".") or "Linear", _aligned_pattern(module)))
+            return cfnn.AlignedLinear(module)
+        return module
     try:
         gm = _trace(module)
     except Exception as exc:  # noqa: BLE001 - untraceable forward: try its children

@@ -81,6 +81,27 @@ def test_gpt2_through_optimize_matches_eager():
     assert any("not traceable" in why for why in left.values())
 
 
+def test_gpt2_odd_vocab_lm_head_runs_aligned_and_matches_eager():
+    """GPT-2's 50257-wide lm_head (tied to wte) runs as AlignedLinear: same logits, same tied gradient."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=256, n_head=4, n_positions=128, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16)
+    opt = cf.optimize(model)
+    assert isinstance(opt.lm_head, cf.nn.AlignedLinear) and opt.lm_head.weight is opt.transformer.wte.weight
+    ids = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
+    with torch.no_grad():
+        ref, out = model(ids).logits, opt(ids).logits
+    assert out.shape == ref.shape == (2, 128, 50257) and out.is_contiguous()
+    assert rel(out, ref) < 1e-2
+    for m in (model, opt):
+        m.train()
+        m(ids, labels=ids).loss.backward()
+    g, g_ref = opt.transformer.wte.weight.grad, model.transformer.wte.weight.grad
+    assert rel(g.float(), g_ref.float()) < 3e-2
+
+
 def test_training_100_steps_tracks_eager_loss():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),

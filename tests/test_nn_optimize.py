@@ -234,6 +234,74 @@ def test_optimize_untraceable_model_rewrites_its_children():
     torch.testing.assert_close(opt(x), model(x))
 
 
+class TiedLM(nn.Module):
+    """GPT-2's head in small: an embedding tied to an output Linear 1001 wide (misaligned rows
+    in 16-bit), inside a forward torch.fx cannot trace."""
+
+    def __init__(self, vocab=4099, d=256):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, d), nn.GELU())
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        h = self.body(self.wte(ids))
+        if h.sum() > -1e9:  # data-dependent: the model does not trace, its children are rewritten
+            h = h * 1.0
+        return self.lm_head(h)
+
+
+def test_aligned_linear_padded_forward_equals_linear_with_gradients():
+    for dtype, n, bias in ((torch.float32, 1001, True), (torch.bfloat16, 1001, False), (torch.float32, 13, True)):
+        lin = nn.Linear(24, n, bias=bias).to(dtype)
+        al = cfnn.AlignedLinear(lin)
+        assert al.weight is lin.weight and al.bias is lin.bias
+        x1 = torch.randn(3, 5, 24, dtype=dtype, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_()
+        ref, out = F.linear(x1, lin.weight, lin.bias), al.padded_forward(x2)
+        assert out.shape == ref.shape and out.is_contiguous()
+        torch.testing.assert_close(out, ref)
+        g = torch.randn_like(ref)
+        gw_ref = torch.autograd.grad(ref, (x1, lin.weight), g)
+        gw_out = torch.autograd.grad(out, (x2, lin.weight), g)
+        for a, b in zip(gw_out, gw_ref):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b)
+
+
+def test_aligned_linear_pads_only_misaligned_widths():
+    assert cfnn.AlignedLinear.misaligned(50257) and cfnn.AlignedLinear.misaligned(1001)
+    assert cfnn.AlignedLinear.misaligned(12)  # 24 bytes in 16-bit
+    assert not cfnn.AlignedLinear.misaligned(1000) and not cfnn.AlignedLinear.misaligned(4096)
+    assert not cfnn.AlignedLinear.misaligned(12, element_size=4)  # 48 bytes in fp32
+    model = nn.Sequential(nn.Linear(8, 1000), nn.Linear(1000, 2001), nn.Linear(2001, 10))
+    opt = optimize(model)
+    summary = dict(opt.cudnn_fuse_summary.replaced)
+    assert list(summary.values()) == ["Linear, output 2001 wide padded to 2008 (aligned GEMM)"]
+    left = dict(opt.cudnn_fuse_summary.left_alone)
+    assert "no epilogue" in left["0"] and "no epilogue" in left["2"]  # aligned; misaligned but small
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), model(x))
+
+
+def test_optimize_keeps_a_tied_lm_head_tied_and_its_gradient_shared():
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = optimize(model)
+    assert isinstance(opt.lm_head, cfnn.AlignedLinear) and isinstance(opt.lm_head, nn.Linear)
+    assert opt.lm_head.weight is opt.wte.weight  # the tie survives the deepcopy and the rewrite
+    assert "padded to 4104" in dict(opt.cudnn_fuse_summary.replaced)["lm_head"]
+    assert "lm_head.weight" in opt.state_dict() and "lm_head.bias" not in opt.state_dict()
+    ids = torch.randint(0, 4099, (2, 7))
+    torch.testing.assert_close(opt(ids), model(ids))
+    # the padded path (what the GPU runs), through the whole model: same loss, same tied gradient
+    opt.lm_head.forward = opt.lm_head.padded_forward
+    for m in (opt, model):
+        F.cross_entropy(m(ids).flatten(0, 1), ids.flatten()).backward()
+    torch.testing.assert_close(opt.wte.weight.grad, model.wte.weight.grad)
+
+
 def test_optimize_logs_a_summary(caplog):
     import logging
 
