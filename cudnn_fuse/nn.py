@@ -113,12 +113,14 @@ class TransposedLinear(torch.nn.Module):
 class AlignedLinear(torch.nn.Linear):
     """A linear layer with no epilogue whose output width is not a multiple of 16 bytes
     (GPT-2's lm_head: 50257 outputs). Its output rows start at odd addresses, so cuBLAS falls
-    back to an sm75 ``align1`` kernel (6.6 ms instead of 0.9 ms for GPT-2's logits at 8×1024 on
+    back to an sm75 ``align1`` kernel (6.7 ms instead of 0.9 ms for GPT-2's logits at 8×1024 on
     the H200, ``bench/results/step_profile_gpt2_infer.json``). On the GPU this layer runs the
     GEMM on a weight padded with zero rows to an aligned width and returns the first
-    ``out_features`` columns, contiguous (one copy, far cheaper than the misaligned GEMM).
-    Gradients flow to the original Parameters, so tied weights (lm_head / wte) stay tied;
-    state_dict is ``torch.nn.Linear``'s."""
+    ``out_features`` columns as a view of that aligned buffer, as torch.compile's padded mm does:
+    the row stride is the padded width, so ``.view()`` across the last dim needs ``.contiguous()``
+    first (``.reshape()``, ``.float()``, softmax and cross-entropy take it as it is); a contiguous
+    copy would cost 0.9 ms of GPT-2's 6.9. Gradients flow to the original Parameters, so tied
+    weights (lm_head / wte) stay tied; state_dict is ``torch.nn.Linear``'s."""
 
     def __init__(self, linear: torch.nn.Linear):
         torch.nn.Module.__init__(self)
@@ -146,9 +148,9 @@ class AlignedLinear(torch.nn.Linear):
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def padded_forward(self, x):
-        """``F.linear`` computed at an aligned output width, then cut back (on any device)."""
+        """``F.linear`` computed at an aligned output width, then cut back to a view (on any device)."""
         n = self.out_features
         pad = (-n) % (16 // x.element_size())
         w = torch.nn.functional.pad(self.weight, (0, 0, 0, pad))
         b = None if self.bias is None else torch.nn.functional.pad(self.bias, (0, pad))
-        return torch.nn.functional.linear(x, w, b)[..., :n].contiguous()
+        return torch.nn.functional.linear(x, w, b)[..., :n]

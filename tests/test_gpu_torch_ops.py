@@ -93,7 +93,7 @@ def test_gpt2_odd_vocab_lm_head_runs_aligned_and_matches_eager():
     ids = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
     with torch.no_grad():
         ref, out = model(ids).logits, opt(ids).logits
-    assert out.shape == ref.shape == (2, 128, 50257) and out.is_contiguous()
+    assert out.shape == ref.shape == (2, 128, 50257) and out.stride()[-2:] == (50264, 1)  # a view of aligned rows
     assert rel(out, ref) < 1e-2
     for m in (model, opt):
         m.train()

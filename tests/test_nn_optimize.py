@@ -260,7 +260,7 @@ def test_aligned_linear_padded_forward_equals_linear_with_gradients():
         x1 = torch.randn(3, 5, 24, dtype=dtype, requires_grad=True)
         x2 = x1.detach().clone().requires_grad_()
         ref, out = F.linear(x1, lin.weight, lin.bias), al.padded_forward(x2)
-        assert out.shape == ref.shape and out.is_contiguous()
+        assert out.shape == ref.shape and out.stride(-2) % (16 // out.element_size()) == 0  # aligned rows
         torch.testing.assert_close(out, ref)
         g = torch.randn_like(ref)
         gw_ref = torch.autograd.grad(ref, (x1, lin.weight), g)
