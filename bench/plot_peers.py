@@ -127,6 +127,10 @@ def _f(x, fmt="{:.4g}") -> str:
     return fmt.format(x) if _ok(x) else "–"
 
 
+def _ff(ttr: dict, key: str):
+    return (ttr.get(key + "_detail") or {}).get("first_forward_s", "–")
+
+
 def table(doc: dict) -> str:
     """The README's results table (markdown), with the run's context above it."""
     s = doc.get("summary", {})
@@ -139,9 +143,11 @@ def table(doc: dict) -> str:
              f"torch.compile max-autotune: {s.get('geomean_autotuned_vs_max_autotune')}.",
              f"Host µs per call (cf.linear 64×256×256 + ReLU): eager {ho.get('eager')}, captured {ho.get('captured')} "
              f"per op, torch eager {ho.get('torch_eager')}.",
-             (f"Time to ready (fresh process → first resnet50 forward, s): cf warm plan cache {ttr.get('cf')}, "
-              f"torch.compile {ttr.get('torch_compile')} (warm Inductor cache "
-              f"{ttr.get('torch_compile_warm_inductor_cache')})." if ttr else
+             (f"Time to ready (fresh process → first resnet50 forward, s; in brackets the first forward alone, "
+              f"after the imports): cf warm plan cache {ttr.get('cf')} ({_ff(ttr, 'cf')}), "
+              f"torch.compile {ttr.get('torch_compile')} ({_ff(ttr, 'torch_compile')}), with a warm Inductor cache "
+              f"{ttr.get('torch_compile_warm_inductor_cache')} ({_ff(ttr, 'torch_compile_warm_inductor_cache')})."
+              if ttr else
               "Time to ready: not measured in the parts merged here (the `attention` part measures it)."),
              "",
              "| workload | kind | cf ms | cf autotuned ms | best peer | peer ms | speedup | % of roofline |",

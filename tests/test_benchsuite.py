@@ -307,8 +307,10 @@ def test_plot_script_on_a_fake_peers_json(tmp_path):
     assert "| conv_x | conv | 1 | 0.9 | torch_compile_max_autotune | 1.8 | 2.00× |" in table
     assert "eager 31.0, captured 2.4" in table
     assert "Time to ready: not measured" in table  # no part of this run measured it
-    doc["time_to_ready_s"] = {"cf": 0.8, "torch_compile": 41.0, "torch_compile_warm_inductor_cache": 9.5}
-    assert "cf warm plan cache 0.8, torch.compile 41.0 (warm Inductor cache 9.5)" in plot_peers.table(doc)
+    doc["time_to_ready_s"] = {"cf": 7.8, "cf_detail": {"first_forward_s": 0.6}, "torch_compile": 41.0,
+                              "torch_compile_detail": {"first_forward_s": 33.2}, "torch_compile_warm_inductor_cache": 9.5}
+    assert ("cf warm plan cache 7.8 (0.6), torch.compile 41.0 (33.2), with a warm Inductor cache 9.5 (–)"
+            in plot_peers.table(doc))
 
 
 # ---------------------------------------------------------------- the command line
