@@ -1,7 +1,7 @@
 """transformers models through optimize(): attention switched to cudnn_fuse, outputs equal.
 
-transformers is not installed beside CI's CPU torch (the test skips there); it runs where
-transformers is importable (the GPU machine's image has it)."""
+transformers comes with the test extra (`pip install ".[test]"`), so CI runs these on the CPU;
+the GPU machine's image has it too."""
 
 from __future__ import annotations
 
@@ -83,4 +83,51 @@ def test_gpt2_mlp_conv1d_gelu_is_fused_and_trains():
     loss.backward()
     ref.backward()
     torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(fused.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def _gpt2(vocab=50257, d=32):
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=d, n_head=4, n_positions=32, vocab_size=vocab, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0)).train()
+
+
+def test_gpt2_full_vocab_lm_head_is_aligned_tied_and_trains_the_same():
+    model = _gpt2()
+    opt = cf.optimize(model)
+    assert isinstance(opt.lm_head, cf.nn.AlignedLinear) and opt.lm_head.weight is opt.transformer.wte.weight
+    assert "50257 wide padded to 50264" in dict(opt.cudnn_fuse_summary.replaced)["lm_head"]
+    opt.lm_head.forward = opt.lm_head.padded_forward  # the GPU's path, on the CPU
+    ids = torch.randint(0, 50257, (2, 16))
+    out = opt(ids, labels=ids)
+    assert out.logits.shape == (2, 16, 50257) and out.logits.stride()[-2:] == (50260, 1)  # fp32: 16 B = 4 columns
+    ref = model(ids, labels=ids)
+    torch.testing.assert_close(out.loss, ref.loss)
+    out.loss.backward()
+    ref.loss.backward()
+    torch.testing.assert_close(opt.transformer.wte.weight.grad, model.transformer.wte.weight.grad,
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_torch_compile_over_an_optimized_gpt2_is_one_graph_with_the_same_gradients():
+    model = _gpt2(vocab=100, d=64)
+    opt = cf.optimize(model)
+    ids = torch.randint(0, 100, (2, 16))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(opt)(ids)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    loss = torch.compile(opt, dynamic=False)(ids, labels=ids).loss
+    ref = model(ids, labels=ids).loss
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    ref.backward()
+    g = dict(opt.named_parameters())
+    shared = [n for n, _ in model.named_parameters() if n in g]
+    assert "transformer.wte.weight" in shared and len(shared) >= 10
+    for n, p in model.named_parameters():
+        if n in g:
+            torch.testing.assert_close(g[n].grad, p.grad, rtol=1e-4, atol=1e-6)
+    fused = opt.get_submodule("transformer.h.0.mlp").get_submodule("cudnn_fuse_0")  # Conv1D + gelu_tanh
     torch.testing.assert_close(fused.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad, rtol=1e-4, atol=1e-6)
