@@ -129,11 +129,13 @@ class AlignedLinear(torch.nn.Linear):
         self.train(linear.training)
 
     MIN_WEIGHT = 1 << 20  # elements: a smaller layer is left to torch (the padding's 3 launches cost more)
-    MIN_MACS = 1 << 30  # per call: below it the misaligned kernel is cheaper than pad + GEMM + copy
+    MIN_MACS = 1 << 30  # per call: below it the misaligned kernel is cheaper than the weight pad + GEMM
 
     @staticmethod
-    def misaligned(out_features: int, element_size: int = 2) -> bool:
-        return (out_features * element_size) % 16 != 0
+    def misaligned(out_features: int) -> bool:
+        """Rows not 16-byte aligned in 16-bit (8 columns). fp32 counts too: under autocast its
+        GEMM writes bf16/fp16 rows."""
+        return out_features % 8 != 0
 
     @classmethod
     def wanted(cls, linear: torch.nn.Linear) -> bool:
@@ -142,7 +144,7 @@ class AlignedLinear(torch.nn.Linear):
 
     def forward(self, x):
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) \
-                and self.misaligned(self.out_features, x.element_size()) \
+                and self.misaligned(self.out_features) \
                 and x.numel() * self.out_features >= self.MIN_MACS:
             return self.padded_forward(x)
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -150,7 +152,7 @@ class AlignedLinear(torch.nn.Linear):
     def padded_forward(self, x):
         """``F.linear`` computed at an aligned output width, then cut back to a view (on any device)."""
         n = self.out_features
-        pad = (-n) % (16 // x.element_size())
+        pad = (-n) % 8
         w = torch.nn.functional.pad(self.weight, (0, 0, 0, pad))
         b = None if self.bias is None else torch.nn.functional.pad(self.bias, (0, pad))
         return torch.nn.functional.linear(x, w, b)[..., :n]
