@@ -255,17 +255,22 @@ def gemm_products(a3, b3, dz, need_a: bool, need_b: bool, weight_layout: bool = 
     return da, db
 
 
-def linear_grads(x, w, bias, residual, gy, act, slope, src, needs):
-    """(dx, dw, dbias, dresidual) of y = act(x @ w.T + bias + residual) on the
-    cuDNN graphs, or None when the dz graph was declined. ``needs``: 4 bools
-    (x, w, bias, residual); the residual's gradient is dz itself. ``bias`` and
-    ``residual`` are needed only when z is recomputed (the caller saves them then)."""
+def _linear_operands(x, w):
+    """x @ w.T as one batch of the matmul graphs: (N, K, rows, a3 [1, rows, K], b3 [1, K, N])."""
     N, K = w.shape
     rows = math.prod(x.shape[:-1])
     a3 = x.reshape(1, rows, K)
     if a3.stride(-1) != 1 and a3.stride(-2) != 1:
         a3 = a3.contiguous()
-    b3 = w.t().unsqueeze(0)
+    return N, K, rows, a3, w.t().unsqueeze(0)
+
+
+def linear_grads(x, w, bias, residual, gy, act, slope, src, needs):
+    """(dx, dw, dbias, dresidual) of y = act(x @ w.T + bias + residual) on the
+    cuDNN graphs, or None when the dz graph was declined. ``needs``: 4 bools
+    (x, w, bias, residual); the residual's gradient is dz itself. ``bias`` and
+    ``residual`` are needed only when z is recomputed (the caller saves them then)."""
+    N, K, rows, a3, b3 = _linear_operands(x, w)
     dy3 = gy.contiguous().reshape(1, rows, N)
     r3 = residual.reshape(1, rows, N) if residual is not None else None
     out = gemm_dz(a3, b3, bias, r3, dy3, act, slope, src, want_dbias=needs[2])
@@ -306,12 +311,7 @@ def matmul_grads(a, b, bias, residual, gy, act, slope, src, needs):
 def linear_save_z(x, w, bias, residual, act, slope):
     """(y, z) of y = act(z), z = x @ w.T + bias + residual, written by ONE graph;
     None when cuDNN declines it."""
-    N, K = w.shape
-    rows = math.prod(x.shape[:-1])
-    a3 = x.reshape(1, rows, K)
-    if a3.stride(-1) != 1 and a3.stride(-2) != 1:
-        a3 = a3.contiguous()
-    b3 = w.t().unsqueeze(0)
+    N, K, rows, a3, b3 = _linear_operands(x, w)
     y = torch.empty((1, rows, N), dtype=x.dtype, device=x.device)
     z = torch.empty_like(y)
     r3 = residual.reshape(1, rows, N).contiguous() if residual is not None else None

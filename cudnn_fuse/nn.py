@@ -122,14 +122,15 @@ class AlignedLinear(torch.nn.Linear):
     copy would cost 0.9 ms of GPT-2's 6.9. Gradients flow to the original Parameters, so tied
     weights (lm_head / wte) stay tied; state_dict is ``torch.nn.Linear``'s."""
 
+    MIN_WEIGHT = 1 << 20  # elements: a smaller layer is left to torch (the weight pad's launches cost more)
+    MIN_MACS = 1 << 30  # per call: below it the misaligned kernel is cheaper than the weight pad + GEMM
+
     def __init__(self, linear: torch.nn.Linear):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (ties kept)
+        self.pad = (-self.out_features) % 8  # zero rows that make the output 16-byte aligned in 16-bit
         self.train(linear.training)
-
-    MIN_WEIGHT = 1 << 20  # elements: a smaller layer is left to torch (the padding's 3 launches cost more)
-    MIN_MACS = 1 << 30  # per call: below it the misaligned kernel is cheaper than the weight pad + GEMM
 
     @staticmethod
     def misaligned(out_features: int) -> bool:
@@ -143,16 +144,18 @@ class AlignedLinear(torch.nn.Linear):
         return cls.misaligned(linear.out_features) and linear.in_features * linear.out_features >= cls.MIN_WEIGHT
 
     def forward(self, x):
-        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) \
-                and self.misaligned(self.out_features) \
-                and x.numel() * self.out_features >= self.MIN_MACS:
+        if self.pad and x.is_cuda and x.dtype in _ALIGNED_DTYPES and x.numel() * self.out_features >= self.MIN_MACS:
             return self.padded_forward(x)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def padded_forward(self, x):
         """``F.linear`` computed at an aligned output width, then cut back to a view (on any device)."""
-        n = self.out_features
-        pad = (-n) % 8
-        w = torch.nn.functional.pad(self.weight, (0, 0, 0, pad))
-        b = None if self.bias is None else torch.nn.functional.pad(self.bias, (0, pad))
-        return torch.nn.functional.linear(x, w, b)[..., :n]
+        w = torch.nn.functional.pad(self.weight, (0, 0, 0, self.pad))
+        b = None if self.bias is None else torch.nn.functional.pad(self.bias, (0, self.pad))
+        return torch.nn.functional.linear(x, w, b)[..., :self.out_features]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", padded to {self.out_features + self.pad}"
+
+
+_ALIGNED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -246,7 +246,8 @@ class _Rewriter:
         fused, residual, act = self.epilogue(node)
         if not fused:
             if cfnn.AlignedLinear.wanted(lin):
-                self.replace(node, [], cfnn.AlignedLinear(lin), (node.args[0],), _aligned_pattern(lin))
+                m = cfnn.AlignedLinear(lin)
+                self.replace(node, [], m, (node.args[0],), _aligned_pattern(m))
                 return
             self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's linear is as fast)"))
             return
@@ -287,17 +288,17 @@ class _Rewriter:
         self.gm.recompile()
 
 
-def _aligned_pattern(lin: nn.Linear) -> str:
-    n = lin.out_features
-    return f"Linear, output {n} wide padded to {n + (-n) % 8} (aligned GEMM)"
+def _aligned_pattern(m: cfnn.AlignedLinear) -> str:
+    return f"Linear, output {m.out_features} wide padded to {m.out_features + m.pad} (aligned GEMM)"
 
 
 def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) -> nn.Module:
     """The traced + rewritten module, or the module with its children rewritten."""
     if type(module) is nn.Linear:  # a lone Linear child (e.g. an untraceable model's lm_head)
         if cfnn.AlignedLinear.wanted(module):
-            summary.replaced.append((prefix.rstrip(".") or "Linear", _aligned_pattern(module)))
-            return cfnn.AlignedLinear(module)
+            m = cfnn.AlignedLinear(module)
+            summary.replaced.append((prefix.rstrip(".") or "Linear", _aligned_pattern(m)))
+            return m
         return module
     try:
         gm = _trace(module)
