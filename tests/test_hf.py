@@ -131,3 +131,72 @@ def test_torch_compile_over_an_optimized_gpt2_is_one_graph_with_the_same_gradien
             torch.testing.assert_close(g[n].grad, p.grad, rtol=1e-4, atol=1e-6)
     fused = opt.get_submodule("transformer.h.0.mlp").get_submodule("cudnn_fuse_0")  # Conv1D + gelu_tanh
     torch.testing.assert_close(fused.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def _attention_calls(monkeypatch):
+    """Record (mask is None, is_causal) of every cf attention call, traced or run."""
+    from cudnn_fuse import ops
+
+    calls, real = [], ops.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((attn_mask is None, kw.get("is_causal")))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(ops, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def _transformers_never_skips(monkeypatch):
+    """What transformers < 5.2x does under torch.compile (torch < 2.14) and under CUDA-graph
+    capture: it never lets a causal mask be skipped while tracing."""
+    import transformers.masking_utils as mu
+
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+
+
+def test_a_plain_causal_mask_is_not_built_even_under_torch_compile(monkeypatch):
+    model = _gpt2(vocab=100, d=64).eval()
+    opt = cf.optimize(model)
+    _transformers_never_skips(monkeypatch)
+    calls = _attention_calls(monkeypatch)
+    ids = torch.randint(0, 100, (2, 16))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, ref = torch.compile(opt, dynamic=False)(ids).logits, model(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert calls and all(c == (True, True) for c in calls)  # traced with no mask: is_causal
+
+
+def test_a_padding_mask_is_still_built_and_applied(monkeypatch):
+    model = _gpt2(vocab=100, d=64).eval()
+    opt = cf.optimize(model)
+    calls = _attention_calls(monkeypatch)
+    ids = torch.randint(0, 100, (2, 16))
+    pad = torch.ones(2, 16, dtype=torch.long)
+    pad[1, 11:] = 0  # the second sequence is 11 tokens long
+    with torch.no_grad():
+        out = opt(ids, attention_mask=pad).logits
+        ref = model(ids, attention_mask=pad).logits
+    torch.testing.assert_close(out[:, :11], ref[:, :11], rtol=1e-4, atol=1e-5)
+    assert calls and all(c[0] is False for c in calls)  # a mask went to attention
+
+
+def test_causal_mask_defers_to_transformers_outside_the_plain_case(monkeypatch):
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    from cudnn_fuse.hf import causal_mask
+
+    kw = dict(batch_size=2, q_length=8, kv_length=8, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+              attention_mask=None, local_size=None, allow_is_causal_skip=True, device="cpu")
+    assert causal_mask(**kw) is None
+    _transformers_never_skips(monkeypatch)
+    assert causal_mask(**kw) is None and sdpa_mask(**kw).shape == (2, 1, 8, 8)  # the skip is cf's own
+    for change in (dict(kv_length=12), dict(q_offset=4, kv_length=12), dict(q_offset=torch.tensor(0)),
+                   dict(local_size=4), dict(allow_is_causal_skip=False),
+                   dict(attention_mask=torch.tensor([[1] * 8, [1] * 5 + [0] * 3]).bool())):
+        args = {**kw, **change}
+        mine, theirs = causal_mask(**args), sdpa_mask(**args)
+        assert (mine is None) == (theirs is None), change
+        if theirs is not None:
+            assert torch.equal(mine, theirs), change
