@@ -193,6 +193,20 @@ def test_each_variant_is_saved_as_it_ends(tmp_path):
     assert at_max == [{"torch_eager": 2.0, "torch_compile": 1.5}]
 
 
+def test_model_variants_time_eager_python_before_any_torch_compile():
+    """A model's step is timed on the wall clock, and torch.compile slows an eager model's host
+    path once it has run in the process: cf and eager come first, compile's modes last."""
+    model = torch.nn.Linear(4, 4)
+    for captured in (True, False):
+        names = [v.name for v in bs._model_variants(model, (torch.randn(2, 4),), lambda m, x: m(x),
+                                                     tuned_est_s=1.0, max_autotune_est_s=1.0, captured=captured)]
+        first_compile = min(i for i, n in enumerate(names) if n.startswith("torch_compile"))
+        assert all(n.startswith("torch_compile") for n in names[first_compile:])
+        assert names[:2] == ["torch_eager", "cf"] and names.index("cf_repeat") < names.index("cf_autotuned")
+        assert ("cf_captured" in names) == captured == ("torch_compile_reduce_overhead" in names)
+        assert names[-1] == bs.MAX_AUTOTUNE
+
+
 def test_build_failure_is_recorded_not_raised():
     def broken(opts):
         raise ImportError("No module named 'torchvision'")
