@@ -45,7 +45,7 @@ import torch.nn.functional as F
 SCHEMA = "cudnn_fuse.bench.peers"
 VERSION = 1
 KINDS = ("conv", "matmul", "attention", "small", "model")
-CF_VARIANTS = ("cf", "cf_autotuned", "cf_repeat", "cf_captured")
+CF_VARIANTS = ("cf", "cf_autotuned", "cf_repeat", "cf_captured", "cf_compiled")
 PEER_VARIANTS = ("torch_eager", "torch_compile", "torch_compile_max_autotune", "sdpa_flash", "sdpa_cudnn",
                  "sdpa_efficient", "torch_eager_captured", "torch_compile_reduce_overhead")
 MAX_AUTOTUNE = "torch_compile_max_autotune"
@@ -609,6 +609,11 @@ def _model_variants(model, example, forward, tuned_est_s, max_autotune_est_s, ca
             return lambda *a: forward(cm, *a)
         return setup
 
+    def cf_compiled():  # torch.compile over the optimize()d model: cf's ops are custom ops Inductor keeps
+        torch._dynamo.reset()
+        cm = torch.compile(cf.optimize(model, **kw), dynamic=False)
+        return lambda *a: forward(cm, *a)
+
     cf_heur = _memo(cf_setup(False))
     tuned = _memo(cf_setup(True))
     # every variant that runs eager Python first, torch.compile's last: once torch.compile has run
@@ -626,6 +631,7 @@ def _model_variants(model, example, forward, tuned_est_s, max_autotune_est_s, ca
 
         out.append(Variant("cf_captured", cf_captured))
     out.append(Variant("torch_compile", compiled(None), expensive=True, est_s=60.0))
+    out.append(Variant("cf_compiled", cf_compiled, expensive=True, est_s=60.0))
     if captured:
         out.append(Variant("torch_compile_reduce_overhead", compiled("reduce-overhead"), expensive=True, est_s=80.0))
     # last: minutes to compile a whole model; the budget skips it (with the reason) where it cannot end in time
