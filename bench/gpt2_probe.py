@@ -54,9 +54,12 @@ def main(argv=None) -> int:
 
     opt = cf.optimize(model)
     timed("cf", lambda: step(opt))
-    g = cf.capture(lambda i: opt(i).logits, ids)
-    with torch.no_grad():
-        timed("cf_captured", lambda: g(ids))
+    def fwd(i):
+        with torch.no_grad():
+            return opt(i).logits
+
+    g = cf.capture(fwd, ids)
+    timed("cf_captured", lambda: g(ids))
     timed("torch_eager", lambda: step(model))
     cm = torch.compile(opt, dynamic=False)
     timed("cf_compiled", lambda: step(cm))
