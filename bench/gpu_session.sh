@@ -5,7 +5,8 @@
 #   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
 # Steps: tests (the GPU suite, junit XML), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
-# memory2 (memory and memory_at at once, one per GPU), host (host_overhead +
+# memory2 (memory and memory_at at once, one per GPU), gpt2probe (GPT-2 inference: cf, captured,
+# cf under torch.compile, torch.compile), host (host_overhead +
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
@@ -49,6 +50,7 @@ for s in $STEPS; do
             wait; cat "$OUT/memory.log" >> "$log"; rm -f "$OUT/memory.log" ;;
         host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3
               step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT" ;;
+        gpt2probe) step gpt2_probe 200 python3 bench/gpt2_probe.py --out "$OUT" ;;
         cold) step cold_start 150 python3 bench/cold_start.py --out "$OUT" ;;
         prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
         peers:*) step "$s" "${PEERS_TIMEOUT:-420}" python3 bench/peers.py --part "${s#peers:}" \
