@@ -10,12 +10,13 @@
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
-# PEERS_ARGS adds options to every peers run (e.g. "--no-max-autotune").
+# pytest:<file>,<file> runs those GPU test files (report in the log). SKIP_INSTALL=1: the wheels are
+# already in /tmp/site (a second instance beside a first). PEERS_ARGS adds options to every peers run (e.g. "--no-max-autotune").
 # Expects the recipe of ../shared/device/README.md: wheels in .whl/, this checkout on PYTHONPATH.
 set -u
 OUT=${OUT:?set OUT}
 STEPS=${STEPS:-"tests demo memory host"}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 log=$OUT/log.txt
 step() {  # step NAME TIMEOUT_S CMD...: a fresh plan cache per step
@@ -50,6 +51,7 @@ for s in $STEPS; do
             wait; cat "$OUT/memory.log" >> "$log"; rm -f "$OUT/memory.log" ;;
         host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3
               step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT" ;;
+        pytest:*) files=${s#pytest:}; step "$s" "${TESTS_TIMEOUT:-260}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${files//,/ } ;;
         gpt2probe) step gpt2_probe 200 python3 bench/gpt2_probe.py --out "$OUT" ;;
         cold) step cold_start 150 python3 bench/cold_start.py --out "$OUT" ;;
         prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
