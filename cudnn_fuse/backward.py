@@ -60,10 +60,28 @@ GEMM_DBIAS = os.environ.get("CUDNN_FUSE_BWD_GEMM_DBIAS", "torch")
 
 
 def usable(*tensors) -> bool:
-    """Whether the cuDNN backward can take these operands (16-bit CUDA, non-empty)."""
+    """Whether the cuDNN backward can take these operands (16-bit CUDA, non-empty, real).
+
+    Under torch.compile, AOTAutograd traces the custom ops' backward formulas with fake
+    tensors: there the formulas must take the torch math (which Inductor compiles), since a
+    cuDNN graph launch reads data pointers that a fake tensor does not have."""
     ts = [t for t in tensors if t is not None]
     return (all(t.is_cuda for t in ts) and ts[0].dtype in _DT and all(t.dtype == ts[0].dtype for t in ts)
-            and all(t.numel() > 0 for t in ts))
+            and all(t.numel() > 0 for t in ts) and not tracing(ts))
+
+
+def tracing(ts) -> bool:
+    """Whether these tensors are being traced (fake or functional tensors, or torch.compile)."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(_is_fake(t) or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) for t in ts)
+
+
+try:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+except ImportError:  # pragma: no cover - torch without fake tensors
+    def _is_fake(t) -> bool:
+        return False
 
 
 def _spec(t: torch.Tensor) -> TensorSpec:

@@ -136,3 +136,35 @@ def test_cupy_in_cupy_out():
     assert isinstance(y, cp.ndarray) and y.shape == (64, 96)
     ref = cp.maximum(x.astype(cp.float32) @ w.astype(cp.float32).T, 0)
     assert float(cp.linalg.norm(y.astype(cp.float32) - ref) / cp.linalg.norm(ref)) < 1e-2
+
+
+def test_torch_compile_trains_on_cuda_with_eager_gradients():
+    """A training step under torch.compile on CUDA: AOTAutograd traces every cf op's backward
+    formula (with fake tensors, so the torch math) and the gradients equal cf's eager ones."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    conv = cf.nn.Conv2d(16, 32, 3, padding=1, activation="relu").cuda().to(dt)
+    mlp = nn.Sequential(cf.nn.Linear(32, 128, activation="gelu", recompute=True),
+                        cf.nn.Linear(128, 64, activation="gelu_tanh", recompute=False),
+                        cf.nn.Linear(64, 64, activation="relu")).cuda().to(dt)
+    wm = (torch.randn(64, 64, device="cuda", dtype=dt) / 8).requires_grad_()
+
+    def step(x):
+        h = conv(x).mean(dim=(2, 3))                                  # [B, 32]
+        h = mlp(h)                                                     # [B, 64]
+        q = h.view(2, 4, -1, 16)                                      # [2, 4, B/2*... , 16]
+        o = cf.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return cf.matmul(o.reshape(-1, 64), wm, activation="silu").float().square().mean()
+
+    x = torch.randn(32, 16, 12, 12, device="cuda", dtype=dt).to(memory_format=torch.channels_last)
+    params = [*conv.parameters(), *mlp.parameters(), wm]
+    step(x).backward()
+    eager = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    loss = torch.compile(step, fullgraph=True)(x)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for e, p in zip(eager, params):
+        assert rel(p.grad, e) < 3e-2

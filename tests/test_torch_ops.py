@@ -256,3 +256,37 @@ def test_conv_with_amax_keeps_the_custom_op_layout():
     assert not type(y.grad_fn).__name__.startswith("_Conv2dTrain") and not amax.requires_grad
     y.sum().backward()
     assert x.grad is not None and w.grad is not None
+
+
+class _Ctx:
+    """What a custom op's backward formula reads from its ctx."""
+
+    def __init__(self, saved, act, needs, has_bias=True, has_residual=False, geo=None):
+        self.saved_tensors, self.act, self.slope, self.needs_input_grad = saved, act, 0.01, needs
+        self.has_bias, self.has_residual, self.geo = has_bias, has_residual, geo
+
+
+def test_backward_formulas_trace_torch_math_on_fake_cuda_tensors():
+    """torch.compile's AOTAutograd runs the backward formulas on fake tensors: on 16-bit CUDA
+    they must not take the cuDNN path, whose launch reads data pointers (it failed so on the
+    H200: "Cannot access data pointer of Tensor (e.g. FakeTensor ...)")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    from cudnn_fuse import backward
+
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    with FakeTensorMode():
+        x, w, b = torch.empty(64, 128, **bf), torch.empty(256, 128, **bf), torch.empty(256, **bf)
+        y, gy = torch.empty(64, 256, **bf), torch.empty(64, 256, **bf)
+        assert not backward.usable(x, w, b, gy)
+        dx, dw, db, *rest = torch_ops._linear_backward(
+            _Ctx((x, w, y, b, None), "relu", (True, True, True) + (False,) * 4), gy, None)
+        assert [t.shape for t in (dx, dw, db)] == [x.shape, w.shape, b.shape] and all(map(is_fake, (dx, dw, db)))
+        # (matmul's and the other activations' torch math runs autograd.grad, which a CPU-only
+        # torch cannot trace on fake CUDA tensors: the GPU suite compiles those)
+        xc, wc, bc = torch.empty(2, 16, 8, 8, **bf), torch.empty(32, 16, 3, 3, **bf), torch.empty(32, **bf)
+        yc = torch.empty(2, 32, 8, 8, **bf)
+        geo = ((1, 1), (1, 1), (1, 1), (1, 1), 1)
+        dxc, dwc, dbc, *_ = torch_ops._conv2d_backward(
+            _Ctx((xc, wc, yc, bc, None), "relu", (True, True, True) + (False,) * 9, geo=geo), yc.clone(), None)
+        assert [t.shape for t in (dxc, dwc, dbc)] == [xc.shape, wc.shape, bc.shape]
