@@ -1,7 +1,9 @@
-"""GPT-2 small bf16 8x1024 inference, one process: cf eager, cf captured, cf under torch.compile,
-torch.compile alone; wall ms per step (events around 20 steps), written after each variant.
+"""GPT-2 small bf16 8x1024, one process: cf eager, cf captured (inference), torch eager, then
+torch.compile over the optimize()d model with each compile-inline setting (which cf ops
+torch.compile traces as torch ops: cf.set_compile_inline), and torch.compile alone; wall ms per
+step (events around 20 steps after 3 warm-up steps), written after each variant.
 
-    python3 bench/gpt2_probe.py --out DIR
+    python3 bench/gpt2_probe.py --out DIR [--train]
 """
 
 from __future__ import annotations
@@ -18,55 +20,75 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
 
+INLINE = {"cf_compiled": ("linear", "matmul", "sdpa"), "cf_compiled_sdpa_op": ("linear", "matmul"),
+          "cf_compiled_all_ops": ()}
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--train", action="store_true", help="a training step (forward, loss, backward)")
     args = ap.parse_args(argv)
     import transformers
 
     cfg = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    model = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16).eval()
+    model = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16).train(args.train)
     ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
-    res, path = {"device": torch.cuda.get_device_name(), "transformers": transformers.__version__}, \
-        os.path.join(args.out, "gpt2_probe.json")
+    mode = "train" if args.train else "infer"
+    res = {"device": torch.cuda.get_device_name(), "transformers": transformers.__version__, "mode": mode,
+           "inline": {k: list(v) for k, v in INLINE.items()}}
+    path = os.path.join(args.out, f"gpt2_probe_{mode}.json")
 
     def step(m):
+        if args.train:
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            for p in m.parameters():
+                p.grad = None
+            return loss.detach()
         with torch.no_grad():
             return m(ids).logits
 
+    ref = step(model).float()
+
     def timed(name, fn):
         t0 = time.perf_counter()
+        out = None
         for _ in range(3):
-            fn()
+            out = fn()
         torch.cuda.synchronize()
         setup = time.perf_counter() - t0
+        err = ((out.float() - ref).norm() / ref.norm()).item()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         for _ in range(20):
             fn()
         e.record()
         torch.cuda.synchronize()
-        res[name] = {"ms": round(s.elapsed_time(e) / 20, 4), "setup_s": round(setup, 2)}
+        res[name] = {"ms": round(s.elapsed_time(e) / 20, 4), "setup_s": round(setup, 2), "rel_err": float(f"{err:.3g}")}
         print(name, res[name], flush=True)
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
     opt = cf.optimize(model)
     timed("cf", lambda: step(opt))
-    def fwd(i):
-        with torch.no_grad():
-            return opt(i).logits
-
-    g = cf.capture(fwd, ids)
-    timed("cf_captured", lambda: g(ids))
+    if not args.train:
+        def fwd(i):
+            with torch.no_grad():
+                return opt(i).logits
+        g = cf.capture(fwd, ids)
+        timed("cf_captured", lambda: g(ids))
     timed("torch_eager", lambda: step(model))
-    cm = torch.compile(opt, dynamic=False)
-    timed("cf_compiled", lambda: step(cm))
+    for name, inline in INLINE.items():
+        prev = cf.set_compile_inline(inline)
+        torch._dynamo.reset()
+        cm = torch.compile(cf.optimize(model), dynamic=False)
+        timed(name, lambda: step(cm))
+        cf.set_compile_inline(prev)
+        del cm
     torch._dynamo.reset()
     tm = torch.compile(copy.deepcopy(model), dynamic=False)
     timed("torch_compile", lambda: step(tm))
-    timed("cf_again", lambda: step(opt))
     return 0
 
 

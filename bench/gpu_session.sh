@@ -5,7 +5,7 @@
 #   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
 # Steps: tests (the GPU suite, junit XML), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
-# memory2 (memory and memory_at at once, one per GPU), gpt2probe (GPT-2 inference: cf, captured,
+# memory2 (memory and memory_at at once, one per GPU), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
 # cf under torch.compile, torch.compile), host (host_overhead +
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
@@ -52,7 +52,8 @@ for s in $STEPS; do
         host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3
               step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT" ;;
         pytest:*) files=${s#pytest:}; step "$s" "${TESTS_TIMEOUT:-260}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${files//,/ } ;;
-        gpt2probe) step gpt2_probe 200 python3 bench/gpt2_probe.py --out "$OUT" ;;
+        gpt2probe) step gpt2_probe 240 python3 bench/gpt2_probe.py --out "$OUT" ;;
+        gpt2probe_train) step gpt2_probe_train 300 python3 bench/gpt2_probe.py --out "$OUT" --train ;;
         cold) step cold_start 150 python3 bench/cold_start.py --out "$OUT" ;;
         prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
         peers:*) step "$s" "${PEERS_TIMEOUT:-420}" python3 bench/peers.py --part "${s#peers:}" \

@@ -13,7 +13,7 @@ from . import nn
 from .graphs import capture
 from .manifest import record
 from .optimize import optimize
-from .ops import conv2d, linear, matmul, scaled_dot_product_attention
+from .ops import conv2d, linear, matmul, scaled_dot_product_attention, set_compile_inline
 from .plans import plan_stats
 
 
@@ -46,6 +46,7 @@ __all__ = [
     "nn",
     "optimize",
     "set_autotune",
+    "set_compile_inline",
     "PlanCache",
     "UnsupportedError",
 ]

@@ -609,7 +609,7 @@ def _model_variants(model, example, forward, tuned_est_s, max_autotune_est_s, ca
             return lambda *a: forward(cm, *a)
         return setup
 
-    def cf_compiled():  # torch.compile over the optimize()d model: cf's ops are custom ops Inductor keeps
+    def cf_compiled():  # torch.compile over the optimize()d model (convs stay cuDNN custom ops; see cf.set_compile_inline)
         torch._dynamo.reset()
         cm = torch.compile(cf.optimize(model, **kw), dynamic=False)
         return lambda *a: forward(cm, *a)

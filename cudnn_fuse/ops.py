@@ -98,6 +98,41 @@ def _why_not_fused(op: str, tensors: Sequence[Optional[torch.Tensor]]) -> Option
     return None
 
 
+# Ops that torch.compile traces as their PyTorch expression instead of the opaque cuDNN custom
+# op, so that Inductor compiles them with their neighbours: a GEMM epilogue or an attention call
+# is one Inductor kernel choice among others (cuBLAS + a fused pointwise, torch's SDPA), and a
+# custom op inside the graph costs its backward (the SDPA forward recomputed, a pre-activation
+# recomputed by a GEMM) and blocks fusion across it. Convs stay cuDNN custom ops under compile.
+# CUDNN_FUSE_COMPILE_INLINE: comma-separated among linear, matmul, sdpa; "" keeps every op a
+# custom op under torch.compile.
+COMPILE_INLINE_OPS = ("linear", "matmul", "sdpa")
+
+
+def _parse_inline(raw: Optional[str]) -> frozenset:
+    if raw is None:
+        return frozenset(COMPILE_INLINE_OPS)
+    ops_ = frozenset(p.strip() for p in raw.split(",") if p.strip())
+    unknown = ops_ - set(COMPILE_INLINE_OPS)
+    if unknown:
+        log.warning("CUDNN_FUSE_COMPILE_INLINE: ignoring %s (known: %s)", sorted(unknown), ", ".join(COMPILE_INLINE_OPS))
+    return ops_ & frozenset(COMPILE_INLINE_OPS)
+
+
+compile_inline = _parse_inline(os.environ.get("CUDNN_FUSE_COMPILE_INLINE"))
+
+
+def set_compile_inline(ops_) -> frozenset:
+    """Which ops torch.compile traces as their PyTorch expression (see ``COMPILE_INLINE_OPS``);
+    returns the previous set. Takes effect at the next compilation (``torch._dynamo.reset()``)."""
+    global compile_inline
+    prev, compile_inline = compile_inline, _parse_inline(",".join(ops_))
+    return prev
+
+
+def _inline_under_compile(op: str) -> bool:
+    return op in compile_inline and torch.compiler.is_compiling()
+
+
 def _via_custom_op(*tensors) -> bool:
     """Autograd and torch.compile go through the registered torch.library op
     (torch_ops.py); plain inference calls the implementation directly."""
@@ -503,6 +538,8 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
         raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
     _check_epilogue(op, activation, residual, out_shape, bias, N)
 
+    if _inline_under_compile("matmul"):
+        return reference.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
     if _via_custom_op(a, b, bias, residual):
         from . import torch_ops
 
@@ -604,6 +641,8 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     out_shape = tuple(x.shape[:-1]) + (N,)
     _check_epilogue(op, activation, residual, out_shape, bias, N)
 
+    if _inline_under_compile("linear"):
+        return reference.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
 
@@ -693,6 +732,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
         _fallback(op, "dropout_p > 0")
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if _inline_under_compile("sdpa"):
+        return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
     if _via_custom_op(q, k, v, attn_mask):
         from . import torch_ops
 

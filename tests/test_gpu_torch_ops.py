@@ -138,9 +138,20 @@ def test_cupy_in_cupy_out():
     assert float(cp.linalg.norm(y.astype(cp.float32) - ref) / cp.linalg.norm(ref)) < 1e-2
 
 
-def test_torch_compile_trains_on_cuda_with_eager_gradients():
-    """A training step under torch.compile on CUDA: AOTAutograd traces every cf op's backward
-    formula (with fake tensors, so the torch math) and the gradients equal cf's eager ones."""
+@pytest.mark.parametrize("inline", [None, ()], ids=["default", "all_custom_ops"])
+def test_torch_compile_trains_on_cuda_with_eager_gradients(inline):
+    """A training step under torch.compile on CUDA, with linear / matmul / attention inlined as
+    torch ops (the default) or all kept as custom ops, whose backward formulas AOTAutograd traces
+    with fake tensors (so the torch math): the gradients equal cf's eager ones."""
+    prev = cf.set_compile_inline(inline) if inline is not None else None
+    try:
+        _compile_training_step()
+    finally:
+        if prev is not None:
+            cf.set_compile_inline(prev)
+
+
+def _compile_training_step():
     torch._dynamo.reset()
     torch.manual_seed(0)
     dt = torch.bfloat16

@@ -290,3 +290,51 @@ def test_backward_formulas_trace_torch_math_on_fake_cuda_tensors():
         dxc, dwc, dbc, *_ = torch_ops._conv2d_backward(
             _Ctx((xc, wc, yc, bc, None), "relu", (True, True, True) + (False,) * 9, geo=geo), yc.clone(), None)
         assert [t.shape for t in (dxc, dwc, dbc)] == [xc.shape, wc.shape, bc.shape]
+
+
+def _compiled_graph_text(fn, *args) -> str:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return "\n".join(graphs)
+
+
+def test_torch_compile_inlines_gemm_and_attention_but_keeps_the_conv_a_custom_op():
+    x, w, b = torch.randn(4, 8, 16), torch.randn(32, 16), torch.randn(32)
+    xc, wc = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    q = torch.randn(1, 2, 8, 16)
+
+    def f(x, w, b, xc, wc, q):
+        return (cf.linear(x, w, b, activation="gelu"), cf.matmul(x, w.t(), activation="relu"),
+                cf.scaled_dot_product_attention(q, q, q, is_causal=True), cf.conv2d(xc, wc, padding=1, activation="relu"))
+
+    args = (x, w, b, xc, wc, q)
+    default = _compiled_graph_text(f, *args)
+    assert "cudnn_fuse.conv2d" in default
+    assert "cudnn_fuse.linear" not in default and "cudnn_fuse.matmul" not in default
+    assert "cudnn_fuse.scaled_dot_product_attention" not in default and "scaled_dot_product_attention" in default
+    prev = cf.set_compile_inline(())
+    try:
+        opaque = _compiled_graph_text(f, *args)
+    finally:
+        cf.set_compile_inline(prev)
+    for op in ("linear", "matmul", "scaled_dot_product_attention", "conv2d"):
+        assert f"cudnn_fuse.{op}" in opaque
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(f)(*args), f(*args)):
+        torch.testing.assert_close(got, want)
+
+
+def test_compile_inline_names_are_checked(caplog):
+    from cudnn_fuse import ops
+
+    assert ops._parse_inline(None) == frozenset(ops.COMPILE_INLINE_OPS)
+    assert ops._parse_inline("") == frozenset()
+    with caplog.at_level("WARNING"):
+        assert ops._parse_inline("linear, conv2d") == frozenset({"linear"})
+    assert "conv2d" in caplog.text
