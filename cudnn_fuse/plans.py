@@ -34,6 +34,21 @@ RAW_EXECUTE = os.environ.get("CUDNN_FUSE_RAW_EXECUTE", "1").lower() not in ("0",
 # launcher bound to a plan. Lives here so that ``clear()`` forgets both together.
 FAST: dict = {}
 FAST_CAPACITY = 4096
+# cuDNN heuristic modes whose ranked engine configs become the candidates (the first that builds
+# is the heuristic plan; the autotuner times them all). B queries a second, slower model.
+HEUR_MODES_KNOWN = ("A", "B", "FALLBACK")
+
+
+def parse_heur_modes(raw) -> tuple:
+    modes = tuple(m.strip().upper() for m in (raw or "A,FALLBACK").split(",") if m.strip())
+    bad = [m for m in modes if m not in HEUR_MODES_KNOWN]
+    if bad or not modes:
+        log.warning("CUDNN_FUSE_HEUR_MODES=%r: want a list among %s; using A,FALLBACK", raw, ", ".join(HEUR_MODES_KNOWN))
+        return ("A", "FALLBACK")
+    return modes
+
+
+HEUR_MODES = parse_heur_modes(os.environ.get("CUDNN_FUSE_HEUR_MODES"))
 
 
 @dataclass
@@ -111,7 +126,7 @@ def prepare(g, spec) -> None:
     with _declines_as_unsupported(spec):
         g.validate()
         g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEUR_MODES])
         if spec.dtype == "float32" and not getattr(spec, "allow_tf32", False):
             # true fp32: keep engines that do not round through TF32 tensor cores
             g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
