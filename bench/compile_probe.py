@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
+from cudnn_fuse import torch_ops  # noqa: E402,F401 - registers the custom ops
 
 
 def per_call_us(fn, n=1000):
