@@ -226,37 +226,13 @@ def _conv2d_products_torch(ctx, x, w, dz):
 conv2d_op.register_autograd(_conv2d_backward, setup_context=_conv2d_setup)
 _Conv2dFn = _eager_autograd(_conv2d_op_impl, _conv2d_setup, _conv2d_backward)
 
-# The inference twin of conv2d_op, for torch.compile graphs that need no gradient: defined with
-# torch.library.Library, so a call dispatches straight to the implementation. A custom_op with a
-# registered autograd formula runs Python at the Autograd key and checks its outputs on every
-# call: inside Inductor's graph that cost ~80 us of host time a conv on the H200, against 18 us
-# for cf's eager call (bench/results/compile_probe.json: resnet50 under torch.compile 4.16 ms
-# a forward, host-bound, against 1.51 ms eager).
-_LIB = torch.library.Library("cudnn_fuse", "FRAGMENT")
-_LIB.define("conv2d_infer(Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] pre, int[] post, "
-            "int[] dilation, int groups, str? activation, Tensor? residual, bool return_amax, "
-            "float negative_slope) -> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
-for _key in ("CUDA", "CPU"):
-    _LIB.impl("conv2d_infer", _conv2d_op_impl, _key)
-torch.library.register_fake("cudnn_fuse::conv2d_infer", lib=_LIB)(_conv2d_fake)
-conv2d_infer_op = torch.ops.cudnn_fuse.conv2d_infer.default
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
 
 def conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax, negative_slope):
-    if not torch.compiler.is_compiling():
-        if not return_amax:
-            return _Conv2dTrain.apply(x, weight, bias, residual, (tuple(stride), tuple(pre), tuple(post),
-                                                                  tuple(dilation), groups, activation,
-                                                                  float(negative_slope)))
-        op = _Conv2dFn.apply
-    else:  # dynamo guards on grad mode and requires_grad: a graph traced without gradients keeps the twin
-        op = conv2d_op if _needs_grad(x, weight, bias, residual) else conv2d_infer_op
-    y, amax = op(x, weight, bias, list(stride), list(pre), list(post), list(dilation), groups, activation, residual,
-                 return_amax, float(negative_slope))
+    if not return_amax and not torch.compiler.is_compiling():
+        return _Conv2dTrain.apply(x, weight, bias, residual, (tuple(stride), tuple(pre), tuple(post), tuple(dilation),
+                                                              groups, activation, float(negative_slope)))
+    y, amax = _pick(conv2d_op, _Conv2dFn)(x, weight, bias, list(stride), list(pre), list(post), list(dilation), groups,
+                                         activation, residual, return_amax, float(negative_slope))
     return (y, amax) if return_amax else y
 
 

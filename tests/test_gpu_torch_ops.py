@@ -179,26 +179,3 @@ def _compile_training_step():
     assert torch.isfinite(loss)
     for e, p in zip(eager, params):
         assert rel(p.grad, e) < 3e-2
-
-
-def test_compiled_cnn_inference_runs_the_conv_twin_on_cuda():
-    """torch.compile over an optimize()d CNN without gradients: the convs run the inference twin
-    (cudnn_fuse::conv2d_infer) and the outputs equal the eager optimize()d model's."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                          nn.Conv2d(32, 32, 3, padding=1), nn.ReLU()).cuda().half().eval()
-    opt = cf.optimize(model.to(memory_format=torch.channels_last))
-    x = torch.randn(4, 16, 28, 28, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs)
-
-    with torch.no_grad():
-        out = torch.compile(opt, backend=backend)(x)
-        ref = opt(x)
-    assert graphs and "conv2d_infer" in "".join(graphs)
-    assert rel(out, ref) < 1e-3

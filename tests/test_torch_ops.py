@@ -338,35 +338,3 @@ def test_compile_inline_names_are_checked(caplog):
     with caplog.at_level("WARNING"):
         assert ops._parse_inline("linear, conv2d") == frozenset({"linear"})
     assert "conv2d" in caplog.text
-
-
-def test_compiled_conv_without_gradients_calls_the_inference_twin():
-    xc, wc, bc = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
-
-    def f(x, w, b):
-        return cf.conv2d(x, w, b, padding=1, activation="silu")
-
-    with torch.no_grad():
-        g = _compiled_graph_text(f, xc, wc, bc)
-    assert "cudnn_fuse.conv2d_infer" in g
-    g = _compiled_graph_text(f, xc.clone().requires_grad_(), wc, bc)
-    assert "cudnn_fuse.conv2d_infer" not in g and "cudnn_fuse.conv2d" in g
-    torch._dynamo.reset()
-    cfn = torch.compile(f, fullgraph=True)
-    x = xc.clone().requires_grad_()
-    cfn(x, wc, bc).sum().backward()  # traced with gradients: the autograd op
-    gx = x.grad
-    x.grad = None
-    f(x, wc, bc).sum().backward()
-    torch.testing.assert_close(gx, x.grad)
-    with torch.no_grad():  # grad mode is guarded: a new graph, with the twin
-        torch.testing.assert_close(cfn(xc, wc, bc), f(xc, wc, bc))
-
-
-@pytest.mark.parametrize("args", [
-    (torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(4), [1, 1], [1, 1], [1, 1], [1, 1], 1, "relu",
-     torch.randn(2, 4, 6, 6), True, 0.01),
-    (torch.randn(3, 5, 5), torch.randn(2, 3, 3, 3), None, [2, 2], [0, 0], [1, 1], [1, 1], 1, None, None, False, 0.01),
-])
-def test_opcheck_conv2d_infer(args):
-    opcheck(torch_ops.conv2d_infer_op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
