@@ -338,3 +338,22 @@ def test_compile_inline_names_are_checked(caplog):
     with caplog.at_level("WARNING"):
         assert ops._parse_inline("linear, conv2d") == frozenset({"linear"})
     assert "conv2d" in caplog.text
+
+
+def test_tracing_is_false_for_the_tensors_an_eager_backward_sees():
+    """The eager backward must keep the cuDNN path: plain tensors, Parameters and their views
+    are not "traced"; fake tensors and tensor subclasses are."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cudnn_fuse import backward
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    x = torch.randn(2, 3, requires_grad=True)
+    assert not backward.tracing([x, p, p.t(), x.detach(), (x * 2).view(3, 2)])
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert backward.tracing([x, torch.randn(2).as_subclass(Sub)])
+    with FakeTensorMode():
+        assert backward.tracing([torch.empty(2)])
