@@ -65,9 +65,8 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x, residual=None):
         act = self.activation
-        if act in NEEDS_INPUT and not self.recompute and torch.is_grad_enabled() and not ops._inline_under_compile(
-                "linear") and (
-                x.requires_grad or self.weight.requires_grad):
+        keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear")
+        if keep_z and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             self._check(x, residual)
             from . import torch_ops
 

@@ -121,11 +121,12 @@ def _parse_inline(raw: Optional[str]) -> frozenset:
 compile_inline = _parse_inline(os.environ.get("CUDNN_FUSE_COMPILE_INLINE"))
 
 
-def set_compile_inline(ops_) -> frozenset:
-    """Which ops torch.compile traces as their PyTorch expression (see ``COMPILE_INLINE_OPS``);
-    returns the previous set. Takes effect at the next compilation (``torch._dynamo.reset()``)."""
+def set_compile_inline(names) -> frozenset:
+    """Which ops torch.compile traces as their PyTorch expression (see ``COMPILE_INLINE_OPS``):
+    an iterable of names or one comma-separated string (``()`` or ``""``: none). Returns the
+    previous set. Takes effect at the next compilation (``torch._dynamo.reset()``)."""
     global compile_inline
-    prev, compile_inline = compile_inline, _parse_inline(",".join(ops_))
+    prev, compile_inline = compile_inline, _parse_inline(names if isinstance(names, str) else ",".join(names))
     return prev
 
 

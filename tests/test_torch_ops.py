@@ -357,3 +357,18 @@ def test_tracing_is_false_for_the_tensors_an_eager_backward_sees():
     assert backward.tracing([x, torch.randn(2).as_subclass(Sub)])
     with FakeTensorMode():
         assert backward.tracing([torch.empty(2)])
+
+
+def test_set_compile_inline_takes_names_or_a_comma_separated_string():
+    from cudnn_fuse import ops
+
+    prev = cf.set_compile_inline("linear, sdpa")
+    try:
+        assert ops.compile_inline == frozenset({"linear", "sdpa"})
+        assert cf.set_compile_inline(["matmul"]) == frozenset({"linear", "sdpa"})
+        assert ops.compile_inline == frozenset({"matmul"})
+        cf.set_compile_inline("")
+        assert ops.compile_inline == frozenset()
+    finally:
+        cf.set_compile_inline(prev)
+    assert ops.compile_inline == prev
