@@ -35,6 +35,7 @@ def child() -> None:
     open_default_cache()  # environment fingerprint + opening the cache: once per process
     torch.cuda.synchronize()
     setup_ms = 1e3 * (time.perf_counter() - t0)
+    preload = _preload_cudnn_libraries() if os.environ.get("COLD_START_PRELOAD") == "1" else None
     per, parts, slow = {}, {}, {}
     profiling = os.environ.get("COLD_START_PROFILE") == "1"
     for name, fn in graphs:
@@ -65,11 +66,36 @@ def child() -> None:
                        for k in ("build", "load", "cache_get", "deserialize", "autotune")}
         parts[name]["second_call"] = round(again, 3)
     print(json.dumps({"per_graph_ms": per, "parts_ms": parts, "stats": cf.plan_stats(), "setup_ms": setup_ms,
-                      "slow_first_calls": slow}))
+                      "slow_first_calls": slow, "preload_ms": preload}))
 
 
-def run_child(cache_dir: str, autotune: bool, budget_s: float, profile: bool = False) -> dict:
-    env = dict(os.environ, COLD_START_PROFILE="1" if profile else "0", CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_AUTOTUNE="1" if autotune else "0",
+def _preload_cudnn_libraries() -> dict:
+    """dlopen every cuDNN sub-library beside the loaded libcudnn that is not mapped yet,
+    timing each: is a warm process's slow first conv the loading of an engine library?"""
+    import ctypes
+    import glob
+
+    mapped = {line.split()[-1] for line in open("/proc/self/maps") if "libcudnn" in line}
+    dirs = {os.path.dirname(m) for m in mapped}
+    out = {}
+    for d in sorted(dirs):
+        for lib in sorted(glob.glob(os.path.join(d, "libcudnn*.so*"))):
+            real = os.path.realpath(lib)
+            if real in mapped or lib in mapped or os.path.basename(real) in out:
+                continue
+            t0 = time.perf_counter()
+            try:
+                ctypes.CDLL(real, mode=ctypes.RTLD_GLOBAL)
+                out[os.path.basename(real)] = round(1e3 * (time.perf_counter() - t0), 2)
+            except OSError as exc:
+                out[os.path.basename(real)] = str(exc)[:80]
+            mapped.add(real)
+    out["_already_mapped"] = sorted(os.path.basename(m) for m in mapped)
+    return out
+
+
+def run_child(cache_dir: str, autotune: bool, budget_s: float, profile: bool = False, preload: bool = False) -> dict:
+    env = dict(os.environ, COLD_START_PROFILE="1" if profile else "0", COLD_START_PRELOAD="1" if preload else "0", CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_AUTOTUNE="1" if autotune else "0",
                CUDNN_FUSE_TUNE_BUDGET_S=str(budget_s), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, capture_output=True, text=True,
                        timeout=900)
@@ -84,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=1.0, help="autotune budget per graph")
     ap.add_argument("--profile-slow", action="store_true",
                     help="one more warm process under cProfile: where each first call over 20 ms goes")
+    ap.add_argument("--preload-probe", action="store_true",
+                    help="one more warm process that first dlopens every cuDNN sub-library (timed)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -97,6 +125,7 @@ def main(argv=None) -> int:
         tuned = run_child(tune_dir, autotune=True, budget_s=args.budget_s)
         warm = run_child(tune_dir, autotune=True, budget_s=args.budget_s)
         profiled = run_child(tune_dir, autotune=True, budget_s=args.budget_s, profile=True) if args.profile_slow else None
+        preloaded = run_child(tune_dir, autotune=True, budget_s=args.budget_s, preload=True) if args.preload_probe else None
     n = len(heur["per_graph_ms"])
 
     def mean(r):
@@ -126,6 +155,10 @@ def main(argv=None) -> int:
     }
     if profiled is not None:
         result["warm_profiled_slow_first_calls"] = profiled["slow_first_calls"]
+    if preloaded is not None:
+        result["warm_after_preload"] = {"preload_ms": preloaded["preload_ms"], "mean_ms_per_graph": mean(preloaded),
+                                        "median_ms_per_graph": median(preloaded),
+                                        "per_graph_ms": {k: round(v, 3) for k, v in preloaded["per_graph_ms"].items()}}
     write_json(os.path.join(args.out, "cold_start.json"), result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("per_graph_ms", "stats")}, indent=1))
     return 0
