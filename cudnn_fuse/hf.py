@@ -8,7 +8,9 @@ with transformers' own "sdpa" semantics, and switches the model to it.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,88 @@ def causal_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
+# Calls of switched models that were given no position_ids, attention mask or cache, innermost
+# last (a stack per thread: pushed by a forward pre-hook, popped by a forward hook that runs even
+# when the forward raises). See plain_positions_skip_packing.
+_calls = threading.local()
+_packing_shortcut = {"on": True}  # off for good once an eager call contradicts it (see below)
+
+
+def _plain_call_stack() -> list:
+    stack = getattr(_calls, "stack", None)
+    if stack is None:
+        stack = _calls.stack = []
+    return stack
+
+
+def plain_positions_skip_packing(find_packed):
+    """transformers' packed-sequence detection, knowing which calls number their positions 0..S-1.
+
+    Called with position_ids and no attention mask or cache (a training or a cache-less forward),
+    transformers looks for several sequences packed in one row (positions that restart) and, if
+    there are any, masks attention between them. The look needs the positions' values, so while
+    tracing (torch.compile, and CUDA-graph capture: ``cf.capture``) it assumes packing and
+    materializes a [B, 1, S, S] mask; attention then runs a masked kernel (GPT-2 8x1024 on the
+    H200: 1.36 ms a forward against 0.55 ms causal, ``bench/results/step_profile_gpt2_infer.json``).
+    A model that was itself given no position_ids numbers them 0..S-1 in every row (transformers'
+    decoders use ``arange`` / ``cache_position``), so there is nothing packed to find: during such a
+    call (see ``_track_plain_calls``) the answer is None, traced or not. Eager calls still run
+    transformers' own check, and if it ever finds packing in such a call (a model that numbers its
+    positions some other way) the shortcut is switched off for good, with a warning."""
+    def find(position_ids):
+        stack = getattr(_calls, "stack", None)
+        if not (stack and stack[-1] and _packing_shortcut["on"] and position_ids.dim() == 2):
+            return find_packed(position_ids)
+        from transformers.utils.import_utils import is_tracing
+
+        if is_tracing(position_ids):
+            return None
+        found = find_packed(position_ids)
+        if found is not None:
+            _packing_shortcut["on"] = False
+            log.warning("cudnn_fuse: a model given no position_ids packs several sequences in a row; "
+                        "traced attention keeps transformers' packed-sequence mask from now on")
+        return found
+
+    find.cudnn_fuse_wrapped = find_packed
+    return find
+
+
+def _track_plain_calls(model) -> bool:
+    """Forward hooks that push/pop whether a call of ``model`` got no position_ids, attention mask
+    or cache; False when its forward takes no position_ids (nothing to track)."""
+    if getattr(model, "_cudnn_fuse_plain_hooks", False):
+        return True
+    names = list(inspect.signature(model.forward).parameters)
+    if "position_ids" not in names:
+        return False
+    watched = [(n, names.index(n)) for n in ("position_ids", "attention_mask", "past_key_values") if n in names]
+
+    def before(module, args, kwargs):
+        _plain_call_stack().append(all(kwargs.get(n, args[i] if i < len(args) else None) is None for n, i in watched))
+
+    def after(module, args, kwargs, output):
+        stack = _plain_call_stack()
+        if stack:
+            stack.pop()
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
+    model._cudnn_fuse_plain_hooks = True
+    return True
+
+
+def _wrap_packed_detection() -> None:
+    """Install plain_positions_skip_packing over transformers' detection (once)."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:
+        return
+    current = getattr(mu, "find_packed_sequence_indices", None)
+    if current is not None and not hasattr(current, "cudnn_fuse_wrapped"):
+        mu.find_packed_sequence_indices = plain_positions_skip_packing(current)
+
+
 def use_cudnn_fuse_attention(model) -> bool:
     """Switch a transformers model that uses "sdpa" attention to cudnn_fuse's; True if switched."""
     config = getattr(model, "config", None)
@@ -88,4 +172,6 @@ def use_cudnn_fuse_attention(model) -> bool:
     except Exception as exc:  # noqa: BLE001 - an older transformers: leave the model as it was
         log.info("transformers model kept its attention (%s)", exc)
         return False
+    if _track_plain_calls(model):
+        _wrap_packed_detection()
     return True

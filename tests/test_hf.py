@@ -200,3 +200,110 @@ def test_causal_mask_defers_to_transformers_outside_the_plain_case(monkeypatch):
         assert (mine is None) == (theirs is None), change
         if theirs is not None:
             assert torch.equal(mine, theirs), change
+
+
+def _cacheless_gpt2():
+    """GPT-2 as the benchmarks run it (use_cache=False): transformers then checks the positions
+    for packed sequences, which it cannot do while tracing."""
+    model = _gpt2(vocab=100, d=64)
+    model.config.use_cache = False
+    return model
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_no_packed_sequence_mask_is_traced_for_a_call_without_position_ids(monkeypatch, train):
+    """Under torch.compile a cache-less GPT-2 call given no position_ids gets no mask (is_causal),
+    where transformers alone materializes its packed-sequence mask; outputs and gradients equal
+    the original model's."""
+    import transformers.masking_utils as mu
+
+    model = _cacheless_gpt2().train(train)
+    opt = cf.optimize(model)
+    calls = _attention_calls(monkeypatch)
+    ids = torch.randint(0, 100, (2, 16))
+    torch._dynamo.reset()
+    compiled = torch.compile(opt, dynamic=False)
+    if train:
+        out, ref = compiled(ids, labels=ids).loss, model(ids, labels=ids).loss
+        out.backward()
+        ref.backward()
+        torch.testing.assert_close(opt.transformer.h[0].attn.c_attn.weight.grad,
+                                   model.transformer.h[0].attn.c_attn.weight.grad, rtol=1e-4, atol=1e-6)
+    else:
+        with torch.no_grad():
+            out, ref = compiled(ids).logits, model(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert calls and all(c == (True, True) for c in calls)
+    assert hasattr(mu.find_packed_sequence_indices, "cudnn_fuse_wrapped")
+    assert not getattr(cf.hf._calls, "stack", [])  # every call popped what it pushed
+
+
+def test_packed_position_ids_still_mask_between_sequences(monkeypatch):
+    """Positions that restart (two sequences packed in a row) keep transformers' packed mask,
+    eager and compiled: the shortcut is only for calls that were given no position_ids."""
+    model = _cacheless_gpt2().eval()
+    opt = cf.optimize(model)
+    calls = _attention_calls(monkeypatch)
+    ids = torch.randint(0, 100, (2, 16))
+    pos = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(ids, position_ids=pos).logits
+        eager = opt(ids, position_ids=pos).logits
+        compiled = torch.compile(opt, dynamic=False)(ids, position_ids=pos).logits
+    for out in (eager, compiled):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert calls and all(c[0] is False for c in calls)  # a mask went to attention every time
+    # and the mask mattered: the second sequence does not see the first
+    with torch.no_grad():
+        unpacked = model(ids).logits
+    assert not torch.allclose(unpacked[:, 10:], ref[:, 10:], atol=1e-4)
+
+
+def test_an_eager_call_that_contradicts_the_shortcut_switches_it_off(monkeypatch, caplog):
+    """If a model given no position_ids ever numbers them with restarts (found eagerly), traced
+    calls stop assuming plain positions, with one warning."""
+    from cudnn_fuse import hf
+
+    monkeypatch.setattr(hf, "_packing_shortcut", {"on": True})
+    find = hf.plain_positions_skip_packing(lambda p: "found" if p[0, -1] < p.shape[1] - 1 else None)
+    plain, restarting = torch.arange(8).expand(2, 8), torch.cat([torch.arange(4), torch.arange(4)]).expand(2, 8)
+    hf._plain_call_stack().append(True)
+    try:
+        assert find(plain) is None
+        with caplog.at_level("WARNING", logger="cudnn_fuse.hf"):
+            assert find(restarting) == "found"
+        assert hf._packing_shortcut["on"] is False and "packs several sequences" in caplog.text
+    finally:
+        hf._plain_call_stack().pop()
+
+
+def test_the_call_stack_is_popped_when_the_forward_raises():
+    opt = cf.optimize(_cacheless_gpt2())
+    with pytest.raises(Exception):
+        opt(torch.randint(0, 100, (2, 64)))  # longer than n_positions=32
+    assert not getattr(cf.hf._calls, "stack", [])
+
+
+@pytest.mark.gpu
+def test_gpu_captured_cacheless_gpt2_runs_causal_attention_and_matches_eager(monkeypatch):
+    """cf.capture of a cache-less GPT-2 (the peers suite's model): attention is captured with no
+    mask (is_causal), where transformers alone would build its packed-sequence mask during the
+    capture; replays equal eager cf on new inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = _cacheless_gpt2().eval().cuda().to(torch.bfloat16)
+    opt = cf.optimize(model)
+    ids = torch.randint(0, 100, (4, 32), device="cuda")
+
+    def fwd(i):
+        with torch.no_grad():
+            return opt(i).logits
+
+    calls = _attention_calls(monkeypatch)
+    g = cf.capture(fwd, ids)
+    assert calls and all(c == (True, True) for c in calls)  # warm-up and capture alike
+    new = torch.randint(0, 100, (4, 32), device="cuda")
+    out = g(new).float()
+    ref = fwd(new).float()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2

@@ -4,7 +4,7 @@ The expected values are written with torch.nn.functional directly, never with cu
   conv2d  act(F.conv2d(x, w, b, ...) + residual)
   linear  act(F.linear(x, w, b) + residual)
   matmul  act(torch.matmul(a, b) + bias + residual)
-  sdpa    F.scaled_dot_product_attention (GQA: k/v repeat_interleave'd), and a float64 softmax formula
+  sdpa    F.scaled_dot_product_attention (GQA: torch's enable_gqa without a mask, else k/v repeat_interleave'd), and a float64 softmax formula
 """
 
 import logging
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cudnn_fuse as cf
-from cudnn_fuse import ops
+from cudnn_fuse import ops, reference
 
 ACTS = ["relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
 
@@ -417,3 +417,29 @@ def test_no_gpu_warning_is_logged_exactly_once(monkeypatch, caplog, capsys):
     cf.linear(torch.randn(2, 3), torch.randn(4, 3))
     cf.linear(torch.randn(2, 3), torch.randn(4, 3))
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "mask"])
+def test_sdpa_reference_gqa_uses_torchs_enable_gqa_without_a_mask(monkeypatch, masked):
+    """GQA without a mask goes to torch's enable_gqa (no k/v copy; what torch.compile traces for
+    cf's SDPA); with a mask k/v are expanded by hand. Both equal the float64 formula."""
+    if not reference._TORCH_GQA:
+        pytest.skip("this torch has no enable_gqa")
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((k.size(-3), kw.get("enable_gqa", False)))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(reference.F, "scaled_dot_product_attention", spy)
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 8, 12, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+    mask = torch.rand(2, 1, 12, 12) > 0.3 if masked else None
+    mask = mask | torch.eye(12, dtype=torch.bool) if masked else None  # no fully masked row
+    out = reference.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked, enable_gqa=True)
+    assert seen == ([(8, False)] if masked else [(2, True)])
+    kk, vv = (t.double().repeat_interleave(4, dim=-3) for t in (k, v))
+    s = q.double() @ kk.transpose(-1, -2) / 4.0
+    allowed = mask if masked else torch.ones(12, 12, dtype=torch.bool).tril()
+    ref = s.masked_fill(~allowed, float("-inf")).softmax(-1) @ vv
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
