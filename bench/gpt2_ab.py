@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
 from bench.common import device_name, write_json  # noqa: E402
+from cudnn_fuse.benchsuite import gpt2_small  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -35,19 +36,10 @@ def main(argv=None) -> int:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    model = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16).train(args.train)
-    ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
+    model, ids, run = gpt2_small(args.train)
 
     def step(m):
-        if args.train:
-            loss = m(ids, labels=ids).loss
-            loss.backward()
-            for p in m.parameters():
-                p.grad = None
-            return loss.detach()
-        with torch.no_grad():
-            return m(ids).logits
+        return run(m, ids)
 
     variants, setup_s, makers = {}, {}, []
 
@@ -68,7 +60,7 @@ def main(argv=None) -> int:
     add("cf_compiled", lambda: (lambda cm: lambda: step(cm))(torch.compile(cf.optimize(model), dynamic=False)))
     if not args.train:
         opt = cf.optimize(model)
-        add("cf_captured", lambda: (lambda g: lambda: g(ids))(cf.capture(lambda i: step_ids(opt, i), ids)))
+        add("cf_captured", lambda: (lambda g: lambda: g(ids))(cf.capture(lambda i: run(opt, i), ids)))
         add("torch_compile_reduce_overhead",
             lambda: (lambda cm: lambda: step(cm))(torch.compile(copy.deepcopy(model), mode="reduce-overhead",
                                                                 dynamic=False)))
@@ -96,11 +88,6 @@ def main(argv=None) -> int:
     write_json(os.path.join(args.out, f"gpt2_ab_{res['mode']}{'_reversed' if args.reverse else ''}.json"), res)
     print(res["mode"], med, "spread", res["spread"], flush=True)
     return 0
-
-
-def step_ids(m, ids):
-    with torch.no_grad():
-        return m(ids).logits
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
+from cudnn_fuse.benchsuite import gpt2_small  # noqa: E402
 
 INLINE = {"cf_compiled": ("linear", "matmul", "sdpa"), "cf_compiled_sdpa_op": ("linear", "matmul"),
           "cf_compiled_all_ops": ()}
@@ -31,23 +32,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import transformers
 
-    cfg = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    model = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16).train(args.train)
-    ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
+    model, ids, run = gpt2_small(args.train)
     mode = "train" if args.train else "infer"
     res = {"device": torch.cuda.get_device_name(), "transformers": transformers.__version__, "mode": mode,
            "inline": {k: list(v) for k, v in INLINE.items()}}
     path = os.path.join(args.out, f"gpt2_probe_{mode}.json")
 
     def step(m):
-        if args.train:
-            loss = m(ids, labels=ids).loss
-            loss.backward()
-            for p in m.parameters():
-                p.grad = None
-            return loss.detach()
-        with torch.no_grad():
-            return m(ids).logits
+        return run(m, ids)
 
     ref = step(model).float()
 

@@ -8,7 +8,6 @@ under torch.compile, with the attention kernel each one runs. Device ms, median 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 

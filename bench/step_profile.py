@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
 from bench.memory import convs, mlp, train_step  # noqa: E402
+from cudnn_fuse.benchsuite import gpt2_small  # noqa: E402
 
 
 def _case(name: str):
@@ -40,22 +41,7 @@ def _case(name: str):
         x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
         return base, (x.requires_grad_(),), train_step
     if name in ("gpt2_infer", "gpt2_train"):
-        import transformers
-
-        cfg = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-        base = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16)
-        training = name == "gpt2_train"
-        base.train(training)
-        ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
-        if training:
-            def step(m, ids):
-                m(ids, labels=ids).loss.backward()
-                for p in m.parameters():
-                    p.grad = None
-        else:
-            def step(m, ids):
-                with torch.no_grad():
-                    return m(ids).logits
+        base, ids, step = gpt2_small(training=name == "gpt2_train")
         return base, (ids,), step
     raise SystemExit(f"--case: unknown case {name!r}")
 

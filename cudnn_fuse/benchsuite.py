@@ -652,23 +652,32 @@ def _resnet_builder(batch: int):
     return build
 
 
+def gpt2_small(training: bool):
+    """transformers' GPT-2 small, bf16, random weights, no dropout, ``use_cache=False``, on 8×1024
+    random ids, as the suite and the GPT-2 bench scripts run it: (model, ids, step), where
+    ``step(m, ids)`` runs one inference step (the logits) or one training step (forward, the LM loss,
+    backward, gradients dropped; the loss)."""
+    import transformers
+
+    cfg = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16).train(training)
+    ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
+    if not training:
+        return model, ids, _no_grad(lambda m, ids: m(ids).logits)
+
+    def step(m, ids):
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        for p in m.parameters():
+            p.grad = None
+        return loss.detach()
+
+    return model, ids, step
+
+
 def _gpt2_builder(training: bool):
     def build(opts) -> Case:
-        import transformers
-
-        cfg = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-        model = transformers.GPT2LMHeadModel(cfg).cuda().to(torch.bfloat16)
-        model.train(training)
-        ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
-        if training:
-            def forward(m, ids):
-                loss = m(ids, labels=ids).loss
-                loss.backward()
-                for p in m.parameters():
-                    p.grad = None
-                return loss.detach()
-        else:
-            forward = _no_grad(lambda m, ids: m(ids).logits)
+        model, ids, forward = gpt2_small(training)
         variants = _model_variants(model, (ids,), forward, tuned_est_s=60.0,
                                    max_autotune_est_s=420.0 if training else 300.0, captured=not training)
         return Case([(ids,)], variants, mode="wall")
