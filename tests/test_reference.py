@@ -434,8 +434,7 @@ def test_sdpa_reference_gqa_uses_torchs_enable_gqa_without_a_mask(monkeypatch, m
     monkeypatch.setattr(reference.F, "scaled_dot_product_attention", spy)
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 8, 12, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
-    mask = torch.rand(2, 1, 12, 12) > 0.3 if masked else None
-    mask = mask | torch.eye(12, dtype=torch.bool) if masked else None  # no fully masked row
+    mask = (torch.rand(2, 1, 12, 12) > 0.3) | torch.eye(12, dtype=torch.bool) if masked else None  # no empty row
     out = reference.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked, enable_gqa=True)
     assert seen == ([(8, False)] if masked else [(2, True)])
     kk, vv = (t.double().repeat_interleave(4, dim=-3) for t in (k, v))
