@@ -55,6 +55,35 @@ def gemm_pieces():
     return r
 
 
+def mlp_pieces():
+    """The first layer's dz in a Linear -> GELU -> Linear block (MLP 8192 x 2048 -> 8192 -> 2048):
+    eager's dY @ W2 then gelu_backward, against cf's split graphs and the one matmul_act_grad graph."""
+    bf = torch.bfloat16
+    dy = torch.randn(8192, 2048, device="cuda", dtype=bf)
+    w2 = torch.randn(2048, 8192, device="cuda", dtype=bf) / 45
+    z1 = torch.randn(8192, 8192, device="cuda", dtype=bf)
+    dy3, w23, z3 = dy.unsqueeze(0), w2.unsqueeze(0), z1.unsqueeze(0)
+    f32 = torch.float32
+    r = {}
+    r["eager dY@W2 alone"] = timed(lambda: dy @ w2)
+    r["cf mm dY@W2 alone"] = timed(lambda: backward.mm(dy3, w23))
+    r["eager dY@W2 + gelu_backward + sum"] = timed(lambda: torch.ops.aten.gelu_backward(dy @ w2, z1).sum(0))
+    r["cf split mm + act_grad + sum"] = timed(
+        lambda: backward._saved_dz(backward.mm(dy3, w23), z3, "gelu", 0.01, False)[0].sum((0, 1), dtype=f32))
+    fused = backward.matmul_act_grad(dy3, w23, z3, "gelu", 0.01)
+    if fused is None:
+        r["cf fused matmul_act_grad"] = "declined"
+        return r
+    r["cf fused matmul_act_grad"] = timed(lambda: backward.matmul_act_grad(dy3, w23, z3, "gelu", 0.01))
+    r["cf fused matmul_act_grad + sum"] = timed(
+        lambda: backward.matmul_act_grad(dy3, w23, z3, "gelu", 0.01).sum((0, 1), dtype=f32))
+    ref = torch.ops.aten.gelu_backward((dy.float() @ w2.float()), z1.float())
+    r["fused rel err vs fp32"] = float((fused[0].float() - ref).norm() / ref.norm())
+    r["eager rel err vs fp32"] = float((torch.ops.aten.gelu_backward(dy @ w2, z1).float() - ref).norm() / ref.norm())
+    r["engines"] = {p.spec.op: p.engine for p in cf.plans.plans_in_memory() if p.spec.op == "matmul_act_grad"}
+    return r
+
+
 def conv_pieces():
     h, cl = torch.float16, torch.channels_last
     x = torch.randn(32, 128, 56, 56, device="cuda", dtype=h).to(memory_format=cl)
@@ -118,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", action="store_true", help="also the memory bench's steps under each engine choice")
     args = ap.parse_args(argv)
     out = {}
-    for name, fn in (("gemm", gemm_pieces), ("conv", conv_pieces)) + ((("steps", steps),) if args.steps else ()):
+    for name, fn in (("gemm", gemm_pieces), ("mlp", mlp_pieces), ("conv", conv_pieces)) + ((("steps", steps),) if args.steps else ()):
         try:
             out[name] = fn()
         except Exception as exc:  # noqa: BLE001 - a diagnostic reports what broke and goes on

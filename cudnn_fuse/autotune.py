@@ -256,9 +256,9 @@ def _geometry(spec) -> dict:
 
     g = {}
     fwd = getattr(spec, "fwd", None)
-    if fwd is not None:  # training graphs around a forward (save_z, recompute_grad): its operands + theirs
+    if fwd is not None:  # training graphs around a forward (save_z, recompute_grad, matmul_act_grad)
         g = _geometry(fwd)
-        for r in ("z", "dy", "dz", "dbias"):
+        for r in ("z", "dy", "src", "dz", "dbias"):
             t = getattr(spec, r, None)
             if t is not None:
                 g[r] = (t.shape, t.stride, t.dtype)

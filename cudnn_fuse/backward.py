@@ -35,6 +35,7 @@ from .spec import (
     ConvSpec,
     ConvWgradSpec,
     Epilogue,
+    MatmulActGradSpec,
     MatmulSpec,
     RecomputeGradSpec,
     SaveZSpec,
@@ -57,6 +58,11 @@ CONV = os.environ.get("CUDNN_FUSE_BWD_CONV", "cudnn")
 # graph by default. Measured on the H200 (bench/backward_probe.py, MLP 8192x2048->8192 bf16):
 # act-grad with the reduction fused 0.278 ms, act-grad alone + torch sum 0.211 ms (eager 0.185).
 GEMM_DBIAS = os.environ.get("CUDNN_FUSE_BWD_GEMM_DBIAS", "torch")
+# A Linear -> act -> Linear block (nn.FusedMLP): the first layer's dz from the second layer's data
+# gradient dY @ W2 with the activation's backward in the product's epilogue ("fused", one
+# matmul_act_grad graph), or the product, then the act-grad graph ("split", what a pair of
+# cf.nn.Linear modules runs).
+MLP_DZ = os.environ.get("CUDNN_FUSE_BWD_MLP_DZ", "fused")
 
 
 def usable(*tensors) -> bool:
@@ -220,6 +226,17 @@ def mm(a3: torch.Tensor, b3: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _saved_dz(dy3, src3, act, slope, want_dbias):
+    """(dz, dbias f32 [1,1,N] or None) = act'(src3) * dy3 from a saved src, or None if declined."""
+    N = dy3.shape[-1]
+    if dy3.is_contiguous() and src3.is_contiguous():
+        out = act_grad(_rows_as_nhwc(dy3), _rows_as_nhwc(src3), act, slope, (1, N, 1, 1) if want_dbias else None,
+                       fuse_dbias=GEMM_DBIAS == "fused")
+        return None if out is None else (out[0].as_strided(dy3.shape, dy3.stride()),
+                                         out[1].view(1, 1, N) if want_dbias else None)
+    return act_grad(dy3, src3, act, slope, (1, 1, N) if want_dbias else None)
+
+
 def gemm_dz(a3, b3, bias, r3, dy3, act, slope, src=None, want_dbias=False):
     """(dz, dbias f32 [1,1,N] or None) for y = act(a3 @ b3 + bias + r3); None if declined.
 
@@ -229,14 +246,7 @@ def gemm_dz(a3, b3, bias, r3, dy3, act, slope, src=None, want_dbias=False):
     if act is None:
         return dy3, (_sum_bias(dy3, bias_shape) if want_dbias else None)
     if src is not None:
-        src3 = src.reshape(dy3.shape)
-        if dy3.is_contiguous() and src3.is_contiguous():
-            out = act_grad(_rows_as_nhwc(dy3), _rows_as_nhwc(src3), act, slope, (1, N, 1, 1) if want_dbias else None,
-                           fuse_dbias=GEMM_DBIAS == "fused")
-            out = None if out is None else (out[0].as_strided(dy3.shape, dy3.stride()),
-                                            out[1].view(1, 1, N) if want_dbias else None)
-        else:
-            out = act_grad(dy3, src3, act, slope, bias_shape)
+        out = _saved_dz(dy3, src.reshape(dy3.shape), act, slope, want_dbias)
     else:
         buffers = [a3, b3] + ([bias.view(1, 1, N)] if bias is not None else []) + ([r3] if r3 is not None else [])
 
@@ -324,6 +334,53 @@ def matmul_grads(a, b, bias, residual, gy, act, slope, src, needs):
         db = db.reshape(b2.shape).reshape(b.shape)
     return (da, db, dbias.view(N).to(gy.dtype) if dbias is not None else None,
             dz.view(gy.shape) if needs[3] else None)
+
+
+def matmul_act_grad(a3, b3, src3, act, slope) -> Optional[torch.Tensor]:
+    """dz = act'(src3) * (a3 @ b3) in one graph (the product is never stored); None when cuDNN
+    declines it (DEBUG: the caller runs the product and the act-grad graph instead)."""
+    if MLP_DZ != "fused" or MM == "torch":
+        return None
+    dz = torch.empty_like(src3)
+    bufs = [a3, b3, src3, dz]
+
+    def make():
+        prod = MatmulSpec(_spec(a3), _spec(b3), _spec(dz), Epilogue())
+        return MatmulActGradSpec(prod, _spec(src3), _spec(dz), act, slope)
+
+    spec = _cached_spec("matmul_act_grad", (act, slope), bufs, make)
+    return dz if _try("mlp_backward", spec, bufs, quiet=True) else None
+
+
+def mlp_grads(x, w1, z1, y1, w2, gy, act, slope, needs):
+    """The gradients of out = y1 @ w2.T + b2 [+ residual], y1 = act(z1), z1 = x @ w1.T + b1 on
+    the cuDNN graphs: (dx, dw1, db1, dw2, db2, dresidual), each None unless ``needs`` (6 bools,
+    that order) asks for it. The first layer's dz comes from ``matmul_act_grad`` (dY @ W2 with
+    act's backward in the epilogue); the bias gradients are float32 sums, cast to gy's dtype.
+    None when cuDNN declined the act-grad graph as well (the caller runs torch's math)."""
+    N2, H = w2.shape
+    rows = math.prod(gy.shape[:-1])
+    dy3 = gy.contiguous().reshape(1, rows, N2)
+    z3 = z1.reshape(1, rows, H)
+    dw2 = mm(dy3.transpose(1, 2), y1.reshape(1, rows, H)).view(N2, H) if needs[3] else None
+    db2 = dy3.sum((0, 1), dtype=torch.float32).to(gy.dtype) if needs[4] else None
+    dz = None
+    if needs[0] or needs[1] or needs[2]:
+        w2_3 = w2.unsqueeze(0)  # [1, N2, H]: dY @ W2 reads the weight in its own layout
+        dz = matmul_act_grad(dy3, w2_3, z3, act, slope) if z3.is_contiguous() else None
+        if dz is None:
+            out = _saved_dz(mm(dy3, w2_3), z3, act, slope, False)
+            if out is None:
+                return None
+            dz = out[0]
+    db1 = dz.sum((0, 1), dtype=torch.float32).to(gy.dtype) if needs[2] else None
+    dx = dw1 = None
+    if needs[0] or needs[1]:
+        _, K, _, a3, b3 = _linear_operands(x, w1)
+        dx, dw1 = gemm_products(a3, b3, dz, needs[0], needs[1], weight_layout=True)
+        dx = dx.view(x.shape) if dx is not None else None
+        dw1 = dw1.view(H, K) if dw1 is not None else None
+    return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
 
 
 def linear_save_z(x, w, bias, residual, act, slope):

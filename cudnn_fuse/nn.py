@@ -16,6 +16,18 @@ from .spec import ACTIVATIONS
 NEEDS_INPUT = frozenset(ACTIVATIONS) - {"relu"}
 
 
+def _broadcast_residual(residual, out_shape, dtype) -> bool:
+    """A residual the epilogue cannot take as it is: another shape (it broadcasts, e.g. a
+    [..., 1] term optimize() found added to the layer's output) or another dtype (torch's add
+    promotes). The module then runs the op without it and adds it the way torch would."""
+    if residual is None or (residual.dtype == dtype and tuple(residual.shape) == tuple(out_shape)):
+        return False
+    try:  # one that does not broadcast to the output goes to the op, which names it in its error
+        return tuple(torch.broadcast_shapes(tuple(residual.shape), tuple(out_shape))) == tuple(out_shape)
+    except RuntimeError:
+        return False
+
+
 def _check_activation(activation) -> None:
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
@@ -34,11 +46,23 @@ class Conv2d(torch.nn.Conv2d):
         self.negative_slope = negative_slope
 
     def forward(self, x, residual=None):
+        act, r = self.activation, residual
+        odd = residual is not None and (residual.dtype != x.dtype or residual.dim() != x.dim()
+                                        or residual.shape[-3] != self.out_channels)
+        if odd:  # a broadcast or other-dtype residual: added after the op, as torch adds it
+            act, r = None, None
         if self.padding_mode != "zeros":  # cuDNN pads with zeros only
             z = self._conv_forward(x, self.weight, self.bias)
-            return reference.epilogue(z, None, residual, self.activation, self.negative_slope)
-        return ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-                          activation=self.activation, residual=residual, negative_slope=self.negative_slope)
+            y = reference.epilogue(z, None, r, act, self.negative_slope)
+        else:
+            y = ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                           activation=act, residual=r, negative_slope=self.negative_slope)
+        if not odd:
+            return y
+        if not _broadcast_residual(residual, y.shape, y.dtype):
+            raise ValueError(f"conv2d: residual must have the output's shape {tuple(y.shape)} or broadcast to it, "
+                             f"got residual.shape={tuple(residual.shape)}")
+        return reference.activation(y + residual, self.activation, self.negative_slope)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")
@@ -65,6 +89,9 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x, residual=None):
         act = self.activation
+        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), x.dtype):
+            z = ops.linear(x, self.weight, self.bias)
+            return reference.activation(z + residual, act, self.negative_slope)
         keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear")
         if keep_z and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             self._check(x, residual)
@@ -91,6 +118,54 @@ class Linear(torch.nn.Linear):
         return super().extra_repr() + extra
 
 
+class FusedMLP(torch.nn.Module):
+    """``fc2(act(fc1(x))) [+ residual]``: a Linear -> activation -> Linear block (a transformer
+    MLP) whose training backward crosses the layer boundary.
+
+    ``fc1`` is a ``cudnn_fuse.nn.Linear`` with the activation, ``fc2`` a ``torch.nn.Linear``; both
+    hold the original modules' Parameters. For an activation whose backward needs its input
+    (GELU, SiLU, ...) with ``recompute=False``, a training step keeps the pre-activation like
+    torch does, and the backward computes the first layer's dz in ONE cuDNN graph: the second
+    layer's data gradient dY @ W2 with the activation's backward in its epilogue (that product is
+    never stored, and no separate kernel reads it back). Inference, ``recompute=True`` and
+    torch.compile run ``fc1`` then ``fc2``, exactly what the two modules would run.
+    """
+
+    def __init__(self, fc1: "Linear", fc2: torch.nn.Linear):
+        super().__init__()
+        if not isinstance(fc1, Linear) or fc1.activation is None:
+            raise ValueError("FusedMLP: fc1 must be a cudnn_fuse.nn.Linear with an activation")
+        if not isinstance(fc2, torch.nn.Linear) or fc2.in_features != fc1.out_features:
+            raise ValueError(f"FusedMLP: fc2 must be a torch.nn.Linear taking fc1's {fc1.out_features} outputs")
+        self.fc1, self.fc2 = fc1, fc2
+
+    def _fused(self, x, residual) -> bool:
+        fc1 = self.fc1
+        if fc1.activation not in NEEDS_INPUT or fc1.recompute or not torch.is_grad_enabled():
+            return False
+        if ops._inline_under_compile("linear") or torch.compiler.is_compiling():
+            return False
+        ps = (x, fc1.weight, fc1.bias, self.fc2.weight, self.fc2.bias, residual)
+        return any(t is not None and t.requires_grad for t in ps)
+
+    def forward(self, x, residual=None):
+        fc1, fc2 = self.fc1, self.fc2
+        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (fc2.out_features,), x.dtype):
+            return fc2(fc1(x)) + residual
+        if self._fused(x, residual):
+            fc1._check(x, None)
+            ops._check_same("linear", "x", x, weight=fc2.weight, bias=fc2.bias, residual=residual)
+            ops._check_epilogue("linear", None, residual, tuple(x.shape[:-1]) + (fc2.out_features,))
+            from . import torch_ops
+
+            return torch_ops.mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1.activation, residual,
+                                 fc1.negative_slope)
+        h = fc1(x)
+        if residual is None:
+            return fc2(h)
+        return ops.linear(h, fc2.weight, fc2.bias, residual=residual)
+
+
 class TransposedLinear(torch.nn.Module):
     """A linear layer kept as an ``[in, out]`` weight (transformers' Conv1D, GPT-2),
     run as one fused ``act(x @ W + bias + residual)``: the weight is read through
@@ -103,6 +178,9 @@ class TransposedLinear(torch.nn.Module):
         self.activation, self.negative_slope = activation, negative_slope
 
     def forward(self, x, residual=None):
+        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],), x.dtype):
+            z = ops.linear(x, self.weight.t(), self.bias)
+            return reference.activation(z + residual, self.activation, self.negative_slope)
         return ops.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,
                           negative_slope=self.negative_slope)
 

@@ -6,6 +6,9 @@ when the whole model does not trace):
 - Conv2d [+ BatchNorm2d, folded, eval mode only] [+ residual add] [+ activation]
   -> cudnn_fuse.nn.Conv2d (the residual rides in the epilogue);
 - Linear [+ residual add] [+ activation] -> cudnn_fuse.nn.Linear;
+- Linear + GELU-like activation + Linear [+ residual add] (a transformer MLP) ->
+  cudnn_fuse.nn.FusedMLP (its backward fuses the activation's backward into the second
+  layer's data-gradient GEMM; not with ``recompute``);
 - F.scaled_dot_product_attention call sites -> cudnn_fuse.scaled_dot_product_attention;
 - a large Linear (>= 1M weights) with nothing to fuse whose output width is not a multiple of
   16 bytes (GPT-2's lm_head, 50257 wide) -> cudnn_fuse.nn.AlignedLinear (aligned GEMM on a padded weight; torch's
@@ -251,10 +254,34 @@ class _Rewriter:
                 return
             self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's linear is as fast)"))
             return
+        if residual is None and act is not None and act[0] in cfnn.NEEDS_INPUT and not self.recompute:
+            if self.mlp(node, fused[-1], lin, act):
+                return
         m = _new_linear(lin, act[0] if act else None, act[1] if act else 0.01, self.recompute)
         pattern = ["Linear"] + (["residual add"] if residual is not None else []) + ([act[0]] if act else [])
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
+
+    def mlp(self, node: fx.Node, act_node: fx.Node, lin: nn.Linear, act) -> bool:
+        """Linear -> act -> Linear [+ residual add] -> one cudnn_fuse.nn.FusedMLP, whose backward
+        turns the second layer's data gradient into the first layer's dz in one graph. Only
+        for an activation whose backward reads the kept pre-activation; False (nothing
+        replaced) when the activation's only user is not a plain Linear, or that Linear has an
+        activation of its own."""
+        nxt = _only_user(act_node)
+        if nxt is None or nxt.op != "call_module" or nxt.args != (act_node,) or nxt.kwargs:
+            return False
+        lin2 = self.gm.get_submodule(nxt.target)
+        if type(lin2) is not nn.Linear:
+            return False
+        more, residual, act2 = self.epilogue(nxt)
+        if act2 is not None:
+            return False
+        m = cfnn.FusedMLP(_new_linear(lin, act[0], act[1], False), lin2)
+        pattern = f"Linear + {act[0]} + Linear" + (" + residual add" if residual is not None else "")
+        args = (node.args[0],) + ((residual,) if residual is not None else ())
+        self.replace(node, [act_node, nxt] + more, m, args, pattern + " (fused MLP backward)")
+        return True
 
     def conv1d(self, node: fx.Node) -> None:
         """transformers' Conv1D + [residual] + activation -> one fused linear on the transposed weight view."""

@@ -207,6 +207,30 @@ class RecomputeGradSpec(_WrapsForward):
 
 
 @dataclass(frozen=True)
+class MatmulActGradSpec(_WrapsForward):
+    """dz = act'(src) * (a @ b): a gradient product with the backward of the activation that
+    produced its operand's forward input in its epilogue. In a Linear -> act -> Linear block,
+    the second layer's data gradient dY @ W2 is the activation's incoming gradient; this graph
+    turns it into the first layer's dz in one kernel (the product is never stored).
+    Optionally dbias = sum of dz over all but the bias axis."""
+
+    fwd: Any  # MatmulSpec with no epilogue; its y is the (virtual) product's geometry
+    src: TensorSpec  # the saved pre-activation z
+    dz: TensorSpec
+    activation: str
+    negative_slope: float = 0.01
+    dbias: Optional[TensorSpec] = None
+    op = "matmul_act_grad"
+
+    def __post_init__(self):
+        Epilogue(activation=self.activation)  # same check of the name
+        object.__setattr__(self, "negative_slope", float(self.negative_slope) if self.activation == "leaky_relu" else 0.01)
+        e = self.fwd.epilogue if isinstance(self.fwd, MatmulSpec) else None
+        if e is None or e.bias is not None or e.residual is not None or e.activation is not None or e.amax:
+            raise ValueError("matmul_act_grad: fwd must be a MatmulSpec with no epilogue")
+
+
+@dataclass(frozen=True)
 class ActGradSpec(_SpecMixin):
     """dz = act'(src) * dy from a saved tensor: the pre-activation z, or for ReLU
     its output y (the mask y > 0 is z > 0); optionally dbias = sum of dz."""
@@ -306,8 +330,8 @@ class SdpaBwdSpec(_SpecMixin):
 
 OpSpec = Any  # ConvSpec | MatmulSpec | SdpaSpec | the training specs above
 
-_BY_OP = {c.op: c for c in (ConvSpec, MatmulSpec, SdpaSpec, SaveZSpec, RecomputeGradSpec, ActGradSpec, ConvDgradSpec,
-                            ConvWgradSpec, SdpaTrainSpec, SdpaBwdSpec)}
+_BY_OP = {c.op: c for c in (ConvSpec, MatmulSpec, SdpaSpec, SaveZSpec, RecomputeGradSpec, MatmulActGradSpec, ActGradSpec,
+                            ConvDgradSpec, ConvWgradSpec, SdpaTrainSpec, SdpaBwdSpec)}
 
 
 def spec_from_dict(d: dict) -> OpSpec:
@@ -343,7 +367,10 @@ def spec_from_dict(d: dict) -> OpSpec:
 
 def flops(spec) -> int:
     """2 x the multiply-adds of the main op (the epilogue is noise next to it);
-    causal attention counts only the score pairs it computes."""
+    causal attention counts only the score pairs it computes; a training graph around a
+    forward (save_z, recompute_grad, matmul_act_grad) counts its forward's product."""
+    if isinstance(getattr(spec, "fwd", None), (ConvSpec, MatmulSpec)):
+        return flops(spec.fwd)
     if isinstance(spec, ConvSpec):
         n, k, p, q = spec.y.shape
         _, cg, r, s = spec.w.shape

@@ -365,6 +365,65 @@ def linear_save_z(x, weight, bias, activation, residual, negative_slope):
     return _pick(linear_save_z_op, _LinearSaveZFn)(x, weight, bias, activation, residual, float(negative_slope))[0]
 
 
+# ------------------------------------------------------------------------ Linear -> act -> Linear
+
+
+class _MlpTrain(torch.autograd.Function):
+    """out = y1 @ w2.T + b2 [+ residual], y1 = act(z1), z1 = x @ w1.T + b1, for training
+    (cf.nn.FusedMLP). Forward: linear_save_z's one graph writes y1 and z1, then the second
+    layer runs torch's addmm (cuDNN's matmul + residual epilogue when there is a residual);
+    it saves what eager torch saves (x, z1, y1). Backward (backward.mlp_grads): the first
+    layer's dz is dY @ W2 with act's backward in the product's epilogue, one graph. Anything
+    cuDNN cannot take (CPU, float32, a declined graph) runs the same math on torch kernels."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, residual, attrs):
+        act, slope = attrs
+        y1, z1 = _linear_save_z_op_impl(x, w1, b1, act, None, slope)
+        if residual is None:
+            out = F.linear(y1, w2, b2)
+        else:
+            out = _linear_op_impl(y1, w2, b2, None, residual, False, slope)[0]
+        ctx.act, ctx.slope = act, slope
+        ctx.has = (b1 is not None, b2 is not None, residual is not None)
+        ctx.save_for_backward(x, w1, z1, y1, w2)
+        return out
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w1, z1, y1, w2 = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        has_b1, has_b2, has_r = ctx.has
+        needs = (n[0], n[1], has_b1 and n[2], n[3], has_b2 and n[4], has_r and n[5])
+        if backward.usable(x, w1, z1, y1, w2, gy):
+            out = backward.mlp_grads(x, w1, z1, y1, w2, gy, ctx.act, ctx.slope, needs)
+            if out is not None:
+                return out + (None,)
+        return _mlp_grads_torch(x, w1, z1, y1, w2, gy, ctx.act, ctx.slope, needs) + (None,)
+
+
+def _mlp_grads_torch(x, w1, z1, y1, w2, gy, act, slope, needs):
+    """mlp_grads' six gradients on torch kernels (the CPU, float32, or a declined graph)."""
+    (N2, H), K = w2.shape, w1.shape[1]
+    g2 = gy.reshape(-1, N2)
+    dw2 = g2.t() @ y1.reshape(-1, H) if needs[3] else None
+    db2 = g2.sum(0) if needs[4] else None
+    dx = dw1 = db1 = None
+    if needs[0] or needs[1] or needs[2]:
+        dz = _act_grad(z1, gy @ w2, act, slope)
+        dz2 = dz.reshape(-1, H)
+        dx = dz @ w1 if needs[0] else None
+        dw1 = dz2.t() @ x.reshape(-1, K) if needs[1] else None
+        db1 = dz2.sum(0) if needs[2] else None
+    return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
+
+
+def mlp(x, w1, b1, w2, b2, activation, residual, negative_slope):
+    """linear(act(linear(x, w1, b1)), w2, b2) [+ residual] with the cross-layer backward
+    (eager autograd; torch.compile traces the two layers' own ops instead, nn.FusedMLP)."""
+    return _MlpTrain.apply(x, w1, b1, w2, b2, residual, (activation, float(negative_slope)))
+
+
 # ------------------------------------------------------------------------ matmul
 
 

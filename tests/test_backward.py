@@ -20,6 +20,7 @@ from cudnn_fuse.spec import (
     ConvSpec,
     ConvWgradSpec,
     Epilogue,
+    MatmulActGradSpec,
     MatmulSpec,
     RecomputeGradSpec,
     SaveZSpec,
@@ -58,6 +59,7 @@ def _specs():
         "recompute_mm": RecomputeGradSpec(_mm(), y, y, db),
         "recompute_conv": RecomputeGradSpec(_conv(), c4(2, 8, 9, 9), c4(2, 8, 9, 9), None),
         "act_grad": ActGradSpec(y, y, y, "leaky_relu", 0.2, db),
+        "matmul_act_grad": MatmulActGradSpec(_mm(None, bias=False), y, y, "gelu", 0.01, db),
         "dgrad": ConvDgradSpec(c4(2, 8, 5, 5), c4(8, 4, 3, 3), c4(2, 4, 9, 9), *geo),
         "wgrad": ConvWgradSpec(c4(2, 4, 9, 9), c4(2, 8, 5, 5), c4(8, 4, 3, 3), *geo),
         "sdpa_train": SdpaTrainSpec(q, q, q, q, st, None, True, 0.125),
@@ -99,6 +101,7 @@ NODES = {
     "recompute_mm": ["matmul", "bias_add", "act_backward", "dbias"],
     "recompute_conv": ["conv", "bias_add", "act_backward"],
     "act_grad": ["act_backward", "dbias"],
+    "matmul_act_grad": ["matmul", "act_backward", "dbias"],
     "dgrad": ["dgrad"],
     "wgrad": ["wgrad"],
     "sdpa_train": ["sdpa"],
@@ -212,6 +215,10 @@ def torch_exec(spec, buffers):
         out["dz"] = _act_grad(src, t["dy"], act, slope)
         if "dbias" in t:
             out["dbias"] = out["dz"].sum([i for i, n in enumerate(spec.dbias.shape) if n == 1], keepdim=True)
+    elif isinstance(spec, MatmulActGradSpec):
+        out["dz"] = _act_grad(t["src"], t["a"].float() @ t["b"].float(), spec.activation, spec.negative_slope)
+        if "dbias" in t:
+            out["dbias"] = out["dz"].sum([i for i, n in enumerate(spec.dbias.shape) if n == 1], keepdim=True)
     elif isinstance(spec, ConvDgradSpec):  # the groups are implied by the shapes, as cuDNN reads them
         g = spec.dx.shape[1] // spec.w.shape[1]
         out["dx"] = torch.nn.grad.conv2d_input(spec.dx.shape, t["w"].float(), t["dy"].float(), groups=g, **_pad(spec))
@@ -316,6 +323,68 @@ def test_linear_save_z_plumbing(cudnn_on_cpu):
     compare(lambda x, w, b: torch_ops.linear_save_z(x, w, b, "gelu", None, 0.01),
             lambda x, w, b: F.gelu(F.linear(x, w, b)), (x, m.weight, m.bias))
     assert cudnn_on_cpu.ran == ["save_z", "act_grad", "matmul", "matmul"]
+
+
+def _mlp_inputs(bias=True, residual=False):
+    torch.manual_seed(1)
+    x, w1, w2 = torch.randn(2, 5, 32), torch.randn(48, 32) / 5, torch.randn(24, 48) / 6
+    b1, b2 = (torch.randn(48), torch.randn(24)) if bias else (None, None)
+    r = torch.randn(2, 5, 24) if residual else None
+    return x, w1, b1, w2, b2, r
+
+
+def _mlp_ref(act):
+    def ref(x, w1, b1, w2, b2, r=None):
+        out = F.linear(reference.activation(F.linear(x, w1, b1), act), w2, b2)
+        return out if r is None else out + r
+    return ref
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_mlp_backward_fuses_the_activation_into_the_second_layers_dgrad(cudnn_on_cpu, act, residual):
+    x, w1, b1, w2, b2, r = _mlp_inputs(residual=residual)
+    inputs = (x, w1, b1, w2, b2) + ((r,) if residual else ())
+    compare(lambda *t: torch_ops.mlp(*t[:5], act, t[5] if residual else None, 0.01), _mlp_ref(act), inputs)
+    # forward: the save_z graph (the second layer is torch's addmm); backward: dW2, then the
+    # first layer's dz as ONE graph from dY @ W2, then dX and dW1
+    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul_act_grad", "matmul", "matmul"]
+
+
+def test_mlp_backward_declined_fused_graph_runs_the_product_then_act_grad(cudnn_on_cpu):
+    cudnn_on_cpu.decline = lambda spec: isinstance(spec, MatmulActGradSpec)
+    x, w1, b1, w2, b2, _ = _mlp_inputs()
+    compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
+    assert cudnn_on_cpu.declined == ["matmul_act_grad"]
+    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul", "act_grad", "matmul", "matmul"]
+
+
+def test_mlp_backward_everything_declined_runs_torch(cudnn_on_cpu):
+    cudnn_on_cpu.decline = lambda spec: spec.op != "save_z"
+    x, w1, b1, w2, b2, _ = _mlp_inputs(bias=False)
+    compare(lambda *t: torch_ops.mlp(t[0], t[1], None, t[2], None, "silu", None, 0.01),
+            lambda x, w1, w2: _mlp_ref("silu")(x, w1, None, w2, None), (x, w1, w2))
+    assert cudnn_on_cpu.ran == ["save_z"] and "act_grad" in cudnn_on_cpu.declined
+
+
+def test_mlp_backward_computes_only_the_gradients_asked_for(cudnn_on_cpu):
+    x, w1, b1, w2, b2, _ = _mlp_inputs()
+    x, w1, b1, w2, b2 = (t.to(torch.bfloat16) for t in (x, w1, b1, w2, b2))
+    w2 = w2.requires_grad_()  # only the second layer's weight trains: no dz for the first layer at all
+    torch_ops.mlp(x, w1, b1, w2, b2, "gelu", None, 0.01).sum().backward()
+    assert cudnn_on_cpu.ran == ["save_z", "matmul"] and w2.grad is not None and w2.grad.shape == w2.shape
+    cudnn_on_cpu.ran.clear()
+    x.requires_grad_()
+    torch_ops.mlp(x, w1, b1, w2, b2, "gelu", None, 0.01).sum().backward()
+    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul_act_grad", "matmul"]  # dX, no dW1
+
+
+def test_mlp_dz_split_switch_measures_the_unfused_backward(cudnn_on_cpu, monkeypatch):
+    monkeypatch.setattr(backward, "MLP_DZ", "split")
+    x, w1, b1, w2, b2, _ = _mlp_inputs()
+    compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
+    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul", "act_grad", "matmul", "matmul"]
+    assert cudnn_on_cpu.declined == []
 
 
 def test_dbias_declined_in_the_graph_falls_back_to_a_sum(monkeypatch, cudnn_on_cpu):

@@ -166,3 +166,51 @@ def test_training_100_steps_bf16_tracks_eager_loss():
     assert math.isfinite(last) and last < 0.7 * first
     assert max(diffs[:30]) < 0.05 and max(diffs) < 0.2, (max(diffs[:30]), max(diffs))
     assert cf.plan_stats()["fallbacks"] == before
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_mlp_gradients_through_one_matmul_act_grad_graph(dtype, act, residual, monkeypatch):
+    """Linear -> act -> Linear (cf.nn.FusedMLP): every gradient against fp32 autograd, with the
+    first layer's dz from ONE graph (dY @ W2 with act's backward in its epilogue)."""
+    from cudnn_fuse import backward
+
+    ran, real = [], backward._try
+    monkeypatch.setattr(backward, "_try", lambda op, spec, bufs, quiet=False: ran.append(spec.op) or
+                        real(op, spec, bufs, quiet))
+    torch.manual_seed(0)
+    x, r = torch.randn(4, 64, 96, device="cuda"), torch.randn(4, 64, 96, device="cuda")
+    w1, b1 = torch.randn(256, 96, device="cuda") / 10, torch.randn(256, device="cuda")
+    w2, b2 = torch.randn(96, 256, device="cuda") / 16, torch.randn(96, device="cuda")
+
+    def ours(x, w1, b1, w2, b2, *r):
+        return cf.torch_ops.mlp(x, w1, b1, w2, b2, act, r[0] if r else None, 0.01)
+
+    def ref(x, w1, b1, w2, b2, *r):
+        out = F.linear(reference.activation(F.linear(x, w1, b1), act), w2, b2)
+        return out + r[0] if r else out
+
+    check_grads(ours, ref, (x, w1, b1, w2, b2) + ((r,) if residual else ()), dtype)
+    assert "matmul_act_grad" in ran and "act_grad" not in ran, ran
+
+
+def test_optimized_mlp_training_step_matches_eager_and_saves_no_more():
+    """optimize() turns a bf16 MLP stack into FusedMLP blocks: the step's gradients match eager
+    and the forward saves exactly what eager saves (x, z, act(z) per block)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256),
+                         nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda().to(torch.bfloat16)
+    opt = cf.optimize(copy.deepcopy(base))
+    assert sum(isinstance(m, cf.nn.FusedMLP) for m in opt.modules()) == 2
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+    for name, m in (("eager", base), ("cf", opt)):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            y = m(x)
+        saved[name] = sum(sizes)
+        y.float().square().mean().backward()
+    assert saved["cf"] <= saved["eager"], saved
+    for (n, p), (_, q) in zip(opt.named_parameters(), base.named_parameters()):
+        assert grad_check.rel(p.grad, q.grad) < 2e-2, n

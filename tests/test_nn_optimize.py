@@ -197,8 +197,10 @@ def test_optimize_transformer_block_same_outputs_and_gradients():
     opt = optimize(model)
     patterns = [p for _, p in opt.cudnn_fuse_summary.replaced]
     assert "F.scaled_dot_product_attention" in patterns
-    assert "Linear + gelu_tanh" in patterns
+    # the MLP (fc -> gelu_tanh -> out + x) is one block whose backward crosses the layers
+    assert "Linear + gelu_tanh + Linear + residual add (fused MLP backward)" in patterns
     assert "Linear + residual add" in patterns  # the projections' residual rides in the epilogue
+    assert sum(isinstance(m, cfnn.FusedMLP) for m in opt.modules()) == 1
     x = torch.randn(2, 7, 32, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     y_opt, y_ref = opt(x), model(x2)
@@ -213,6 +215,150 @@ def test_optimize_transformer_block_same_outputs_and_gradients():
             torch.testing.assert_close(p.grad, ref_grads[n].grad, rtol=1e-4, atol=1e-6)
             shared += 1
     assert shared >= 4
+
+
+def _fused_mlp(act="gelu", bias=True, dtype=torch.float64):
+    fc1 = cfnn.Linear(12, 40, bias=bias, activation=act, dtype=dtype)
+    fc2 = nn.Linear(40, 12, bias=bias, dtype=dtype)
+    return cfnn.FusedMLP(fc1, fc2)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_mlp_outputs_and_gradients_match_torch(act, bias, residual):
+    torch.manual_seed(3)
+    m = _fused_mlp(act, bias)
+    ref = nn.Sequential(nn.Linear(12, 40, bias=bias), nn.GELU() if act == "gelu" else
+                        nn.GELU(approximate="tanh") if act == "gelu_tanh" else nn.SiLU(), nn.Linear(40, 12, bias=bias))
+    ref = ref.double()
+    ref[0].load_state_dict(m.fc1.state_dict())
+    ref[2].load_state_dict(m.fc2.state_dict())
+    x = torch.randn(3, 5, 12, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 5, 12, dtype=torch.float64, requires_grad=True) if residual else None
+    x2 = x.detach().clone().requires_grad_()
+    r2 = r.detach().clone().requires_grad_() if residual else None
+    out = m(x, r) if residual else m(x)
+    expect = ref(x2) + r2 if residual else ref(x2)
+    torch.testing.assert_close(out, expect)
+    g = torch.randn_like(out)
+    out.backward(g)
+    expect.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad)
+    if residual:
+        torch.testing.assert_close(r.grad, r2.grad)
+    for mine, theirs in ((m.fc1, ref[0]), (m.fc2, ref[2])):
+        torch.testing.assert_close(mine.weight.grad, theirs.weight.grad)
+        if bias:
+            torch.testing.assert_close(mine.bias.grad, theirs.bias.grad)
+
+
+def test_fused_mlp_gradcheck_and_frozen_first_layer():
+    m = _fused_mlp("silu")
+    x = torch.randn(4, 12, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w1, b1, w2, b2: cf.torch_ops.mlp(x, w1, b1, w2, b2, "silu", None, 0.01),
+                                    (x, m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias))
+    m.fc1.requires_grad_(False)  # fine-tuning only the second layer: no gradient reaches the first
+    m(x.detach()).sum().backward()
+    assert m.fc1.weight.grad is None and m.fc2.weight.grad is not None
+
+
+def test_fused_mlp_training_path_only_when_it_pays(monkeypatch):
+    calls = []
+    real = cf.torch_ops.mlp
+    monkeypatch.setattr(cf.torch_ops, "mlp", lambda *a: calls.append(a[5]) or real(*a))
+    m = _fused_mlp("gelu")
+    x = torch.randn(4, 12, dtype=torch.float64)
+    m(x)
+    assert calls == ["gelu"]  # the weights train: the cross-layer backward
+    with torch.no_grad():
+        m(x)
+    m.fc1.recompute = True
+    m(x)
+    relu = cfnn.FusedMLP(cfnn.Linear(12, 40, activation="relu", dtype=torch.float64), m.fc2)
+    torch.testing.assert_close(relu(x), F.linear(F.relu(relu.fc1(x) * 0 + F.linear(x, relu.fc1.weight, relu.fc1.bias)),
+                                                  m.fc2.weight, m.fc2.bias))
+    assert calls == ["gelu"]  # inference, recompute and ReLU (backward from the output) run the two layers
+
+
+def test_fused_mlp_validates_its_arguments():
+    with pytest.raises(ValueError, match="fc1"):
+        cfnn.FusedMLP(nn.Linear(4, 8), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="fc2"):
+        cfnn.FusedMLP(cfnn.Linear(4, 8, activation="gelu"), nn.Linear(6, 4))
+    m = _fused_mlp("gelu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="in_features"):
+        m(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="residual"):
+        m(torch.randn(3, 12), torch.randn(3, 5))
+    with pytest.raises(TypeError, match="dtype"):
+        m(torch.randn(3, 12, dtype=torch.float64))
+
+
+class _MLPs(nn.Module):
+    """Linear -> act -> Linear in the shapes optimize() must and must not turn into a FusedMLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))  # fused
+        self.b1, self.b_act, self.b2 = nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8)  # fused with the residual
+        self.c = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.Tanh())  # fc2 has its own act
+        self.d1, self.d2 = nn.Linear(8, 16), nn.Linear(16, 8)  # the activation has two users
+        self.e = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))  # ReLU: backward from the output
+
+    def forward(self, x):
+        x = self.a(x)
+        x = x + self.b2(self.b_act(self.b1(x)))
+        x = self.c(x)
+        h = F.gelu(self.d1(x))
+        x = self.d2(h) + h.mean(-1, keepdim=True)
+        return self.e(x)
+
+
+def test_optimize_fuses_linear_act_linear_blocks_and_leaves_the_rest():
+    torch.manual_seed(0)
+    model = _MLPs()
+    opt = optimize(model)
+    patterns = dict(opt.cudnn_fuse_summary.replaced)
+    assert patterns["a.0"] == "Linear + gelu + Linear (fused MLP backward)"
+    assert patterns["b1"] == "Linear + silu + Linear + residual add (fused MLP backward)"
+    assert patterns["c.0"] == "Linear + gelu" and patterns["c.2"] == "Linear + tanh"
+    assert patterns["d1"] == "Linear + gelu" and patterns["d2"] == "Linear + residual add"
+    assert patterns["e.0"] == "Linear + relu"
+    assert sum(isinstance(m, cfnn.FusedMLP) for m in opt.modules()) == 2
+    x = torch.randn(3, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = opt(x), model(x2)
+    torch.testing.assert_close(y, y2)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    # the blocks' parameters are the original modules' own (shared, so they trained)
+    ref = dict(model.named_parameters())
+    fused = [m for m in opt.modules() if isinstance(m, cfnn.FusedMLP)]
+    assert fused[0].fc2.weight.shape == ref["a.2.weight"].shape
+    torch.testing.assert_close(fused[0].fc2.weight.grad, ref["a.2.weight"].grad)
+    torch.testing.assert_close(fused[1].fc1.bias.grad, ref["b1.bias"].grad)
+
+
+def test_optimize_with_recompute_keeps_two_linears():
+    opt = optimize(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)), recompute=True)
+    assert dict(opt.cudnn_fuse_summary.replaced) == {"0": "Linear + gelu"}
+    assert not any(isinstance(m, cfnn.FusedMLP) for m in opt.modules())
+
+
+def test_fused_mlp_under_torch_compile_fullgraph():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    opt = optimize(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y = torch.compile(opt, fullgraph=True, backend="aot_eager")(x)
+    y2 = model(x2)
+    torch.testing.assert_close(y, y2)
+    y.sum().backward()
+    y2.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
 
 
 def test_optimize_untraceable_model_rewrites_its_children():
@@ -343,3 +489,28 @@ def test_small_training_run_tracks_eager_loss():
 def test_public_namespace_has_nn_and_optimize():
     assert cf.nn.Linear is cfnn.Linear
     assert cf.optimize is optimize
+
+
+def test_modules_take_a_broadcast_or_other_dtype_residual_like_torch():
+    """optimize() fuses ``layer(x) + t`` without knowing t's shape: a t that broadcasts (or
+    promotes) must give torch's answer, not an error."""
+    torch.manual_seed(0)
+    lin = cfnn.Linear(8, 6, activation="relu")
+    x = torch.randn(3, 8)
+    for r in (torch.randn(3, 1), torch.randn(6), torch.randn(3, 6, dtype=torch.float64)):
+        out = lin(x, r)
+        expect = F.relu(F.linear(x, lin.weight, lin.bias) + r)
+        assert out.dtype == expect.dtype
+        torch.testing.assert_close(out, expect)
+    with pytest.raises(ValueError, match="residual"):
+        lin(x, torch.randn(3, 5))
+    conv = cfnn.Conv2d(4, 6, 3, padding=1, activation="silu")
+    xc = torch.randn(2, 4, 5, 5)
+    for r in (torch.randn(2, 1, 5, 5), torch.randn(6, 1, 1)):
+        torch.testing.assert_close(conv(xc, r), F.silu(F.conv2d(xc, conv.weight, conv.bias, padding=1) + r))
+    with pytest.raises(ValueError, match="residual"):
+        conv(xc, torch.randn(2, 3, 5, 5))
+    mlp = _fused_mlp("gelu", dtype=torch.float32)
+    xm, rm = torch.randn(3, 12), torch.randn(3, 1)
+    torch.testing.assert_close(mlp(xm, rm), mlp.fc2(F.gelu(mlp.fc1.weight.new_zeros(()) + F.linear(
+        xm, mlp.fc1.weight, mlp.fc1.bias))) + rm)

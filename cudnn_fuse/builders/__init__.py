@@ -11,6 +11,7 @@ from ..spec import (
     ConvDgradSpec,
     ConvSpec,
     ConvWgradSpec,
+    MatmulActGradSpec,
     MatmulSpec,
     RecomputeGradSpec,
     SaveZSpec,
@@ -28,6 +29,7 @@ _BUILDERS = {
     # training graphs (issue 4)
     SaveZSpec: backward.build_save_z,
     RecomputeGradSpec: backward.build_recompute_grad,
+    MatmulActGradSpec: backward.build_matmul_act_grad,
     ActGradSpec: backward.build_act_grad,
     ConvDgradSpec: backward.build_dgrad,
     ConvWgradSpec: backward.build_wgrad,
