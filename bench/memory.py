@@ -4,6 +4,9 @@
     recompute=True (the backward recomputes the pre-activation; the forward saves none);
 (b) a conv-bias-ReLU stack: eager vs cf (ReLU's backward needs only the output).
 
+Eager and cf steps are timed in alternating rounds in one process (the order flips every
+round), so neither is measured on a GPU the other has just heated.
+
     python3 bench/memory.py --out bench/results
 """
 
@@ -13,6 +16,7 @@ import argparse
 import contextlib
 import copy
 import os
+import statistics
 import sys
 
 import torch
@@ -44,31 +48,47 @@ def train_step(model, x):
         p.grad = None
 
 
-def step_stats(model, x, steps=10):
-    """(peak bytes of one step, median step ms) for forward + backward + zero_grad."""
-    def step():
-        train_step(model, x)
-
+def peak_bytes(model, x) -> int:
+    """Peak bytes one warm step allocates above what was allocated before it."""
     for _ in range(3):
-        step()
+        train_step(model, x)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    step()
+    train_step(model, x)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    return peak, synced_ms(step, steps)
+    return torch.cuda.max_memory_allocated() - base
+
+
+def step_stats(model, x, steps=10):
+    """(peak bytes of one step, median step ms), one model alone (backward_probe's engine sweeps)."""
+    return peak_bytes(model, x), synced_ms(lambda: train_step(model, x), steps)
+
+
+def interleaved_ms(models, x, rounds=6, steps=4) -> list:
+    """Median step ms of each model, timed in alternating rounds (A B, B A, A B, ...) so that
+    neither runs on a GPU the other has warmed (clocks, temperature); each model's round
+    medians come back too, for the spread."""
+    per = [[] for _ in models]
+    for r in range(rounds):
+        order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
+        for i in order:
+            per[i].append(synced_ms(lambda: train_step(models[i], x), steps))
+    return [(statistics.median(p), p) for p in per]
 
 
 def case(name, eager, fused, x):
-    ep, et = step_stats(eager, x)
+    ep = peak_bytes(eager, x)
     f0 = cf.plan_stats()["fallbacks"]
-    cp, ct = step_stats(fused, x)
+    cp = peak_bytes(fused, x)
+    (et, er), (ct, cr) = interleaved_ms([eager, fused], x)
     # fallbacks counts every op call that ran torch instead of a cuDNN graph (forward or backward)
     row = {"name": name, "eager_peak_bytes": ep, "cf_peak_bytes": cp, "eager_step_ms": round(et, 3),
-           "cf_step_ms": round(ct, 3), "cf_fallbacks": cf.plan_stats()["fallbacks"] - f0}
+           "cf_step_ms": round(ct, 3), "cf_fallbacks": cf.plan_stats()["fallbacks"] - f0,
+           "eager_round_ms": [round(v, 3) for v in er], "cf_round_ms": [round(v, 3) for v in cr]}
     print(f"{name:40s} peak {ep / 2**20:8.1f} -> {cp / 2**20:8.1f} MiB ({cp / ep:5.2f}x)   "
-          f"step {et:7.3f} -> {ct:7.3f} ms ({ct / et:5.2f}x)", flush=True)
+          f"step {et:7.3f} -> {ct:7.3f} ms ({ct / et:5.2f}x)   rounds eager {min(er):.3f}-{max(er):.3f}, "
+          f"cf {min(cr):.3f}-{max(cr):.3f}", flush=True)
     return row
 
 

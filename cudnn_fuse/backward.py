@@ -352,18 +352,23 @@ def matmul_act_grad(a3, b3, src3, act, slope) -> Optional[torch.Tensor]:
     return dz if _try("mlp_backward", spec, bufs, quiet=True) else None
 
 
-def mlp_grads(x, w1, z1, y1, w2, gy, act, slope, needs):
+def mlp_grads(x, w1, inter, w2, gy, act, slope, needs):
     """The gradients of out = y1 @ w2.T + b2 [+ residual], y1 = act(z1), z1 = x @ w1.T + b1 on
     the cuDNN graphs: (dx, dw1, db1, dw2, db2, dresidual), each None unless ``needs`` (6 bools,
-    that order) asks for it. The first layer's dz comes from ``matmul_act_grad`` (dY @ W2 with
-    act's backward in the epilogue); the bias gradients are float32 sums, cast to gy's dtype.
-    None when cuDNN declined the act-grad graph as well (the caller runs torch's math)."""
+    that order) asks for it. ``inter`` is the list [z1, y1]; it is emptied here and each tensor
+    dropped once read (y1 after dW2, z1 after dz), as eager autograd frees them between its
+    nodes. The first layer's dz comes from ``matmul_act_grad`` (dY @ W2 with act's backward in
+    the epilogue); the bias gradients are column sums in gy's dtype (as torch's addmm backward).
+    None when cuDNN declined the act-grad graph as well: ``inter`` is then refilled for the
+    caller's torch math."""
+    z1, y1 = inter
+    inter.clear()
     N2, H = w2.shape
     rows = math.prod(gy.shape[:-1])
     dy3 = gy.contiguous().reshape(1, rows, N2)
     z3 = z1.reshape(1, rows, H)
     dw2 = mm(dy3.transpose(1, 2), y1.reshape(1, rows, H)).view(N2, H) if needs[3] else None
-    db2 = dy3.sum((0, 1), dtype=torch.float32).to(gy.dtype) if needs[4] else None
+    db2 = dy3.view(rows, N2).sum(0) if needs[4] else None
     dz = None
     if needs[0] or needs[1] or needs[2]:
         w2_3 = w2.unsqueeze(0)  # [1, N2, H]: dY @ W2 reads the weight in its own layout
@@ -371,9 +376,11 @@ def mlp_grads(x, w1, z1, y1, w2, gy, act, slope, needs):
         if dz is None:
             out = _saved_dz(mm(dy3, w2_3), z3, act, slope, False)
             if out is None:
+                inter += [z1, y1]
                 return None
             dz = out[0]
-    db1 = dz.sum((0, 1), dtype=torch.float32).to(gy.dtype) if needs[2] else None
+    del y1, z1, z3
+    db1 = dz.reshape(rows, H).sum(0) if needs[2] else None
     dx = dw1 = None
     if needs[0] or needs[1]:
         _, K, _, a3, b3 = _linear_operands(x, w1)

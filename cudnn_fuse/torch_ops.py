@@ -368,13 +368,32 @@ def linear_save_z(x, weight, bias, activation, residual, negative_slope):
 # ------------------------------------------------------------------------ Linear -> act -> Linear
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether torch.autograd.graph.saved_tensors_hooks (save_on_cpu, offloading...) are set;
+    True when this torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(False) is not None
+    except Exception:  # noqa: BLE001 - another signature: assume hooks
+        return True
+
+
 class _MlpTrain(torch.autograd.Function):
     """out = y1 @ w2.T + b2 [+ residual], y1 = act(z1), z1 = x @ w1.T + b1, for training
     (cf.nn.FusedMLP). Forward: linear_save_z's one graph writes y1 and z1, then the second
     layer runs torch's addmm (cuDNN's matmul + residual epilogue when there is a residual);
-    it saves what eager torch saves (x, z1, y1). Backward (backward.mlp_grads): the first
+    it keeps what eager torch keeps (x, z1, y1). Backward (backward.mlp_grads): the first
     layer's dz is dY @ W2 with act's backward in the product's epilogue, one graph. Anything
-    cuDNN cannot take (CPU, float32, a declined graph) runs the same math on torch kernels."""
+    cuDNN cannot take (CPU, float32, a declined graph) runs the same math on torch kernels.
+
+    Memory: eager autograd frees y1 after the second layer's backward and z1 after the
+    activation's, before the first layer's gradients exist; one node would hold both to its
+    end. So z1 and y1 ride on ctx (not save_for_backward) and the backward drops each as soon
+    as it has been read. A second backward through the same graph (retain_graph=True) finds
+    them gone and recomputes them from x. Under saved_tensors_hooks (save_on_cpu, offloading)
+    everything is saved the standard way, so the hooks see it."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, residual, attrs):
@@ -386,31 +405,49 @@ class _MlpTrain(torch.autograd.Function):
             out = _linear_op_impl(y1, w2, b2, None, residual, False, slope)[0]
         ctx.act, ctx.slope = act, slope
         ctx.has = (b1 is not None, b2 is not None, residual is not None)
-        ctx.save_for_backward(x, w1, z1, y1, w2)
+        if _saved_tensor_hooks_active():
+            ctx.inter = None
+            ctx.save_for_backward(x, w1, w2, z1, y1)
+        else:
+            ctx.inter = [z1, y1]
+            ctx.save_for_backward(x, w1, w2, b1)  # b1 only for a recompute (a Parameter: no memory)
         return out
 
     @staticmethod
     def backward(ctx, gy):
-        x, w1, z1, y1, w2 = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, w1, w2 = saved[:3]
+        if ctx.inter is None:
+            inter = list(saved[3:])
+        else:
+            inter, ctx.inter = ctx.inter, [None, None]
+            if inter[0] is None:  # a second backward (retain_graph=True): recompute what the first one dropped
+                inter = list(_linear_save_z_op_impl(x, w1, saved[3], ctx.act, None, ctx.slope))[::-1]
+        del saved
         n = ctx.needs_input_grad
         has_b1, has_b2, has_r = ctx.has
         needs = (n[0], n[1], has_b1 and n[2], n[3], has_b2 and n[4], has_r and n[5])
-        if backward.usable(x, w1, z1, y1, w2, gy):
-            out = backward.mlp_grads(x, w1, z1, y1, w2, gy, ctx.act, ctx.slope, needs)
+        if backward.usable(x, w1, w2, gy, *inter):
+            out = backward.mlp_grads(x, w1, inter, w2, gy, ctx.act, ctx.slope, needs)
             if out is not None:
                 return out + (None,)
-        return _mlp_grads_torch(x, w1, z1, y1, w2, gy, ctx.act, ctx.slope, needs) + (None,)
+        return _mlp_grads_torch(x, w1, inter, w2, gy, ctx.act, ctx.slope, needs) + (None,)
 
 
-def _mlp_grads_torch(x, w1, z1, y1, w2, gy, act, slope, needs):
-    """mlp_grads' six gradients on torch kernels (the CPU, float32, or a declined graph)."""
+def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
+    """mlp_grads' six gradients on torch kernels (the CPU, float32, or a declined graph).
+    ``inter``: [z1, y1], emptied as they are read."""
     (N2, H), K = w2.shape, w1.shape[1]
+    z1, y1 = inter
+    inter.clear()
     g2 = gy.reshape(-1, N2)
     dw2 = g2.t() @ y1.reshape(-1, H) if needs[3] else None
+    del y1
     db2 = g2.sum(0) if needs[4] else None
     dx = dw1 = db1 = None
     if needs[0] or needs[1] or needs[2]:
         dz = _act_grad(z1, gy @ w2, act, slope)
+        del z1
         dz2 = dz.reshape(-1, H)
         dx = dz @ w1 if needs[0] else None
         dw1 = dz2.t() @ x.reshape(-1, K) if needs[1] else None

@@ -514,3 +514,42 @@ def test_modules_take_a_broadcast_or_other_dtype_residual_like_torch():
     xm, rm = torch.randn(3, 12), torch.randn(3, 1)
     torch.testing.assert_close(mlp(xm, rm), mlp.fc2(F.gelu(mlp.fc1.weight.new_zeros(()) + F.linear(
         xm, mlp.fc1.weight, mlp.fc1.bias))) + rm)
+
+
+def test_fused_mlp_backward_drops_its_intermediates_and_survives_retain_graph():
+    """z1 and y1 are freed during the backward (as eager autograd frees them between its nodes);
+    a second backward through a retained graph recomputes them and gives the same gradients."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    m = _fused_mlp("gelu")
+    x = torch.randn(6, 12, dtype=torch.float64, requires_grad=True)
+    out = m(x)
+    z1, y1 = out.grad_fn.inter
+    assert z1.shape == y1.shape == (6, 40)
+    refs = [weakref.ref(z1), weakref.ref(y1)]
+    del z1, y1
+    g = torch.randn_like(out)
+    out.backward(g, retain_graph=True)
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    first = [p.grad.clone() for p in m.parameters()] + [x.grad.clone()]
+    out.backward(g)  # the retained graph again: recomputed intermediates, the same gradients once more
+    for a, b in zip([p.grad for p in m.parameters()] + [x.grad], first):
+        torch.testing.assert_close(a, 2 * b)
+
+
+def test_fused_mlp_under_saved_tensor_hooks_saves_through_them():
+    torch.manual_seed(0)
+    m = _fused_mlp("silu")
+    x = torch.randn(6, 12, dtype=torch.float64, requires_grad=True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
+        out = m(x)
+    assert packed.count((6, 40)) == 2  # z1 and y1 went through the hooks (save_on_cpu would move them)
+    assert out.grad_fn.inter is None
+    x2 = x.detach().clone().requires_grad_()
+    out.sum().backward()
+    F.linear(F.silu(F.linear(x2, m.fc1.weight, m.fc1.bias)), m.fc2.weight, m.fc2.bias).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
