@@ -77,11 +77,14 @@ def interleaved_ms(models, x, rounds=6, steps=4) -> list:
     return [(statistics.median(p), p) for p in per]
 
 
+ROUNDS = 6
+
+
 def case(name, eager, fused, x):
     ep = peak_bytes(eager, x)
     f0 = cf.plan_stats()["fallbacks"]
     cp = peak_bytes(fused, x)
-    (et, er), (ct, cr) = interleaved_ms([eager, fused], x)
+    (et, er), (ct, cr) = interleaved_ms([eager, fused], x, rounds=ROUNDS)
     # fallbacks counts every op call that ran torch instead of a cuDNN graph (forward or backward)
     row = {"name": name, "eager_peak_bytes": ep, "cf_peak_bytes": cp, "eager_step_ms": round(et, 3),
            "cf_step_ms": round(ct, 3), "cf_fallbacks": cf.plan_stats()["fallbacks"] - f0,
@@ -114,7 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--autotune", action="store_true",
                     help="cf autotunes every graph on its first call (budget: $CUDNN_FUSE_TUNE_BUDGET_S); "
                          "written to memory_autotuned.json")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="alternating timing rounds per case (4 steps each)")
     args = ap.parse_args(argv)
+    globals()["ROUNDS"] = max(1, args.rounds)
     if args.autotune:
         cf.set_autotune(True)
     torch.manual_seed(0)
