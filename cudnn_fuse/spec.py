@@ -206,6 +206,13 @@ class RecomputeGradSpec(_WrapsForward):
     op = "recompute_grad"
 
 
+def _check_act_grad(spec) -> None:
+    """An activation-backward spec's name check (Epilogue's) and slope normalization (the
+    slope means something only for leaky_relu, so other activations' specs key the same)."""
+    Epilogue(activation=spec.activation)
+    object.__setattr__(spec, "negative_slope", float(spec.negative_slope) if spec.activation == "leaky_relu" else 0.01)
+
+
 @dataclass(frozen=True)
 class MatmulActGradSpec(_WrapsForward):
     """dz = act'(src) * (a @ b): a gradient product with the backward of the activation that
@@ -223,8 +230,7 @@ class MatmulActGradSpec(_WrapsForward):
     op = "matmul_act_grad"
 
     def __post_init__(self):
-        Epilogue(activation=self.activation)  # same check of the name
-        object.__setattr__(self, "negative_slope", float(self.negative_slope) if self.activation == "leaky_relu" else 0.01)
+        _check_act_grad(self)
         e = self.fwd.epilogue if isinstance(self.fwd, MatmulSpec) else None
         if e is None or e.bias is not None or e.residual is not None or e.activation is not None or e.amax:
             raise ValueError("matmul_act_grad: fwd must be a MatmulSpec with no epilogue")
@@ -244,8 +250,7 @@ class ActGradSpec(_SpecMixin):
     op = "act_grad"
 
     def __post_init__(self):
-        Epilogue(activation=self.activation)  # same check of the name
-        object.__setattr__(self, "negative_slope", float(self.negative_slope) if self.activation == "leaky_relu" else 0.01)
+        _check_act_grad(self)
 
     def operands(self):
         return (self.dy, self.src)

@@ -653,3 +653,13 @@ def test_record_keeps_the_backward_graphs_that_ran(monkeypatch, tmp_path):
     assert sorted(e.spec.op for e in entries) == ["matmul", "matmul", "matmul", "recompute_grad"]
     assert all(getattr(e.spec, "dbias", None) is None for e in entries)
     assert x.grad is not None and b.grad is not None
+
+
+def test_matmul_act_grad_spec_takes_only_a_bare_product():
+    y = TensorSpec.contiguous((1, 64, 48), BF)
+    with pytest.raises(ValueError, match="no epilogue"):
+        MatmulActGradSpec(_mm("gelu"), y, y, "gelu")  # a forward with bias + activation is not a product
+    spec = MatmulActGradSpec(_mm(None, bias=False), y, y, "silu", 0.3)
+    assert spec.negative_slope == 0.01 and spec == MatmulActGradSpec(_mm(None, bias=False), y, y, "silu")
+    with pytest.raises(ValueError, match="activation"):
+        MatmulActGradSpec(_mm(None, bias=False), y, y, "mish")
