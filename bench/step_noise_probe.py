@@ -1,7 +1,8 @@
 """Why does cf's conv training step vary between rounds when eager's does not (memory.py)?
 Per-step times of the memory bench's conv-bias-ReLU stack and MLP stack, eager and cf, each step
 synchronized: the device time (CUDA events), the host time to enqueue it, and the same with
-Python's garbage collector off. Diagnostic, not a result.
+Python's garbage collector off, and with autograd's backward on the calling thread
+(torch.autograd.set_multithreading_enabled(False)). Diagnostic, not a result.
 
     python3 bench/step_noise_probe.py --out bench/results
 """
@@ -72,9 +73,12 @@ def main(argv=None) -> int:
                 res[f"{case} {label} gc off"] = summary(steps(m, x))
             finally:
                 gc.enable()
+            # the backward on the calling thread, not autograd's per-device worker (no thread hand-off)
+            with torch.autograd.set_multithreading_enabled(False):
+                res[f"{case} {label} 1 thread"] = summary(steps(m, x))
         for k in [k for k in res if k.startswith(case)]:
             v = res[k]
-            print(f"{k:22s} device median {v['device_median']:8.3f} p10 {v['device_p10']:8.3f} p90 {v['device_p90']:8.3f} "
+            print(f"{k:24s} device median {v['device_median']:8.3f} p10 {v['device_p10']:8.3f} p90 {v['device_p90']:8.3f} "
                   f"max {v['device_max']:8.3f}   host median {v['host_median']:7.3f} max {v['host_max']:7.3f}", flush=True)
     with open(os.path.join(args.out, "step_noise_probe.json"), "w") as f:
         json.dump(res, f, indent=1)
