@@ -339,7 +339,7 @@ def matmul_grads(a, b, bias, residual, gy, act, slope, src, needs):
 def matmul_act_grad(a3, b3, src3, act, slope) -> Optional[torch.Tensor]:
     """dz = act'(src3) * (a3 @ b3) in one graph (the product is never stored); None when cuDNN
     declines it (DEBUG: the caller runs the product and the act-grad graph instead)."""
-    if MLP_DZ != "fused" or MM == "torch":
+    if MLP_DZ != "fused":  # (MM="torch" moves the plain products only; this is a fusion)
         return None
     dz = torch.empty_like(src3)
     bufs = [a3, b3, src3, dz]
