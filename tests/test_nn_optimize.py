@@ -553,3 +553,16 @@ def test_fused_mlp_under_saved_tensor_hooks_saves_through_them():
     out.sum().backward()
     F.linear(F.silu(F.linear(x2, m.fc1.weight, m.fc1.bias)), m.fc2.weight, m.fc2.bias).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_saved_tensor_hooks_probe_assumes_hooks_when_torch_cannot_say(monkeypatch):
+    from cudnn_fuse import torch_ops
+
+    assert torch_ops._saved_tensor_hooks_active() is False
+    with torch.autograd.graph.save_on_cpu():
+        assert torch_ops._saved_tensor_hooks_active() is True
+    monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    assert torch_ops._saved_tensor_hooks_active() is True  # then FusedMLP saves the standard way
+    m = _fused_mlp("gelu")
+    out = m(torch.randn(3, 12, dtype=torch.float64))
+    assert out.grad_fn.inter is None
