@@ -69,6 +69,14 @@ def _pre_activation_grad(ctx, gy: Tensor, y: Optional[Tensor], recompute_z) -> T
     return _act_grad(recompute_z(), gy, act, ctx.slope)
 
 
+def _linear_products(dz: Tensor, x: Tensor, w: Tensor, need_x: bool, need_w: bool, need_b: bool):
+    """(dx, dw, db) of z = x @ w.T + b from dz on torch kernels, None where not needed."""
+    N, K = w.shape
+    dz2 = dz.reshape(-1, N)
+    return ((dz @ w) if need_x else None, (dz2.t() @ x.reshape(-1, K)) if need_w else None,
+            dz2.sum(0) if need_b else None)
+
+
 def _save(ctx, main: tuple, y: Tensor, bias, residual) -> None:
     """Save the main operands, plus only what the activation's backward needs."""
     recompute = ctx.act not in (None, "relu")
@@ -284,11 +292,8 @@ def _linear_backward(ctx, gy, _gamax):
         if out is not None:
             return _gemm_result(out)
     dz = _pre_activation_grad(ctx, gy, y, lambda: reference.linear(x, w, b, None, r))
-    N, K = w.shape
-    dz2 = dz.reshape(-1, N)
-    dx = (dz @ w) if ctx.needs_input_grad[0] else None
-    dw = (dz2.t() @ x.reshape(-1, K)) if ctx.needs_input_grad[1] else None
-    db = dz2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    dx, dw, db = _linear_products(dz, x, w, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                  ctx.has_bias and ctx.needs_input_grad[2])
     dr = dz if ctx.has_residual and ctx.needs_input_grad[4] else None
     return dx, dw, db, None, dr, None, None
 
@@ -348,11 +353,7 @@ def _linear_save_z_backward(ctx, gy, _gz):
             dx, dw, db, dr = out
             return dx, dw, db, None, dr, None
     dz = _act_grad(z, gy, ctx.act, ctx.slope)
-    N, K = w.shape
-    dz2 = dz.reshape(-1, N)
-    dx = (dz @ w) if needs[0] else None
-    dw = (dz2.t() @ x.reshape(-1, K)) if needs[1] else None
-    db = dz2.sum(0) if needs[2] else None
+    dx, dw, db = _linear_products(dz, x, w, *needs[:3])
     return dx, dw, db, None, (dz if needs[3] else None), None
 
 
@@ -437,21 +438,15 @@ class _MlpTrain(torch.autograd.Function):
 def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
     """mlp_grads' six gradients on torch kernels (the CPU, float32, or a declined graph).
     ``inter``: [z1, y1], emptied as they are read."""
-    (N2, H), K = w2.shape, w1.shape[1]
     z1, y1 = inter
     inter.clear()
-    g2 = gy.reshape(-1, N2)
-    dw2 = g2.t() @ y1.reshape(-1, H) if needs[3] else None
+    _, dw2, db2 = _linear_products(gy, y1, w2, False, needs[3], needs[4])
     del y1
-    db2 = g2.sum(0) if needs[4] else None
     dx = dw1 = db1 = None
     if needs[0] or needs[1] or needs[2]:
         dz = _act_grad(z1, gy @ w2, act, slope)
         del z1
-        dz2 = dz.reshape(-1, H)
-        dx = dz @ w1 if needs[0] else None
-        dw1 = dz2.t() @ x.reshape(-1, K) if needs[1] else None
-        db1 = dz2.sum(0) if needs[2] else None
+        dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
     return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
 
 
