@@ -70,24 +70,41 @@ def usable(*tensors) -> bool:
 
     Under torch.compile, AOTAutograd traces the custom ops' backward formulas with fake
     tensors: there the formulas must take the torch math (which Inductor compiles), since a
-    cuDNN graph launch reads data pointers that a fake tensor does not have."""
-    ts = [t for t in tensors if t is not None]
-    return (all(t.is_cuda for t in ts) and ts[0].dtype in _DT and all(t.dtype == ts[0].dtype for t in ts)
-            and all(t.numel() > 0 for t in ts) and not tracing(ts))
+    cuDNN graph launch reads data pointers that a fake tensor does not have. One pass of cheap
+    checks: this runs in every backward node (the generator-based version and torch's is_fake
+    took 13 us a call on the H200 host)."""
+    if torch.compiler.is_compiling():
+        return False
+    dt = None
+    for t in tensors:
+        if t is None:
+            continue
+        if dt is None:
+            dt = t.dtype
+            if dt not in _DT:
+                return False
+        if t.dtype != dt or not t.is_cuda or t.numel() == 0 or _traced(t):
+            return False
+    return dt is not None
 
 
 def tracing(ts) -> bool:
     """Whether these tensors are being traced (fake or functional tensors, or torch.compile)."""
     if torch.compiler.is_compiling():
         return True
-    return any(_is_fake(t) or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) for t in ts)
+    return any(_traced(t) for t in ts)
 
 
-try:
-    from torch._subclasses.fake_tensor import is_fake as _is_fake
-except ImportError:  # pragma: no cover - torch without fake tensors
-    def _is_fake(t) -> bool:
-        return False
+_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+_functional = getattr(torch, "_is_functional_tensor", None)
+
+
+def _traced(t) -> bool:
+    """A fake tensor or tensor subclass (its type says so), or a plain-typed tensor that wraps
+    one (functionalization, functorch transforms): the torch math is right for all of them."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return True
+    return bool((_wrapped is not None and _wrapped(t)) or (_functional is not None and _functional(t)))
 
 
 def _spec(t: torch.Tensor) -> TensorSpec:
@@ -440,6 +457,105 @@ def conv_dz(x, w, bias, residual, gy, y, geo, act, slope, want_dbias):
     if out is None:
         return None
     return out[0], (out[1] if want_dbias else None), x4, w4
+
+
+class _ConvProgram:
+    """A conv layer's whole backward for one signature, replayed: the dz (+ dbias) graph, dgrad
+    and wgrad, each output allocated from a remembered geometry and each plan launched with no
+    spec, layout or cache work in between. The specs are the ones conv_dz / conv_dgrad /
+    conv_wgrad make for these operands (the general path stays for every other case). Measured on
+    the H200 (bench/conv_host_probe.py): the Python between the three launches of that path took
+    60-150 us a layer, the launches 60-100 us; a conv training step was host-bound."""
+
+    __slots__ = ("dz_plan", "dz_geo", "dbias_geo", "dgrad", "dx_geo", "wgrad", "dw_geo", "dtype", "device",
+                 "bias_dims")
+
+    def __call__(self, x, w, y, gy):
+        """(dx, dw, dbias f32 [1, K, 1, 1], dz), None where not asked for (dz: always)."""
+        dt, dev = self.dtype, self.device
+        db = None
+        if self.dz_plan is None:  # no activation: dz is the incoming gradient
+            dz = gy
+            if self.bias_dims is not None:
+                db = dz.sum(dim=self.bias_dims, keepdim=True, dtype=torch.float32)
+        else:
+            dz = torch.empty_strided(*self.dz_geo, dtype=dt, device=dev)
+            if self.dbias_geo is not None:
+                db = torch.empty_strided(*self.dbias_geo, dtype=torch.float32, device=dev)
+                self.dz_plan.run((gy, y, dz, db))
+            else:
+                self.dz_plan.run((gy, y, dz))
+                if self.bias_dims is not None:
+                    db = dz.sum(dim=self.bias_dims, keepdim=True, dtype=torch.float32)
+        dx = dw = None
+        if self.dgrad is not None:
+            dx = torch.empty_strided(*self.dx_geo, dtype=dt, device=dev)
+            self.dgrad.run((dz, w, dx))
+        if self.wgrad is not None:
+            dw = torch.empty_strided(*self.dw_geo, dtype=dt, device=dev)
+            self.wgrad.run((x, dz, dw))
+        return dx, dw, db, dz
+
+
+def conv_program(x, w, y, gy, geo, act, slope, need_x: bool, need_w: bool, need_b: bool):
+    """(dx, dw, dbias f32 [1, K, 1, 1] or None, dz) of a batched conv with no activation or
+    ReLU (read from the saved output y), from the signature's remembered program; None when this
+    signature has none (operands not already in the layout the graphs read, a piece cuDNN
+    declines, a product on torch, an active recorder): the caller then takes the general path,
+    which handles, logs and records every case."""
+    if manifest._active or CONV != "cudnn":
+        return None
+    key = ("convprog", x.shape, x.stride(), w.shape, w.stride(), y.stride() if y is not None else None, gy.stride(),
+           x.dtype, x.device,
+           act, slope, geo, need_x, need_w, need_b, DBIAS)
+    prog = plans.FAST.get(key)
+    if prog is None:
+        prog = _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b)
+        if len(plans.FAST) >= plans.FAST_CAPACITY - 1:
+            plans.FAST.clear()
+        plans.FAST[key] = prog
+    return prog(x, w, y, gy) if prog is not False else None
+
+
+def _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b):
+    """The program of this signature, or False (the general path's cases: see conv_program)."""
+    if act not in (None, "relu") or x.dim() != 4:
+        return False
+    x4, w4, channels_last = ops._conv_layout(x, w)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    if x4 is not x or w4 is not w or not gy.is_contiguous(memory_format=fmt) or \
+            (act == "relu" and not y.is_contiguous(memory_format=fmt)):
+        return False
+    K = w.shape[0]
+    device = x.device.index
+    p = _ConvProgram()
+    p.dtype, p.device = x.dtype, x.device
+    p.dz_plan = p.dbias_geo = p.dgrad = p.wgrad = p.bias_dims = None
+    p.dz_geo = (tuple(gy.shape), tuple(gy.stride()))
+    p.dx_geo, p.dw_geo = (tuple(x.shape), tuple(x.stride())), (tuple(w.shape), tuple(w.stride()))
+    try:
+        if act == "relu":
+            dy_s, dz_s = _spec(gy), TensorSpec(p.dz_geo[0], p.dz_geo[1], _DT[x.dtype])
+            if need_b and DBIAS == "fused":
+                db_geo = ((1, K, 1, 1), _bias_strides(gy, (1, K, 1, 1)))
+                try:
+                    p.dz_plan = plans.get_plan(ActGradSpec(dy_s, _spec(y), dz_s, act, slope,
+                                                           TensorSpec(*db_geo, "float32")), device)
+                    p.dbias_geo = db_geo
+                except UnsupportedError:
+                    pass
+            if p.dz_plan is None:
+                p.dz_plan = plans.get_plan(ActGradSpec(dy_s, _spec(y), dz_s, act, slope, None), device)
+        if need_b and p.dbias_geo is None:
+            p.bias_dims = (0, 2, 3)
+        g = geo[:4]
+        if need_x:
+            p.dgrad = plans.get_plan(ConvDgradSpec(_spec(gy), _spec(w), _spec(x), *g), device)
+        if need_w:
+            p.wgrad = plans.get_plan(ConvWgradSpec(_spec(x), _spec(gy), _spec(w), *g), device)
+    except UnsupportedError:
+        return False
+    return p
 
 
 def _conv_grad(op: str, kind: str, spec_type, a, b, like, geo) -> Optional[torch.Tensor]:

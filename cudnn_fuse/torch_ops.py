@@ -118,8 +118,11 @@ def _conv2d_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: L
                     lambda key: ops._conv2d_fwd(x, weight, bias, *geo, activation, residual, return_amax,
                                                 negative_slope, memo=key))
     y, amax = _split(out, x, return_amax)
-    fmt = torch.channels_last if ops.conv_out_channels_last(x) else torch.contiguous_format
-    return y.contiguous(memory_format=fmt), amax
+    return _conv_out_layout(y, x), amax
+
+
+def _conv_out_layout(y: Tensor, x: Tensor) -> Tensor:
+    return y.contiguous(memory_format=torch.channels_last if ops.conv_out_channels_last(x) else torch.contiguous_format)
 
 
 conv2d_op = torch.library.custom_op("cudnn_fuse::conv2d", mutates_args=())(_conv2d_op_impl)
@@ -135,8 +138,13 @@ class _Conv2dTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, attrs):
         stride, pre, post, dilation, groups, act, slope = attrs
-        y, _ = _conv2d_op_impl(x, weight, bias, stride, pre, post, dilation, groups, act, residual, False, slope)
-        ctx.act, ctx.slope, ctx.geo = act, slope, (stride, pre, post, dilation, groups)
+        geo = (stride, pre, post, dilation, groups)
+        # _conv2d_op_impl without its amax placeholder (one CUDA allocation a layer); attrs' values
+        # are tuples already (conv2d below), so the memo key is the custom op's own
+        y = _memoized("conv2d:train", x, weight, bias, residual, geo + (act, False, slope),
+                      lambda key: ops._conv2d_fwd(x, weight, bias, *geo, act, residual, False, slope, memo=key))
+        y = _conv_out_layout(y, x)
+        ctx.act, ctx.slope, ctx.geo = act, slope, geo
         ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
         _save(ctx, (x, weight), y, bias, residual)
         return y
@@ -193,9 +201,16 @@ def _conv2d_backward(ctx, gy, _gamax):
 
 def _conv2d_backward_cudnn(ctx, x, w, y, b, r, gy):
     """Graph 1: dz (+ dbias), graph 2: dgrad, graph 3: wgrad; torch for a product cuDNN declines."""
+    n = ctx.needs_input_grad
+    need_b = ctx.has_bias and n[2]
+    if r is None or ctx.act == "relu":  # no activation or ReLU: the signature's replayed program
+        out = backward.conv_program(x, w, y, gy, ctx.geo, ctx.act, ctx.slope, n[0], n[1], need_b)
+        if out is not None:
+            dx, dw, dbias, dz = out
+            return (dx, dw, dbias.view(-1).to(gy.dtype) if dbias is not None else None, None, None, None, None, None,
+                    None, dz if ctx.has_residual and n[9] else None, None, None)
     unbatched = x.dim() == 3
     sq = (lambda t: t.unsqueeze(0) if t is not None else None) if unbatched else (lambda t: t)
-    need_b = ctx.has_bias and ctx.needs_input_grad[2]
     out = backward.conv_dz(sq(x), w, b, sq(r), sq(gy), sq(y), ctx.geo, ctx.act, ctx.slope, need_b)
     if out is None:
         return None

@@ -256,15 +256,43 @@ class Runner:
         return True
 
 
+class ExecPlan:
+    """A 'built' plan whose run is torch_exec (for the backward programs, which hold plans)."""
+
+    raw = False
+
+    def __init__(self, spec, runner):
+        self.spec, self.runner = spec, runner
+
+    def run(self, buffers):
+        torch_exec(self.spec, list(buffers))
+        self.runner.ran.append(self.spec.op)
+
+
 @pytest.fixture
 def cudnn_on_cpu(monkeypatch):
-    """The cuDNN backward path on CPU bf16 tensors, graphs run by torch_exec."""
+    """The cuDNN backward path on CPU bf16 tensors, graphs run by torch_exec (through _try, and
+    through plans.get_plan for the replayed programs; ``runner.asked`` counts get_plan calls)."""
+    from cudnn_fuse import plans
+
     torch.manual_seed(0)
     runner = Runner()
+    runner.asked = []
+
+    def get_plan(spec, device):
+        runner.asked.append(spec.op)
+        if runner.decline(spec):
+            runner.declined.append(spec.op)
+            raise UnsupportedError("declined by the test")
+        return ExecPlan(spec, runner)
+
+    plans.clear()  # no program or plan kept from another test's stand-ins
     monkeypatch.setattr(backward, "_try", runner)
+    monkeypatch.setattr(plans, "get_plan", get_plan)
     monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
     monkeypatch.setattr(backward, "sdpa_train_usable", lambda *ts: True)
-    return runner
+    yield runner
+    plans.clear()
 
 
 def rel(a, b) -> float:
@@ -421,6 +449,144 @@ def test_conv_backward_plumbing(cudnn_on_cpu, act, layout):
             lambda x, w, b: reference.activation(F.conv2d(x, w, b, stride=2, padding=1), act), (x, w, b))
     first = {None: [], "relu": ["act_grad"], "silu": ["recompute_grad"]}[act]
     assert cudnn_on_cpu.ran == first + ["conv_dgrad", "conv_wgrad"]
+
+
+def _cl(*ts):
+    return [t.to(torch.bfloat16).to(memory_format=torch.channels_last) if t.dim() == 4 else t.to(torch.bfloat16)
+            for t in ts]
+
+
+def _conv_step(x, w, b, act="relu", residual=None, gy=None):
+    """One cf conv2d forward + backward on fresh leaves; their gradients (None where not asked)."""
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w, b)]
+    y = cf.conv2d(*leaves, padding=1, activation=act, residual=residual)
+    if gy is None:  # the layout a channels_last network's gradients arrive in
+        gy = torch.linspace(-1, 1, y.numel()).view(y.shape).to(y.dtype).contiguous(memory_format=torch.channels_last)
+    y.backward(gy)
+    return [t.grad for t in leaves]
+
+
+def _torch_grads(x, w, b, act="relu", gy=None, dtype=torch.float32):
+    leaves = [t.detach().to(dtype).requires_grad_(t.requires_grad) for t in (x, w, b)]
+    y = reference.activation(F.conv2d(*leaves, padding=1), act)
+    y.backward(gy.to(dtype) if gy is not None else torch.linspace(-1, 1, y.numel()).view(y.shape).to(dtype))
+    return [t.grad for t in leaves]
+
+
+def _general_path(monkeypatch, x, w, b, act="relu", gy=None):
+    """_conv_step's gradients with the programs off: the path each program must reproduce."""
+    with monkeypatch.context() as m:
+        m.setattr(backward, "conv_program", lambda *a, **k: None)
+        return _conv_step(x, w, b, act, gy=gy)
+
+
+def _same(ours, theirs):
+    for a, c in zip(ours, theirs):
+        assert (a is None and c is None) or torch.equal(a, c)
+
+
+def _close(ours, x, w, b, act="relu", gy=None, tol=3e-2):
+    """Each gradient against fp32 autograd, within max(tol, 2 x torch's own bf16 error): bf16
+    rounding moves some z across ReLU's kink (one flip moved these gradients by 2%)."""
+    refs, theirs = _torch_grads(x, w, b, act, gy), _torch_grads(x, w, b, act, gy, torch.bfloat16)
+    for a, r, t in zip(ours, refs, theirs):
+        assert (a is None) == (r is None)
+        if a is not None:
+            assert a.dtype == torch.bfloat16 and a.shape == r.shape and rel(a, r) <= max(tol, 2 * rel(t, r))
+
+
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_conv_backward_program_is_built_once_and_replayed(cudnn_on_cpu, monkeypatch, act):
+    """A batched channels_last conv's backward is one remembered program per signature: its
+    first call asks for the three plans, every later call launches them and asks for nothing."""
+    x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
+    for t in (x, w, b):
+        t.requires_grad_()
+    first = _conv_step(x, w, b, act)
+    asked = list(cudnn_on_cpu.asked)
+    assert asked == (["act_grad"] if act else []) + ["conv_dgrad", "conv_wgrad"]
+    cudnn_on_cpu.ran.clear()
+    for _ in range(2):
+        again = _conv_step(x, w, b, act)
+        for a, c in zip(first, again):
+            assert torch.equal(a, c)
+    assert cudnn_on_cpu.asked == asked  # replayed: no spec made, no plan asked for
+    assert cudnn_on_cpu.ran == 2 * ((["act_grad"] if act else []) + ["conv_dgrad", "conv_wgrad"])
+    _same(first, _general_path(monkeypatch, x, w, b, act))
+    _close(first, x, w, b, act)
+
+
+def test_conv_backward_program_with_the_bias_reduction_declined_sums_in_torch(cudnn_on_cpu, monkeypatch):
+    cudnn_on_cpu.decline = lambda spec: getattr(spec, "dbias", None) is not None
+    x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
+    for t in (x, w, b):
+        t.requires_grad_()
+    ours = _conv_step(x, w, b)
+    assert cudnn_on_cpu.declined == ["act_grad"] and cudnn_on_cpu.ran == ["act_grad", "conv_dgrad", "conv_wgrad"]
+    _same(ours, _general_path(monkeypatch, x, w, b))
+    _close(ours, x, w, b)
+
+
+def test_conv_backward_program_runs_only_the_products_asked_for(cudnn_on_cpu, monkeypatch):
+    x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
+    w.requires_grad_()  # x and the bias are frozen: no dgrad, no bias reduction
+    gx, gw, gb = _conv_step(x, w, b)
+    assert gx is None and gb is None and cudnn_on_cpu.ran == ["act_grad", "conv_wgrad"]
+    _same([gx, gw, gb], _general_path(monkeypatch, x, w, b))
+    _close([gx, gw, gb], x, w, b)
+
+
+def test_conv_backward_program_declines_a_gradient_in_another_layout(cudnn_on_cpu):
+    """An NCHW gradient into a channels_last conv is not the program's signature: the general
+    path converts it (and the next channels_last gradient still gets the program)."""
+    x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
+    for t in (x, w, b):
+        t.requires_grad_()
+    gy = torch.randn(2, 8, 9, 9).to(torch.bfloat16)  # contiguous (NCHW)
+    ours = _conv_step(x, w, b, gy=gy)
+    _close(ours, x, w, b, gy=gy)
+    assert cudnn_on_cpu.asked == []  # no program: the general path ran (through _try)
+    assert cudnn_on_cpu.ran == ["act_grad", "conv_dgrad", "conv_wgrad"]
+    _conv_step(x, w, b, gy=gy.contiguous(memory_format=torch.channels_last))
+    assert cudnn_on_cpu.asked == ["act_grad", "conv_dgrad", "conv_wgrad"]
+
+
+def test_conv_backward_program_gives_the_residual_its_gradient(cudnn_on_cpu):
+    x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
+    r = _cl(torch.randn(2, 8, 9, 9))[0].requires_grad_()
+    for t in (x, w):
+        t.requires_grad_()
+    y = cf.conv2d(x, w, b, padding=1, activation="relu", residual=r)
+    gy = torch.linspace(-1, 1, y.numel()).view(y.shape).to(y.dtype).contiguous(memory_format=torch.channels_last)
+    y.backward(gy)
+    assert cudnn_on_cpu.asked == ["act_grad", "conv_dgrad", "conv_wgrad"]
+    rf = r.detach().float().requires_grad_()
+    F.relu(F.conv2d(x.detach().float(), w.detach().float(), b.float(), padding=1) + rf).backward(gy.float())
+    assert r.grad.dtype == torch.bfloat16 and rel(r.grad, rf.grad) < 1e-2
+
+
+def test_conv_backward_under_record_takes_the_general_path_and_records_its_graphs(cudnn_on_cpu, tmp_path):
+    from cudnn_fuse import manifest
+
+    x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
+    for t in (x, w, b):
+        t.requires_grad_()
+    _conv_step(x, w, b)  # the signature's program exists now
+    recorded = []
+    monkey = cudnn_on_cpu
+    real_try = backward._try
+
+    def noting(op, spec, buffers, quiet=False):
+        recorded.append(spec.op)
+        return real_try(op, spec, buffers, quiet)
+
+    backward._try = noting
+    try:
+        with manifest.record(str(tmp_path / "m.json")):
+            _conv_step(x, w, b)
+    finally:
+        backward._try = real_try
+    assert recorded == ["act_grad", "conv_dgrad", "conv_wgrad"] and monkey.asked.count("conv_dgrad") == 1
 
 
 @pytest.mark.parametrize("groups", [2, 4])
