@@ -5,7 +5,8 @@
 #   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
 # Steps: tests (the GPU suite, junit XML), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
-# memory2 (memory and memory_at at once, one per GPU), bwdprobe (backward_probe: each backward piece), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
+# memory2 (memory and memory_at at once, one per GPU), bwdprobe (backward_probe: each backward piece), convprobe
+# (conv_host_probe: where the conv step's host time goes), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
 # cf under torch.compile, torch.compile), host (host_overhead +
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
@@ -50,6 +51,7 @@ for s in $STEPS; do
               echo "== memory_autotune (GPU 1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
             wait; cat "$OUT/memory.log" >> "$log"; rm -f "$OUT/memory.log" ;;
         bwdprobe) step backward_probe 200 python3 bench/backward_probe.py --out "$OUT" ;;
+        convprobe) step conv_host_probe 120 python3 bench/conv_host_probe.py --out "$OUT" ;;
         host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3
               step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT" ;;
         pytest:*) files=${s#pytest:}; step "$s" "${TESTS_TIMEOUT:-260}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${files//,/ } ;;
