@@ -382,9 +382,16 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
 
-        def call(x, weight, bias, residual):
-            return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
-                                    return_amax, negative_slope)
+        if return_amax:
+            def call(x, weight, bias, residual):
+                return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
+                                        return_amax, negative_slope)
+        else:
+            attrs_t = (tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups, activation, float(negative_slope))
+            slot = [None]
+
+            def call(x, weight, bias, residual):
+                return torch_ops.conv2d_train(x, weight, bias, residual, attrs_t, slot)
 
         _remember_call(key, call)
         return call(x, weight, bias, residual)
