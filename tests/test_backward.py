@@ -536,19 +536,24 @@ def test_conv_backward_program_runs_only_the_products_asked_for(cudnn_on_cpu, mo
     _close([gx, gw, gb], x, w, b)
 
 
-def test_conv_backward_program_declines_a_gradient_in_another_layout(cudnn_on_cpu):
-    """An NCHW gradient into a channels_last conv is not the program's signature: the general
-    path converts it (and the next channels_last gradient still gets the program)."""
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_conv_backward_program_converts_a_gradient_in_another_layout(cudnn_on_cpu, monkeypatch, act):
+    """An NCHW gradient into a channels_last conv (what a loss hands the last layer) is its own
+    signature: a program that converts it first, as the general path does, and gives its results;
+    the channels_last gradient keeps its own program."""
     x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
     for t in (x, w, b):
         t.requires_grad_()
     gy = torch.randn(2, 8, 9, 9).to(torch.bfloat16)  # contiguous (NCHW)
-    ours = _conv_step(x, w, b, gy=gy)
-    _close(ours, x, w, b, gy=gy)
-    assert cudnn_on_cpu.asked == []  # no program: the general path ran (through _try)
-    assert cudnn_on_cpu.ran == ["act_grad", "conv_dgrad", "conv_wgrad"]
-    _conv_step(x, w, b, gy=gy.contiguous(memory_format=torch.channels_last))
-    assert cudnn_on_cpu.asked == ["act_grad", "conv_dgrad", "conv_wgrad"]
+    ours = _conv_step(x, w, b, act, gy=gy)
+    pieces = (["act_grad"] if act else []) + ["conv_dgrad", "conv_wgrad"]
+    assert cudnn_on_cpu.asked == pieces and cudnn_on_cpu.ran == pieces
+    _same(ours, _conv_step(x, w, b, act, gy=gy))
+    assert cudnn_on_cpu.asked == pieces  # replayed
+    _same(ours, _general_path(monkeypatch, x, w, b, act, gy=gy))
+    _close(ours, x, w, b, act, gy=gy)
+    _conv_step(x, w, b, act, gy=gy.contiguous(memory_format=torch.channels_last))
+    assert len(cudnn_on_cpu.asked) == 2 * len(pieces)  # another signature, another program
 
 
 def test_conv_backward_program_gives_the_residual_its_gradient(cudnn_on_cpu):
