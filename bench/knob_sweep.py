@@ -54,7 +54,7 @@ def _knob_space(lg, eid):
     return out
 
 
-def sweep(spec, device, budget_s, max_per_engine, rng) -> dict:
+def sweep(spec, device, budget_s, max_per_engine, rng, engines=None, sweep_knobs=None) -> dict:
     import cudnn
 
     h = plans.handle_for(device).handle
@@ -92,8 +92,12 @@ def sweep(spec, device, budget_s, max_per_engine, rng) -> dict:
         res["engines"] = f"get_engine_count: {type(exc).__name__}: {exc}"
         return res
     for eid in range(n_eng):
+        if engines is not None and eid not in engines:
+            continue
         try:
             space = _knob_space(lg, eid)
+            if sweep_knobs is not None:  # the other knobs at their first value (SPLIT_K_SLC=1: no split)
+                space = [(t, v if str(getattr(t, "name", t)) in sweep_knobs else v[:1]) for t, v in space]
         except Exception as exc:  # noqa: BLE001 - an engine that does not support this graph
             res["engines"][eid] = f"{type(exc).__name__}: {str(exc)[:80]}"
             continue
@@ -117,7 +121,10 @@ def sweep(spec, device, budget_s, max_per_engine, rng) -> dict:
         ok = sorted([r for r in res[k] if r[1] is not None], key=lambda r: r[1])
         res[f"best_{k}"] = ok[0] if ok else None
         res[f"{k}_ok"] = len(ok)
-    res["swept"] = sorted(res["swept"], key=lambda r: (r[1] is None, r[1] or 0))[:40]
+    failed = [r for r in res["swept"] if r[1] is None]
+    res["swept_failed"] = len(failed)
+    res["swept_failures_sample"] = failed[:5]
+    res["swept"] = sorted([r for r in res["swept"] if r[1] is not None], key=lambda r: r[1])[:40]
     return res
 
 
@@ -127,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=60.0, help="per graph")
     ap.add_argument("--max-per-engine", type=int, default=60)
     ap.add_argument("--ops", default="save_z,matmul_act_grad,matmul")
+    ap.add_argument("--engines", default="", help="engine ids to sweep (default: all)")
+    ap.add_argument("--knobs", default="", help="knob names to sweep, the others at their first value (default: all)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     bf = torch.bfloat16
@@ -143,11 +152,13 @@ def main(argv=None) -> int:
         if s.op not in want or s.op in seen:  # the first graph of each op
             continue
         seen.add(s.op)
-        r = sweep(s, 0, args.budget_s, args.max_per_engine, rng)
+        r = sweep(s, 0, args.budget_s, args.max_per_engine, rng,
+                  {int(e) for e in args.engines.split(",")} if args.engines else None,
+                  set(args.knobs.split(",")) if args.knobs else None)
         out["graphs"].append(r)
         print(s.op, "best heuristic", r.get("best_heuristic"), "best swept", r.get("best_swept"),
-              "ok", r.get("swept_ok"), "engines", json.dumps(r["engines"])[:600], flush=True)
-    with open(os.path.join(args.out, "knob_sweep.json"), "w") as f:
+              "ok", r.get("swept_ok"), "failed", r.get("swept_failed"), r.get("swept_failures_sample"), flush=True)
+    with open(os.path.join(args.out, f"knob_sweep_{'_'.join(want)}.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     return 0
 
