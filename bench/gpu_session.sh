@@ -11,7 +11,7 @@
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
-# pytest:<file>,<file> runs those GPU test files (report in the log). SKIP_INSTALL=1: the wheels are
+# pytest:<file>,<file> runs those GPU test files (report in the log). MEMORY_ARGS: options of the memory steps. SKIP_INSTALL=1: the wheels are
 # already in /tmp/site (a second instance beside a first). PEERS_ARGS adds options to every peers run (e.g. "--no-max-autotune").
 # Expects the recipe of ../shared/device/README.md: wheels in .whl/, this checkout on PYTHONPATH.
 set -u
@@ -41,8 +41,8 @@ for s in $STEPS; do
               echo "== tests (GPU 1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
             wait; tail -n 3 "$OUT"/gpu_tests_[01].txt >> "$log" ;;
         demo) step demo 90 python3 -c "import sys; from cudnn_fuse.cli import main; sys.exit(main(['demo']))" ;;
-        memory) step memory 90 python3 bench/memory.py --out "$OUT" ;;
-        memory_at) CUDNN_FUSE_TUNE_BUDGET_S=${BUDGET:-3} step memory_autotune 180 python3 bench/memory.py --out "$OUT" --autotune ;;
+        memory) step memory 120 python3 bench/memory.py --out "$OUT" ${MEMORY_ARGS:-} ;;
+        memory_at) CUDNN_FUSE_TUNE_BUDGET_S=${BUDGET:-3} step memory_autotune 300 python3 bench/memory.py --out "$OUT" --autotune ${MEMORY_ARGS:-} ;;
         memory2) t0=$SECONDS  # memory (heuristic plans) on GPU 0 and memory_at (autotuned) on GPU 1, at once
             ( CUDA_VISIBLE_DEVICES=0 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout 120 python3 bench/memory.py --out "$OUT" >> "$OUT/memory.log" 2>&1
               echo "== memory (GPU 0) rc=$? $((SECONDS - t0))s" >> "$log" ) &
