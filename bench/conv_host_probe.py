@@ -8,8 +8,8 @@ This times, in the real step on the GPU machine, with each step's phases synchro
 - the forward's and the backward's host time, for eager, cf, and a third model whose layers are
   a Python autograd.Function running torch's own conv kernels ("pyfn"): pyfn - eager is what a
   Python node costs here, cf - pyfn what cf's own code and cuDNN's execute cost;
-- inside cf: the host time of every cuDNN launch, of cf's Python backward and forward bodies, and
-  the rest of the backward (autograd's engine, AccumulateGrad, the loss's nodes);
+- inside cf: the host time of every cuDNN launch, of the replayed backward (conv_program), of the
+  general path's pieces where it runs, and of the forward body;
 - the threads alive in the process (a Python thread holding the GIL would stall the backward).
 
 Diagnostic, not a result. python3 bench/conv_host_probe.py --out bench/results
@@ -212,6 +212,7 @@ def main(argv=None) -> int:
     for owner, name, label in ((plans.Plan, "launch", "cudnn launch"),
                                (torch_ops, "_conv2d_backward", "cf backward body"),
                                (torch_ops, "_conv2d_op_impl", "cf forward body"),
+                               (backward, "conv_program", "conv_program (replayed backward)"),
                                (backward, "conv_dz", "conv_dz"), (backward, "conv_dgrad", "conv_dgrad"),
                                (backward, "conv_wgrad", "conv_wgrad")):
         _wrap(owner, name, label)

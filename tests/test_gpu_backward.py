@@ -214,3 +214,38 @@ def test_optimized_mlp_training_step_matches_eager_and_saves_no_more():
     assert saved["cf"] <= saved["eager"], saved
     for (n, p), (_, q) in zip(opt.named_parameters(), base.named_parameters()):
         assert grad_check.rel(p.grad, q.grad) < 2e-2, n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", [None, "relu"])
+@pytest.mark.parametrize("gy_layout", ["channels_last", "nchw"])
+def test_conv2d_backward_program_equals_the_general_path(monkeypatch, dtype, act, gy_layout):
+    """The replayed conv backward (backward.conv_program) gives the general path's gradients bit
+    for bit on cuDNN's graphs, every call, for a gradient in the forward's layout and in NCHW (a
+    loss's), with a residual."""
+    from cudnn_fuse import backward, plans
+
+    torch.manual_seed(3)
+    cl = torch.channels_last
+    x = torch.randn(4, 16, 12, 12, device="cuda", dtype=dtype).to(memory_format=cl)
+    w = (torch.randn(32, 16, 3, 3, device="cuda") / 12).to(dtype).to(memory_format=cl)
+    b = torch.randn(32, device="cuda", dtype=dtype)
+    r = torch.randn(4, 32, 12, 12, device="cuda", dtype=dtype).to(memory_format=cl)
+    gy = torch.randn(4, 32, 12, 12, device="cuda", dtype=dtype)
+    gy = gy.to(memory_format=cl) if gy_layout == "channels_last" else gy.contiguous()
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b, r)]
+        cf.conv2d(*leaves[:3], padding=1, activation=act, residual=leaves[3]).backward(gy)
+        return [t.grad for t in leaves]
+
+    plans.clear()
+    first, second = grads(), grads()
+    progs = [v for k, v in plans.FAST.items() if isinstance(k, tuple) and k[0] == "convprog"]
+    assert len(progs) == 1 and progs[0] is not False
+    assert (progs[0].gy_format is not None) == (gy_layout == "nchw")
+    with monkeypatch.context() as m:
+        m.setattr(backward, "conv_program", lambda *a, **k: None)
+        general = grads()
+    for a, s, g in zip(first, second, general):
+        assert torch.equal(a, s) and torch.equal(a, g)

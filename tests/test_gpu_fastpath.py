@@ -205,7 +205,12 @@ def test_training_forward_uses_the_memo_and_backward_specs_are_reused(cache_dir)
         grads.append((y.detach().clone(), x.grad.clone(), w.grad.clone(), b.grad.clone()))
         x.grad = w.grad = b.grad = None
     assert any(isinstance(k, tuple) and k[0] == "conv2d:train" for k in plans.FAST)
-    assert sum(isinstance(k, tuple) and k[0] == "spec" for k in plans.FAST) >= 3  # act-grad, dgrad, wgrad
+    # the backward is the signature's program: act-grad (+ dbias), dgrad, wgrad, on raw launches
+    progs = [v for k, v in plans.FAST.items() if isinstance(k, tuple) and k[0] == "convprog"]
+    assert len(progs) == 1 and progs[0] is not False
+    assert progs[0].dz_plan.raw and progs[0].dgrad.raw and progs[0].wgrad.raw
+    assert [p.spec.op for p in (progs[0].dz_plan, progs[0].dgrad, progs[0].wgrad)] == \
+        ["act_grad", "conv_dgrad", "conv_wgrad"]
     for later in grads[1:]:
         for a, b_ in zip(later, grads[0]):
             assert torch.equal(a, b_)
