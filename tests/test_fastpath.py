@@ -238,3 +238,48 @@ def test_training_memo_is_off_while_recording(monkeypatch, tmp_path):
         cf.linear(x, w, activation="relu").sum().backward()
     assert len(checks) == 2
     plans.clear()
+
+
+def test_training_conv_keeps_its_forward_launch_in_the_validated_call(monkeypatch):
+    """A training conv2d's remembered (validated) call holds the forward's launch once it ran:
+    later calls of the signature do not look the forward up in the memo again, and launch it."""
+    from cudnn_fuse import backward
+
+    launched = []
+
+    class Plan:
+        raw = True
+        engine = "fake"
+
+        def __init__(self, spec):
+            self.spec = spec
+
+        def launch(self, ptrs):
+            launched.append(self.spec.op)
+
+        def run(self, buffers):
+            launched.append(self.spec.op)
+
+    plans.clear()
+    monkeypatch.setattr(plans, "get_plan", lambda spec, device: Plan(spec))
+    monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)  # the cuDNN path, on CPU tensors
+    monkeypatch.setattr(backward, "usable", lambda *ts: True)
+    names = []
+    real = ops._memo
+
+    def memo(name, *a):
+        names.append(name)
+        return real(name, *a)
+
+    monkeypatch.setattr(ops, "_memo", memo)
+    cl = torch.channels_last
+    x = torch.randn(2, 8, 6, 6).half().to(memory_format=cl).requires_grad_()
+    w = torch.randn(8, 8, 3, 3).half().to(memory_format=cl).requires_grad_()
+    b = torch.randn(8).half().requires_grad_()
+    for _ in range(3):
+        cf.conv2d(x, w, b, padding=1, activation="relu").backward(torch.ones(2, 8, 6, 6).half().to(memory_format=cl))
+    # the public call looks itself up every time; the autograd forward only the first time
+    assert names == ["conv2d", "conv2d:train", "conv2d", "conv2d"]
+    assert launched.count("conv2d") == 3  # the forward graph ran on every call
+    assert launched.count("conv_dgrad") == 3 and launched.count("conv_wgrad") == 3  # the replayed backward
+    plans.clear()
