@@ -468,13 +468,17 @@ class _ConvProgram:
     60-150 us a layer, the launches 60-100 us; a conv training step was host-bound."""
 
     __slots__ = ("dz_plan", "dz_geo", "dbias_geo", "dgrad", "dx_geo", "wgrad", "dw_geo", "dtype", "device",
-                 "bias_dims", "gy_format")
+                 "bias_dims", "gy_format", "x_format", "w_format")
 
     def __call__(self, x, w, y, gy):
         """(dx, dw, dbias f32 [1, K, 1, 1], dz), None where not asked for (dz: always)."""
         dt, dev = self.dtype, self.device
         if self.gy_format is not None:  # a gradient in the other layout (a loss's): the graphs read the forward's
             gy = gy.contiguous(memory_format=self.gy_format)
+        if self.x_format is not None:  # an NCHW input or weight the forward converted: converted again
+            x = x.contiguous(memory_format=self.x_format)
+        if self.w_format is not None:
+            w = w.contiguous(memory_format=self.w_format)
         db = None
         if self.dz_plan is None:  # no activation: dz is the incoming gradient
             dz = gy
@@ -502,10 +506,11 @@ class _ConvProgram:
 def conv_program(x, w, y, gy, geo, act, slope, need_x: bool, need_w: bool, need_b: bool):
     """(dx, dw, dbias f32 [1, K, 1, 1] or None, dz) of a batched conv with no activation or
     ReLU (read from the saved output y), from the signature's remembered program; None when this
-    signature has none (x, w or y not already in the layout the graphs read, a piece cuDNN
-    declines, a product on torch, an active recorder): the caller then takes the general path,
-    which handles, logs and records every case. A gradient in another layout than the forward's
-    (what a loss hands the last layer) is converted first, as the general path converts it."""
+    signature has none (a saved output not in the layout the graphs read, a piece cuDNN declines,
+    a product on torch, an active recorder): the caller then takes the general path, which
+    handles, logs and records every case. What the general path converts (a gradient in another
+    layout than the forward's, as a loss hands the last layer; an NCHW input or weight under the
+    "convert" policy) the program converts the same way on every call."""
     if manifest._active or CONV != "cudnn":
         return None
     key = ("convprog", x.shape, x.stride(), w.shape, w.stride(), y.stride() if y is not None else None, gy.stride(),
@@ -526,16 +531,21 @@ def _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b):
         return False
     x4, w4, channels_last = ops._conv_layout(x, w)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    if x4 is not x or w4 is not w or (act == "relu" and not y.is_contiguous(memory_format=fmt)):
+    if act == "relu" and not y.is_contiguous(memory_format=fmt):
         return False
     K = w.shape[0]
     device = x.device.index
     p = _ConvProgram()
     p.dtype, p.device = x.dtype, x.device
-    p.dz_plan = p.dbias_geo = p.dgrad = p.wgrad = p.bias_dims = p.gy_format = None
-    if not gy.is_contiguous(memory_format=fmt):  # converted on every call, as conv_dz converts it
+    p.dz_plan = p.dbias_geo = p.dgrad = p.wgrad = p.bias_dims = p.gy_format = p.x_format = p.w_format = None
+    # what the general path converts (conv_dz's layouts), converted on every call the same way
+    if not gy.is_contiguous(memory_format=fmt):
         p.gy_format = fmt
         gy = gy.contiguous(memory_format=fmt)
+    if x4 is not x:
+        p.x_format, x = fmt, x4
+    if w4 is not w:
+        p.w_format, w = fmt, w4
     p.dz_geo = (tuple(gy.shape), tuple(gy.stride()))
     p.dx_geo, p.dw_geo = (tuple(x.shape), tuple(x.stride())), (tuple(w.shape), tuple(w.stride()))
     try:

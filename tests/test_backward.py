@@ -556,6 +556,31 @@ def test_conv_backward_program_converts_a_gradient_in_another_layout(cudnn_on_cp
     assert len(cudnn_on_cpu.asked) == 2 * len(pieces)  # another signature, another program
 
 
+@pytest.mark.parametrize("layouts", ["x nchw", "x and w nchw"])
+def test_conv_backward_program_converts_an_nchw_input_or_weight_as_the_forward_did(cudnn_on_cpu, monkeypatch,
+                                                                                    layouts):
+    """Under the "convert" policy the forward ran an NCHW x (a network's first layer) or weight
+    (cf.nn.Conv2d outside optimize()) as channels_last copies: the program converts them the same
+    way, and gives the general path's gradients."""
+    from cudnn_fuse import ops
+
+    monkeypatch.setattr(ops, "conv_out_channels_last", lambda t: t.dim() == 4)  # as on a GPU: a channels_last y
+    x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
+    x = x.contiguous()
+    if layouts == "x and w nchw":
+        w = w.contiguous()
+    for t in (x, w, b):
+        t.requires_grad_()
+    ours = _conv_step(x, w, b)
+    assert cudnn_on_cpu.asked == ["act_grad", "conv_dgrad", "conv_wgrad"]
+    _same(ours, _conv_step(x, w, b))
+    assert len(cudnn_on_cpu.asked) == 3  # replayed
+    _same(ours, _general_path(monkeypatch, x, w, b))
+    _close(ours, x, w, b)
+    prog = next(v for k, v in backward.plans.FAST.items() if isinstance(k, tuple) and k[0] == "convprog")
+    assert prog.x_format == torch.channels_last and (prog.w_format is not None) == (layouts == "x and w nchw")
+
+
 def test_conv_backward_program_gives_the_residual_its_gradient(cudnn_on_cpu):
     x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
     r = _cl(torch.randn(2, 8, 9, 9))[0].requires_grad_()

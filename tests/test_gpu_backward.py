@@ -219,20 +219,22 @@ def test_optimized_mlp_training_step_matches_eager_and_saves_no_more():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", [None, "relu"])
 @pytest.mark.parametrize("gy_layout", ["channels_last", "nchw"])
-def test_conv2d_backward_program_equals_the_general_path(monkeypatch, dtype, act, gy_layout):
+@pytest.mark.parametrize("inputs", ["channels_last", "nchw"])
+def test_conv2d_backward_program_equals_the_general_path(monkeypatch, dtype, act, gy_layout, inputs):
     """The replayed conv backward (backward.conv_program) gives the general path's gradients bit
     for bit on cuDNN's graphs, every call, for a gradient in the forward's layout and in NCHW (a
-    loss's), with a residual."""
+    loss's), for channels_last and NCHW x and weight (converted as the forward did), with a
+    residual."""
     from cudnn_fuse import backward, plans
 
     torch.manual_seed(3)
-    cl = torch.channels_last
+    cl = torch.channels_last if inputs == "channels_last" else torch.contiguous_format
     x = torch.randn(4, 16, 12, 12, device="cuda", dtype=dtype).to(memory_format=cl)
     w = (torch.randn(32, 16, 3, 3, device="cuda") / 12).to(dtype).to(memory_format=cl)
     b = torch.randn(32, device="cuda", dtype=dtype)
-    r = torch.randn(4, 32, 12, 12, device="cuda", dtype=dtype).to(memory_format=cl)
+    r = torch.randn(4, 32, 12, 12, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
     gy = torch.randn(4, 32, 12, 12, device="cuda", dtype=dtype)
-    gy = gy.to(memory_format=cl) if gy_layout == "channels_last" else gy.contiguous()
+    gy = gy.to(memory_format=torch.channels_last) if gy_layout == "channels_last" else gy.contiguous()
 
     def grads():
         leaves = [t.detach().clone().requires_grad_() for t in (x, w, b, r)]
@@ -244,6 +246,7 @@ def test_conv2d_backward_program_equals_the_general_path(monkeypatch, dtype, act
     progs = [v for k, v in plans.FAST.items() if isinstance(k, tuple) and k[0] == "convprog"]
     assert len(progs) == 1 and progs[0] is not False
     assert (progs[0].gy_format is not None) == (gy_layout == "nchw")
+    assert (progs[0].x_format is not None) == (progs[0].w_format is not None) == (inputs == "nchw")
     with monkeypatch.context() as m:
         m.setattr(backward, "conv_program", lambda *a, **k: None)
         general = grads()
