@@ -581,6 +581,49 @@ def test_conv_backward_program_converts_an_nchw_input_or_weight_as_the_forward_d
     assert prog.x_format == torch.channels_last and (prog.w_format is not None) == (layouts == "x and w nchw")
 
 
+@pytest.mark.parametrize("case", ["stride2", "dilation2", "groups2", "depthwise", "1x1", "no-bias", "x-only",
+                                  "5x5-pad2"])
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_conv_backward_program_equals_the_general_path_across_geometries(cudnn_on_cpu, monkeypatch, case, act):
+    torch.manual_seed(5)
+    C, K, R, kw = 8, 12, 3, dict(padding=1)
+    if case == "stride2":
+        kw = dict(stride=2, padding=1)
+    elif case == "dilation2":
+        kw = dict(dilation=2, padding=2)
+    elif case == "groups2":
+        kw = dict(groups=2, padding=1)
+    elif case == "depthwise":
+        K, kw = 8, dict(groups=8, padding=1)
+    elif case == "1x1":
+        R, kw = 1, dict(padding=0)
+    elif case == "5x5-pad2":
+        R, kw = 5, dict(padding=2)
+    groups = kw.get("groups", 1)
+    x, w, b = _cl(torch.randn(2, C, 11, 11), torch.randn(K, C // groups, R, R) / (R * 3), torch.randn(K))
+    x.requires_grad_(True)
+    w.requires_grad_(case != "x-only")
+    b.requires_grad_(case != "x-only")
+    bias = None if case == "no-bias" else b
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in (x, w, bias)]
+        y = cf.conv2d(*leaves, activation=act, **kw)
+        y.backward(torch.linspace(-1, 1, y.numel()).view(y.shape).to(y.dtype).contiguous(memory_format=torch.channels_last))
+        return [t.grad if t is not None else None for t in leaves]
+
+    ours = step()
+    assert cudnn_on_cpu.asked, "the program was not built"
+    again = step()
+    with monkeypatch.context() as m:
+        m.setattr(backward, "conv_program", lambda *a, **k: None)
+        general = step()
+    _same(ours, again)
+    _same(ours, general)
+    if case == "x-only":
+        assert ours[1] is None and ours[2] is None and "conv_wgrad" not in cudnn_on_cpu.asked
+
+
 def test_conv_backward_program_gives_the_residual_its_gradient(cudnn_on_cpu):
     x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
     r = _cl(torch.randn(2, 8, 9, 9))[0].requires_grad_()
