@@ -38,12 +38,13 @@ def amax(y: torch.Tensor) -> torch.Tensor:
     return y.detach().abs().amax().to(torch.float32)
 
 
-def epilogue(z, bias=None, residual=None, act=None, negative_slope=0.01, return_amax=False, bias_shape=None):
-    """y = act(z + bias + residual) rounded once to z's dtype; optionally (y, amax).
+def epilogue(z, bias=None, residual=None, act=None, negative_slope=0.01, return_amax=False, bias_shape=None,
+             out_dtype=None):
+    """y = act(z + bias + residual) rounded once to ``out_dtype`` (default: z's dtype); optionally (y, amax).
 
     ``bias_shape`` reshapes a 1-D bias to broadcast against z (e.g. [1, C, 1, 1]).
     """
-    out_dtype = z.dtype
+    out_dtype = out_dtype or z.dtype
     acc = torch.promote_types(out_dtype, torch.float32)
     t = z.to(acc)
     if bias is not None:
@@ -59,12 +60,19 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     if x.is_cuda:
         # the bias inside the conv is added before the 16-bit rounding (where z + bias cancels,
         # rounding z first would cost all its digits); torch 2.13's CPU conv with a bias crashes
-        # on some channels_last inputs, so the CPU adds it after
+        # on some channels_last inputs, so the CPU adds it after, in float32 (below)
         z = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         shape = (-1, 1, 1) if z.dim() == 3 else (1, -1, 1, 1)
         return epilogue(z, None, residual, activation, negative_slope, return_amax, bias_shape=shape)
+    shape = (-1, 1, 1) if x.dim() == 3 else (1, -1, 1, 1)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        # 16-bit on the CPU: added after z's 16-bit rounding, the bias cancels z's digits where
+        # z + bias is near 0 (one ReLU mask in 1296 flipped against float32 in a test), so the
+        # CPU convolves in float32 and rounds once, as the fused graph does
+        z = F.conv2d(x.float(), weight.float(), None, stride, padding, dilation, groups)
+        return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape,
+                        out_dtype=x.dtype)
     z = F.conv2d(x, weight, None, stride, padding, dilation, groups)
-    shape = (-1, 1, 1) if z.dim() == 3 else (1, -1, 1, 1)
     return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape)
 
 

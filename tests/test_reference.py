@@ -128,6 +128,24 @@ def test_conv2d_cpu_equals_torch(case, epi, dtype, seed):
     check_output(out, expected, epi["return_amax"], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_conv2d_cpu_16bit_rounds_once_after_the_bias(dtype):
+    """The 16-bit CPU conv adds the bias in float32 before its one rounding, as the fused graph
+    does: where z + bias cancels to near 0, rounding z first to 16 bits (then adding the bias)
+    flipped ReLU masks against float32. Here a bias that cancels z exactly, up to a tiny offset."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 7, 7).to(dtype).to(memory_format=torch.channels_last)
+    w = (torch.randn(6, 8, 3, 3) / 4).to(dtype)
+    z32 = F.conv2d(x.float(), w.float(), None, padding=1)
+    at = z32[0, :, 3, 3]  # the bias makes z + bias tiny at one position per channel
+    b = (-at + 1e-3 * torch.sign(at + 1e-9)).to(dtype)
+    y = cf.conv2d(x, w, b, padding=1, activation="relu")
+    want = (z32 + b.float().view(1, -1, 1, 1)).relu()
+    assert y.dtype == dtype
+    assert torch.equal(y, want.to(dtype))  # one rounding of the float32 result, bit for bit
+    assert torch.equal(y.float() > 0, want > 0)
+
+
 # ------------------------------------------------------------------- linear
 
 
