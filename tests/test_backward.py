@@ -638,28 +638,38 @@ def test_conv_backward_program_gives_the_residual_its_gradient(cudnn_on_cpu):
     assert r.grad.dtype == torch.bfloat16 and rel(r.grad, rf.grad) < 1e-2
 
 
-def test_conv_backward_under_record_takes_the_general_path_and_records_its_graphs(cudnn_on_cpu, tmp_path):
-    from cudnn_fuse import manifest
+def test_conv_backward_under_record_takes_the_general_path_and_records_its_graphs(monkeypatch, tmp_path):
+    """A signature with a program still records its backward graphs under cf.record: the
+    recorded step takes the general path (through the real _try, which records)."""
+    from cudnn_fuse import manifest, plans
 
+    ran = []
+
+    class Plan:
+        raw = False
+
+        def __init__(self, spec):
+            self.spec = spec
+
+        def run(self, buffers):
+            torch_exec(self.spec, list(buffers))
+            ran.append(self.spec.op)
+
+    plans.clear()
+    monkeypatch.setattr(plans, "get_plan", lambda spec, device: Plan(spec))
+    monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
     x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
     for t in (x, w, b):
         t.requires_grad_()
-    _conv_step(x, w, b)  # the signature's program exists now
-    recorded = []
-    monkey = cudnn_on_cpu
-    real_try = backward._try
-
-    def noting(op, spec, buffers, quiet=False):
-        recorded.append(spec.op)
-        return real_try(op, spec, buffers, quiet)
-
-    backward._try = noting
-    try:
-        with manifest.record(str(tmp_path / "m.json")):
-            _conv_step(x, w, b)
-    finally:
-        backward._try = real_try
-    assert recorded == ["act_grad", "conv_dgrad", "conv_wgrad"] and monkey.asked.count("conv_dgrad") == 1
+    first = _conv_step(x, w, b)  # the signature's program exists now
+    assert any(isinstance(k, tuple) and k[0] == "convprog" and v is not False for k, v in plans.FAST.items())
+    out = tmp_path / "m.json"
+    with cf.record(str(out)):
+        recorded = _conv_step(x, w, b)
+    _same(first, recorded)
+    ops_recorded = sorted(e.spec.op for e in manifest.load(str(out)))
+    assert ops_recorded == ["act_grad", "conv2d", "conv_dgrad", "conv_wgrad"]  # the forward and the three
+    plans.clear()
 
 
 @pytest.mark.parametrize("groups", [2, 4])
