@@ -471,7 +471,7 @@ class _ConvProgram:
                  "bias_dims", "gy_format", "x_format", "w_format")
 
     def __call__(self, x, w, y, gy):
-        """(dx, dw, dbias f32 [1, K, 1, 1], dz), None where not asked for (dz: always)."""
+        """(dx, dw, dbias [K] in gy's dtype, dz), None where not asked for (dz: always)."""
         dt, dev = self.dtype, self.device
         if self.gy_format is not None:  # a gradient in the other layout (a loss's): the graphs read the forward's
             gy = gy.contiguous(memory_format=self.gy_format)
@@ -483,7 +483,7 @@ class _ConvProgram:
         if self.dz_plan is None:  # no activation: dz is the incoming gradient
             dz = gy
             if self.bias_dims is not None:
-                db = dz.sum(dim=self.bias_dims, keepdim=True, dtype=torch.float32)
+                db = dz.sum(dim=self.bias_dims, dtype=torch.float32)
         else:
             dz = torch.empty_strided(*self.dz_geo, dtype=dt, device=dev)
             if self.dbias_geo is not None:
@@ -492,7 +492,7 @@ class _ConvProgram:
             else:
                 self.dz_plan.run((gy, y, dz))
                 if self.bias_dims is not None:
-                    db = dz.sum(dim=self.bias_dims, keepdim=True, dtype=torch.float32)
+                    db = dz.sum(dim=self.bias_dims, dtype=torch.float32)
         dx = dw = None
         if self.dgrad is not None:
             dx = torch.empty_strided(*self.dx_geo, dtype=dt, device=dev)
@@ -500,11 +500,11 @@ class _ConvProgram:
         if self.wgrad is not None:
             dw = torch.empty_strided(*self.dw_geo, dtype=dt, device=dev)
             self.wgrad.run((x, dz, dw))
-        return dx, dw, db, dz
+        return dx, dw, (db.view(-1).to(dt) if db is not None else None), dz
 
 
 def conv_program(x, w, y, gy, geo, act, slope, need_x: bool, need_w: bool, need_b: bool):
-    """(dx, dw, dbias f32 [1, K, 1, 1] or None, dz) of a batched conv with no activation or
+    """(dx, dw, dbias [K] in gy's dtype or None, dz) of a batched conv with no activation or
     ReLU (read from the saved output y), from the signature's remembered program; None when this
     signature has none (a saved output not in the layout the graphs read, a piece cuDNN declines,
     a product on torch, an active recorder): the caller then takes the general path, which
@@ -549,25 +549,25 @@ def _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b):
     p.dz_geo = (tuple(gy.shape), tuple(gy.stride()))
     p.dx_geo, p.dw_geo = (tuple(x.shape), tuple(x.stride())), (tuple(w.shape), tuple(w.stride()))
     try:
+        dz_s = _spec(gy)  # dz has gy's geometry (and dtype: usable() checked)
         if act == "relu":
-            dy_s, dz_s = _spec(gy), TensorSpec(p.dz_geo[0], p.dz_geo[1], _DT[x.dtype])
             if need_b and DBIAS == "fused":
                 db_geo = ((1, K, 1, 1), _bias_strides(gy, (1, K, 1, 1)))
                 try:
-                    p.dz_plan = plans.get_plan(ActGradSpec(dy_s, _spec(y), dz_s, act, slope,
+                    p.dz_plan = plans.get_plan(ActGradSpec(dz_s, _spec(y), dz_s, act, slope,
                                                            TensorSpec(*db_geo, "float32")), device)
                     p.dbias_geo = db_geo
                 except UnsupportedError:
                     pass
             if p.dz_plan is None:
-                p.dz_plan = plans.get_plan(ActGradSpec(dy_s, _spec(y), dz_s, act, slope, None), device)
+                p.dz_plan = plans.get_plan(ActGradSpec(dz_s, _spec(y), dz_s, act, slope, None), device)
         if need_b and p.dbias_geo is None:
             p.bias_dims = (0, 2, 3)
         g = geo[:4]
         if need_x:
-            p.dgrad = plans.get_plan(ConvDgradSpec(_spec(gy), _spec(w), _spec(x), *g), device)
+            p.dgrad = plans.get_plan(ConvDgradSpec(dz_s, _spec(w), _spec(x), *g), device)
         if need_w:
-            p.wgrad = plans.get_plan(ConvWgradSpec(_spec(x), _spec(gy), _spec(w), *g), device)
+            p.wgrad = plans.get_plan(ConvWgradSpec(_spec(x), dz_s, _spec(w), *g), device)
     except UnsupportedError:
         return False
     return p

@@ -163,17 +163,24 @@ class _Conv2dTrain(torch.autograd.Function):
     def backward(ctx, gy):
         n = ctx.needs_input_grad
         if ctx.act is None or ctx.act == "relu":  # the signature's replayed program, straight from here
-            x, w, y, b, r = ctx.saved_tensors
+            x, w, y, b, _ = ctx.saved_tensors
             if backward.usable(x, w, b, gy):
-                out = backward.conv_program(x, w, y, gy, ctx.geo, ctx.act, ctx.slope, n[0], n[1],
-                                            ctx.has_bias and n[2])
+                out = _conv2d_program_grads(ctx, x, w, y, gy, n[0], n[1], n[2], n[3])
                 if out is not None:
-                    dx, dw, dbias, dz = out
-                    return (dx, dw, dbias.view(-1).to(gy.dtype) if dbias is not None else None,
-                            dz if ctx.has_residual and n[3] else None, None, None)
+                    return out + (None, None)
         g = _conv2d_backward(_OpCtx(ctx, (n[0], n[1], n[2], False, False, False, False, False, False, n[3],
                                           False, False)), gy, None)
         return g[0], g[1], g[2], g[9], None, None
+
+
+def _conv2d_program_grads(ctx, x, w, y, gy, need_x, need_w, need_b, need_r):
+    """(dx, dw, dbias, dresidual) from backward.conv_program (no activation or ReLU), or None
+    when the signature has no program."""
+    out = backward.conv_program(x, w, y, gy, ctx.geo, ctx.act, ctx.slope, need_x, need_w, ctx.has_bias and need_b)
+    if out is None:
+        return None
+    dx, dw, dbias, dz = out
+    return dx, dw, dbias, (dz if ctx.has_residual and need_r else None)
 
 
 class _OpCtx:
@@ -222,12 +229,11 @@ def _conv2d_backward_cudnn(ctx, x, w, y, b, r, gy):
     """Graph 1: dz (+ dbias), graph 2: dgrad, graph 3: wgrad; torch for a product cuDNN declines."""
     n = ctx.needs_input_grad
     need_b = ctx.has_bias and n[2]
-    if r is None or ctx.act == "relu":  # no activation or ReLU: the signature's replayed program
-        out = backward.conv_program(x, w, y, gy, ctx.geo, ctx.act, ctx.slope, n[0], n[1], need_b)
+    if ctx.act is None or ctx.act == "relu":  # the signature's replayed program
+        out = _conv2d_program_grads(ctx, x, w, y, gy, n[0], n[1], n[2], n[9])
         if out is not None:
-            dx, dw, dbias, dz = out
-            return (dx, dw, dbias.view(-1).to(gy.dtype) if dbias is not None else None, None, None, None, None, None,
-                    None, dz if ctx.has_residual and n[9] else None, None, None)
+            dx, dw, db, dr = out
+            return dx, dw, db, None, None, None, None, None, None, dr, None, None
     unbatched = x.dim() == 3
     sq = (lambda t: t.unsqueeze(0) if t is not None else None) if unbatched else (lambda t: t)
     out = backward.conv_dz(sq(x), w, b, sq(r), sq(gy), sq(y), ctx.geo, ctx.act, ctx.slope, need_b)
