@@ -6,7 +6,7 @@
 #
 # Steps: tests (the GPU suite, junit XML), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
 # memory2 (memory and memory_at at once, one per GPU), bwdprobe (backward_probe: each backward piece), convprobe
-# (conv_host_probe: where the conv step's host time goes), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
+# (conv_host_probe: where the conv step's host time goes), sdpasweep (knob_sweep --attention per SDPA_SHAPES), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
 # cf under torch.compile, torch.compile), host (host_overhead +
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
@@ -51,6 +51,9 @@ for s in $STEPS; do
               echo "== memory_autotune (GPU 1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
             wait; cat "$OUT/memory.log" >> "$log"; rm -f "$OUT/memory.log" ;;
         bwdprobe) step backward_probe 200 python3 bench/backward_probe.py --out "$OUT" ;;
+        sdpasweep) for shp in ${SDPA_SHAPES:-"2,32,8192,64,1" "2,16,8192,128,1" "8,16,2048,128,0" "16,32,1024,64,1"}; do
+                step "sdpa_sweep $shp" $(( ${SWEEP_BUDGET:-60} + 60 )) python3 bench/knob_sweep.py --out "$OUT" \
+                    --attention "$shp" --budget-s "${SWEEP_BUDGET:-60}"; done ;;
         convprobe) step conv_host_probe 120 python3 bench/conv_host_probe.py --out "$OUT" ;;
         host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3
               step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT" ;;
