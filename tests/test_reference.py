@@ -146,6 +146,30 @@ def test_conv2d_cpu_16bit_rounds_once_after_the_bias(dtype):
     assert torch.equal(y.float() > 0, want > 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+def test_gemm_cpu_16bit_rounds_once_after_the_bias_and_residual(op, dtype):
+    """The 16-bit CPU linear/matmul adds bias and residual in float32 before its one rounding.
+    torch rounds a batched product to 16 bits before it adds the bias (and cf's epilogue added
+    the residual after that rounding): where z + bias cancels, ReLU masks flipped against
+    float64 and moved gradients by up to 4% (tests/test_fuzz.py found it)."""
+    torch.manual_seed(0)
+    a = torch.randn(2, 9, 16).to(dtype)
+    w = (torch.randn(16, 12) / 4).to(dtype)  # [K, N]; linear takes its transpose
+    z32 = torch.matmul(a.float(), w.float())
+    at = z32[1, 4]  # bias and residual cancel z to a tiny value in one row
+    b = (-at / 2).to(dtype)
+    r = (-(z32 + b.float()) + 1e-3 * torch.sign(at + 1e-9)).to(dtype)
+    if op == "linear":
+        y = cf.linear(a, w.t(), b, activation="relu", residual=r)
+    else:
+        y = cf.matmul(a, w, b, activation="relu", residual=r)
+    want = (z32 + b.float() + r.float()).relu()
+    assert y.dtype == dtype
+    assert torch.equal(y, want.to(dtype))  # one rounding of the float32 result, bit for bit
+    assert torch.equal(y.float() > 0, want > 0)
+
+
 # ------------------------------------------------------------------- linear
 
 

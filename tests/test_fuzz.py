@@ -1,0 +1,46 @@
+"""Seeded random cases of every functional op on the CPU path (tests/fuzz.py), against a
+float64 reference composed from plain torch ops: shapes, layouts, epilogues, masks, GQA,
+memoized second calls and gradients. The same cases, larger, run on cuDNN in test_gpu_fuzz.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fuzz import GRAD_TOL, TOL, check, draw, failures
+
+CASES = draw(seed=20261201, n=300, dtypes=(torch.float32, torch.bfloat16, torch.float16), small=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_cpu_op_matches_float64_reference(case):
+    res = check(case, "cpu", seed=int(case.name[4:]))
+    bad = failures(case, res)
+    assert not bad, f"{case}: " + "; ".join(bad)
+
+
+def test_the_draw_covers_every_op_layout_and_epilogue():
+    ops = {c.op for c in CASES}
+    assert ops == {"conv2d", "matmul", "sdpa"}
+    conv = [c.params for c in CASES if c.op == "conv2d"]
+    assert {p["layout"] for p in conv} >= {"contiguous", "channels_last", "sliced"}
+    assert any(p["groups"] > 1 for p in conv) and any(p["padding"] == "same" for p in conv)
+    mm = [c.params for c in CASES if c.op == "matmul"]
+    assert {p["kind"] for p in mm} == {"linear", "matmul"} and any(p["batch"] for p in mm)
+    at = [c.params for c in CASES if c.op == "sdpa"]
+    assert any(p["causal"] for p in at) and {p["mask"] for p in at} >= {None, "bool", "float"}
+    assert any(p["Hq"] != p["Hkv"] for p in at)
+    assert {c.op for c in CASES if c.grad} == ops and {c.op for c in CASES if c.amax} == {"conv2d", "matmul"}
+    assert {p["act"] for p in conv + mm} >= {None, "relu", "gelu", "silu", "leaky_relu"}
+
+
+def test_the_check_fails_a_wrong_answer(monkeypatch):
+    """The harness is not vacuous: an op that is off by 3% (or whose gradient is) fails it."""
+    import cudnn_fuse as cf
+
+    case = next(c for c in CASES if c.op == "matmul" and c.grad and c.params["kind"] == "linear")
+    real = cf.linear
+    monkeypatch.setattr(cf, "linear", lambda *a, **k: real(*a, **k) * 1.03)
+    bad = failures(case, check(case, "cpu", seed=1))
+    assert any("forward" in b for b in bad) and any("grad" in b for b in bad)
+    assert TOL[case.dtype] < 0.03 and GRAD_TOL[case.dtype] < 0.03
