@@ -322,6 +322,9 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
             log.debug("autotune: candidate %d has no engine record: %s", i, exc)
         candidates.append(c)
     built: set = set()
+    from .plans import barred_engines
+
+    barred = barred_engines(spec)  # prepare() deselected them; a skip names the reason
 
     sets = random_buffers(spec, roles, device, 1)
     ws_bytes = _working_set_bytes(sets[0])
@@ -336,6 +339,8 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     def build(c: Candidate) -> None:
         if c.index in built:
             return
+        if c.engine_id in barred:
+            raise SkipCandidate(f"engine {c.engine_id} computes this graph wrongly (plans.barred_engines)")
         g.build_plan_at_index(c.index)
         c.workspace = int(g.get_workspace_size_plan_at_index(c.index))
         built.add(c.index)

@@ -26,7 +26,7 @@ import torch
 from . import autotune
 from .builders import build_graph, roles_of, uids_of
 from .errors import UnsupportedError
-from .plans import STATS, Plan, finalize, handle_for, prepare
+from .plans import STATS, Plan, barred_engines, finalize, handle_for, prepare
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
     STATS.cache_get_seconds += time.perf_counter() - t0
     if entry is not None and want_tuned and not entry.meta.get("tuned"):
         return None  # a heuristic entry is upgraded once tuned
+    if entry is not None and _barred(spec, entry.meta):
+        return None  # written before its engine was barred: built anew, the entry overwritten
     if entry is not None:
         plan = _deserialize(spec, entry, device)
         if plan is not None:
@@ -99,7 +101,7 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
         pc.delete(digest)
     record = pc.get(engine_record_key(digest))
     meta = entry.meta if entry is not None else (record.meta if record is not None else None)
-    if meta is None or meta.get("engine_id") is None or (want_tuned and not meta.get("tuned")):
+    if meta is None or meta.get("engine_id") is None or (want_tuned and not meta.get("tuned")) or _barred(spec, meta):
         return None
     try:
         plan = rebuild(spec, meta["engine_id"], meta.get("knobs", {}), device)
@@ -110,6 +112,16 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
     blob = plan.graph.serialize(as_bytes=True)
     pc.put(digest, meta, blob, pinned=bool(meta.get("pinned")))
     return _maybe_torch(plan, meta)
+
+
+def _barred(spec, meta: dict) -> bool:
+    """Whether a cache entry's engine is one ``plans.barred_engines`` bars for ``spec``."""
+    eid = meta.get("engine_id")
+    if eid is None or int(eid) not in barred_engines(spec):
+        return False
+    _warn_once("barred", "cudnn_fuse cache: entry for %s names engine %s, which computes it wrongly; building anew",
+               spec.op, eid)
+    return True
 
 
 def _maybe_torch(plan, meta: dict):
@@ -143,6 +155,8 @@ def _deserialize(spec, entry, device):
 
 def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
     """Build exactly the recorded engine + knobs (no heuristics, no tuning)."""
+    if int(engine_id) in barred_engines(spec):
+        raise UnsupportedError(f"engine {engine_id} computes {spec.op} wrongly (plans.barred_engines)")
     h = handle_for(device)
     g = build_graph(spec, h.handle)
     g.validate()

@@ -20,6 +20,7 @@ import torch
 
 from .builders import uids_of
 from .errors import UnsupportedError
+from .spec import MatmulSpec
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,29 @@ def _is_decline(exc: BaseException) -> bool:
     return isinstance(exc, (cudnn.cudnnGraphNotSupportedError, NotImplementedError, ValueError, RuntimeError))
 
 
+def barred_engines(spec) -> frozenset:
+    """Engine ids that cuDNN offers for ``spec``'s graph but that compute it wrongly (measured).
+
+    eng0 runs a GEMM's leaky_relu epilogue as a plain ReLU: the slope is dropped, so the
+    negative half is 0 (cuDNN 9.19 on the H200, every shape and 16-bit dtype tried, with no
+    bias, where the heuristics rank it first; bench/results/leaky_probe.json, found by
+    tests/test_gpu_fuzz.py). It is barred from every matmul-class graph with a leaky_relu,
+    before any candidate is built, and a cache entry or engine record naming it is a miss.
+    """
+    fwd = getattr(spec, "fwd", spec)
+    if not isinstance(fwd, MatmulSpec):
+        return _NONE_BARRED
+    acts = {fwd.epilogue.activation, getattr(spec, "activation", None)}
+    return _LEAKY_BARRED if "leaky_relu" in acts else _NONE_BARRED
+
+
+_NONE_BARRED = frozenset()
+_LEAKY_BARRED = frozenset({0})
+
+
 def prepare(g, spec) -> None:
-    """validate -> operation graph -> ranked candidates (heuristics A, then FALLBACK).
+    """validate -> operation graph -> ranked candidates (heuristics A, then FALLBACK), minus
+    the engines barred for this graph (``barred_engines``).
 
     Raises UnsupportedError when cuDNN declines the graph.
     """
@@ -127,9 +149,21 @@ def prepare(g, spec) -> None:
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in HEUR_MODES])
+        barred = barred_engines(spec)
+        if barred:
+            g.deselect_engines([_bar_name(e) for e in sorted(barred)])
         if spec.dtype == "float32" and not getattr(spec, "allow_tf32", False):
             # true fp32: keep engines that do not round through TF32 tensor cores
             g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
+
+
+def _bar_name(engine_id: int) -> str:
+    """The deselect_engines() pattern of one engine. cuDNN-frontend matches it as a substring of
+    each plan's name ("eng<id>" or "eng<id>_k<knob>=<v>..."): "eng0" can only be engine 0 (no
+    other id starts with a 0), where "eng1" would also bar eng10-eng19."""
+    if engine_id != 0:
+        raise ValueError(f"no collision-free deselect_engines() pattern for engine {engine_id}")
+    return "eng0"
 
 
 def finalize(g, spec) -> None:

@@ -44,3 +44,17 @@ def test_the_check_fails_a_wrong_answer(monkeypatch):
     bad = failures(case, check(case, "cpu", seed=1))
     assert any("forward" in b for b in bad) and any("grad" in b for b in bad)
     assert TOL[case.dtype] < 0.03 and GRAD_TOL[case.dtype] < 0.03
+
+
+def test_a_fallback_is_held_to_eager_torchs_own_error():
+    """failures(as_eager=True) widens a bound to 1.25x eager torch's error on the same inputs,
+    never below the float64 bound, and only where asked."""
+    case = next(c for c in CASES if c.dtype == torch.bfloat16)
+    res = {"fwd": [0.02], "grad": {"x (call 2)": 0.03}, "amax": [], "eager_fwd": [0.018],
+           "eager_grad": {"x (call 2)": 0.025}}
+    assert len(failures(case, res)) == 2  # over the float64 bounds
+    assert failures(case, res, as_eager=True) == []  # within 1.25x of eager's
+    res["eager_fwd"], res["eager_grad"] = [0.001], {"x (call 2)": 0.001}
+    assert len(failures(case, res, as_eager=True)) == 2  # eager is accurate here: cf must be too
+    res2 = check(case, "cpu", seed=3, eager=True)
+    assert len(res2["eager_fwd"]) == len(res2["fwd"]) and all(e >= 0 for e in res2["eager_fwd"])

@@ -1,8 +1,11 @@
 """Seeded random cases of every functional op on the GPU (tests/fuzz.py): cuDNN's fused graphs,
 their memoized second calls and their backward, against a float64 reference composed from plain
 torch ops on the CPU. Shapes, layouts (channels_last, transposed, sliced views, BSHD), groups,
-padding modes, epilogues, AMAX, masks, GQA and causality are drawn; fallbacks are allowed (the
-answer must be right either way) but most cases must run fused."""
+padding modes, epilogues, AMAX, masks, GQA and causality are drawn; fallbacks are allowed (held
+to eager PyTorch's own accuracy on the same inputs) but most cases must run fused (held to the
+float64 bounds of fuzz.py).
+
+It found cuDNN's eng0 dropping a GEMM's leaky_relu slope (plans.barred_engines)."""
 
 from __future__ import annotations
 
@@ -33,11 +36,12 @@ def _strict_fp32():
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_gpu_op_matches_float64_reference(case):
     before = cf.plan_stats()
-    res = check(case, "cuda", seed=int(case.name[4:]))
+    res = check(case, "cuda", seed=int(case.name[4:]), eager=True)
     torch.cuda.synchronize()
     after = cf.plan_stats()
-    _fused[case.name] = (case, after["fallbacks"] == before["fallbacks"], res)
-    bad = failures(case, res)
+    fused = after["fallbacks"] == before["fallbacks"]
+    _fused[case.name] = (case, fused, res)
+    bad = failures(case, res, as_eager=not fused)  # a fallback is held to eager torch's accuracy
     assert not bad, f"{case}: " + "; ".join(bad)
 
 

@@ -6,7 +6,9 @@ Run on the device machine: ``python3 -m pytest -m gpu tests``.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -387,3 +389,64 @@ def test_zero_size_batch_returns_empty():
     w = rnd(8, 16, 3, 3, dtype=torch.float16)
     y, amax = cf.conv2d(x, w, padding=1, return_amax=True)
     assert y.shape == (0, 8, 8, 8) and amax.item() == 0.0
+
+
+# ------------------------------------------------------------------ barred engines
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["linear", "matmul"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("slope", [0.01, 0.2, 0.5])
+@pytest.mark.parametrize("n", [64, 256])
+def test_gemm_leaky_relu_keeps_its_slope(dtype, kind, bias, slope, n):
+    """cuDNN 9.19's eng0, the heuristics' first pick for a GEMM + leaky_relu with no bias, runs
+    it as a plain ReLU (20% off at slope 0.2: bench/results/leaky_probe.json); it is barred."""
+    x = rnd(n, n, dtype=dtype)
+    w = rnd(n, n, dtype=dtype, scale=n ** -0.5)
+    b = rnd(n, dtype=dtype) if bias else None
+    n0 = len(plans.plans_in_memory())
+    with Fused():
+        y = (cf.linear(x, w, b, activation="leaky_relu", negative_slope=slope) if kind == "linear"
+             else cf.matmul(x, w.t(), b, activation="leaky_relu", negative_slope=slope))
+    ref = F.leaky_relu(F.linear(x.double(), w.double(), b.double() if b is not None else None), slope)
+    assert rel_err(y, ref) <= TOL[dtype] / 3
+    assert not [p.engine for p in plans.plans_in_memory()[n0:] if re.fullmatch(r"eng0(_.*)?", p.engine)]
+
+
+def test_training_forward_and_autotune_never_run_the_barred_engine(cache_dir):
+    """The keep-z training forward and an autotuned plan of a no-bias leaky_relu GEMM: right
+    answers, and eng0 neither runs nor is timed (the tuned entry records it skipped)."""
+    from cudnn_fuse import autotune, cache
+
+    torch.manual_seed(0)
+    x = rnd(256, 256, dtype=torch.float16).requires_grad_(True)
+    w = rnd(384, 256, dtype=torch.float16, scale=1 / 16).requires_grad_(True)
+    y = cf.linear(x, w, activation="leaky_relu", negative_slope=0.2)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = F.leaky_relu(F.linear(x64, w64), 0.2)
+    assert rel_err(y, ref) <= 1e-3
+    gy = torch.randn_like(ref)
+    y.backward(gy.to(y.dtype))
+    ref.backward(gy)
+    assert rel_err(x.grad, x64.grad) <= 5e-3 and rel_err(w.grad, w64.grad) <= 5e-3
+
+    autotune.set_autotune(True)
+    try:
+        plans.clear()
+        x2 = rnd(512, 256, dtype=torch.float16)
+        y2 = cf.linear(x2, w.detach(), activation="leaky_relu", negative_slope=0.2)
+    finally:
+        autotune.set_autotune(None)
+    ref2 = F.leaky_relu(F.linear(x2.double(), w.detach().double()), 0.2)
+    assert rel_err(y2, ref2) <= 1e-3
+    pc = cache.open_default_cache()
+    tuned = [meta for _key, meta, _size in pc.entries()
+             if meta.get("tuned") and meta.get("op") == "matmul" and '"leaky_relu"' in json.dumps(meta.get("spec"))]
+    assert tuned, "no tuned entry was written"
+    for meta in tuned:
+        assert meta["engine_id"] != 0
+        for c in meta.get("candidates", []):
+            if c.get("engine_id") == 0:
+                assert str(c.get("status", "")).startswith("skipped:"), c
+

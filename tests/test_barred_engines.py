@@ -1,0 +1,129 @@
+"""Engines that compute a graph wrongly are barred (plans.barred_engines): cuDNN 9.19's eng0
+runs a GEMM's leaky_relu epilogue as a plain ReLU (bench/results/leaky_probe.json). CPU: which
+specs bar it, that prepare() deselects it before any candidate is built, and that a cache entry
+or an engine record naming it is a miss, never a plan. GPU: tests/test_gpu_ops.py."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+
+from cudnn_fuse import loader, plans
+from cudnn_fuse.errors import UnsupportedError
+from cudnn_fuse.spec import ActGradSpec, ConvSpec, Epilogue, MatmulActGradSpec, MatmulSpec, SaveZSpec, TensorSpec
+
+
+def _mm(act="leaky_relu", bias=False):
+    a = TensorSpec.contiguous((1, 64, 32), "float16")
+    b = TensorSpec((1, 32, 48), (1536, 1, 32), "float16")
+    y = TensorSpec.contiguous((1, 64, 48), "float16")
+    epi = Epilogue(bias=TensorSpec((1, 1, 48), (48, 48, 1), "float16") if bias else None, activation=act,
+                   negative_slope=0.2)
+    return MatmulSpec(a, b, y, epi)
+
+
+def _conv(act="leaky_relu"):
+    x = TensorSpec((2, 8, 6, 6), (288, 1, 48, 8), "float16")
+    w = TensorSpec((8, 8, 3, 3), (72, 1, 24, 8), "float16")
+    y = TensorSpec((2, 8, 6, 6), (288, 1, 48, 8), "float16")
+    return ConvSpec(x, w, y, (1, 1), (1, 1), (1, 1), (1, 1), 1, Epilogue(activation=act, negative_slope=0.2))
+
+
+def test_eng0_is_barred_from_every_matmul_graph_with_a_leaky_relu():
+    assert plans.barred_engines(_mm()) == {0}
+    assert plans.barred_engines(_mm(bias=True)) == {0}
+    z = TensorSpec.contiguous((1, 64, 48), "float16")
+    assert plans.barred_engines(SaveZSpec(_mm(), z)) == {0}
+    plain = _mm(act=None)
+    assert plans.barred_engines(MatmulActGradSpec(plain, z, z, "leaky_relu", 0.2)) == {0}
+    # not for other activations, and not for convs or the elementwise activation backward
+    for act in (None, "relu", "gelu", "silu"):
+        assert plans.barred_engines(_mm(act=act)) == frozenset()
+    assert plans.barred_engines(MatmulActGradSpec(plain, z, z, "gelu")) == frozenset()
+    assert plans.barred_engines(_conv()) == frozenset()
+    assert plans.barred_engines(ActGradSpec(z, z, z, "leaky_relu", 0.2)) == frozenset()
+
+
+class _FakeGraph:
+    """Records the calls prepare() makes on a cuDNN graph."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append((name, a))
+
+
+def test_prepare_deselects_the_barred_engine_after_the_heuristics_and_before_any_build():
+    g = _FakeGraph()
+    plans.prepare(g, _mm())
+    names = [c[0] for c in g.calls]
+    assert names[:3] == ["validate", "build_operation_graph", "create_execution_plans"]
+    assert ("deselect_engines", (["eng0"],)) in g.calls
+    assert not any(n.startswith("build_plan") for n in names)
+    g2 = _FakeGraph()
+    plans.prepare(g2, _mm(act="relu"))
+    assert "deselect_engines" not in [c[0] for c in g2.calls]
+
+
+def test_the_deselect_pattern_cannot_bar_another_engine():
+    assert plans._bar_name(0) == "eng0"
+    for other in ("eng4_k24=50", "eng10_k2=8_k13=1", "eng40", "eng7_k24=0"):
+        assert "eng0" not in other
+    with pytest.raises(ValueError, match="engine 1"):
+        plans._bar_name(1)  # "eng1" would also match eng10..eng19
+
+
+class _Cache:
+    def __init__(self, entries):
+        self.entries, self.puts = entries, []
+
+    def get(self, key):
+        return self.entries.get(key)
+
+    def delete(self, key):
+        self.entries.pop(key, None)
+
+    def put(self, *a, **k):
+        self.puts.append(a)
+
+
+def _entry(meta):
+    return types.SimpleNamespace(meta=meta, blob=b"x", key="k" * 64)
+
+
+def test_a_cache_entry_or_record_naming_a_barred_engine_is_a_miss(monkeypatch, caplog):
+    spec = _mm()
+    digest = spec.digest()
+    monkeypatch.setattr(loader, "_deserialize", lambda *a: pytest.fail("a barred entry was deserialized"))
+    monkeypatch.setattr(loader, "rebuild", lambda *a: pytest.fail("a barred record was rebuilt"))
+    loader._warned.discard("barred")
+    pc = _Cache({digest: _entry({"engine_id": 0, "engine_name": "eng0", "tuned": True}),
+                 loader.engine_record_key(digest): _entry({"engine_id": 0, "kind": "engine-record"})})
+    with caplog.at_level(logging.WARNING, logger="cudnn_fuse"):
+        assert loader._from_cache(pc, spec, digest, 0, want_tuned=False) is None
+    assert "computes it wrongly" in caplog.text
+    # only the engine record left (a corrupt entry was dropped): still a miss
+    pc = _Cache({loader.engine_record_key(digest): _entry({"engine_id": 0, "kind": "engine-record"})})
+    assert loader._from_cache(pc, spec, digest, 0, want_tuned=False) is None
+
+
+def test_an_entry_of_another_engine_still_loads(monkeypatch):
+    spec = _mm()
+    digest = spec.digest()
+    got = object()
+    monkeypatch.setattr(loader, "_deserialize", lambda s, e, d: got)
+    pc = _Cache({digest: _entry({"engine_id": 4, "engine_name": "eng4_k24=50"})})
+    assert loader._from_cache(pc, spec, digest, 0, want_tuned=False) is got
+    # and the same engine 0 entry for a graph it computes right (no leaky_relu) loads too
+    relu = _mm(act="relu")
+    pc = _Cache({relu.digest(): _entry({"engine_id": 0, "engine_name": "eng0"})})
+    assert loader._from_cache(pc, relu, relu.digest(), 0, want_tuned=False) is got
+
+
+def test_rebuild_refuses_a_barred_engine_before_touching_cudnn(monkeypatch):
+    monkeypatch.setattr(loader, "handle_for", lambda d: pytest.fail("reached cuDNN"))
+    with pytest.raises(UnsupportedError, match="wrongly"):
+        loader.rebuild(_mm(), 0, {}, 0)
