@@ -265,7 +265,7 @@ def _sdpa(case: Case, device, gen):
         scale = p["scale"] if p["scale"] is not None else 1 / math.sqrt(D)
         s = (q @ k.transpose(-1, -2)) * scale
         if p["causal"]:
-            s = s.masked_fill(~torch.ones(Sq, Skv, dtype=torch.bool).tril(), float("-inf"))
+            s = s.masked_fill(~torch.ones(Sq, Skv, dtype=torch.bool, device=s.device).tril(), float("-inf"))
         m = t["attn_mask"]
         if m is not None:
             s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
