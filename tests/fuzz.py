@@ -29,8 +29,10 @@ ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_rel
 # per element; the bounds leave room for that and for cuDNN's activation approximations, and
 # stay under what one flipped ReLU mask per draw costs a gradient (0.2-4% in the double-rounding
 # bug tests/test_fuzz.py found in the 16-bit CPU GEMM).
-TOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
-GRAD_TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}
+# Measured on the H200 (tests/test_gpu_fuzz.py, 150 cases): fused forwards within 2.7e-4 (fp16)
+# and 2.6e-3 (bf16), gradients within 4.8e-4 / 4.4e-3; on the CPU path 8.5e-4 / 7e-3 at most.
+TOL = {torch.float16: 1e-3, torch.bfloat16: 6e-3, torch.float32: 1e-4}
+GRAD_TOL = {torch.float16: 2.5e-3, torch.bfloat16: 1.2e-2, torch.float32: 1e-4}
 
 
 def act_ref(z, act, slope):

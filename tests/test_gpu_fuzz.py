@@ -20,7 +20,7 @@ from fuzz import check, draw, failures
 
 pytestmark = pytest.mark.gpu
 
-CASES = draw(seed=7, n=150, dtypes=(torch.float16, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32))
+CASES = draw(seed=7, n=300, dtypes=(torch.float16, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32))
 _fused = {}
 
 
