@@ -66,6 +66,68 @@ def case(op, dtype, act):
             **_score(y, ref_in, act)}, plan, ref_in
 
 
+def conv3_case(dtype, act):
+    """The fuzz's shape (2x64x11x14 NCHW, 8 3x3 filters, stride 2, valid): a centre-tap delta
+    filter copies channel k's pre-activations into output channel k."""
+    N, C, H, W, K = 2, 64, 11, 14, 8
+    x = _z(dtype, N * C * H * W).reshape(N, C, H, W)[:, torch.randperm(C)].contiguous().cuda()
+    w = torch.zeros(K, C, 3, 3, dtype=dtype)
+    for k in range(K):
+        w[k, k, 1, 1] = 1
+    w = w.cuda()
+    n0 = len(plans.plans_in_memory())
+    y = cf.conv2d(x, w, stride=2, activation=act, negative_slope=0.2)
+    torch.cuda.synchronize()
+    z = torch.nn.functional.conv2d(x.double().cpu(), w.double().cpu(), stride=2)
+    new = plans.plans_in_memory()[n0:]
+    plan = new[-1] if new else None
+    return {"op": "conv3x3_s2_nchw", "dtype": str(dtype)[6:], "act": act, "engine": plan.engine if plan else None,
+            **_score(y, z, act)}, plan, (x, w, z)
+
+
+def candidates_conv3(plan, xwz, act) -> list:
+    import cudnn
+
+    spec = plan.spec
+    x, w, z = xwz
+    h = plans.handle_for(0).handle
+    g = build_graph(spec, h)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in plans.HEUR_MODES])
+    if spec.dtype == "float32" and not getattr(spec, "allow_tf32", False):
+        g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
+    cudnn.set_stream(handle=h, stream=torch.cuda.current_stream().cuda_stream)
+    roles, uids = roles_of(spec), uids_of(spec)
+    from cudnn_fuse.autotune import _geometry
+
+    geo = _geometry(spec)
+    bufs = []
+    for r in roles:
+        shape, stride, d = geo[r]
+        t = torch.empty_strided(shape, stride, dtype=x.dtype, device="cuda")
+        if r == "x":
+            t.copy_(x)
+        elif r == "w":
+            t.copy_(w)
+        bufs.append(t)
+    yi = roles.index("y")
+    out = []
+    for i in range(g.get_execution_plan_count()):
+        eid, knobs = g.get_engine_and_knobs_at_index(i)
+        name = f"eng{int(eid)} {dict((str(getattr(k, 'name', k)), int(v)) for k, v in knobs.items())}"
+        try:
+            g.build_plan_at_index(i)
+            ws = torch.empty(int(g.get_workspace_size_plan_at_index(i)), dtype=torch.uint8, device="cuda")
+            bufs[yi].zero_()
+            g.execute_plan_at_index(bufs, ws, index=i, handle=h, tensor_uids=uids)
+            torch.cuda.synchronize()
+            out.append((name, _score(bufs[yi], z, act)))
+        except Exception as exc:  # noqa: BLE001
+            out.append((name, f"{type(exc).__name__}: {str(exc)[:60]}"))
+    return out
+
+
 def candidates(plan, ref_in, act) -> list:
     import cudnn
 
@@ -125,6 +187,13 @@ def main(argv=None) -> int:
                     r["candidates"] = candidates(plan, ref_in, act)
                 rows.append(r)
                 print(r, flush=True)
+    for dtype in (torch.float32, torch.float16):
+        for act in ACTS:
+            r, plan, xwz = conv3_case(dtype, act)
+            if plan is not None:
+                r["candidates"] = candidates_conv3(plan, xwz, act)
+            rows.append(r)
+            print(r, flush=True)
     bad = [r for r in rows if r["nonfinite"] or (r["max_rel"] or 0) > 1e-2]
     with open(os.path.join(args.out, "act_range_probe.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "ranges": {str(k)[6:]: v for k, v in RANGES.items()},
