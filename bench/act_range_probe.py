@@ -66,7 +66,7 @@ def case(op, dtype, act):
             **_score(y, ref_in, act)}, plan, ref_in
 
 
-def conv3_case(dtype, act):
+def conv3_case(dtype, act, bias=False):
     """The fuzz's shape (2x64x11x14 NCHW, 8 3x3 filters, stride 2, valid): a centre-tap delta
     filter copies channel k's pre-activations into output channel k."""
     N, C, H, W, K = 2, 64, 11, 14, 8
@@ -75,13 +75,14 @@ def conv3_case(dtype, act):
     for k in range(K):
         w[k, k, 1, 1] = 1
     w = w.cuda()
+    b = torch.zeros(K, dtype=dtype, device="cuda") if bias else None
     n0 = len(plans.plans_in_memory())
-    y = cf.conv2d(x, w, stride=2, activation=act, negative_slope=0.2)
+    y = cf.conv2d(x, w, b, stride=2, activation=act, negative_slope=0.2)
     torch.cuda.synchronize()
     z = torch.nn.functional.conv2d(x.double().cpu(), w.double().cpu(), stride=2)
     new = plans.plans_in_memory()[n0:]
     plan = new[-1] if new else None
-    return {"op": "conv3x3_s2_nchw", "dtype": str(dtype)[6:], "act": act, "engine": plan.engine if plan else None,
+    return {"op": "conv3x3_s2_nchw" + ("_bias" if bias else ""), "dtype": str(dtype)[6:], "act": act, "engine": plan.engine if plan else None,
             **_score(y, z, act)}, plan, (x, w, z)
 
 
@@ -110,6 +111,8 @@ def candidates_conv3(plan, xwz, act) -> list:
             t.copy_(x)
         elif r == "w":
             t.copy_(w)
+        elif r == "bias":
+            t.zero_()
         bufs.append(t)
     yi = roles.index("y")
     out = []
@@ -175,11 +178,12 @@ def candidates(plan, ref_in, act) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--only-conv3-bias", action="store_true", help="only the fuzz's fp32 conv shape with a bias")
     args = ap.parse_args(argv)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
-    for op in ("conv", "matmul"):
+    for op in (() if args.only_conv3_bias else ("conv", "matmul")):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for act in ACTS:
                 r, plan, ref_in = case(op, dtype, act)
@@ -187,9 +191,11 @@ def main(argv=None) -> int:
                     r["candidates"] = candidates(plan, ref_in, act)
                 rows.append(r)
                 print(r, flush=True)
-    for dtype in (torch.float32, torch.float16):
+    for dtype, bias in ((torch.float32, True), (torch.float32, False), (torch.float16, False)):
+        if args.only_conv3_bias and not bias:
+            continue
         for act in ACTS:
-            r, plan, xwz = conv3_case(dtype, act)
+            r, plan, xwz = conv3_case(dtype, act, bias)
             if plan is not None:
                 r["candidates"] = candidates_conv3(plan, xwz, act)
             rows.append(r)
