@@ -20,7 +20,7 @@ import torch
 
 from .builders import uids_of
 from .errors import UnsupportedError
-from .spec import MatmulSpec
+from .spec import ConvSpec, MatmulSpec
 
 log = logging.getLogger(__name__)
 
@@ -118,23 +118,33 @@ def _is_decline(exc: BaseException) -> bool:
 
 
 def barred_engines(spec) -> frozenset:
-    """Engine ids that cuDNN offers for ``spec``'s graph but that compute it wrongly (measured).
+    """Engine ids that cuDNN offers for ``spec``'s graph but that compute it wrongly (measured on
+    cuDNN 9.19 / H200; engine ids are per kind of graph, so a GEMM's eng0 is not a conv's).
 
-    eng0 runs a GEMM's leaky_relu epilogue as a plain ReLU: the slope is dropped, so the
-    negative half is 0 (cuDNN 9.19 on the H200, every shape and 16-bit dtype tried, with no
-    bias, where the heuristics rank it first; bench/results/leaky_probe.json, found by
-    tests/test_gpu_fuzz.py). It is barred from every matmul-class graph with a leaky_relu,
-    before any candidate is built, and a cache entry or engine record naming it is a miss.
+    - GEMM eng0 (a GEMM with its epilogue, ranked first where there is no bias) runs leaky_relu
+      as a plain ReLU, the slope dropped (20% off at 0.2, bench/results/leaky_probe.json), and
+      GELU as its tanh approximation (22% off at z = -3.4, bench/results/act_range_probe.json).
+    - conv eng0 (the one float32 engine without tensor cores for a conv with a bias) returns NaN
+      for tanh past z ~ 44 ((e^2z - 1) / (e^2z + 1) overflowing, act_range_probe.json); with no
+      other engine the op falls back to PyTorch, logged.
+
+    Found by tests/test_gpu_fuzz.py. A barred engine is deselected before any candidate is
+    built, skipped by the autotuner, and a cache entry or engine record naming it is a miss.
     """
     fwd = getattr(spec, "fwd", spec)
-    if not isinstance(fwd, MatmulSpec):
+    epi = getattr(fwd, "epilogue", None)
+    if epi is None:
         return _NONE_BARRED
-    acts = {fwd.epilogue.activation, getattr(spec, "activation", None)}
-    return _LEAKY_BARRED if "leaky_relu" in acts else _NONE_BARRED
+    acts = {epi.activation, getattr(spec, "activation", None)}
+    if isinstance(fwd, MatmulSpec):
+        return _ENG0 if acts & {"leaky_relu", "gelu"} else _NONE_BARRED
+    if isinstance(fwd, ConvSpec):
+        return _ENG0 if "tanh" in acts else _NONE_BARRED
+    return _NONE_BARRED
 
 
 _NONE_BARRED = frozenset()
-_LEAKY_BARRED = frozenset({0})
+_ENG0 = frozenset({0})
 
 
 def prepare(g, spec) -> None:

@@ -355,17 +355,21 @@ def check(case: Case, device: str, seed: int = 0, eager: bool = False) -> dict:
     return res
 
 
-def failures(case: Case, res: dict, as_eager: bool = False) -> list:
+def failures(case: Case, res: dict, as_eager: bool = False, grads_as_eager: bool = False) -> list:
     """The checks of ``res`` over their thresholds, as readable strings.
 
     ``as_eager`` (a case that fell back to PyTorch): each bound is also at least 1.25x eager
     torch's own error on the same inputs (``check(eager=True)``). A fallback computes what eager
     PyTorch computes, rounding the 16-bit product before a residual is added: where z + r
-    cancels, that flips ReLU masks against float64 for eager as much as for cf."""
+    cancels, that flips ReLU masks against float64 for eager as much as for cf.
+    ``grads_as_eager``: the same for the gradients only (torch's float32 weight gradient of a
+    5x5 channels_last conv was 5.8e-4 off float64 on the H200, and cf's backward runs it).
+    """
     bad = []
 
-    def bound(tol, eager_err):
-        return max(tol, 1.25 * eager_err) if as_eager and eager_err is not None else tol
+    def bound(tol, eager_err, widen=None):
+        widen = as_eager if widen is None else widen
+        return max(tol, 1.25 * eager_err) if widen and eager_err is not None else tol
 
     eager_fwd = res.get("eager_fwd") or []
     for i, e in enumerate(res["fwd"]):
@@ -377,7 +381,7 @@ def failures(case: Case, res: dict, as_eager: bool = False) -> list:
             bad.append(f"amax (call {i + 1}) rel err {e:.3g} > 0.01")
     eager_grad = res.get("eager_grad") or {}
     for k, e in res["grad"].items():
-        tol = bound(GRAD_TOL[case.dtype], eager_grad.get(k))
+        tol = bound(GRAD_TOL[case.dtype], eager_grad.get(k), as_eager or grads_as_eager)
         if not e <= tol:
             bad.append(f"grad {k} rel err {e:.3g} > {tol:.3g}")
     return bad

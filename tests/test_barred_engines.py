@@ -1,5 +1,6 @@
-"""Engines that compute a graph wrongly are barred (plans.barred_engines): cuDNN 9.19's eng0
-runs a GEMM's leaky_relu epilogue as a plain ReLU (bench/results/leaky_probe.json). CPU: which
+"""Engines that compute a graph wrongly are barred (plans.barred_engines): cuDNN 9.19's GEMM
+eng0 runs leaky_relu as a plain ReLU and GELU as its tanh approximation, its float32 conv eng0
+returns NaN for tanh past z ~ 44 (bench/results/leaky_probe.json, act_range_probe.json). CPU: which
 specs bar it, that prepare() deselects it before any candidate is built, and that a cache entry
 or an engine record naming it is a miss, never a plan. GPU: tests/test_gpu_ops.py."""
 
@@ -31,6 +32,17 @@ def _conv(act="leaky_relu"):
     return ConvSpec(x, w, y, (1, 1), (1, 1), (1, 1), (1, 1), 1, Epilogue(activation=act, negative_slope=0.2))
 
 
+def test_eng0_is_barred_where_it_was_measured_wrong():
+    # conv: tanh (NaN past z ~ 44 in float32), in every graph wrapping that forward
+    assert plans.barred_engines(_conv("tanh")) == {0}
+    assert plans.barred_engines(SaveZSpec(_conv("tanh"), _conv().y)) == {0}
+    for act in (None, "relu", "sigmoid", "leaky_relu", "gelu"):
+        assert plans.barred_engines(_conv(act)) == frozenset()
+    # GEMM: GELU run as its tanh approximation
+    assert plans.barred_engines(_mm(act="gelu")) == {0}
+    assert plans.barred_engines(_mm(act="gelu_tanh")) == frozenset()
+
+
 def test_eng0_is_barred_from_every_matmul_graph_with_a_leaky_relu():
     assert plans.barred_engines(_mm()) == {0}
     assert plans.barred_engines(_mm(bias=True)) == {0}
@@ -39,9 +51,9 @@ def test_eng0_is_barred_from_every_matmul_graph_with_a_leaky_relu():
     plain = _mm(act=None)
     assert plans.barred_engines(MatmulActGradSpec(plain, z, z, "leaky_relu", 0.2)) == {0}
     # not for other activations, and not for convs or the elementwise activation backward
-    for act in (None, "relu", "gelu", "silu"):
+    for act in (None, "relu", "tanh", "silu"):
         assert plans.barred_engines(_mm(act=act)) == frozenset()
-    assert plans.barred_engines(MatmulActGradSpec(plain, z, z, "gelu")) == frozenset()
+    assert plans.barred_engines(MatmulActGradSpec(plain, z, z, "silu")) == frozenset()
     assert plans.barred_engines(_conv()) == frozenset()
     assert plans.barred_engines(ActGradSpec(z, z, z, "leaky_relu", 0.2)) == frozenset()
 

@@ -58,3 +58,10 @@ def test_a_fallback_is_held_to_eager_torchs_own_error():
     assert len(failures(case, res, as_eager=True)) == 2  # eager is accurate here: cf must be too
     res2 = check(case, "cpu", seed=3, eager=True)
     assert len(res2["eager_fwd"]) == len(res2["fwd"]) and all(e >= 0 for e in res2["eager_fwd"])
+
+
+def test_gradients_can_be_held_to_eager_alone():
+    case = next(c for c in CASES if c.dtype == torch.float32)
+    res = {"fwd": [1e-3], "grad": {"w (call 2)": 1e-3}, "amax": [], "eager_fwd": [1e-3], "eager_grad": {"w (call 2)": 1e-3}}
+    bad = failures(case, res, grads_as_eager=True)
+    assert len(bad) == 1 and bad[0].startswith("forward")  # the forward keeps the float64 bound

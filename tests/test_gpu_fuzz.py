@@ -41,7 +41,9 @@ def test_gpu_op_matches_float64_reference(case):
     after = cf.plan_stats()
     fused = after["fallbacks"] == before["fallbacks"]
     _fused[case.name] = (case, fused, res)
-    bad = failures(case, res, as_eager=not fused)  # a fallback is held to eager torch's accuracy
+    # a fallback's forward, and any gradient (cf's backward runs torch's kernels for some
+    # pieces), is held to eager torch's own accuracy on the same inputs where that is worse
+    bad = failures(case, res, as_eager=not fused, grads_as_eager=True)
     assert not bad, f"{case}: " + "; ".join(bad)
 
 

@@ -450,3 +450,28 @@ def test_training_forward_and_autotune_never_run_the_barred_engine(cache_dir):
             if c.get("engine_id") == 0:
                 assert str(c.get("status", "")).startswith("skipped:"), c
 
+
+
+def test_conv_fp32_tanh_stays_finite_for_large_preactivations():
+    """cuDNN 9.19's float32 conv eng0 (a conv with a bias, TF32 off) returns NaN for tanh past
+    z ~ 44; it is barred, and the op takes another engine or the logged PyTorch fallback."""
+    x = rnd(2, 64, 11, 14, dtype=torch.float32, scale=4.0)
+    w = rnd(8, 64, 3, 3, dtype=torch.float32)  # unit weights: |z| up to ~100
+    b = rnd(8, dtype=torch.float32)
+    with Fused(allow_fallback=True):
+        y = cf.conv2d(x, w, b, stride=2, activation="tanh")
+    z = F.conv2d(x.double(), w.double(), b.double(), stride=2)
+    assert z.abs().max() > 60
+    assert torch.isfinite(y).all()
+    assert (y.double() - torch.tanh(z)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gemm_gelu_is_the_erf_gelu_on_its_tail(dtype):
+    """cuDNN 9.19's GEMM eng0 (first pick with no bias) runs GELU as its tanh approximation,
+    22% off at z = -3.4; it is barred. Identity GEMM: y = gelu(a) elementwise."""
+    a = torch.linspace(-4, -2, 256 * 16, device="cuda").reshape(256, 16).to(dtype)
+    with Fused():
+        y = cf.matmul(a, torch.eye(16, device="cuda", dtype=dtype), activation="gelu")
+    want = F.gelu(a.double())
+    assert ((y.double() - want).abs() / want.abs()).max() <= 2e-2
