@@ -463,7 +463,8 @@ def test_conv_fp32_tanh_stays_finite_for_large_preactivations():
     z = F.conv2d(x.double(), w.double(), b.double(), stride=2)
     assert z.abs().max() > 60
     assert torch.isfinite(y).all()
-    assert (y.double() - torch.tanh(z)).abs().max() <= 1e-5
+    # float32 accumulation of 576 products of |z| up to ~150: ~1e-5 of z near 0, where tanh' = 1
+    assert (y.double() - torch.tanh(z)).abs().max() <= 2e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
