@@ -30,3 +30,13 @@ def cache_dir(tmp_path, monkeypatch):
     path.mkdir(mode=0o700)
     monkeypatch.setenv("CUDNN_FUSE_CACHE_DIR", str(path))
     return path
+
+
+@pytest.fixture
+def strict_fp32():
+    """fp32 means fp32: TF32 off in torch for the test (cf follows torch's switches), restored after."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

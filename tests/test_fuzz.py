@@ -65,3 +65,8 @@ def test_gradients_can_be_held_to_eager_alone():
     res = {"fwd": [1e-3], "grad": {"w (call 2)": 1e-3}, "amax": [], "eager_fwd": [1e-3], "eager_grad": {"w (call 2)": 1e-3}}
     bad = failures(case, res, grads_as_eager=True)
     assert len(bad) == 1 and bad[0].startswith("forward")  # the forward keeps the float64 bound
+
+
+def test_the_strict_fp32_fixture_turns_tf32_off(strict_fp32):
+    """The GPU fuzz and op tests use it (conftest.py): float32 cases are held to 1e-4."""
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32

@@ -18,19 +18,10 @@ import torch
 import cudnn_fuse as cf
 from fuzz import check, draw, failures
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("strict_fp32")]
 
 CASES = draw(seed=7, n=300, dtypes=(torch.float16, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32))
 _fused = {}
-
-
-@pytest.fixture(autouse=True)
-def _strict_fp32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

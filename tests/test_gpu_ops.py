@@ -18,21 +18,11 @@ import cudnn_fuse as cf
 from cudnn_fuse import plans, reference
 from cudnn_fuse.spec import ACTIVATIONS
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("strict_fp32")]  # fp32 means fp32
 
 ACTS = [None, *ACTIVATIONS]  # every activation cf fuses, and none
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-5}
-
-
-@pytest.fixture(autouse=True)
-def _strict_fp32():
-    """fp32 means fp32: TF32 off in torch (cf follows torch's switches)."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def rel_err(out, ref) -> float:
