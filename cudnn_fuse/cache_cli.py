@@ -136,10 +136,39 @@ def _verify(cache: PlanCache, args) -> int:
           f"{c['removed']} removed")
     print(f"orphan value files: {c['orphans']}, {c['orphans_removed']} removed "
           "(younger ones may belong to a running writer)")
-    if c["bad"] > c["removed"]:
+    barred = _barred_keys(cache)
+    dropped = 0 if cache.read_only else sum(bool(cache.delete(k)) for k in barred)
+    if barred:
+        print(f"{_count(len(barred), 'entry')} name an engine that computes their graph wrongly "
+              f"(plans.barred_engines; a process rebuilds them on first use): {dropped} removed")
+    if c["bad"] > c["removed"] or len(barred) > dropped:
         print("the cache is read-only: bad entries were left in place", file=sys.stderr)
         return 1
     return 0
+
+
+def _barred_keys(cache: PlanCache) -> list:
+    """Keys of the entries whose recorded engine is barred for their spec, with their engine
+    records (which hold no spec of their own)."""
+    from .loader import engine_record_key
+    from .plans import barred_engines
+    from .spec import spec_from_dict
+
+    out = []
+    entries = list(cache.entries())
+    keys = {key for key, _meta, _size in entries}
+    for key, meta, _size in entries:
+        eid, spec = meta.get("engine_id"), meta.get("spec")
+        if eid is None or not isinstance(spec, dict):
+            continue
+        try:
+            if int(eid) in barred_engines(spec_from_dict(dict(spec))):
+                out.append(key)
+                if engine_record_key(key) in keys:
+                    out.append(engine_record_key(key))
+        except (TypeError, ValueError, KeyError):  # a spec this version cannot read: not ours to judge
+            continue
+    return out
 
 
 def _prune(cache: PlanCache, args) -> int:

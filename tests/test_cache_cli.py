@@ -161,3 +161,31 @@ def test_bad_sizes_and_durations_are_usage_errors(parse, text):
 def test_human_bytes():
     assert [human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30)] == [
         "0 B", "1023 B", "1.5 KiB", "5.0 GiB"]
+
+
+def test_verify_removes_entries_that_name_a_barred_engine(cache_dir, capsys):
+    """An entry written before its engine was barred (plans.barred_engines) and its engine
+    record go; an entry of another engine, or of eng0 for a graph it computes right, stays."""
+    from cudnn_fuse import loader
+    from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+
+    def mm(act):
+        a = TensorSpec.contiguous((1, 64, 32), "float16")
+        b = TensorSpec((1, 32, 48), (1536, 1, 32), "float16")
+        return MatmulSpec(a, b, TensorSpec.contiguous((1, 64, 48), "float16"),
+                          Epilogue(activation=act, negative_slope=0.2))
+
+    leaky, relu = mm("leaky_relu"), mm("relu")
+    cache = PlanCache(cache_dir, namespace=NS)
+    bad, other, fine = leaky.digest(), key("other"), relu.digest()
+    assert cache.put(bad, {"op": "matmul", "spec": leaky.to_dict(), "engine_id": 0}, b"x" * 10)
+    assert cache.put(loader.engine_record_key(bad), {"op": "matmul", "engine_id": 0, "kind": "engine-record"}, b"")
+    assert cache.put(other, {"op": "matmul", "spec": leaky.to_dict(), "engine_id": 4}, b"y" * 10)
+    assert cache.put(fine, {"op": "matmul", "spec": relu.to_dict(), "engine_id": 0}, b"z" * 10)
+    cache.close()
+    assert cli("verify", "--namespace", NS) == 0
+    out = capsys.readouterr().out
+    assert "2 entries name an engine that computes their graph wrongly" in out and ": 2 removed" in out
+    cache = PlanCache(cache_dir, namespace=NS)
+    assert cache.get(bad) is None and cache.get(loader.engine_record_key(bad)) is None
+    assert cache.get(other) is not None and cache.get(fine) is not None
