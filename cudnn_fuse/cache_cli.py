@@ -136,39 +136,42 @@ def _verify(cache: PlanCache, args) -> int:
           f"{c['removed']} removed")
     print(f"orphan value files: {c['orphans']}, {c['orphans_removed']} removed "
           "(younger ones may belong to a running writer)")
-    barred = _barred_keys(cache)
+    barred, pinned = _barred_keys(cache)
     dropped = 0 if cache.read_only else sum(bool(cache.delete(k)) for k in barred)
-    if barred:
-        print(f"{_count(len(barred), 'entry')} name an engine that computes their graph wrongly "
-              f"(plans.barred_engines; a process rebuilds them on first use): {dropped} removed")
+    if barred or pinned:
+        print(f"{_count(len(barred) + len(pinned), 'entry')} name an engine that computes their graph wrongly "
+              f"(plans.barred_engines): {dropped} removed, {len(pinned)} pinned left for a process to rebuild in place")
     if c["bad"] > c["removed"] or len(barred) > dropped:
         print("the cache is read-only: bad entries were left in place", file=sys.stderr)
         return 1
     return 0
 
 
-def _barred_keys(cache: PlanCache) -> list:
-    """Keys of the entries whose recorded engine is barred for their spec, with their engine
-    records (which hold no spec of their own)."""
+def _barred_keys(cache: PlanCache) -> tuple:
+    """(unpinned keys, pinned keys) of the entries whose recorded engine is barred for their
+    spec, with their engine records (which hold no spec of their own). A pinned (pre-warmed)
+    entry is not removed: the loader refuses it and rebuilds it in place, still pinned."""
     from .loader import engine_record_key
     from .plans import barred_engines
     from .spec import spec_from_dict
 
-    out = []
-    entries = list(cache.entries())
-    keys = {key for key, _meta, _size in entries}
-    for key, meta, _size in entries:
-        eid, spec = meta.get("engine_id"), meta.get("spec")
+    out, pinned = [], []
+    infos = list(cache.entry_info())
+    keys = {info.key for info in infos}
+    for info in infos:
+        eid, spec = info.meta.get("engine_id"), info.meta.get("spec")
         if eid is None or not isinstance(spec, dict):
             continue
         try:
-            if int(eid) in barred_engines(spec_from_dict(dict(spec))):
-                out.append(key)
-                if engine_record_key(key) in keys:
-                    out.append(engine_record_key(key))
+            if int(eid) not in barred_engines(spec_from_dict(dict(spec))):
+                continue
         except (TypeError, ValueError, KeyError):  # a spec this version cannot read: not ours to judge
             continue
-    return out
+        into = pinned if info.pinned else out
+        into.append(info.key)
+        if engine_record_key(info.key) in keys:
+            into.append(engine_record_key(info.key))
+    return out, pinned
 
 
 def _prune(cache: PlanCache, args) -> int:

@@ -182,10 +182,14 @@ def test_verify_removes_entries_that_name_a_barred_engine(cache_dir, capsys):
     assert cache.put(loader.engine_record_key(bad), {"op": "matmul", "engine_id": 0, "kind": "engine-record"}, b"")
     assert cache.put(other, {"op": "matmul", "spec": leaky.to_dict(), "engine_id": 4}, b"y" * 10)
     assert cache.put(fine, {"op": "matmul", "spec": relu.to_dict(), "engine_id": 0}, b"z" * 10)
+    leaky2 = MatmulSpec(leaky.a, leaky.b, leaky.y, Epilogue(activation="leaky_relu", negative_slope=0.3))
+    assert cache.put(leaky2.digest(), {"op": "matmul", "spec": leaky2.to_dict(), "engine_id": 0}, b"p" * 10,
+                     pinned=True)  # pre-warmed: rebuilt in place by the loader, never removed here
     cache.close()
     assert cli("verify", "--namespace", NS) == 0
     out = capsys.readouterr().out
-    assert "2 entries name an engine that computes their graph wrongly" in out and ": 2 removed" in out
+    assert "3 entries name an engine that computes their graph wrongly" in out
+    assert ": 2 removed, 1 pinned left" in out
     cache = PlanCache(cache_dir, namespace=NS)
     assert cache.get(bad) is None and cache.get(loader.engine_record_key(bad)) is None
-    assert cache.get(other) is not None and cache.get(fine) is not None
+    assert cache.get(other) is not None and cache.get(fine) is not None and cache.get(leaky2.digest()) is not None
