@@ -15,8 +15,11 @@ when the whole model does not trace):
   is 7x slower there).
 
 A node is fused into its producer only when the producer's output has no other
-user. Everything replaced and everything left alone (with the reason) is
-logged once at INFO and kept on the model as ``cudnn_fuse_summary``.
+user. A fused module takes the replaced module's path, so parameter names (state_dict keys)
+stay the original's, except inside a FusedMLP (fc1/fc2) and where eval mode folds a BatchNorm2d;
+a module called from several places (shared weights) is left alone. Everything replaced and
+everything left alone (with the reason) is logged once at INFO and kept on the model as
+``cudnn_fuse_summary``.
 """
 
 from __future__ import annotations
@@ -202,8 +205,13 @@ class _Rewriter:
         return fused, residual, act
 
     def replace(self, first: fx.Node, fused: list, module: nn.Module, args: tuple, pattern: str) -> None:
-        name = f"cudnn_fuse_{self.count}"
-        self.count += 1
+        # The fused module takes the replaced one's place, so parameter names (state_dict keys,
+        # optimizer groups by name) stay the original's (run() leaves shared modules alone).
+        if first.op == "call_module":
+            name = first.target
+        else:
+            name = f"cudnn_fuse_{self.count}"
+            self.count += 1
         self.gm.add_submodule(name, module)
         last = fused[-1] if fused else first
         with self.gm.graph.inserting_after(last):
@@ -300,6 +308,11 @@ class _Rewriter:
                 continue
             if node.op == "call_module":
                 m = self.gm.get_submodule(node.target)
+                calls = sum(1 for n in self.gm.graph.nodes if n.op == "call_module" and n.target == node.target)
+                if calls > 1 and (type(m) in (nn.Conv2d, nn.Linear) or _is_hf_conv1d(m)):
+                    self.summary.left_alone.append((self.where(node), f"called from {calls} places (shared weights: "
+                                                    "a fused copy would put its parameters in the state_dict twice)"))
+                    continue
                 if type(m) is nn.Conv2d:
                     self.conv(node)
                 elif type(m) is nn.Linear:

@@ -76,7 +76,7 @@ def test_gpt2_mlp_conv1d_gelu_is_fused_and_trains():
     patterns = dict(opt.cudnn_fuse_summary.replaced)
     assert patterns["transformer.h.0.mlp.c_fc"] == "Conv1D + gelu_tanh"
     assert "no epilogue" in dict(opt.cudnn_fuse_summary.left_alone)["transformer.h.0.mlp.c_proj"]
-    fused = opt.get_submodule("transformer.h.0.mlp").get_submodule("cudnn_fuse_0")
+    fused = opt.get_submodule("transformer.h.0.mlp.c_fc")
     assert isinstance(fused.weight, torch.nn.Parameter) and fused.weight.shape == (64, 256)  # [in, out], shared
     ids = torch.randint(0, 100, (2, 8))
     loss, ref = opt(ids, labels=ids).loss, model(ids, labels=ids).loss
@@ -129,7 +129,7 @@ def test_torch_compile_over_an_optimized_gpt2_is_one_graph_with_the_same_gradien
     for n, p in model.named_parameters():
         if n in g:
             torch.testing.assert_close(g[n].grad, p.grad, rtol=1e-4, atol=1e-6)
-    fused = opt.get_submodule("transformer.h.0.mlp").get_submodule("cudnn_fuse_0")  # Conv1D + gelu_tanh
+    fused = opt.get_submodule("transformer.h.0.mlp.c_fc")  # Conv1D + gelu_tanh
     torch.testing.assert_close(fused.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad, rtol=1e-4, atol=1e-6)
 
 
