@@ -7,7 +7,9 @@ composed here from plain torch ops in float64 on the CPU, from the same (upcast)
 
 Every case runs twice with fresh values of the same shapes and strides, so the second call
 goes through the per-signature memo (a cached launch) and must be right too. A subset also
-checks gradients against float64 autograd of the reference.
+checks gradients against float64 autograd of the reference. The later calls draw every operand
+at unit scale (the first scales weights by 1/sqrt(fan-in)), so pre-activations reach the tens and
+hundreds: that is how the float32 conv engine's tanh overflow showed (plans.barred_engines).
 
 Used by tests/test_fuzz.py (the CPU path, in CI) and tests/test_gpu_fuzz.py (cuDNN on the GPU).
 """
