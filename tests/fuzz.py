@@ -387,3 +387,22 @@ def failures(case: Case, res: dict, as_eager: bool = False, grads_as_eager: bool
         if not e <= tol:
             bad.append(f"grad {k} rel err {e:.3g} > {tol:.3g}")
     return bad
+
+
+def custom_op_call(case: Case, ins: dict):
+    """(registered custom op, its arguments) for ``case``'s operands: what the op's autograd and
+    torch.compile paths call (``cudnn_fuse::conv2d`` / ``linear`` / ``matmul`` / attention)."""
+    from cudnn_fuse import ops, torch_ops
+
+    p = case.params
+    if case.op == "conv2d":
+        stride = ops._pair("stride", p["stride"], "conv2d", 1)
+        dil = ops._pair("dilation", p["dilation"], "conv2d", 1)
+        pre, post = ops._conv_padding(p["padding"], (p["R"], p["S"]), dil, stride)
+        return torch_ops.conv2d_op, (ins["x"], ins["weight"], ins["bias"], list(stride), list(pre), list(post),
+                                     list(dil), p["groups"], p["act"], ins["residual"], case.amax, float(p["slope"]))
+    if case.op == "matmul":
+        op = torch_ops.linear_op if p["kind"] == "linear" else torch_ops.matmul_op
+        return op, (ins["a"], ins["b"], ins["bias"], p["act"], ins["residual"], case.amax, float(p["slope"]))
+    return torch_ops.sdpa_op, (ins["q"], ins["k"], ins["v"], ins["attn_mask"], p["causal"], p["scale"],
+                               p["Hq"] != p["Hkv"])

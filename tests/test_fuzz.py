@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuzz import GRAD_TOL, TOL, check, draw, failures
+from fuzz import GRAD_TOL, MAKERS, TOL, check, custom_op_call, draw, failures
 
 CASES = draw(seed=20261201, n=300, dtypes=(torch.float32, torch.bfloat16, torch.float16), small=True)
 
@@ -70,3 +70,18 @@ def test_gradients_can_be_held_to_eager_alone():
 def test_the_strict_fp32_fixture_turns_tf32_off(strict_fp32):
     """The GPU fuzz and op tests use it (conftest.py): float32 cases are held to 1e-4."""
     assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+
+
+OPCHECK_CASES = draw(seed=99, n=90, dtypes=(torch.float32, torch.bfloat16), small=True)
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=[c.name for c in OPCHECK_CASES])
+def test_custom_ops_pass_opcheck_on_drawn_cases(case):
+    """The registered ops' schema, fake kernels (shapes, strides, dtypes against the real
+    output) and autograd registration, on drawn layouts and epilogues."""
+    ins, _run, _ref = MAKERS[case.op](case, "cpu", torch.Generator().manual_seed(1))
+    op, args = custom_op_call(case, ins)
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            a.requires_grad_(case.grad)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
