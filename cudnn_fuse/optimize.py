@@ -24,6 +24,7 @@ everything left alone (with the reason) is logged once at INFO and kept on the m
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import operator
@@ -303,12 +304,14 @@ class _Rewriter:
         self.replace(node, fused, m, args, " + ".join(pattern))
 
     def run(self) -> None:
+        # call sites per module path, counted once: a replacement calls the path it replaces
+        calls_of = collections.Counter(n.target for n in self.gm.graph.nodes if n.op == "call_module")
         for node in list(self.gm.graph.nodes):
             if node.graph is not self.gm.graph or node not in self.gm.graph.nodes:
                 continue
             if node.op == "call_module":
                 m = self.gm.get_submodule(node.target)
-                calls = sum(1 for n in self.gm.graph.nodes if n.op == "call_module" and n.target == node.target)
+                calls = calls_of[node.target]
                 if calls > 1 and (type(m) in (nn.Conv2d, nn.Linear) or _is_hf_conv1d(m)):
                     self.summary.left_alone.append((self.where(node), f"called from {calls} places (shared weights: "
                                                     "a fused copy would put its parameters in the state_dict twice)"))

@@ -55,6 +55,15 @@ def epilogue(z, bias=None, residual=None, act=None, negative_slope=0.01, return_
     return (y, amax(y)) if return_amax else y
 
 
+def _cpu_16bit(t) -> bool:
+    """16-bit on the CPU: torch rounds the product to 16 bits before it adds a bias (a batched
+    linear; the CPU conv, whose bias crashes on some channels_last inputs, adds it after) or cf's
+    epilogue adds the residual, which cancels digits where z + bias is near 0 (ReLU masks
+    flipped against float64 in tests), so the CPU computes in float32 and rounds once, as the
+    fused graph does. CUDA keeps its 16-bit kernels (a fallback there must stay fast)."""
+    return not t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+
+
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
            return_amax=False, negative_slope=0.01):
     if x.is_cuda:
@@ -65,10 +74,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
         shape = (-1, 1, 1) if z.dim() == 3 else (1, -1, 1, 1)
         return epilogue(z, None, residual, activation, negative_slope, return_amax, bias_shape=shape)
     shape = (-1, 1, 1) if x.dim() == 3 else (1, -1, 1, 1)
-    if x.dtype in (torch.float16, torch.bfloat16):
-        # 16-bit on the CPU: added after z's 16-bit rounding, the bias cancels z's digits where
-        # z + bias is near 0 (one ReLU mask in 1296 flipped against float32 in a test), so the
-        # CPU convolves in float32 and rounds once, as the fused graph does
+    if _cpu_16bit(x):  # convolve in float32, round once after bias and residual
         z = F.conv2d(x.float(), weight.float(), None, stride, padding, dilation, groups)
         return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape,
                         out_dtype=x.dtype)
@@ -84,15 +90,6 @@ def conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activati
                       negative_slope)
     xp = F.pad(x, (pre[1], post[1], pre[0], post[0]))
     return conv2d(xp, weight, bias, stride, 0, dilation, groups, activation, residual, return_amax, negative_slope)
-
-
-def _cpu_16bit(t) -> bool:
-    """16-bit on the CPU: torch rounds the product to 16 bits before it adds a bias to a batched
-    input (or cf's epilogue adds the residual), which cancels digits where z + bias is near 0
-    (ReLU masks flipped against float64 in tests/test_fuzz.py), so the CPU multiplies in float32
-    and rounds once, as the fused graph does. CUDA keeps its 16-bit GEMMs (a fallback there
-    must stay fast)."""
-    return not t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
 
 
 def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, negative_slope=0.01):
