@@ -6,148 +6,27 @@ The models are drawn from the patterns optimize() knows and their near misses: C
 without a bias, BatchNorm2d, every activation as a module, in place, or as a function call
 (with slopes and approximations), residual adds in either operand order, adds that broadcast
 or that share their producer with another user, Linear stacks, Linear-GELU-Linear blocks with
-and without a residual, and an activation optimize() does not fuse (Hardswish). float64, so a
-wrong rewrite cannot hide in rounding.
+and without a residual, and an activation optimize() does not fuse (Hardswish): tests/model_fuzz.py,
+``draw(seed)`` at its "cpu" sizes. float64, so a wrong rewrite cannot hide in rounding.
+tests/test_gpu_optimize_fuzz.py runs the same patterns through cuDNN in fp16 and bf16.
 """
 
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import cudnn_fuse as cf
-
-ACT_MODULES = [lambda r: nn.ReLU(), lambda r: nn.ReLU(inplace=True), lambda r: nn.GELU(),
-               lambda r: nn.GELU(approximate="tanh"), lambda r: nn.SiLU(), lambda r: nn.Tanh(), lambda r: nn.Sigmoid(),
-               lambda r: nn.LeakyReLU(r.choice([0.01, 0.2])), lambda r: nn.Hardswish(), lambda r: nn.Identity()]
-ACT_FUNCS = [F.relu, torch.relu, F.gelu, lambda t: F.gelu(t, approximate="tanh"), F.silu, torch.tanh, torch.sigmoid,
-             lambda t: F.leaky_relu(t, 0.2), lambda t: F.leaky_relu(t, negative_slope=0.05), lambda t: t]
-
-
-class ConvUnit(nn.Module):
-    """conv [-> bn] [-> + skip] [-> act], the act a module or a function, the skip as drawn."""
-
-    def __init__(self, r: random.Random, cin: int, cout: int):
-        super().__init__()
-        k = r.choice([1, 3])
-        self.stride = r.choice([1, 1, 2])
-        self.conv = nn.Conv2d(cin, cout, k, self.stride, k // 2, bias=r.random() < 0.5,
-                              groups=r.choice([1, 2]) if cin % 2 == 0 and cout % 2 == 0 else 1)
-        self.bn = nn.BatchNorm2d(cout) if r.random() < 0.5 else None
-        self.skip = r.choice(["none", "input", "input_left", "broadcast", "shared", "twice"]) \
-            if (cin == cout and self.stride == 1 and self.conv.groups == 1) else r.choice(["none", "none", "broadcast"])
-        self.act_module = ACT_MODULES[r.randrange(len(ACT_MODULES))](r) if r.random() < 0.6 else None
-        self.act_func = ACT_FUNCS[r.randrange(len(ACT_FUNCS))] if self.act_module is None else None
-
-    def forward(self, x):
-        y = self.conv(x)
-        if self.bn is not None:
-            y = self.bn(y)
-        if self.skip == "input":
-            y = y + x
-        elif self.skip == "input_left":
-            y = x + y
-        elif self.skip == "broadcast":
-            y = y + y.mean(dim=(2, 3), keepdim=True)  # [N, C, 1, 1]: cannot ride in the epilogue
-        elif self.skip == "shared":
-            return self._act(y + x) + 0.5 * y  # the conv output has a second user
-        elif self.skip == "twice":  # one module called twice (shared weights), once with an epilogue
-            return self._act(self.conv(torch.tanh(y)) + x) + y
-        return self._act(y)
-
-    def _act(self, y):
-        return self.act_module(y) if self.act_module is not None else self.act_func(y)
-
-
-class LinearUnit(nn.Module):
-    def __init__(self, r: random.Random, width: int):
-        super().__init__()
-        self.kind = r.choice(["single", "single", "mlp", "mlp_res", "two_users"])
-        hidden = r.choice([8, 24, 32])
-        bias = r.random() < 0.7
-        if self.kind == "single":
-            self.a = nn.Linear(width, width, bias=bias)
-            self.act = ACT_MODULES[r.randrange(len(ACT_MODULES))](r)
-            self.res = r.random() < 0.4
-        else:
-            self.a = nn.Linear(width, hidden, bias=bias)
-            self.act = r.choice([nn.GELU(), nn.GELU(approximate="tanh"), nn.SiLU(), nn.ReLU()])
-            self.b = nn.Linear(hidden, width, bias=r.random() < 0.7)
-
-    def forward(self, x):
-        if self.kind == "single":
-            y = self.act(self.a(x))
-            return y + x if self.res else y
-        h = self.act(self.a(x))
-        if self.kind == "two_users":
-            return self.b(h) + h.mean(-1, keepdim=True)  # the activation has another user
-        y = self.b(h)
-        return y + x if self.kind == "mlp_res" else y
-
-
-class RandomCNN(nn.Module):
-    def __init__(self, r: random.Random):
-        super().__init__()
-        chans = [r.choice([4, 8])]
-        units = []
-        for _ in range(r.randint(1, 4)):
-            cout = chans[-1] if r.random() < 0.5 else r.choice([4, 8, 12])
-            units.append(ConvUnit(r, chans[-1], cout))
-            chans.append(cout)
-        self.units = nn.Sequential(*units)
-        self.cin = chans[0]
-
-    def forward(self, x):
-        return self.units(x)
-
-
-class RandomMLP(nn.Module):
-    def __init__(self, r: random.Random):
-        super().__init__()
-        self.width = r.choice([8, 16])
-        self.units = nn.Sequential(*[LinearUnit(r, self.width) for _ in range(r.randint(1, 3))])
-
-    def forward(self, x):
-        return self.units(x)
-
-
-def _randomize(model, r: random.Random):
-    g = torch.Generator().manual_seed(r.randrange(1 << 30))
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.3)
-                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
-                m.weight.copy_(torch.rand(m.num_features, generator=g) + 0.5)
-                m.bias.copy_(torch.randn(m.num_features, generator=g) * 0.2)
-
-
-def _draw(seed: int):
-    r = random.Random(seed)
-    torch.manual_seed(seed)
-    if seed % 2:
-        model = RandomCNN(r)
-        x = torch.randn(2, model.cin, r.choice([6, 9]), r.choice([6, 8]))
-        if r.random() < 0.5:
-            x = x.contiguous(memory_format=torch.channels_last)
-    else:
-        model = RandomMLP(r)
-        x = torch.randn(r.choice([(5,), (2, 3)]) + (model.width,))
-    _randomize(model, r)
-    return model.double(), x.double()
-
+from model_fuzz import ConvUnit, draw
 
 SEEDS = list(range(120))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_optimized_random_model_equals_the_original(seed):
-    model, x = _draw(seed)
+    model, x = draw(seed)
     # eval: BatchNorm folded into the convs
     ref = copy.deepcopy(model).eval()
     opt = cf.optimize(copy.deepcopy(model).eval())
@@ -189,7 +68,7 @@ def test_the_draw_exercises_fusion_and_its_refusals():
     """Across the seeds optimize() both replaces and leaves alone, for several reasons."""
     replaced, left = [], []
     for seed in SEEDS:
-        model, _ = _draw(seed)
+        model, _ = draw(seed)
         s = cf.optimize(copy.deepcopy(model).eval()).cudnn_fuse_summary
         replaced += [what for _, what in s.replaced]
         left += [why for _, why in s.left_alone]
@@ -198,5 +77,5 @@ def test_the_draw_exercises_fusion_and_its_refusals():
             "tanh", "sigmoid", "leaky_relu", "Linear (fused MLP backward)"} <= parts, parts
     assert any("no epilogue" in why for why in left)
     assert any("shared weights" in why for why in left)
-    units = [u for seed in SEEDS for u in _draw(seed)[0].modules() if isinstance(u, ConvUnit)]
+    units = [u for seed in SEEDS for u in draw(seed)[0].modules() if isinstance(u, ConvUnit)]
     assert {u.skip for u in units} == {"none", "input", "input_left", "broadcast", "shared", "twice"}
