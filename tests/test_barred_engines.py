@@ -13,7 +13,8 @@ import pytest
 
 from cudnn_fuse import loader, plans
 from cudnn_fuse.errors import UnsupportedError
-from cudnn_fuse.spec import ActGradSpec, ConvSpec, Epilogue, MatmulActGradSpec, MatmulSpec, SaveZSpec, TensorSpec
+from cudnn_fuse.spec import (ActGradSpec, ConvSpec, Epilogue, MatmulActGradSpec, MatmulSpec, RecomputeGradSpec, SaveZSpec,
+                             TensorSpec)
 
 
 def _mm(act="leaky_relu", bias=False):
@@ -81,11 +82,53 @@ def test_prepare_deselects_the_barred_engine_after_the_heuristics_and_before_any
 
 
 def test_the_deselect_pattern_cannot_bar_another_engine():
-    pattern = plans._bar_name(0)
-    names = ["eng0", "eng0_k24=0", "eng4_k24=50", "eng10_k2=8_k13=1", "eng40", "eng7_k24=0", "eng20_k2=0"]
-    assert [n for n in names if pattern in n] == ["eng0", "eng0_k24=0"]  # cuDNN-frontend's substring match
-    with pytest.raises(ValueError, match="engine 1"):
-        plans._bar_name(1)  # "eng1" would also match eng10..eng19
+    names = ["eng0", "eng0_k24=0", "eng4_k24=50", "eng10_k2=8_k13=1", "eng40", "eng7_k24=0", "eng20_k2=0",
+             "eng8", "eng8_k24=0", "eng8_k24=29_k25=1", "eng80_k2=1", "eng18_k24=0", "eng28"]
+    # cuDNN-frontend's substring match
+    assert [n for n in names if plans._bar_name(0) in n] == ["eng0", "eng0_k24=0"]
+    assert [n for n in names if plans._bar_name(8) in n] == ["eng8_k24=0", "eng8_k24=29_k25=1"]  # not eng80/eng18
+    with pytest.raises(ValueError, match="-1"):
+        plans._bar_name(-1)
+
+
+class _BuiltGraph(_FakeGraph):
+    """A graph whose heuristic build picked ``engine`` (get_engine_and_knobs_at_index)."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self._plan_index = 0
+        self.get_engine_and_knobs_at_index = lambda i: (engine, {})
+
+
+def test_finalize_refuses_a_knobless_plan_of_a_barred_engine():
+    # the "eng8_" pattern cannot name a plan "eng8" without knobs: finalize checks the built plan's id
+    with pytest.raises(UnsupportedError, match="engine 8"):
+        plans.finalize(_BuiltGraph(8), _recompute())
+    plans.finalize(_BuiltGraph(4), _recompute())  # another engine: fine
+    plans.finalize(_BuiltGraph(8), _conv("silu"))  # eng8 runs the forward right: not barred there
+
+
+def _recompute(act="silu", groups=2):
+    fwd = _conv(act)
+    fwd = ConvSpec(fwd.x, TensorSpec((8, 8 // groups, 3, 3), (72 // groups, 1, 24 // groups, 8 // groups), "float16"),
+                   fwd.y, fwd.stride, fwd.pre_padding, fwd.post_padding, fwd.dilation, groups, fwd.epilogue)
+    return RecomputeGradSpec(fwd, fwd.y, fwd.y)
+
+
+def test_eng8_is_barred_from_conv_recompute_graphs():
+    # a grouped fp16 conv's silu/sigmoid/GELU backward came out NaN or 60-330 (relative) off on eng8
+    # (bench/results/grouped_grad_probe_before_fix.json); barred grouped or not, forward untouched
+    for act in ("silu", "sigmoid", "gelu", "gelu_tanh"):
+        assert plans.barred_engines(_recompute(act)) == {8}
+        assert plans.barred_engines(_recompute(act, groups=1)) == {8}
+        assert plans.barred_engines(_recompute(act).fwd) == frozenset()
+    assert plans.barred_engines(_recompute("tanh")) == {0, 8}
+    g = _FakeGraph()
+    plans.prepare(g, _recompute())
+    assert ("deselect_engines", (["eng8_"],)) in g.calls
+    # the GEMM recompute graph is not implicated
+    z = TensorSpec.contiguous((1, 64, 48), "float16")
+    assert plans.barred_engines(RecomputeGradSpec(_mm(act="silu"), z, z)) == frozenset()
 
 
 class _Cache:

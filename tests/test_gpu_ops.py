@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import cudnn_fuse as cf
 from cudnn_fuse import plans, reference
 from cudnn_fuse.spec import ACTIVATIONS
+from fuzz import GRAD_TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("strict_fp32")]  # fp32 means fp32
 
@@ -455,6 +456,35 @@ def test_conv_fp32_tanh_stays_finite_for_large_preactivations():
     assert torch.isfinite(y).all()
     # float32 accumulation of 576 products of |z| up to ~150: ~1e-5 of z near 0, where tanh' = 1
     assert (y.double() - torch.tanh(z)).abs().max() <= 2e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ["silu", "sigmoid", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_conv_activation_gradients_are_right(dtype, act, groups, bias):
+    """cuDNN 9.19's conv eng8, the heuristics' first pick for the recompute graph (conv fprop +
+    bias + act' * dy) of a grouped fp16 conv, gave gradients NaN or 60-330 (relative) off float64
+    (bench/results/grouped_grad_probe_before_fix.json; found by tests/test_gpu_optimize_fuzz.py); it is
+    barred from conv recompute graphs, and no backward plan of these convs runs it."""
+    torch.manual_seed(groups)
+    x = rnd(8, 16, 16, 15, dtype=dtype).requires_grad_(True)
+    w = rnd(16, 16 // groups, 3, 3, dtype=dtype, scale=(9 * 16 // groups) ** -0.5).requires_grad_(True)
+    b = rnd(16, dtype=dtype).requires_grad_(True) if bias else None
+    gy = rnd(8, 16, 16, 15, dtype=dtype)
+    n0 = len(plans.plans_in_memory())
+    y = cf.conv2d(x, w, b, 1, 1, 1, groups, activation=act)
+    y.backward(gy)
+    torch.cuda.synchronize()
+    leaves = [x, w] + ([b] if bias else [])
+    ref = [t.detach().double().requires_grad_(True) for t in leaves]
+    fn = {"silu": F.silu, "sigmoid": torch.sigmoid, "gelu": F.gelu,
+          "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+    fn(F.conv2d(ref[0], ref[1], ref[2] if bias else None, 1, 1, 1, groups)).backward(gy.double())
+    for name, got, want in zip("xwb", leaves, ref):
+        assert rel_err(got.grad, want.grad) <= GRAD_TOL[dtype], f"d{name}"
+    recompute = [p for p in plans.plans_in_memory()[n0:] if p.spec.op == "recompute_grad"]
+    assert not [p.engine for p in recompute if re.fullmatch(r"eng8(_.*)?", p.engine)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
