@@ -75,11 +75,42 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
         return epilogue(z, None, residual, activation, negative_slope, return_amax, bias_shape=shape)
     shape = (-1, 1, 1) if x.dim() == 3 else (1, -1, 1, 1)
     if _cpu_16bit(x):  # convolve in float32, round once after bias and residual
-        z = F.conv2d(x.float(), weight.float(), None, stride, padding, dilation, groups)
+        z = _cpu_conv(x.float(), weight.float(), stride, padding, dilation, groups)
         return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape,
                         out_dtype=x.dtype)
-    z = F.conv2d(x, weight, None, stride, padding, dilation, groups)
+    z = _cpu_conv(x, weight, stride, padding, dilation, groups)
     return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape)
+
+
+def _cpu_conv(x, weight, stride, padding, dilation, groups):
+    """The CPU convolution, on NCHW operands, its output in the layout torch's conv gives these
+    operands. torch 2.13's CPU (oneDNN) conv crashes on some channels_last operands: with a bias,
+    and the weight gradient of a float32 1x1 stride-2 conv of a [3, 8, 16, 16] input corrupts the
+    heap ("malloc(): unaligned tcache chunk", a segfault; tests/test_reference.py runs it in a
+    subprocess) when either operand has channels_last strides, including a 1x1 weight whose
+    strides say channels_last while is_contiguous() is true. optimize() makes a conv's weight
+    channels_last, so a float32 CPU training step of a plain NCHW model reached it."""
+    fmt = conv_format(x, weight)
+    z = F.conv2d(nchw(x), nchw(weight), None, stride, padding, dilation, groups)
+    return z if fmt is None else z.contiguous(memory_format=fmt)
+
+
+def nchw(t):
+    """``t`` with the standard (row-major) strides, copied only when it has other ones."""
+    want, acc = [], 1
+    for n in reversed(t.shape):
+        want.append(acc)
+        acc *= n
+    return t if t.stride() == tuple(reversed(want)) else t.clone(memory_format=torch.contiguous_format)
+
+
+def conv_format(x, weight):
+    """torch.channels_last where torch's CPU conv returns a channels_last output for these operands
+    (either batched 4-D operand strided channels_last and not also contiguous), else None;
+    tests/test_reference.py checks it against torch's own choice."""
+    def cl(t):
+        return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+    return torch.channels_last if x.dim() == 4 and (cl(x) or cl(weight)) else None
 
 
 def conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activation=None, residual=None,

@@ -258,9 +258,17 @@ def _conv2d_products_torch(ctx, x, w, dz):
     symmetric = tuple(pre) == tuple(post)
     xp = xb if symmetric else F.pad(xb, (pre[1], post[1], pre[0], post[0]))
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    fmt = None
+    if not dzb.is_cuda:  # torch 2.13's CPU conv backward corrupts the heap on some channels_last operands
+        # (reference._cpu_conv): NCHW operands, the gradients in the layout torch's backward gives
+        fmt = reference.conv_format(xp, w)
+        dzb, xp, w = reference.nchw(dzb), reference.nchw(xp), reference.nchw(w)
     dx, dw, _ = torch.ops.aten.convolution_backward(
         dzb, xp, w, None, list(stride), list(pre) if symmetric else [0, 0], list(dilation), False, [0, 0], groups,
         [need_x, need_w, False])
+    if fmt is not None:
+        dx = dx.contiguous(memory_format=fmt) if dx is not None else None
+        dw = dw.contiguous(memory_format=fmt) if dw is not None else None
     if dx is not None:
         if not symmetric:
             H, W = xb.shape[-2:]

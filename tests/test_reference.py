@@ -484,3 +484,81 @@ def test_sdpa_reference_gqa_uses_torchs_enable_gqa_without_a_mask(monkeypatch, m
     allowed = mask if masked else torch.ones(12, 12, dtype=torch.bool).tril()
     ref = s.masked_fill(~allowed, float("-inf")).softmax(-1) @ vv
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# torch 2.13's CPU conv backward corrupts the heap for a float32 1x1 stride-2 conv of a [3, 8, 16, 16]
+# input when an operand has channels_last strides (a segfault or "malloc(): unaligned tcache chunk");
+# optimize() makes a conv's weight channels_last, so a plain NCHW model's CPU training step reached it.
+_CRASH = """
+import sys, torch, torch.nn.functional as F
+import cudnn_fuse as cf
+torch.manual_seed(0)
+case = sys.argv[1]
+x = torch.randn(3, 8, 16, 16, dtype=torch.float64)
+w = torch.randn(8, 8, 1, 1, dtype=torch.float64)
+b = torch.randn(8, dtype=torch.float64)
+x64, w64, b64 = (t.clone().requires_grad_(True) for t in (x, w, b))
+F.relu(F.conv2d(x64, w64, b64, 2)).sum().backward()
+if case == "plain_torch":  # the torch bug itself, outside cf (expected to crash on torch 2.13)
+    xt = x.float().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    F.conv2d(xt, w.float().requires_grad_(True), None, 2).sum().backward()
+    print("torch survived")
+    sys.exit(0)
+if case == "op":
+    xs = x.float().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    ws, bs = w.float().requires_grad_(True), b.float().requires_grad_(True)
+    y = cf.conv2d(xs, ws, bs, 2, activation="relu")
+    assert y.is_contiguous(memory_format=torch.channels_last), y.stride()
+    y.sum().backward()
+    grads = [(xs.grad, x64.grad), (ws.grad, w64.grad), (bs.grad, b64.grad)]
+    assert xs.grad.is_contiguous(memory_format=torch.channels_last), xs.grad.stride()
+else:  # a plain NCHW model through optimize(), trained on the CPU
+    m = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 1, 2), torch.nn.ReLU())
+    with torch.no_grad():
+        m[0].weight.copy_(w)
+        m[0].bias.copy_(b)
+    m = cf.optimize(m)
+    xs = x.float().requires_grad_(True)
+    m(xs).sum().backward()
+    conv = [mod for mod in m.modules() if hasattr(mod, "weight")][0]
+    grads = [(xs.grad, x64.grad), (conv.weight.grad, w64.grad), (conv.bias.grad, b64.grad)]
+for got, want in grads:
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("case", ["op", "optimized_model"])
+def test_cpu_conv_training_survives_torchs_channels_last_backward_crash(case, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH)
+    res = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, (res.returncode, res.stdout[-500:], res.stderr[-2000:])
+
+
+def test_cpu_conv_output_and_gradient_layouts_follow_torch():
+    """The CPU conv runs on NCHW operands (reference._cpu_conv) but hands back torch's layouts."""
+    torch.manual_seed(0)
+    import itertools
+
+    for x_cl, w_cl, r, hw in itertools.product([True, False], [True, False], [1, 3], [9, 1]):
+        x = torch.randn(2, 8, hw, hw, requires_grad=True)
+        w = torch.randn(8, 8, r, r, requires_grad=True)
+        xs = x.contiguous(memory_format=torch.channels_last) if x_cl else x
+        ws = w.contiguous(memory_format=torch.channels_last) if w_cl else w
+        want = F.conv2d(xs, ws, None, 1, r // 2)
+        got = reference.conv2d(xs, ws, None, 1, r // 2)
+        what = (x_cl, w_cl, r, hw, got.stride(), want.stride())
+        assert got.stride() == want.stride() or (got.is_contiguous() and want.is_contiguous()), what
+        torch.testing.assert_close(got, want)
+        # cf's CPU backward (torch_ops._conv2d_products_torch) the same way
+        xc = xs.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
+        wc = ws.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
+        cf.conv2d(xc, wc, None, 1, r // 2, activation="silu").sum().backward()
+        xt, wt = xs.detach().clone().requires_grad_(True), ws.detach().clone().requires_grad_(True)
+        F.silu(F.conv2d(xt, wt, None, 1, r // 2)).sum().backward()
+        torch.testing.assert_close(xc.grad, xt.grad)
+        torch.testing.assert_close(wc.grad, wt.grad)
