@@ -11,7 +11,8 @@
 # host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
-# pytest:<file>,<file> runs those GPU test files (report in the log). MEMORY_ARGS: options of the memory steps. SKIP_INSTALL=1: the wheels are
+# pytest:<file>,<file> runs those GPU test files (report in the log). TESTS_TIMEOUT: the tests steps' limit (the whole suite took
+# 297 s on one H200 at 46bb6fb, before the 111 s optimize() fuzz; default 480). MEMORY_ARGS: options of the memory steps. SKIP_INSTALL=1: the wheels are
 # already in /tmp/site (a second instance beside a first). PEERS_ARGS adds options to every peers run (e.g. "--no-max-autotune").
 # Expects the recipe of ../shared/device/README.md: wheels in .whl/, this checkout on PYTHONPATH.
 set -u
@@ -29,14 +30,14 @@ step() {  # step NAME TIMEOUT_S CMD...: a fresh plan cache per step
 }
 for s in $STEPS; do
     case $s in
-        tests) step tests 260 python3 -m pytest -m gpu -q -p no:cacheprovider tests --junit-xml="$OUT/gpu_junit.xml" ;;
+        tests) step tests "${TESTS_TIMEOUT:-480}" python3 -m pytest -m gpu -q -p no:cacheprovider tests --junit-xml="$OUT/gpu_junit.xml" ;;
         tests2) t0=$SECONDS  # the GPU suite split over two GPUs (nvidia-h200-x2), by file
             files=(tests/test_gpu_*.py); half=(); other=()
             for i in "${!files[@]}"; do if (( i % 2 )); then other+=("${files[$i]}"); else half+=("${files[$i]}"); fi; done
-            ( CUDA_VISIBLE_DEVICES=0 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout 260 python3 -m pytest -m gpu -q \
+            ( CUDA_VISIBLE_DEVICES=0 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q \
                 -p no:cacheprovider "${half[@]}" -rfE > "$OUT/gpu_tests_0.txt" 2>&1
               echo "== tests (GPU 0) rc=$? $((SECONDS - t0))s" >> "$log" ) &
-            ( CUDA_VISIBLE_DEVICES=1 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout 260 python3 -m pytest -m gpu -q \
+            ( CUDA_VISIBLE_DEVICES=1 CUDNN_FUSE_CACHE_DIR=$(mktemp -d) timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q \
                 -p no:cacheprovider "${other[@]}" -rfE > "$OUT/gpu_tests_1.txt" 2>&1
               echo "== tests (GPU 1) rc=$? $((SECONDS - t0))s" >> "$log" ) &
             wait; tail -n 3 "$OUT"/gpu_tests_[01].txt >> "$log" ;;
