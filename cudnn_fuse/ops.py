@@ -482,8 +482,7 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
 
-def _is_channels_last(t: torch.Tensor) -> bool:
-    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+_is_channels_last = reference.is_channels_last
 
 
 def _conv_layout(x, weight):

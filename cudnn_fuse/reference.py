@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .spec import contiguous_strides
+
 _ACT = {
     "relu": F.relu,
     "gelu": F.gelu,
@@ -97,20 +99,19 @@ def _cpu_conv(x, weight, stride, padding, dilation, groups):
 
 def nchw(t):
     """``t`` with the standard (row-major) strides, copied only when it has other ones."""
-    want, acc = [], 1
-    for n in reversed(t.shape):
-        want.append(acc)
-        acc *= n
-    return t if t.stride() == tuple(reversed(want)) else t.clone(memory_format=torch.contiguous_format)
+    return t if t.stride() == contiguous_strides(t.shape) else t.clone(memory_format=torch.contiguous_format)
+
+
+def is_channels_last(t) -> bool:
+    """A 4-D tensor strided channels_last and not also contiguous."""
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
 def conv_format(x, weight):
     """torch.channels_last where torch's CPU conv returns a channels_last output for these operands
-    (either batched 4-D operand strided channels_last and not also contiguous), else None;
+    (either batched 4-D operand channels_last, ``is_channels_last``), else None;
     tests/test_reference.py checks it against torch's own choice."""
-    def cl(t):
-        return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-    return torch.channels_last if x.dim() == 4 and (cl(x) or cl(weight)) else None
+    return torch.channels_last if x.dim() == 4 and (is_channels_last(x) or is_channels_last(weight)) else None
 
 
 def conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activation=None, residual=None,
