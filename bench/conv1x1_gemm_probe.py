@@ -7,6 +7,11 @@ stride-1 conv of ResNet-50 at batch 1 and 32 (fp16, bias, the layer's activation
 cf.conv2d and cf.linear on the views, each with heuristic and autotuned plans, torch eager's conv
 and torch's addmm on the views. Same timer as the peers suite (device ms, L2 rotation).
 
+Since the autotuner times that GEMM beside a 1x1 conv's own candidates (cudnn_fuse/conv_gemm.py),
+``cf_conv_autotuned`` is the op as users get it (the faster of the two, ``chose_gemm`` in the row
+says which), and ``cf_conv_autotuned_conv_only`` the conv's candidates alone (no plan cache, the
+GEMM candidate off), so the row shows what the GEMM candidate buys.
+
     python3 bench/conv1x1_gemm_probe.py --out DIR      # -> DIR/conv1x1_gemm_probe.json
 """
 
@@ -69,6 +74,30 @@ def build(layer: bs.ConvLayer):
                 y = y + as_matrix(r)
             return as_image(F.relu(y) if act == "relu" else y, n, hw, hw)
 
+        def conv_only():
+            from cudnn_fuse import autotune
+
+            saved = autotune.DEFAULT_CONFIG.gemm_candidate, os.environ.get("CUDNN_FUSE_CACHE")
+            autotune.DEFAULT_CONFIG.gemm_candidate = False
+            os.environ["CUDNN_FUSE_CACHE"] = "0"  # tuned in memory: the cached entry (with the GEMM row) stays
+
+            def restore():
+                autotune.DEFAULT_CONFIG.gemm_candidate = saved[0]
+                if saved[1] is None:
+                    os.environ.pop("CUDNN_FUSE_CACHE", None)
+                else:
+                    os.environ["CUDNN_FUSE_CACHE"] = saved[1]
+                bs._autotune_off()
+            CONV_ONLY_RESTORE.append(restore)
+            return bs._cf_setup(cf_conv, autotune=True)()
+
+        def restore_conv_only():
+            while CONV_ONLY_RESTORE:
+                CONV_ONLY_RESTORE.pop()()
+            from cudnn_fuse import plans
+
+            plans.clear()  # the next variant must not find the conv-only plan in memory
+
         sets, flush = bs._rotated(make_set, opts)
         tuned = dict(expensive=True, est_s=5.0, cleanup=bs._autotune_off)
         return bs.Case(sets, [
@@ -76,6 +105,7 @@ def build(layer: bs.ConvLayer):
             bs.Variant("torch_addmm", lambda: torch_addmm),
             bs.Variant("cf_conv", bs._cf_setup(cf_conv, autotune=False)),
             bs.Variant("cf_gemm", bs._cf_setup(cf_gemm, autotune=False)),
+            bs.Variant("cf_conv_autotuned_conv_only", conv_only, expensive=True, est_s=5.0, cleanup=restore_conv_only),
             bs.Variant("cf_conv_autotuned", bs._cf_setup(cf_conv, autotune=True), **tuned),
             bs.Variant("cf_gemm_autotuned", bs._cf_setup(cf_gemm, autotune=True), **tuned),
             bs.Variant("cf_conv_repeat", bs._cf_setup(cf_conv, autotune=False)),
@@ -83,11 +113,27 @@ def build(layer: bs.ConvLayer):
     return make
 
 
+CONV_ONLY_RESTORE: list = []
+
+
+def _chose_gemm(layer) -> bool | None:
+    """Whether the tuned entry of this layer's conv (cf_conv_autotuned's) runs the GEMM."""
+    from cudnn_fuse import conv_gemm, plans
+
+    for p in reversed(plans.plans_in_memory()):
+        spec = getattr(p, "spec", None)
+        if getattr(spec, "op", None) == "conv2d" and spec.x.shape[1] == layer.c and spec.w.shape[0] == layer.k \
+                and spec.x.shape[0] == layer.n and spec.x.shape[2] == layer.hw:
+            return isinstance(p, conv_gemm.GemmConvPlan)
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--budget-s", type=float, default=200.0)
+    ap.add_argument("--name", default="conv1x1_gemm_probe", help="the JSON's name under --out")
     args = ap.parse_args(argv)
     opts = bs.Options(max_autotune=False, budget_s=args.budget_s, deadline_s=args.budget_s + 30, target_ms=150.0)
     layers = [layer for b in (int(v) for v in args.batches.split(","))
@@ -102,10 +148,11 @@ def main(argv=None) -> int:
         rec = bs.run_workload(w, opts, started)
         row = {"name": layer.name, "ms": rec["peers"], "rel_err_vs_torch_eager": rec["rel_err"],
                "errors": rec["errors"], "skipped": rec["skipped"],
-               "fallbacks": cf.plan_stats()["fallbacks"] - before}
+               "fallbacks": cf.plan_stats()["fallbacks"] - before, "chose_gemm": _chose_gemm(layer)}
         rows.append(row)
-        print(layer.name, row["ms"], row["errors"] or "", f"fallbacks {row['fallbacks']}", flush=True)
-    write_json(os.path.join(args.out, "conv1x1_gemm_probe.json"),
+        print(layer.name, row["ms"], row["errors"] or "", f"fallbacks {row['fallbacks']}",
+              f"chose_gemm {row['chose_gemm']}", flush=True)
+    write_json(os.path.join(args.out, args.name + ".json"),
                {"device": device_name(), "torch": torch.__version__, "rows": rows,
                 "wall_s": round(time.perf_counter() - started, 1)})
     return 0

@@ -57,6 +57,10 @@ class Config:
     # graphs; the op runs it where it beats every cuDNN candidate.
     torch_candidate: bool = field(default_factory=lambda: os.environ.get("CUDNN_FUSE_TORCH_CANDIDATE", "1").strip()
                                   .lower() not in ("0", "false", "no", "off"))
+    # Also time a 1x1 stride-1 channels_last conv as the GEMM of its matrix views (conv_gemm.py),
+    # itself tuned and cached as a matmul entry; the op runs it where it beats every conv candidate.
+    gemm_candidate: bool = field(default_factory=lambda: os.environ.get("CUDNN_FUSE_GEMM_CANDIDATE", "1").strip()
+                                 .lower() not in ("0", "false", "no", "off"))
 
 
 DEFAULT_CONFIG = Config()
@@ -384,7 +388,60 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
             timings.append(torch_timing(run_torch, lambda: statistics.median(device_ms(run_torch, cfg.repeats)), cfg))
             if torch_wins(winner, timings):
                 log.info("autotune %s: torch (cuBLAS) %.4f ms beats the cuDNN winner", spec.op, timings[-1].median_ms)
+    if cfg.gemm_candidate:
+        from . import conv_gemm
+
+        mspec = conv_gemm.gemm_spec(spec)
+        if mspec is not None:
+            def gemm_plan():
+                from .plans import get_plan
+
+                return conv_gemm.GemmConvPlan(spec, get_plan(mspec, device))  # tuned (and stored) as a matmul
+
+            timings.append(gemm_timing(gemm_plan, sets, cfg))
+            if gemm_wins(winner, timings):
+                log.info("autotune %s: as a GEMM %.4f ms beats the conv winner %.4f ms", spec.op,
+                         timings[-1].median_ms, winner.median_ms)
     return winner.index, winner, timings
+
+
+GEMM_INDEX = -2  # the GEMM candidate's index in a tuned conv entry's timings
+
+
+def gemm_timing(make_plan: Callable[[], object], sets, cfg: Config,
+                median_of: Optional[Callable[[Callable[[], None]], float]] = None) -> Timing:
+    """The GEMM candidate's Timing: its plan (``make_plan()``, a conv_gemm.GemmConvPlan) run on the
+    conv's own operand sets (rotated), warm-up then the median of repeats (``median_of(run)``,
+    CUDA events by default) as the conv's candidates get; a GEMM cuDNN declines, or one that
+    fails, scores inf."""
+    t = Timing(GEMM_INDEX, "gemm", None, {}, 0, runtime_compiled=None)
+    if median_of is None:
+        def median_of(fn):
+            return statistics.median(device_ms(fn, cfg.repeats))
+    try:
+        plan = make_plan()
+        t.name, t.workspace = str(plan.engine), int(plan.workspace_size)
+        counter = iter(range(10**9))
+
+        def run():
+            plan.run(sets[next(counter) % len(sets)])
+
+        for _ in range(max(1, cfg.warmup)):
+            run()
+        t.median_ms = t.first_ms = float(median_of(run))
+        t.status = "timed" if math.isfinite(t.median_ms) else "failed"
+    except Exception as exc:  # noqa: BLE001 - a failing candidate is a score, not an error
+        t.status = f"failed:{type(exc).__name__}: {exc}"[:200]
+    return t
+
+
+def gemm_wins(winner: Timing, timings: Sequence[Timing]) -> bool:
+    """Whether the GEMM candidate timed faster than the conv winner (both launch through raw
+    pointers, so device time decides at every size)."""
+    for t in timings:
+        if t.index == GEMM_INDEX:
+            return t.status == "timed" and t.median_ms < winner.median_ms
+    return False
 
 
 TORCH_INDEX = -1  # the torch candidate's index in a tuned entry's timings

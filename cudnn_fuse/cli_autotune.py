@@ -153,13 +153,18 @@ def run(args) -> int:
     rows = []
     for c in sorted(meta.get("candidates", []), key=lambda c: (c["median_ms"] is None, c["median_ms"] or 0)):
         ms = c["median_ms"]
-        won = c["index"] == (autotune.TORCH_INDEX if meta.get("use_torch") else meta.get("winner_index"))
+        won = c["index"] == (autotune.TORCH_INDEX if meta.get("use_torch") else
+                             autotune.GEMM_INDEX if meta.get("use_gemm") else meta.get("winner_index"))
         rows.append(["*" if won else "", c["index"], c["name"],
                      ",".join(f"{k}={v}" for k, v in sorted(c["knobs"].items())) or "-",
                      f"{ms:.4f}" if ms is not None else "-", f"{f / ms / 1e9:.1f}" if ms else "-",
                      c["workspace"], c["status"].split(":")[0]])
     print(format_table(["", "#", "engine", "knobs", "median ms", "TFLOP/s", "workspace", "status"], rows))
-    winner = "torch (cuBLAS + epilogue), faster than every cuDNN candidate" if meta.get("use_torch") else \
-        meta.get("engine_name")
+    if meta.get("use_torch"):
+        winner = "torch (cuBLAS + epilogue), faster than every cuDNN candidate"
+    elif meta.get("use_gemm"):
+        winner = "the GEMM of the 1x1 conv's matrix views (its own matmul entry), faster than every conv candidate"
+    else:
+        winner = meta.get("engine_name")
     print(f"\nwinner {winner} stored under {digest[:16]} in {pc.dir}")
     return 0

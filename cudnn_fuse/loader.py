@@ -95,6 +95,10 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
     if entry is not None and _barred(spec, entry.meta):
         return None  # written before its engine was barred: built anew, the entry overwritten
     if entry is not None:
+        if entry.meta.get("use_gemm"):  # the conv runs as its GEMM: its own blob is not needed
+            gemm = _gemm_plan(pc, spec, device)
+            if gemm is not None:
+                return gemm
         plan = _deserialize(spec, entry, device)
         if plan is not None:
             return _maybe_torch(plan, entry.meta)
@@ -111,6 +115,10 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
         return None
     blob = plan.graph.serialize(as_bytes=True)
     pc.put(digest, meta, blob, pinned=bool(meta.get("pinned")))
+    if meta.get("use_gemm"):
+        gemm = _gemm_plan(pc, spec, device)
+        if gemm is not None:
+            return gemm
     return _maybe_torch(plan, meta)
 
 
@@ -134,6 +142,27 @@ def _maybe_torch(plan, meta: dict):
     if not torch_engine.supports(plan.spec):  # an entry written by a newer cudnn_fuse: trust cuDNN
         return plan
     return torch_engine.TorchPlan(plan.spec, plan.device, plan)
+
+
+def _gemm_plan(pc, spec, device):
+    """The GEMM plan a tuned conv entry chose (``use_gemm``, conv_gemm.py), from the GEMM's own
+    tuned entry, wrapped to take the conv's operands; None (one warning) when that entry is
+    gone or untuned, and the conv's own plan serves."""
+    from . import conv_gemm
+
+    mspec = conv_gemm.gemm_spec(spec)
+    if mspec is None:  # an entry written by a newer cudnn_fuse: the conv's plan
+        return None
+    try:
+        gemm = _from_cache(pc, mspec, mspec.digest(), device, want_tuned=True)
+    except Exception as exc:  # noqa: BLE001 - a cache fault is a miss
+        log.debug("cudnn_fuse cache: GEMM entry of %s unreadable: %s", spec.op, exc)
+        gemm = None
+    if gemm is None:
+        _warn_once("gemm", "cudnn_fuse cache: a tuned conv entry runs as a GEMM whose tuned entry is missing; "
+                   "running the conv's own plan")
+        return None
+    return conv_gemm.GemmConvPlan(spec, gemm)
 
 
 def _deserialize(spec, entry, device):
@@ -173,7 +202,7 @@ def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
 def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     h = handle_for(device)
     g = build_graph(spec, h.handle)
-    candidates, winner_index, use_torch = [], None, False
+    candidates, winner_index, use_torch, use_gemm = [], None, False, False
     try:
         if tuning:
             prepare(g, spec)
@@ -189,6 +218,7 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
             candidates = [t.to_dict() for t in timings]
             winner_index = winner.index
             use_torch = autotune.torch_wins(winner, timings)
+            use_gemm = autotune.gemm_wins(winner, timings)
         else:
             finalize(g, spec)
         plan = Plan(spec, g, device)
@@ -201,12 +231,26 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     log.debug("built %s plan %s (%s, %s) on cuda:%d in %.1f ms", spec.op, digest[:12], plan.engine,
               "tuned" if tuning else "heuristic", device, 1e3 * build_s)
     if pc is not None:
-        _store(pc, spec, digest, plan, tuning, candidates, build_s, winner_index, use_torch)
+        _store(pc, spec, digest, plan, tuning, candidates, build_s, winner_index, use_torch, use_gemm)
+    if use_gemm:  # the tuned GEMM plan is in memory (the autotuner timed it through get_plan)
+        gemm = _gemm_in_memory(spec, device)
+        if gemm is not None:
+            return gemm
     return _maybe_torch(plan, {"use_torch": use_torch})
 
 
+def _gemm_in_memory(spec, device):
+    from . import conv_gemm
+    from .plans import get_plan
+
+    try:
+        return conv_gemm.GemmConvPlan(spec, get_plan(conv_gemm.gemm_spec(spec), device))
+    except UnsupportedError:
+        return None
+
+
 def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winner_index=None,
-           use_torch: bool = False) -> None:
+           use_torch: bool = False, use_gemm: bool = False) -> None:
     try:
         engine_id, knobs = plan.graph.get_engine_and_knobs_at_index(plan.graph._plan_index)
         blob = plan.graph.serialize(as_bytes=True)
@@ -224,6 +268,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
         "candidates": candidates,
         "winner_index": winner_index,
         "use_torch": bool(use_torch),  # torch (cuBLAS) timed faster than the cuDNN winner: the op runs it
+        "use_gemm": bool(use_gemm),  # a 1x1 conv's GEMM (conv_gemm.py) timed faster than the conv winner
         "build_ms": round(1e3 * build_s, 3),
         "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -231,7 +276,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
     }
     pc.put(digest, meta, blob)
     record = {k: meta[k] for k in ("op", "engine_id", "knobs", "engine_name", "workspace", "tuned", "tuned_at",
-                                   "use_torch")}
+                                   "use_torch", "use_gemm")}
     record["kind"] = "engine-record"
     pc.put(engine_record_key(digest), record, b"")
 
