@@ -243,8 +243,11 @@ def _gemm_in_memory(spec, device):
     from . import conv_gemm
     from .plans import get_plan
 
+    mspec = conv_gemm.gemm_spec(spec)
+    if mspec is None:
+        return None
     try:
-        return conv_gemm.GemmConvPlan(spec, get_plan(conv_gemm.gemm_spec(spec), device))
+        return conv_gemm.GemmConvPlan(spec, get_plan(mspec, device))
     except UnsupportedError:
         return None
 

@@ -262,3 +262,16 @@ def test_a_rebuilt_conv_record_that_chose_the_gemm_runs_the_gemm(monkeypatch):
     got = loader._from_cache(pc, spec, spec.digest(), 0, want_tuned=True)
     assert isinstance(got, conv_gemm.GemmConvPlan) and got.gemm is gemm
     assert pc.puts and pc.puts[0][0] == spec.digest()  # the conv's entry is restored all the same
+
+
+def test_the_loader_never_looks_for_a_gemm_of_a_spec_that_has_none(monkeypatch):
+    from cudnn_fuse import plans
+
+    monkeypatch.setattr(plans, "get_plan", lambda *a: pytest.fail("looked up a GEMM"))
+    mm = conv_gemm.gemm_spec(_conv_spec())
+    w3 = _cl(torch.randn(24, 16, 3, 3).half())
+    x, _, b, _ = _operands()
+    conv3 = _recorded(lambda: cf.conv2d(x, w3, b, padding=1))
+    for spec in (mm, conv3):
+        assert loader._gemm_in_memory(spec, 0) is None
+        assert loader._gemm_plan(_Cache({}), spec, 0) is None
