@@ -399,7 +399,7 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
                 return conv_gemm.GemmConvPlan(spec, get_plan(mspec, device))  # tuned (and stored) as a matmul
 
             timings.append(gemm_timing(gemm_plan, sets, cfg))
-            if gemm_wins(winner, timings):
+            if gemm_wins(winner, timings, cfg.prefer_precompiled):
                 log.info("autotune %s: as a GEMM %.4f ms beats the conv winner %.4f ms", spec.op,
                          timings[-1].median_ms, winner.median_ms)
     return winner.index, winner, timings
@@ -421,6 +421,7 @@ def gemm_timing(make_plan: Callable[[], object], sets, cfg: Config,
     try:
         plan = make_plan()
         t.name, t.workspace = str(plan.engine), int(plan.workspace_size)
+        t.runtime_compiled = _runtime_compiled(getattr(plan, "gemm", plan))
         counter = iter(range(10**9))
 
         def run():
@@ -435,12 +436,32 @@ def gemm_timing(make_plan: Callable[[], object], sets, cfg: Config,
     return t
 
 
-def gemm_wins(winner: Timing, timings: Sequence[Timing]) -> bool:
+def _runtime_compiled(plan) -> Optional[bool]:
+    """cuDNN's RUNTIME_COMPILATION note of a built plan (None: unknown, e.g. deserialized)."""
+    if getattr(plan, "engine", None) == "torch":
+        return False
+    g = getattr(plan, "graph", None)
+    if g is None:
+        return None
+    try:
+        return _has_note(g, g._plan_index, "RUNTIME_COMPILATION", kind="behavior", unknown=None)
+    except Exception:  # noqa: BLE001 - a note is a preference, never an error
+        return None
+
+
+def gemm_wins(winner: Timing, timings: Sequence[Timing], prefer_precompiled: Optional[float] = None) -> bool:
     """Whether the GEMM candidate timed faster than the conv winner (both launch through raw
-    pointers, so device time decides at every size)."""
+    pointers, so device time decides at every size). With ``prefer_precompiled`` f > 0
+    (default: DEFAULT_CONFIG's, $CUDNN_FUSE_PREFER_PRECOMPILED) a runtime-compiled GEMM must beat
+    a precompiled conv winner by more than f, as a runtime-compiled conv candidate must."""
+    within = DEFAULT_CONFIG.prefer_precompiled if prefer_precompiled is None else prefer_precompiled
     for t in timings:
         if t.index == GEMM_INDEX:
-            return t.status == "timed" and t.median_ms < winner.median_ms
+            if t.status != "timed":
+                return False
+            if within > 0 and t.runtime_compiled is True and winner.runtime_compiled is False:
+                return t.median_ms * (1 + within) < winner.median_ms
+            return t.median_ms < winner.median_ms
     return False
 
 

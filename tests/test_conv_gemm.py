@@ -190,6 +190,30 @@ def test_gemm_timing_and_decision():
     assert not autotune.gemm_wins(_winner(1.0), [torch_row]) and not autotune.torch_wins(_winner(1.0), [fast])
 
 
+def test_a_runtime_compiled_gemm_must_beat_a_precompiled_conv_by_the_preferred_margin():
+    conv = autotune.Timing(0, "eng39", 39, {}, 0, runtime_compiled=False, first_ms=1.0, median_ms=1.0, status="timed")
+    rtc_conv = autotune.Timing(1, "eng4", 4, {}, 0, runtime_compiled=True, first_ms=1.0, median_ms=1.0, status="timed")
+
+    def gemm(ms, rtc):
+        return autotune.Timing(autotune.GEMM_INDEX, "gemm:eng4", None, {}, 0, runtime_compiled=rtc, first_ms=ms,
+                               median_ms=ms, status="timed")
+
+    assert autotune.gemm_wins(conv, [gemm(0.97, True)], 0.0)  # no preference: the faster
+    assert not autotune.gemm_wins(conv, [gemm(0.97, True)], 0.05)  # 3% is within the 5% margin
+    assert autotune.gemm_wins(conv, [gemm(0.90, True)], 0.05)
+    assert autotune.gemm_wins(conv, [gemm(0.97, False)], 0.05)  # a precompiled GEMM needs no margin
+    assert autotune.gemm_wins(conv, [gemm(0.97, None)], 0.05)  # unknown: device time decides
+    assert autotune.gemm_wins(rtc_conv, [gemm(0.97, True)], 0.05)  # nothing precompiled to keep
+    assert not autotune.gemm_wins(conv, [gemm(1.01, False)], 0.05)
+    # the GEMM row learns its plan's note; torch's stand-in counts as precompiled
+    assert autotune._runtime_compiled(types.SimpleNamespace(engine="torch")) is False
+    assert autotune._runtime_compiled(types.SimpleNamespace(engine="eng4")) is None  # no graph: unknown
+    plan = types.SimpleNamespace(engine="gemm:torch", workspace_size=0, gemm=types.SimpleNamespace(engine="torch"),
+                                 run=lambda bufs: None)
+    t = autotune.gemm_timing(lambda: plan, [[]], autotune.Config(warmup=1), median_of=lambda run: 0.5)
+    assert t.runtime_compiled is False and t.status == "timed"
+
+
 def test_the_gemm_candidate_can_be_switched_off(monkeypatch):
     for off in ("0", "off", "False"):
         monkeypatch.setenv("CUDNN_FUSE_GEMM_CANDIDATE", off)

@@ -94,6 +94,7 @@ def test_the_tuned_entry_times_the_gemm_and_a_fresh_load_follows_it(tuned, N, C,
     assert entry is not None and entry.meta["tuned"]
     rows = [c for c in entry.meta["candidates"] if c["index"] == autotune.GEMM_INDEX]
     assert len(rows) == 1 and rows[0]["status"] == "timed" and rows[0]["median_ms"] > 0, rows
+    assert rows[0]["runtime_compiled"] in (True, False), rows  # cuDNN's note of the tuned GEMM plan was read
     # the conv winner's time (its median, or its first run when the budget ended the timing first)
     conv_best = next(c["median_ms"] for c in entry.meta["candidates"] if c["index"] == entry.meta["winner_index"])
     assert entry.meta["use_gemm"] == (rows[0]["median_ms"] < conv_best)
@@ -110,7 +111,7 @@ def test_the_tuned_entry_times_the_gemm_and_a_fresh_load_follows_it(tuned, N, C,
     assert isinstance(plans.plans_in_memory()[-1], conv_gemm.GemmConvPlan) == entry.meta["use_gemm"]
     assert torch.equal(y2, y)
     print(f"[conv-gemm] N{N} C{C} H{H} K{K}: conv {conv_best:.5f} ms, gemm {rows[0]['median_ms']:.5f} ms, "
-          f"use_gemm={entry.meta['use_gemm']}")
+          f"use_gemm={entry.meta['use_gemm']}, gemm runtime-compiled={rows[0]['runtime_compiled']}")
 
 
 def test_a_gemm_entry_serves_the_memo_capture_and_training(tuned, monkeypatch):
