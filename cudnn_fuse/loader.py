@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch
@@ -41,6 +42,49 @@ def is_engine_record(meta: dict) -> bool:
 
 
 TUNE_WAIT_S = float(os.environ.get("CUDNN_FUSE_TUNE_WAIT_S", "60"))
+
+_pin = threading.local()
+
+
+@contextlib.contextmanager
+def pinning():
+    """Entries this thread stores inside the block are pinned: the cache never evicts them to
+    stay under its size limit (pre-warm, RELIABILITY case 15). That includes the GEMM entry a
+    1x1 conv's tuning stores beside its own."""
+    old = getattr(_pin, "on", False)
+    _pin.on = True
+    try:
+        yield
+    finally:
+        _pin.on = old
+
+
+def pinning_now() -> bool:
+    return bool(getattr(_pin, "on", False))
+
+
+def pin_cached(pc, spec) -> int:
+    """Pin the cached entries that serve ``spec`` (its entry, its engine record and, for a conv
+    entry that runs as a GEMM, the GEMM's): a pre-warm that finds them already cached keeps
+    them from eviction too. Returns how many were newly pinned; a fault pins nothing."""
+    from . import conv_gemm
+
+    digests = [spec.digest()]
+    n = 0
+    for i, digest in enumerate(digests):
+        for key in (digest, engine_record_key(digest)):
+            entry = pc.get(key)
+            if entry is None:
+                continue
+            if i == 0 and key == digest and entry.meta.get("use_gemm"):
+                mspec = conv_gemm.gemm_spec(spec)
+                if mspec is not None:
+                    digests.append(mspec.digest())
+            if entry.meta.get("pinned"):
+                continue
+            if pc.put(key, dict(entry.meta, pinned=True), entry.blob, pinned=True):
+                n += 1
+    return n
 
 _warned: set = set()
 
@@ -260,6 +304,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
     except Exception as exc:  # noqa: BLE001 - not serializable: memory only
         _warn_once("serialize", "cudnn_fuse cache: %s plan not serializable (%s); kept in memory only", spec.op, exc)
         return
+    pinned = pinning_now()
     meta = {
         "spec": spec.to_dict(),
         "op": spec.op,
@@ -277,11 +322,15 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
         "host": socket.gethostname(),
         "device_name": torch.cuda.get_device_name(plan.device),
     }
-    pc.put(digest, meta, blob)
+    if pinned:
+        meta["pinned"] = True  # a rebuild of this entry's engine record keeps it pinned
+    pc.put(digest, meta, blob, pinned=pinned)
     record = {k: meta[k] for k in ("op", "engine_id", "knobs", "engine_name", "workspace", "tuned", "tuned_at",
                                    "use_torch", "use_gemm")}
     record["kind"] = "engine-record"
-    pc.put(engine_record_key(digest), record, b"")
+    if pinned:
+        record["pinned"] = True
+    pc.put(engine_record_key(digest), record, b"", pinned=pinned)
 
 
 @contextlib.contextmanager

@@ -77,17 +77,25 @@ def prewarm_one(i: int, e, *, autotune: bool, dry_run: bool, builder, cache, ran
     digest = e.spec.digest()
     row = Row(i, e.name or f"{e.spec.op}#{i}", e.spec.op, digest[:16], "cached", rank=rank)
     t0 = time.perf_counter()
+    from . import loader
+
     if not _cached(cache, digest, autotune):
         if dry_run:
             row.status = "would build"
         else:
             try:
-                builder(e.spec)
+                with loader.pinning():  # pre-warmed entries are never evicted for space
+                    builder(e.spec)
                 row.status = "built"
             except UnsupportedError as exc:
                 row.status, row.reason = "failed", str(exc).splitlines()[0][:200]
             except Exception as exc:  # noqa: BLE001 - one bad entry must not stop the pre-warm
                 row.status, row.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    elif not dry_run:
+        try:  # found cached (a lazy first run stored it): pinned now, as if pre-warmed
+            loader.pin_cached(cache, e.spec)
+        except Exception as exc:  # noqa: BLE001 - a pin is an eviction policy, never a failed entry
+            log.debug("pre-warm: could not pin %s: %s", digest[:16], exc)
     row.seconds = time.perf_counter() - t0
     return row
 
