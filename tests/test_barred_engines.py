@@ -7,7 +7,6 @@ or an engine record naming it is a miss, never a plan. GPU: tests/test_gpu_ops.p
 from __future__ import annotations
 
 import logging
-import types
 
 import pytest
 
@@ -15,6 +14,7 @@ from cudnn_fuse import loader, plans
 from cudnn_fuse.errors import UnsupportedError
 from cudnn_fuse.spec import (ActGradSpec, ConvSpec, Epilogue, MatmulActGradSpec, MatmulSpec, RecomputeGradSpec, SaveZSpec,
                              TensorSpec)
+from tuning import DictCache, entry
 
 
 def _mm(act="leaky_relu", bias=False):
@@ -131,22 +131,7 @@ def test_eng8_is_barred_from_conv_recompute_graphs():
     assert plans.barred_engines(RecomputeGradSpec(_mm(act="silu"), z, z)) == frozenset()
 
 
-class _Cache:
-    def __init__(self, entries):
-        self.entries, self.puts = entries, []
-
-    def get(self, key):
-        return self.entries.get(key)
-
-    def delete(self, key):
-        self.entries.pop(key, None)
-
-    def put(self, *a, **k):
-        self.puts.append(a)
-
-
-def _entry(meta):
-    return types.SimpleNamespace(meta=meta, blob=b"x", key="k" * 64)
+_Cache, _entry = DictCache, entry
 
 
 def test_a_cache_entry_or_record_naming_a_barred_engine_is_a_miss(monkeypatch, caplog):

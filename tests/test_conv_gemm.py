@@ -17,6 +17,7 @@ import cudnn_fuse as cf
 from cudnn_fuse import autotune, conv_gemm, loader, reference, torch_engine
 from cudnn_fuse.builders import roles_of
 from cudnn_fuse.spec import ConvSpec, MatmulSpec
+from tuning import DictCache, entry
 
 ACTS = [None, "relu", "gelu", "silu", "leaky_relu"]
 
@@ -222,22 +223,7 @@ def test_the_gemm_candidate_can_be_switched_off(monkeypatch):
     assert autotune.Config().gemm_candidate is True
 
 
-class _Cache:
-    def __init__(self, entries):
-        self.entries, self.puts = entries, []
-
-    def get(self, key):
-        return self.entries.get(key)
-
-    def delete(self, key):
-        self.entries.pop(key, None)
-
-    def put(self, *a, **k):
-        self.puts.append(a)
-
-
-def _entry(meta, blob=b"blob"):
-    return types.SimpleNamespace(meta=meta, blob=blob, key="k" * 64)
+_Cache, _entry = DictCache, entry
 
 
 def test_the_loader_runs_the_gemm_a_tuned_entry_chose_without_deserializing_the_conv(monkeypatch, caplog):

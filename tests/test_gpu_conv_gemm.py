@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import cudnn_fuse as cf
 from cudnn_fuse import autotune, conv_gemm, loader, plans, reference
+from tuning import autotuning
 
 pytestmark = pytest.mark.gpu
 
@@ -40,14 +41,8 @@ def _rel(got, want):
 
 @pytest.fixture
 def tuned(cache_dir):
-    plans.clear()
-    cf.set_autotune(True)
-    old = autotune.DEFAULT_CONFIG
-    autotune.DEFAULT_CONFIG = autotune.Config(budget_s=2, gemm_candidate=True)
-    yield cache_dir
-    autotune.DEFAULT_CONFIG = old
-    cf.set_autotune(False)
-    plans.clear()
+    with autotuning(budget_s=2, gemm_candidate=True):
+        yield cache_dir
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -8,20 +8,15 @@ import torch.nn.functional as F
 
 import cudnn_fuse as cf
 from cudnn_fuse import autotune, plans, torch_engine
+from tuning import autotuning
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
 def tuned_cache(cache_dir):
-    plans.clear()
-    cf.set_autotune(True)
-    old = autotune.DEFAULT_CONFIG
-    autotune.DEFAULT_CONFIG = autotune.Config(budget_s=3, torch_candidate=True)
-    yield cache_dir
-    autotune.DEFAULT_CONFIG = old
-    cf.set_autotune(False)
-    plans.clear()
+    with autotuning(budget_s=3, torch_candidate=True):
+        yield cache_dir
 
 
 def test_tuned_entries_time_torch_and_the_op_follows_the_decision(tuned_cache):

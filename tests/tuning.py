@@ -1,0 +1,46 @@
+"""Test helpers for autotuning and the loader: autotuning switched on with a given Config for a
+block (plans in memory cleared before and after), and a dict-backed stand-in for PlanCache's
+get/delete/put that the loader's read path uses."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+from cudnn_fuse import autotune, plans, set_autotune
+
+
+@contextlib.contextmanager
+def autotuning(**config):
+    """Autotune on, autotune.DEFAULT_CONFIG = Config(**config), in-memory plans cleared around."""
+    plans.clear()
+    set_autotune(True)
+    old = autotune.DEFAULT_CONFIG
+    autotune.DEFAULT_CONFIG = autotune.Config(**config)
+    try:
+        yield
+    finally:
+        autotune.DEFAULT_CONFIG = old
+        set_autotune(False)
+        plans.clear()
+
+
+class DictCache:
+    """get / delete / put over a dict of entries; puts are recorded, not stored."""
+
+    def __init__(self, entries):
+        self.entries, self.puts = entries, []
+
+    def get(self, key):
+        return self.entries.get(key)
+
+    def delete(self, key):
+        self.entries.pop(key, None)
+
+    def put(self, *a, **k):
+        self.puts.append(a)
+
+
+def entry(meta, blob=b"x"):
+    """A cache entry as the loader reads one: meta, blob, key."""
+    return types.SimpleNamespace(meta=meta, blob=blob, key="k" * 64)
