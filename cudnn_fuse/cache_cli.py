@@ -263,10 +263,17 @@ def _op(meta: dict) -> str:
 
 
 def _engine(meta: dict) -> str:
+    """The engine an entry names; a tuned entry that runs torch's implementation or a 1x1 conv's
+    GEMM instead says so, with the cuDNN plan it keeps as its blob in brackets."""
     engine = _first(meta, "engine", "engine_id", "engine_name")
     if isinstance(engine, dict):
         engine = _first(engine, "name", "id", "engine_id")
-    return str(engine) if engine is not None else "?"
+    name = str(engine) if engine is not None else "?"
+    if meta.get("use_gemm"):
+        return f"gemm (conv {name})"
+    if meta.get("use_torch"):
+        return f"torch (cuDNN {name})"
+    return name
 
 
 def _maybe_bytes(value) -> str:

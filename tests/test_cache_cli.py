@@ -57,6 +57,19 @@ def test_ls_prints_a_table_of_the_plans(warm, capsys):
     assert "2 plans" in out
 
 
+def test_ls_names_what_a_tuned_entry_runs_instead_of_its_cudnn_plan(cache_dir, capsys):
+    cache = PlanCache(cache_dir, namespace=NS)
+    assert cache.put(key("gemm"), {"op": "conv2d", "engine_id": 39, "use_gemm": True, "tuned": True}, b"g" * 10)
+    assert cache.put(key("torch"), {"op": "matmul", "engine_id": 4, "use_torch": True, "tuned": True}, b"t" * 10)
+    assert cache.put(key("plain"), {"op": "conv2d", "engine_id": 41, "use_gemm": False}, b"p" * 10)
+    cache.close()
+    assert cli("ls", "--namespace", NS) == 0
+    rows = {r[:12]: r for r in capsys.readouterr().out.splitlines()}
+    assert "gemm (conv 39)" in rows[key("gemm")[:12]]
+    assert "torch (cuDNN 4)" in rows[key("torch")[:12]]
+    assert rows[key("plain")[:12]].split()[1:3] == ["conv2d", "41"]
+
+
 def test_ls_of_an_empty_cache_creates_nothing(tmp_path, capsys):
     assert cli("ls", "--dir", str(tmp_path / "none"), "--namespace", NS) == 0
     assert "no plans cached" in capsys.readouterr().out
