@@ -9,6 +9,8 @@ workspace cap and a determinism filter.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -396,7 +398,8 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
             def gemm_plan():
                 from .plans import get_plan
 
-                return conv_gemm.GemmConvPlan(spec, get_plan(mspec, device))  # tuned (and stored) as a matmul
+                with _sub_progress(cfg, "as a GEMM"):
+                    return conv_gemm.GemmConvPlan(spec, get_plan(mspec, device))  # tuned (and stored) as a matmul
 
             timings.append(gemm_timing(gemm_plan, sets, cfg))
             if gemm_wins(winner, timings, cfg.prefer_precompiled):
@@ -406,6 +409,25 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
 
 
 GEMM_INDEX = -2  # the GEMM candidate's index in a tuned conv entry's timings
+
+
+@contextlib.contextmanager
+def _sub_progress(cfg: Config, what: str):
+    """While the GEMM's own tuning runs (it reads DEFAULT_CONFIG), its candidates are reported to
+    ``cfg.progress.sub(what)`` (a CLI bar of its own, label and ETA) instead of restarting the
+    conv's bar; a progress without ``sub`` is left out of the nested tuning."""
+    global DEFAULT_CONFIG
+    prog = cfg.progress
+    if prog is None:
+        yield
+        return
+    saved = DEFAULT_CONFIG
+    sub = getattr(prog, "sub", None)
+    DEFAULT_CONFIG = dataclasses.replace(saved, progress=sub(what) if callable(sub) else None)
+    try:
+        yield
+    finally:
+        DEFAULT_CONFIG = saved
 
 
 def gemm_timing(make_plan: Callable[[], object], sets, cfg: Config,

@@ -88,6 +88,10 @@ class Bar:
         # stderr is looked up now, not at import: a redirected stderr (tests, a caller) gets the bar
         self.label, self.stream, self.width, self.t0 = label, stream or sys.stderr, width, time.perf_counter()
 
+    def sub(self, what: str) -> "Bar":
+        """A bar of its own for nested work (a 1x1 conv's GEMM, tuned as a matmul)."""
+        return Bar(f"{self.label} ({what})", self.stream, self.width)
+
     def __call__(self, done: int, total: int) -> None:
         total = max(total, 1)
         frac = done / total

@@ -285,3 +285,28 @@ def test_the_loader_never_looks_for_a_gemm_of_a_spec_that_has_none(monkeypatch):
     for spec in (mm, conv3):
         assert loader._gemm_in_memory(spec, 0) is None
         assert loader._gemm_plan(_Cache({}), spec, 0) is None
+
+
+def test_the_gemms_own_tuning_reports_to_a_bar_of_its_own():
+    import io
+
+    from cudnn_fuse.cli_autotune import Bar
+
+    stream = io.StringIO()
+    bar = Bar("tuning conv2d", stream)
+    saved = autotune.DEFAULT_CONFIG
+    cfg = autotune.Config(progress=bar)
+    with autotune._sub_progress(cfg, "as a GEMM"):
+        inner = autotune.DEFAULT_CONFIG.progress
+        assert isinstance(inner, Bar) and inner.label == "tuning conv2d (as a GEMM)" and inner is not bar
+        assert autotune.DEFAULT_CONFIG.budget_s == saved.budget_s  # only the progress differs
+        inner(1, 2)
+    assert autotune.DEFAULT_CONFIG is saved
+    assert "tuning conv2d (as a GEMM) [" in stream.getvalue() and "1/2" in stream.getvalue()
+    with pytest.raises(RuntimeError):  # restored when the nested tuning raises
+        with autotune._sub_progress(autotune.Config(progress=lambda d, t: None), "as a GEMM"):
+            assert autotune.DEFAULT_CONFIG.progress is None  # a progress without sub(): left out
+            raise RuntimeError("declined")
+    assert autotune.DEFAULT_CONFIG is saved
+    with autotune._sub_progress(autotune.Config(progress=None), "as a GEMM"):
+        assert autotune.DEFAULT_CONFIG is saved
