@@ -34,10 +34,9 @@ def gemm_spec(spec) -> Optional[MatmulSpec]:
         return None
     if tuple(spec.y.shape) != (N, K, H, W) or min(N, C, H, W, K) < 1:
         return None
-    if tuple(spec.x.stride) != channels_last_strides(spec.x.shape) or \
-            tuple(spec.y.stride) != channels_last_strides(spec.y.shape):
+    if not _channels_last(spec.x) or not _channels_last(spec.y):
         return None
-    if spec.w.stride[0] != C or (C > 1 and spec.w.stride[1] != 1):  # row k of [K, C] at k*C, channels adjacent
+    if (K > 1 and spec.w.stride[0] != C) or (C > 1 and spec.w.stride[1] != 1):  # [K, C] row-major
         return None
     epi = spec.epilogue
     M, dt = N * H * W, spec.x.dtype
@@ -48,7 +47,7 @@ def gemm_spec(spec) -> Optional[MatmulSpec]:
         bias = TensorSpec((1, 1, K), (K, K, 1), dt)  # what linear's epilogue names its [K] bias
     if epi.residual is not None:
         r = epi.residual
-        if tuple(r.shape) != tuple(spec.y.shape) or tuple(r.stride) != channels_last_strides(r.shape) or r.dtype != dt:
+        if tuple(r.shape) != tuple(spec.y.shape) or not _channels_last(r) or r.dtype != dt:
             return None
         residual = TensorSpec((1, M, K), (M * K, K, 1), dt)
     # exactly the spec cf.linear makes of x.reshape(1, M, C) and weight.t().unsqueeze(0)
@@ -63,23 +62,31 @@ def gemm_spec(spec) -> Optional[MatmulSpec]:
     )
 
 
+def _channels_last(t: TensorSpec) -> bool:
+    """Dense channels_last memory: the strides of channels_last_strides wherever the dim is longer
+    than 1 (a size-1 dim's stride never addresses memory, and torch leaves it ambiguous: a
+    [N, C, 1, 1] tensor, the input of a squeeze-excitation 1x1 conv, is NCHW and channels_last at once)."""
+    return all(s == w for n, s, w in zip(t.shape, t.stride, channels_last_strides(t.shape)) if n != 1)
+
+
 def matrix_views(spec: ConvSpec, buffers) -> list:
     """The conv's operands (``roles_of(spec)`` order: x, w, [bias], [residual], y, [amax]) as
-    the GEMM's (a, b, [bias], [residual], y, [amax]): views, the same storage and pointers."""
+    the GEMM's (a, b, [bias], [residual], y, [amax]): views, the same storage and pointers
+    (``view``, never ``reshape``: a copy of the output would be written and dropped)."""
     N, C, H, W = spec.x.shape
     K = spec.w.shape[0]
     M = N * H * W
     it = iter(buffers)
     x, w = next(it), next(it)
-    out = [x.permute(0, 2, 3, 1).reshape(1, M, C), w.reshape(K, C).t().unsqueeze(0)]
+    out = [x.permute(0, 2, 3, 1).view(1, M, C), w.view(K, C).t().unsqueeze(0)]
     epi = spec.epilogue
     if epi.bias is not None:
-        out.append(next(it).reshape(1, 1, K))
+        out.append(next(it).view(1, 1, K))
     if epi.residual is not None:
-        out.append(next(it).permute(0, 2, 3, 1).reshape(1, M, K))
-    out.append(next(it).permute(0, 2, 3, 1).reshape(1, M, K))
+        out.append(next(it).permute(0, 2, 3, 1).view(1, M, K))
+    out.append(next(it).permute(0, 2, 3, 1).view(1, M, K))
     if epi.amax:
-        out.append(next(it).reshape(1, 1, 1))
+        out.append(next(it).view(1, 1, 1))
     return out
 
 

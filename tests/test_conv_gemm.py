@@ -310,3 +310,47 @@ def test_the_gemms_own_tuning_reports_to_a_bar_of_its_own():
     assert autotune.DEFAULT_CONFIG is saved
     with autotune._sub_progress(autotune.Config(progress=None), "as a GEMM"):
         assert autotune.DEFAULT_CONFIG is saved
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_geometries_including_size_one_dims(seed):
+    """Random 1x1 convs, size-1 batch, spatial, channel and output dims among them: where the op's
+    spec qualifies, the GEMM of the views computes the conv; where it does not, it says None."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(*vals):
+        return vals[int(torch.randint(len(vals), (1,), generator=g))]
+
+    N, C, H, W, K = pick(1, 2, 3), pick(1, 3, 8), pick(1, 2, 5), pick(1, 4), pick(1, 2, 7)
+    residual, act = bool(seed % 2), pick(None, "relu", "silu")
+    x = _cl(torch.randn(N, C, H, W, generator=g).to(torch.bfloat16))
+    w = _cl(torch.randn(K, C, 1, 1, generator=g).to(torch.bfloat16))
+    b = torch.randn(K, generator=g).to(torch.bfloat16)
+    r = _cl(torch.randn(N, K, H, W, generator=g).to(torch.bfloat16)) if residual else None
+    spec = _recorded(lambda: cf.conv2d(x, w, b, activation=act, residual=r))
+    mspec = conv_gemm.gemm_spec(spec)
+    assert mspec is not None, (N, C, H, W, K)  # the op makes every such call channels_last and dense
+    bufs = _conv_buffers(spec, x, w, b, r)
+    conv_gemm.GemmConvPlan(spec, torch_engine.TorchPlan(mspec, 0)).run(bufs)
+    want = F.conv2d(x.double(), w.double(), b.double()) + (r.double() if r is not None else 0)
+    want = reference.activation(want, act, 0.01)
+    y = bufs[roles_of(spec).index("y")]
+    assert torch.allclose(y.double(), want, rtol=2e-2, atol=3e-2), (N, C, H, W, K)
+
+
+def test_views_of_ambiguous_layouts_write_the_callers_output():
+    """A [N, C, 1, 1] input in NCHW memory (a squeeze-excitation conv's) qualifies, and the GEMM
+    writes the caller's own output buffer, never a copy of it."""
+    x = torch.randn(3, 8, 1, 1).to(torch.bfloat16)  # NCHW-contiguous: strides (8, 1, 1, 1)
+    w = torch.randn(5, 8, 1, 1).to(torch.bfloat16)
+    b = torch.randn(5).to(torch.bfloat16)
+    spec = _recorded(lambda: cf.conv2d(x, w, b, activation="relu"))
+    mspec = conv_gemm.gemm_spec(spec)
+    assert mspec is not None and mspec.a.shape == (1, 3, 8) and mspec.y.shape == (1, 3, 5)
+    y = torch.full((3, 5, 1, 1), 7.0, dtype=torch.bfloat16)  # NCHW strides too: the same memory
+    bufs = [x, w, b.view(1, 5, 1, 1), y]
+    conv_gemm.GemmConvPlan(spec, torch_engine.TorchPlan(mspec, 0)).run(bufs)
+    want = F.relu(F.conv2d(x.double(), w.double(), b.double()))
+    assert torch.allclose(y.double(), want, rtol=2e-2, atol=3e-2)
+    assert conv_gemm._channels_last(spec.x) and not conv_gemm._channels_last(
+        dataclasses.replace(spec.x, shape=(3, 8, 2, 1), stride=(16, 2, 1, 1)))  # NCHW with H = 2: not
