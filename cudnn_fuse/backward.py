@@ -515,7 +515,7 @@ def conv_program(x, w, y, gy, geo, act, slope, need_x: bool, need_w: bool, need_
         return None
     key = ("convprog", x.shape, x.stride(), w.shape, w.stride(), y.stride() if y is not None else None, gy.stride(),
            x.dtype, x.device,
-           act, slope, geo, need_x, need_w, need_b, DBIAS)
+           act, slope, geo, need_x, need_w, need_b, DBIAS, plans.deterministic())
     prog = plans.FAST.get(key)
     if prog is None:
         prog = _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b)

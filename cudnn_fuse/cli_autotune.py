@@ -135,7 +135,7 @@ def run(args) -> int:
         print("cudnn-fuse autotune: cuDNN cannot run this op; it falls back to PyTorch (see logs)", file=sys.stderr)
         return 1
     spec = mem[-1].spec
-    digest = spec.digest()
+    digest = loader.cache_digest(spec)
     entry = pc.get(digest) if pc is not None else None
     if entry is None or not entry.meta.get("tuned") or args.force:
         if pc is not None:

@@ -28,8 +28,21 @@ from . import autotune
 from .builders import build_graph, roles_of, uids_of
 from .errors import UnsupportedError
 from .plans import STATS, Plan, barred_engines, finalize, handle_for, prepare
+from .plans import deterministic as plans_deterministic
 
 log = logging.getLogger(__name__)
+
+
+def cache_digest(spec) -> str:
+    """The disk-cache key of ``spec``'s plan: its digest, or, while torch requires deterministic
+    algorithms, a key of its own (the plan was chosen among deterministic engines only, and a plan
+    tuned without that filter, or torch's cuBLAS stand-in, must not serve such a process)."""
+    from .plans import deterministic
+
+    digest = spec.digest()
+    if deterministic():
+        return hashlib.sha256((digest + ":deterministic").encode()).hexdigest()
+    return digest
 
 
 def engine_record_key(digest: str) -> str:
@@ -69,7 +82,7 @@ def pin_cached(pc, spec) -> int:
     them from eviction too. Returns how many were newly pinned; a fault pins nothing."""
     from . import conv_gemm
 
-    digests = [spec.digest()]
+    digests = [cache_digest(spec)]
     n = 0
     for i, digest in enumerate(digests):
         for key in (digest, engine_record_key(digest)):
@@ -79,7 +92,7 @@ def pin_cached(pc, spec) -> int:
             if i == 0 and key == digest and entry.meta.get("use_gemm"):
                 mspec = conv_gemm.gemm_spec(spec)
                 if mspec is not None:
-                    digests.append(mspec.digest())
+                    digests.append(cache_digest(mspec))
             if entry.meta.get("pinned"):
                 continue
             if pc.put(key, dict(entry.meta, pinned=True), entry.blob, pinned=True):
@@ -106,7 +119,7 @@ def load_or_build(spec, device: int) -> Plan:
     t0 = time.perf_counter()
     tuning = autotune.autotune_enabled()
     pc = _cache()
-    digest = spec.digest()
+    digest = cache_digest(spec)
     with torch.cuda.device(device):
         if pc is not None:
             plan = _from_cache(pc, spec, digest, device, want_tuned=tuning)
@@ -198,7 +211,7 @@ def _gemm_plan(pc, spec, device):
     if mspec is None:  # an entry written by a newer cudnn_fuse: the conv's plan
         return None
     try:
-        gemm = _from_cache(pc, mspec, mspec.digest(), device, want_tuned=True)
+        gemm = _from_cache(pc, mspec, cache_digest(mspec), device, want_tuned=True)
     except Exception as exc:  # noqa: BLE001 - a cache fault is a miss
         log.debug("cudnn_fuse cache: GEMM entry of %s unreadable: %s", spec.op, exc)
         gemm = None
@@ -317,6 +330,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
         "winner_index": winner_index,
         "use_torch": bool(use_torch),  # torch (cuBLAS) timed faster than the cuDNN winner: the op runs it
         "use_gemm": bool(use_gemm),  # a 1x1 conv's GEMM (conv_gemm.py) timed faster than the conv winner
+        "deterministic": bool(plans_deterministic()),  # chosen among deterministic engines only (cache_digest)
         "build_ms": round(1e3 * build_s, 3),
         "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),

@@ -225,6 +225,7 @@ def _run(op: str, spec, buffers, ref_fn):
 # autograd op; torch.compile and cf.record never take the memo.
 
 _FAST = plans.FAST
+_deterministic = plans.deterministic  # in the key: a launch remembered in one mode never serves the other
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -264,7 +265,7 @@ def _memo(name: str, a, b, c, d, attrs: tuple):
                                     or getattr(c, "requires_grad", False) or getattr(d, "requires_grad", False)):
         name += ":grad"
     try:  # four operands, spelled out: this runs on every call
-        key = (name, _meta(a), _meta(b), _meta(c), _meta(d), attrs)
+        key = (name, _meta(a), _meta(b), _meta(c), _meta(d), attrs, _deterministic())
         return key, _FAST.get(key)
     except (AttributeError, TypeError):
         return None, None

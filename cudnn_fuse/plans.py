@@ -51,6 +51,10 @@ def parse_heur_modes(raw) -> tuple:
 
 HEUR_MODES = parse_heur_modes(os.environ.get("CUDNN_FUSE_HEUR_MODES"))
 
+# torch.are_deterministic_algorithms_enabled() without its Python wrapper (17 ns a call on the
+# CPU host): read on every op call, since a plan built under one setting must not serve the other.
+deterministic = getattr(torch._C, "_get_deterministic_algorithms", None) or torch.are_deterministic_algorithms_enabled
+
 
 @dataclass
 class _Stats:
@@ -161,9 +165,11 @@ _ENG8 = frozenset({8})
 
 def prepare(g, spec) -> None:
     """validate -> operation graph -> ranked candidates (heuristics A, then FALLBACK), minus
-    the engines barred for this graph (``barred_engines``).
+    the engines barred for this graph (``barred_engines``), and minus cuDNN's NONDETERMINISTIC
+    ones while torch requires deterministic algorithms (``torch.use_deterministic_algorithms``),
+    for heuristic plans as for tuned ones.
 
-    Raises UnsupportedError when cuDNN declines the graph.
+    Raises UnsupportedError when cuDNN declines the graph (or has no deterministic engine for it).
     """
     import cudnn
 
@@ -174,6 +180,8 @@ def prepare(g, spec) -> None:
         barred = barred_engines(spec)
         if barred:
             g.deselect_engines([_bar_name(e) for e in sorted(barred)])
+        if deterministic():
+            g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
         if spec.dtype == "float32" and not getattr(spec, "allow_tf32", False):
             # true fp32: keep engines that do not round through TF32 tensor cores
             g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE])
@@ -396,7 +404,7 @@ class PlanLRU:
                 STATS.evictions += 1
 
     def get(self, spec, device: int):
-        key = (spec, device)
+        key = (spec, device, deterministic())  # a plan built deterministic-only serves only that mode, and back
         item = self._lookup(key)
         if item is None:
             with self._lock:

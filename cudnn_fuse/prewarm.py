@@ -74,10 +74,11 @@ def work_order(entries) -> list:
 
 def prewarm_one(i: int, e, *, autotune: bool, dry_run: bool, builder, cache, rank: int = 0) -> Row:
     """Build entry ``i`` unless the cache has it; never raises for a bad entry."""
-    digest = e.spec.digest()
+    from . import loader
+
+    digest = loader.cache_digest(e.spec)
     row = Row(i, e.name or f"{e.spec.op}#{i}", e.spec.op, digest[:16], "cached", rank=rank)
     t0 = time.perf_counter()
-    from . import loader
 
     if not _cached(cache, digest, autotune):
         if dry_run:
