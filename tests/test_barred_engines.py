@@ -14,7 +14,7 @@ from cudnn_fuse import loader, plans
 from cudnn_fuse.errors import UnsupportedError
 from cudnn_fuse.spec import (ActGradSpec, ConvSpec, Epilogue, MatmulActGradSpec, MatmulSpec, RecomputeGradSpec, SaveZSpec,
                              TensorSpec)
-from tuning import DictCache, entry
+from tuning import DictCache, RecordingGraph, entry
 
 
 def _mm(act="leaky_relu", bias=False):
@@ -59,14 +59,7 @@ def test_eng0_is_barred_from_every_matmul_graph_with_a_leaky_relu():
     assert plans.barred_engines(ActGradSpec(z, z, z, "leaky_relu", 0.2)) == frozenset()
 
 
-class _FakeGraph:
-    """Records the calls prepare() makes on a cuDNN graph."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getattr__(self, name):
-        return lambda *a, **k: self.calls.append((name, a))
+_FakeGraph = RecordingGraph
 
 
 def test_prepare_deselects_the_barred_engine_after_the_heuristics_and_before_any_build():

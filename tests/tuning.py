@@ -1,6 +1,6 @@
 """Test helpers for autotuning and the loader: autotuning switched on with a given Config for a
-block (plans in memory cleared before and after), and a dict-backed stand-in for PlanCache's
-get/delete/put that the loader's read path uses."""
+block (plans in memory cleared before and after), a dict-backed stand-in for PlanCache's
+get/delete/put that the loader's read path uses, and a graph that records the calls made on it."""
 
 from __future__ import annotations
 
@@ -44,3 +44,13 @@ class DictCache:
 def entry(meta, blob=b"x"):
     """A cache entry as the loader reads one: meta, blob, key."""
     return types.SimpleNamespace(meta=meta, blob=blob, key="k" * 64)
+
+
+class RecordingGraph:
+    """Records the calls made on a cuDNN graph (plans.prepare's), accepting any."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append((name, a))
