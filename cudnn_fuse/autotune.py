@@ -49,7 +49,7 @@ class Config:
     workspace_cap: int = int(os.environ.get("CUDNN_FUSE_WORKSPACE_CAP", str(1 << 30)))
     warmup: int = 3
     repeats: int = 30
-    deterministic: Optional[bool] = None  # None: torch.are_deterministic_algorithms_enabled()
+    deterministic: Optional[bool] = None  # None: torch's flags (plans.deterministic)
     # Take a precompiled engine over a runtime-compiled winner that is at most this fraction
     # faster: a runtime-compiled plan costs every process NVRTC work and its blob deserializes
     # 2-4x slower (1.5-2.7 ms vs 0.5-0.7 ms on the H200, bench/results/deserialize_probe.json).
@@ -310,7 +310,9 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     import torch
 
     cfg = cfg or DEFAULT_CONFIG
-    deterministic = cfg.deterministic if cfg.deterministic is not None else torch.are_deterministic_algorithms_enabled()
+    from .plans import deterministic as torch_deterministic
+
+    deterministic = cfg.deterministic if cfg.deterministic is not None else torch_deterministic()
     if deterministic:
         g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
     # Candidates are built lazily inside the budget: building all of them up front

@@ -42,6 +42,16 @@ def test_the_flag_is_torchs():
         with deterministic(on):
             assert plans.deterministic() is on
     assert plans.deterministic() is torch.are_deterministic_algorithms_enabled()
+    old = torch.backends.cudnn.deterministic
+    try:  # torch's own cuDNN switch counts too
+        torch.backends.cudnn.deterministic = True
+        assert plans.deterministic() is True
+        with deterministic(False):
+            assert plans.deterministic() is True
+        torch.backends.cudnn.deterministic = False
+        assert plans.deterministic() is False
+    finally:
+        torch.backends.cudnn.deterministic = old
 
 
 def test_prepare_deselects_nondeterministic_engines_only_while_torch_requires_it():
