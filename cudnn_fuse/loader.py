@@ -82,22 +82,21 @@ def pin_cached(pc, spec) -> int:
     them from eviction too. Returns how many were newly pinned; a fault pins nothing."""
     from . import conv_gemm
 
-    digests = [cache_digest(spec)]
+    digest = cache_digest(spec)
+    digests = [digest]
+    entry = pc.get(digest)
+    mspec = conv_gemm.gemm_spec(spec) if entry is not None and entry.meta.get("use_gemm") else None
+    if mspec is not None:  # the conv runs as this GEMM: its entry serves the conv too
+        digests.append(cache_digest(mspec))
     n = 0
-    for i, digest in enumerate(digests):
-        for key in (digest, engine_record_key(digest)):
-            entry = pc.get(key)
-            if entry is None:
-                continue
-            if i == 0 and key == digest and entry.meta.get("use_gemm"):
-                mspec = conv_gemm.gemm_spec(spec)
-                if mspec is not None:
-                    digests.append(cache_digest(mspec))
-            if entry.meta.get("pinned"):
-                continue
-            if pc.put(key, dict(entry.meta, pinned=True), entry.blob, pinned=True):
+    for d in digests:
+        for key in (d, engine_record_key(d)):
+            e = entry if key == digest else pc.get(key)
+            if e is not None and not e.meta.get("pinned") and \
+                    pc.put(key, dict(e.meta, pinned=True), e.blob, pinned=True):
                 n += 1
     return n
+
 
 _warned: set = set()
 

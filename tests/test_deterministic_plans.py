@@ -18,12 +18,12 @@ from tuning import RecordingGraph
 
 @contextlib.contextmanager
 def deterministic(on: bool):
-    old = torch.are_deterministic_algorithms_enabled()
+    old = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(on, warn_only=True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(old)
+        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
 
 
 def _spec():
