@@ -173,8 +173,8 @@ _ENG8 = frozenset({8})
 def prepare(g, spec) -> None:
     """validate -> operation graph -> ranked candidates (heuristics A, then FALLBACK), minus
     the engines barred for this graph (``barred_engines``), and minus cuDNN's NONDETERMINISTIC
-    ones while torch requires deterministic algorithms (``torch.use_deterministic_algorithms``),
-    for heuristic plans as for tuned ones.
+    ones while torch asks for deterministic kernels (``deterministic()``: use_deterministic_algorithms
+    or cudnn.deterministic), for heuristic plans as for tuned ones.
 
     Raises UnsupportedError when cuDNN declines the graph (or has no deterministic engine for it).
     """
