@@ -1,10 +1,15 @@
 """Host time per call of a tiny fused op, by path (issue 6's host-overhead gap).
 
 `cf.linear(x, w, b, activation="relu")` at 64x256x256 fp16, where the host is the
-bottleneck: the memoized fast path (what users get), the first-call path with the
-memo off, the same with the public cuDNN execute instead of raw pointers, the op
-replayed under `cf.capture` (per op), and torch's `F.relu(F.linear(x, w, b))`. All
-in one process, interleaved rounds, median of rounds.
+bottleneck: the memoized fast path (what users get: repeated pointer sets replay as
+launch graphs), the same with launch graphs off (each call a raw cuDNN execute), the
+first-call path with the memo off, the same with the public cuDNN execute instead of raw
+pointers, the op replayed under `cf.capture` (per op, 100 ops a graph, and one op a graph:
+torch's CUDAGraph replay), and torch's `F.relu(F.linear(x, w, b))`. All in one process,
+interleaved rounds, median of rounds.
+
+Also the device side: CUDA-event time per call of a GPU-bound 2048^3 cf.linear, launch
+graphs on and off (does a one-kernel graph cost the GPU anything?).
 
     python3 bench/host_overhead.py --out bench/results
 """
@@ -54,12 +59,35 @@ def main(argv=None) -> int:
             t = cf.linear(t, w, b, activation="relu")
         return t
 
+    X = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+    W = torch.randn(2048, 2048, device="cuda", dtype=torch.float16) * 0.02
+    B = torch.randn(2048, device="cuda", dtype=torch.float16)
+
+    def device_us(n=200):
+        for _ in range(10):
+            cf.linear(X, W, B, activation="relu")
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            cf.linear(X, W, B, activation="relu")
+        e1.record()
+        e1.synchronize()
+        return 1e3 * e0.elapsed_time(e1) / n
+
     with torch.no_grad():
         captured = cf.capture(chain_fn, x)
-        rows = {k: [] for k in ("eager", "eager_no_memo", "eager_public_execute", "captured", "torch_eager")}
+        single = cf.capture(cf_op)
+        rows = {k: [] for k in ("eager", "eager_no_graphs", "eager_no_memo", "eager_public_execute", "captured",
+                                "captured_single_op", "torch_eager")}
+        dev = {"graphs": [], "no_graphs": []}
         for _ in range(args.rounds):
             rows["torch_eager"].append(host_us(torch_op, args.calls))
             rows["eager"].append(host_us(cf_op, args.calls))
+            dev["graphs"].append(device_us())
+            cf.set_launch_graphs(False)
+            rows["eager_no_graphs"].append(host_us(cf_op, args.calls))
+            dev["no_graphs"].append(device_us())
+            cf.set_launch_graphs(True)
             ops._memo = no_memo
             rows["eager_no_memo"].append(host_us(cf_op, args.calls))
             plans.RAW_EXECUTE = False
@@ -70,6 +98,7 @@ def main(argv=None) -> int:
             ops._memo = memo
             cf_op()
             rows["captured"].append(host_us(captured.replay, max(1, args.calls // chain)) / chain)
+            rows["captured_single_op"].append(host_us(single.replay, args.calls))
     med = {k: round(statistics.median(v), 2) for k, v in rows.items()}
     result = {
         "device": torch.cuda.get_device_name(),
@@ -80,11 +109,15 @@ def main(argv=None) -> int:
         "host_us_per_call": med,
         "ratio_to_torch_eager": {k: round(v / med["torch_eager"], 3) for k, v in med.items()},
         "all_rounds_us": {k: [round(t, 2) for t in v] for k, v in rows.items()},
+        "device_us_per_call_2048cubed": {k: round(statistics.median(v), 3) for k, v in dev.items()},
+        "device_all_rounds_us": {k: [round(t, 3) for t in v] for k, v in dev.items()},
+        "plan_stats": {k: v for k, v in cf.plan_stats().items() if k.startswith("graph_")},
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("host_us_per_call", "ratio_to_torch_eager")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("host_us_per_call", "ratio_to_torch_eager", "device_us_per_call_2048cubed",
+                                             "plan_stats")}, indent=1))
     return 0
 
 

@@ -11,6 +11,7 @@ from .autotune import set_autotune
 from .errors import UnsupportedError
 from . import nn
 from .graphs import capture
+from .launch_graphs import set_launch_graphs
 from .manifest import record
 from .optimize import optimize
 from .ops import conv2d, linear, matmul, scaled_dot_product_attention, set_compile_inline
@@ -47,6 +48,7 @@ __all__ = [
     "optimize",
     "set_autotune",
     "set_compile_inline",
+    "set_launch_graphs",
     "PlanCache",
     "UnsupportedError",
 ]

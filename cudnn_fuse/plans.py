@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import launch_graphs
 from .builders import uids_of
 from .errors import UnsupportedError
 from .spec import ConvSpec, MatmulSpec, RecomputeGradSpec
@@ -87,8 +88,9 @@ STATS = _Stats()
 
 
 def plan_stats() -> dict:
-    """Counters of this process: builds, hits, misses, evictions, fallbacks, build_seconds."""
-    return STATS.snapshot()
+    """Counters of this process: builds, hits, misses, evictions, fallbacks, build_seconds, and the
+    launch graphs' captures, replays and failures (launch_graphs.py)."""
+    return {**STATS.snapshot(), **launch_graphs.STATS.snapshot()}
 
 
 # ---------------------------------------------------------------- handles
@@ -273,11 +275,11 @@ _workspaces: dict = {}  # (device, stream) -> uint8 tensor, reused by every laun
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
-def _workspace_ptr(device: int, stream: int, size: int) -> tuple:
+def _workspace_ptr(device: int, stream: int, size: int, capturing: bool | None = None) -> tuple:
     """(pointer, keep-alive) of at least ``size`` bytes usable on ``stream``. Launches on
     one stream run in order, so one buffer per stream serves them all; under CUDA graph
     capture it comes from the allocator (the graph's pool) like any captured tensor."""
-    if _capturing():
+    if _capturing() if capturing is None else capturing:
         t = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
         return t.data_ptr(), t
     key = (device, stream)
@@ -291,6 +293,15 @@ def _workspace_ptr(device: int, stream: int, size: int) -> tuple:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_side_streams: dict = {}  # device -> the stream launch graphs are captured on (never launched on)
+
+
+def _side_stream(device: int) -> int:
+    s = _side_streams.get(device)
+    if s is None:
+        s = _side_streams[device] = torch.cuda.Stream(device)
+    return s.cuda_stream
 
 
 def _current_stream(device: int) -> int:
@@ -302,7 +313,8 @@ def _current_stream(device: int) -> int:
 class Plan:
     """A built graph with its fixed uids and workspace size, bound to a device."""
 
-    __slots__ = ("spec", "graph", "uids", "workspace_size", "device", "engine", "_handle", "_ordered", "_raw")
+    __slots__ = ("spec", "graph", "uids", "workspace_size", "device", "engine", "_handle", "_ordered", "_raw",
+                 "_graphs")
 
     def __init__(self, spec, graph, device: int, engine: str | None = None):
         self.spec = spec
@@ -315,6 +327,8 @@ class Plan:
         self.engine = engine if engine is not None else _engine_name(graph)
         self._handle = handle_for(device)
         self._raw = _raw_launcher(graph, self.uids, self._handle.handle)
+        # repeated pointer sets replay as CUDA graphs (launch_graphs.py); None: always raw
+        self._graphs = launch_graphs.new_set() if self._raw is not None else None
 
     @property
     def raw(self) -> bool:
@@ -323,12 +337,30 @@ class Plan:
 
     def launch(self, ptrs) -> None:
         """Execute with raw device pointers (``ptrs`` in roles order) on the current
-        stream; only for plans with ``raw`` True."""
+        stream; only for plans with ``raw`` True. A pointer set seen before replays as
+        a CUDA graph of this very launch (launch_graphs.py)."""
         fn, slots, array, address, n, index, raw_handle = self._raw
         stream = _current_stream(self.device)
-        ws, keep = _workspace_ptr(self.device, stream, self.workspace_size) if self.workspace_size else (0, None)
+        capturing = _capturing()
+        ws, keep = _workspace_ptr(self.device, stream, self.workspace_size, capturing) \
+            if self.workspace_size else (0, None)
         h = self._handle
+        graphs = self._graphs
         with h.lock:  # one handle per device: stream switch + launch must not interleave
+            if graphs is not None and launch_graphs.ENABLED and not graphs.off and not capturing and \
+                    _current_device() == self.device:
+                key = (ws, *ptrs)
+                ex = graphs.execs.get(key)
+                if ex is None and graphs.sighted(key):
+                    ex = self._capture(graphs, key, ptrs, ws)
+                if ex is not None:
+                    rc = graphs._drv.launch(ex, stream)
+                    if not rc:
+                        graphs.replays += 1
+                        launch_graphs.STATS.replays += 1
+                        return
+                    self._graph_failed(graphs, launch_graphs.DriverError(
+                        f"cuGraphLaunch: {graphs._drv.error_name(rc)}"))
             if h.stream != stream:
                 import cudnn
 
@@ -338,6 +370,38 @@ class Plan:
                 array[slot] = p
             fn(address, n, ws, raw_handle, index)
         del keep
+
+    def _capture(self, graphs, key, ptrs, ws):
+        """Capture this launch with ``ptrs`` on a side stream; the executable graph, or None
+        (graphs off for this plan) when it cannot be captured. Called under the handle lock."""
+        import cudnn
+
+        fn, slots, array, address, n, index, raw_handle = self._raw
+        h = self._handle
+        side = _side_stream(self.device)
+
+        def work():
+            cudnn.set_stream(handle=h.handle, stream=side)
+            h.stream = side
+            for slot, p in zip(slots, ptrs):
+                array[slot] = p
+            fn(address, n, ws, raw_handle, index)
+
+        try:
+            with torch.cuda.device(self.device):
+                ex = graphs._drv.capture(side, work)
+        except Exception as exc:  # noqa: BLE001 - a plan that cannot be captured keeps launching raw
+            self._graph_failed(graphs, exc)
+            return None
+        graphs.add(key, ex)
+        return ex
+
+    def _graph_failed(self, graphs, exc) -> None:
+        launch_graphs.clear_runtime_error()
+        launch_graphs.STATS.failures += 1
+        graphs.disable()
+        log.info("cudnn_fuse: %s plan (%s) launches without CUDA graphs from now on: %s: %s", self.spec.op,
+                 self.engine, type(exc).__name__, exc)
 
     def run(self, buffers) -> None:
         """Execute on torch's current stream of this plan's device.

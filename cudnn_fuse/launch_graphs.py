@@ -1,0 +1,254 @@
+"""Repeated raw launches replayed as one-kernel CUDA graphs.
+
+cuDNN's raw-pointer execute costs 10-14 us of host time per call on the H200 host
+(bench/results/host_breakdown.json), most of cf's eager call. A CUDA graph launch of the same
+work costs a few. So a plan's launch whose pointer set (every operand and output, and the
+workspace) has been seen ``AFTER`` times is captured once into a CUDA graph and replayed
+from then on.
+
+Why this is exact: a captured cuDNN execute is its kernel launches with those pointers as
+arguments, and the pointer set is the key. A replay therefore runs exactly the launch the
+same pointers would have run. Tensor contents are read when the graph runs, as a launch
+reads them. No scalar is passed by value (``builders`` puts every scalar into the graph
+itself), so nothing else is baked in.
+
+What it does not do:
+- It never captures while torch captures (``cf.capture``, ``torch.cuda.graph``): those
+  launches stay raw and become part of the user's graph.
+- It does not serve a device other than the current one.
+- A capture that fails (an engine that does something capture cannot record) turns graphs
+  off for that plan, which keeps launching raw.
+
+The graphs are driven through the CUDA driver API (libcuda, present wherever CUDA runs),
+not torch.cuda.CUDAGraph: torch's replay also re-seeds its RNG state on every replay, extra
+work that a one-kernel graph would pay per call. ``CUDNN_FUSE_LAUNCH_GRAPHS=0`` turns the
+whole thing off; ``CUDNN_FUSE_LAUNCH_GRAPHS_AFTER`` (default 2) is the sightings before a capture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections import OrderedDict
+
+log = logging.getLogger(__name__)
+
+_OFF_WORDS = ("0", "false", "no", "off")
+
+
+def _after(raw) -> int:
+    try:
+        n = int(raw)
+    except (TypeError, ValueError):
+        log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER=%r: want an integer >= 1; using 2", raw)
+        return 2
+    if n < 1:
+        log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER=%r: want an integer >= 1; using 1", raw)
+        return 1
+    return n
+
+
+ENABLED = os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS", "1").strip().lower() not in _OFF_WORDS
+AFTER = _after(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER", "2"))
+PER_PLAN = 8  # graphs one plan keeps (least recently used dropped): a loop alternates few pointer sets
+SEEN_CAP = 256  # pointer sets counted per plan before the counts start over
+CHURN_CAPTURES = 64  # after this many captures a plan whose graphs are rarely replayed stops capturing
+CHURN_REPLAYS_PER_CAPTURE = 2
+
+CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' CUDA calls are unaffected
+
+
+class Stats:
+    """Process-wide counters (``cf.plan_stats()`` reports them under ``graph_*``)."""
+
+    __slots__ = ("captures", "replays", "failures")
+
+    def __init__(self):
+        self.captures = self.replays = self.failures = 0
+
+    def snapshot(self) -> dict:
+        return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_failures": self.failures}
+
+
+STATS = Stats()
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+class Driver:
+    """The six CUDA driver entry points a one-kernel graph needs, through ctypes."""
+
+    def __init__(self, lib=None):
+        lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+        vp, P = ctypes.c_void_p, ctypes.POINTER
+
+        def fn(name, *args):
+            f = getattr(lib, name)
+            f.argtypes, f.restype = list(args), ctypes.c_int
+            return f
+
+        self._begin = fn("cuStreamBeginCapture_v2", vp, ctypes.c_int)
+        self._end = fn("cuStreamEndCapture", vp, P(vp))
+        self._instantiate = fn("cuGraphInstantiateWithFlags", P(vp), vp, ctypes.c_ulonglong)
+        self.launch = fn("cuGraphLaunch", vp, vp)  # (exec, stream) -> CUresult; the hot path calls it directly
+        self._exec_destroy = fn("cuGraphExecDestroy", vp)
+        self._graph_destroy = fn("cuGraphDestroy", vp)
+        self._name = getattr(lib, "cuGetErrorName", None)
+
+    def error_name(self, rc: int) -> str:
+        if self._name is not None:
+            s = ctypes.c_char_p()
+            try:
+                if self._name(ctypes.c_int(rc), ctypes.byref(s)) == 0 and s.value:
+                    return s.value.decode()
+            except Exception:  # noqa: BLE001 - a name for a log line only
+                pass
+        return f"CUresult {rc}"
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            raise DriverError(f"{what}: {self.error_name(rc)}")
+
+    def capture(self, stream: int, work) -> int:
+        """Capture ``work()`` (launches on ``stream``) into a graph; returns the instantiated
+        executable's handle. Raises DriverError, or what ``work`` raised, leaving the stream
+        out of capture either way."""
+        self.check(self._begin(stream, CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
+        graph = ctypes.c_void_p()
+        try:
+            work()
+        finally:
+            rc = self._end(stream, ctypes.byref(graph))
+        try:
+            self.check(rc, "cuStreamEndCapture")
+            ex = ctypes.c_void_p()
+            self.check(self._instantiate(ctypes.byref(ex), graph, 0), "cuGraphInstantiate")
+            return ex.value
+        finally:
+            if graph.value:
+                self._graph_destroy(graph)
+
+    def destroy(self, ex) -> None:
+        self._exec_destroy(ex)  # an exec still running is freed once it completes
+
+
+_driver = None
+_driver_lock = threading.Lock()
+
+
+def driver():
+    """The process's Driver, or None when graphs are off or libcuda cannot be bound."""
+    global _driver, ENABLED
+    if _driver is None and ENABLED:
+        with _driver_lock:
+            if _driver is None and ENABLED:
+                try:
+                    _driver = Driver()
+                except (OSError, AttributeError) as exc:
+                    log.info("launch graphs off: the CUDA driver API is not reachable (%s)", exc)
+                    ENABLED = False
+    return _driver
+
+
+class GraphSet:
+    """One plan's captured graphs, keyed by pointer set, and the sightings of pointer sets not
+    captured yet. Used under the plan's handle lock (one launch at a time per device)."""
+
+    __slots__ = ("execs", "seen", "off", "captures", "replays", "_drv")
+
+    def __init__(self, drv):
+        self.execs: OrderedDict = OrderedDict()
+        self.seen: dict = {}
+        self.off = False
+        self.captures = self.replays = 0
+        self._drv = drv
+
+    def sighted(self, key) -> bool:
+        """Count a sighting of ``key`` (not captured yet); True when it is due for a capture."""
+        n = self.seen.get(key, 0) + 1
+        if n >= AFTER:
+            self.seen.pop(key, None)
+            return True
+        if len(self.seen) >= SEEN_CAP:
+            self.seen.clear()
+        self.seen[key] = n
+        return False
+
+    def add(self, key, ex) -> None:
+        self.execs[key] = ex
+        self.captures += 1
+        STATS.captures += 1
+        while len(self.execs) > PER_PLAN:
+            _, old = self.execs.popitem(last=False)
+            self._drv.destroy(old)
+        if self.captures >= CHURN_CAPTURES and self.replays < CHURN_REPLAYS_PER_CAPTURE * self.captures:
+            log.debug("launch graphs: %d captures but %d replays for one plan; it launches raw from now on",
+                      self.captures, self.replays)
+            self.disable()
+
+    def disable(self) -> None:
+        self.off = True
+        self.seen.clear()
+        self.release()
+
+    def release(self) -> None:
+        execs, self.execs = self.execs, OrderedDict()
+        for ex in execs.values():
+            try:
+                self._drv.destroy(ex)
+            except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone
+                pass
+
+    def __del__(self):
+        self.release()
+
+
+def set_launch_graphs(enabled: bool) -> None:
+    """Whether repeated launches replay as CUDA graphs (default on; ``CUDNN_FUSE_LAUNCH_GRAPHS=0``
+    starts a process with them off). Turning them off takes effect at the next launch; turning
+    them on serves plans built from then on (``plans.clear()`` rebuilds the others)."""
+    global ENABLED
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_launch_graphs: enabled must be a bool, got {enabled!r}")
+    ENABLED = enabled
+
+
+def new_set():
+    """A GraphSet for a new plan, or None when graphs are off."""
+    drv = driver() if ENABLED else None
+    return GraphSet(drv) if drv is not None else None
+
+
+def clear_runtime_error() -> None:
+    """Reset the CUDA runtime's last error after a failed capture, so that torch's next launch
+    check does not report it. Best effort, through the libcudart this process has loaded."""
+    for lib in _cudarts():
+        try:
+            lib.cudaGetLastError()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+_cudart_libs = None
+
+
+def _cudarts() -> list:
+    global _cudart_libs
+    if _cudart_libs is None:
+        libs = []
+        try:
+            with open("/proc/self/maps") as f:
+                paths = {line.split()[-1] for line in f if "libcudart" in line and line.rstrip().endswith(tuple("0123456789o"))}
+            for p in sorted(paths):
+                try:
+                    libs.append(ctypes.CDLL(p))
+                except OSError:
+                    pass
+        except OSError:
+            pass
+        _cudart_libs = libs
+    return _cudart_libs

@@ -1,0 +1,230 @@
+"""GPU: launch graphs (launch_graphs.py) on real plans. A pointer set's second launch is captured
+and later ones replay; the replays give bit-identical outputs to raw launches of the same plan,
+read new values written into the same tensors, run on whatever stream is current, allocate no
+memory, stay out of torch's own capture (cf.capture), serve training steps (whose backward
+launches replay too) and concurrent threads."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnn_fuse as cf
+from cudnn_fuse import launch_graphs, plans
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def graphs_on(monkeypatch):
+    monkeypatch.setattr(launch_graphs, "AFTER", 2)
+    monkeypatch.setattr(launch_graphs, "ENABLED", True)
+    plans.clear()
+    yield
+    plans.clear()
+
+
+@contextlib.contextmanager
+def raw_only():
+    """Every plan held now launches raw inside the block (the reference for bit-identity)."""
+    sets = [p._graphs for p in _raw_plans() if p._graphs is not None]
+    old = [s.off for s in sets]
+    for s in sets:
+        s.off = True
+    try:
+        yield
+    finally:
+        for s, o in zip(sets, old):
+            s.off = o
+
+
+def _raw_plans():
+    out = []
+    for p in plans.plans_in_memory():
+        p = getattr(p, "gemm", p)  # a 1x1 conv run as its GEMM
+        if isinstance(p, plans.Plan):
+            out.append(p)
+    return out
+
+
+def _cl(t):
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def _cases():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.float16
+
+    def r(*s, scale=1.0, dtype=h):
+        return (torch.randn(*s, device="cuda", generator=g) * scale).to(dtype)
+
+    x, w, b = r(64, 256), r(256, 256, scale=1 / 16), r(256)
+    cx, cw, cb = _cl(r(4, 64, 16, 16)), _cl(r(96, 64, 3, 3, scale=1 / 24)), r(96)
+    res = _cl(r(4, 96, 16, 16))
+    q, k, v = r(2, 8, 256, 64), r(2, 8, 256, 64), r(2, 8, 256, 64)
+    a, bm = r(4, 128, 64, dtype=torch.bfloat16), r(4, 64, 96, dtype=torch.bfloat16)
+    return {
+        "linear_relu": ((x,), lambda x: cf.linear(x, w, b, activation="relu")),
+        "linear_gelu_amax": ((x,), lambda x: cf.linear(x, w, b, activation="gelu", return_amax=True)),
+        "conv_bias_relu_residual": ((cx,), lambda x: cf.conv2d(x, cw, cb, padding=1, activation="relu", residual=res)),
+        "sdpa_causal": ((q,), lambda q: cf.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "matmul_bf16": ((a,), lambda a: cf.matmul(a, bm, activation="silu")),
+    }
+
+
+def _flat(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize("name", ["linear_relu", "linear_gelu_amax", "conv_bias_relu_residual", "sdpa_causal",
+                                  "matmul_bf16"])
+def test_replays_are_bit_identical_to_raw_launches_and_read_new_values(cache_dir, name):
+    (t,), fn = _cases()[name]
+    with torch.no_grad():
+        s0 = launch_graphs.STATS.snapshot()
+        first = _flat(fn(t))  # a first sighting of its pointers: raw (plan built)
+        for _ in range(3):
+            again = _flat(fn(t))
+        torch.cuda.synchronize()
+        s1 = launch_graphs.STATS.snapshot()
+        assert s1["graph_captures"] > s0["graph_captures"], "a repeated pointer set must be captured"
+        assert s1["graph_replays"] > s0["graph_replays"] and s1["graph_failures"] == s0["graph_failures"]
+        for a, c in zip(first, again):
+            assert torch.equal(a, c)
+        # new values in the same tensor: a replay reads them (it is not a stale result)
+        t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
+        replays = launch_graphs.STATS.replays
+        for _ in range(6):  # outputs not held: their addresses alternate as above, so these replay
+            out = _flat(fn(t))
+        got = [o.clone() for o in out]
+        assert launch_graphs.STATS.replays >= replays + 4
+        replays = launch_graphs.STATS.replays
+        with raw_only():
+            want = _flat(fn(t))
+        torch.cuda.synchronize()
+        assert launch_graphs.STATS.replays == replays, "raw_only must launch raw"
+        for a, c in zip(got, want):
+            assert torch.equal(a, c)
+        assert not torch.equal(first[0], want[0])
+
+
+def test_a_replay_runs_on_the_current_stream(cache_dir):
+    (x,), fn = _cases()["linear_relu"]
+    with torch.no_grad():
+        want = fn(x).clone()
+        s = torch.cuda.Stream()
+        big = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+        x2 = torch.zeros_like(x)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(6):  # capture x2's pointer sets on s (their values do not matter yet)
+                fn(x2)
+            replays = launch_graphs.STATS.replays
+            for _ in range(20):  # keep s busy, then write x into x2 there and replay
+                big = big @ big * 1e-3
+            x2.copy_(x)
+            for _ in range(4):
+                y = fn(x2)
+            got = y.clone()  # on s, after the replays: a replay on another stream would read zeros
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        assert launch_graphs.STATS.replays >= replays + 3
+        assert torch.equal(got, want)
+
+
+def test_captures_allocate_nothing(cache_dir):
+    (x,), fn = _cases()["conv_bias_relu_residual"]
+    with torch.no_grad():
+        fn(x)
+        y = fn(x)  # the memo's first launches: outputs and the workspace exist now
+        torch.cuda.synchronize()
+        del y
+        before = torch.cuda.memory_allocated()
+        c = launch_graphs.STATS.captures
+        for _ in range(6):
+            fn(x)
+        torch.cuda.synchronize()
+        assert launch_graphs.STATS.captures > c
+        assert torch.cuda.memory_allocated() <= before
+
+
+def test_cf_capture_stays_raw_and_eager_replays_stay_right_after_it(cache_dir):
+    (x,), fn = _cases()["linear_relu"]
+    with torch.no_grad():
+        want = fn(x).clone()
+        g = cf.capture(lambda t: fn(fn(t).relu_()), x)  # torch's capture: our graphs must not nest in it
+        want2 = fn(fn(x).relu_())
+        out = g(x)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want2)
+        for _ in range(4):
+            assert torch.equal(fn(x), want)
+
+
+def test_training_steps_with_replayed_launches_match_raw_launches_bit_for_bit(cache_dir):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    conv = cf.nn.Conv2d(32, 32, 3, padding=1, activation="relu").cuda().half().to(memory_format=torch.channels_last)
+    lin = cf.nn.Linear(32 * 8 * 8, 64, activation="gelu").cuda().half()
+    x = _cl(torch.randn(8, 32, 8, 8, device="cuda", generator=g).half())
+
+    def step():
+        for p in (*conv.parameters(), *lin.parameters()):
+            p.grad = None
+        y = lin(conv(conv(x)).flatten(1))
+        (y.float() ** 2).mean().backward()
+        return [p.grad.clone() for p in (*conv.parameters(), *lin.parameters())]
+
+    first = step()
+    for _ in range(4):
+        again = step()
+    torch.cuda.synchronize()
+    assert launch_graphs.STATS.replays > 0
+    with raw_only():
+        want = step()
+    for a, b, c in zip(first, again, want):
+        assert torch.equal(b, c) and torch.equal(a, c)
+
+
+def test_threads_on_their_own_streams(cache_dir):
+    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) / 16
+    b = torch.randn(256, device="cuda", dtype=torch.float16)
+    xs = [torch.randn(64, 256, device="cuda", dtype=torch.float16) for _ in range(4)]
+    wants = [F.relu(F.linear(x.float(), w.float(), b.float())) for x in xs]
+    errors = []
+
+    def worker(i):
+        try:
+            s = torch.cuda.Stream()
+            with torch.no_grad(), torch.cuda.stream(s):
+                for _ in range(50):
+                    y = cf.linear(xs[i], w, b, activation="relu")
+                s.synchronize()
+                torch.testing.assert_close(y.float(), wants[i], rtol=2e-2, atol=2e-2)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert launch_graphs.STATS.replays > 0
+
+
+def test_graphs_off_launches_raw(cache_dir):
+    (x,), fn = _cases()["linear_relu"]
+    cf.set_launch_graphs(False)
+    try:
+        with torch.no_grad():
+            r = launch_graphs.STATS.snapshot()
+            for _ in range(5):
+                fn(x)
+            torch.cuda.synchronize()
+            assert launch_graphs.STATS.snapshot() == r
+    finally:
+        cf.set_launch_graphs(True)

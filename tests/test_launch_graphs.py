@@ -1,0 +1,284 @@
+"""Launch graphs (launch_graphs.py): when Plan.launch captures, replays or launches raw, on a
+stand-in driver and a stand-in cuDNN entry point (the real capture and replay are GPU tests,
+test_gpu_launch_graphs.py). What must hold: a pointer set is captured on its AFTER-th sighting
+and replayed after that; the key holds every pointer including the workspace; torch's own
+capture, another current device, or graphs switched off always launch raw; a failed capture or
+replay launches raw that very call and turns the plan's graphs off; a plan keeps at most PER_PLAN
+graphs and destroys the ones it drops."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import types
+
+import pytest
+import torch
+
+from cudnn_fuse import launch_graphs, plans
+
+
+class FakeDriver:
+    def __init__(self, fail_capture=False, launch_rc=0):
+        self.events, self.fail_capture, self.launch_rc = [], fail_capture, launch_rc
+        self.next = 100
+        self.destroyed = []
+
+    def capture(self, stream, work):
+        self.events.append(("begin", stream))
+        work()
+        if self.fail_capture:
+            raise launch_graphs.DriverError("cuStreamEndCapture: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED")
+        self.next += 1
+        self.events.append(("instantiated", self.next))
+        return self.next
+
+    def launch(self, ex, stream):
+        self.events.append(("replay", ex, stream))
+        return self.launch_rc
+
+    def error_name(self, rc):
+        return f"CUresult {rc}"
+
+    def destroy(self, ex):
+        self.destroyed.append(ex)
+
+
+class Rig:
+    """A Plan with a stand-in raw entry point recording (stream at launch, pointers, workspace)."""
+
+    def __init__(self, monkeypatch, drv, workspace=0):
+        import cudnn
+
+        self.raw_calls = []
+        self.stream, self.device, self.capturing = 7, 0, False
+        array = (ctypes.c_uint64 * 3)()
+        self.handle = plans._Handle(handle=object())
+        handle = self.handle
+
+        def entry(address, n, ws, raw_handle, index):
+            self.raw_calls.append((handle.stream, tuple(array), ws))
+
+        p = object.__new__(plans.Plan)
+        p.spec = types.SimpleNamespace(op="matmul")
+        p.engine, p.device, p.workspace_size, p.graph, p.uids, p._ordered = "eng0", 0, workspace, None, (1, 2, 3), True
+        p._handle = handle
+        p._raw = (entry, (0, 1, 2), array, ctypes.addressof(array), 3, -1, 0)
+        p._graphs = launch_graphs.GraphSet(drv)
+        self.plan, self.drv = p, drv
+        self.ws = 5000
+        monkeypatch.setattr(plans, "_current_stream", lambda d: self.stream)
+        monkeypatch.setattr(plans, "_capturing", lambda: self.capturing)
+        monkeypatch.setattr(plans, "_current_device", lambda: self.device)
+        monkeypatch.setattr(plans, "_side_stream", lambda d: 99)
+        monkeypatch.setattr(plans, "_workspace_ptr", lambda d, s, size, capturing=None: (self.ws, None))
+        monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+
+        def set_stream(handle, stream):
+            self.handle.stream = stream
+        monkeypatch.setattr(cudnn, "set_stream", set_stream)
+
+    def replays(self):
+        return [e for e in self.drv.events if e[0] == "replay"]
+
+
+@pytest.fixture
+def after2(monkeypatch):
+    monkeypatch.setattr(launch_graphs, "AFTER", 2)
+
+
+def test_a_pointer_set_is_captured_on_its_second_sighting_and_replayed_after(monkeypatch, after2):
+    rig = Rig(monkeypatch, FakeDriver())
+    before = launch_graphs.STATS.snapshot()
+    rig.plan.launch([11, 12, 13])  # first sighting: raw, on the current stream
+    assert rig.raw_calls == [(7, (11, 12, 13), 0)] and rig.replays() == []
+    rig.plan.launch([11, 12, 13])  # second: captured on the side stream, then replayed on the current one
+    assert rig.raw_calls[1] == (99, (11, 12, 13), 0)
+    assert rig.drv.events[0] == ("begin", 99) and rig.replays() == [("replay", 101, 7)]
+    rig.stream = 8
+    rig.plan.launch([11, 12, 13])  # from now on a replay only, on whatever stream is current
+    assert len(rig.raw_calls) == 2 and rig.replays()[-1] == ("replay", 101, 8)
+    after = launch_graphs.STATS.snapshot()
+    assert after["graph_captures"] - before["graph_captures"] == 1
+    assert after["graph_replays"] - before["graph_replays"] == 2
+    assert {k: v for k, v in plans.plan_stats().items() if k.startswith("graph_")} == after
+    # a raw launch after the capture switches the handle back to the current stream
+    rig.plan.launch([21, 22, 23])
+    assert rig.raw_calls[-1] == (8, (21, 22, 23), 0)
+
+
+def test_every_pointer_is_in_the_key_the_workspace_too(monkeypatch, after2):
+    rig = Rig(monkeypatch, FakeDriver(), workspace=64)
+    for _ in range(2):
+        rig.plan.launch([1, 2, 3])
+    assert rig.replays() == [("replay", 101, 7)]
+    for changed in ([1, 2, 4], [0, 2, 3], [1, 9, 3]):
+        rig.plan.launch(changed)  # a first sighting of each: raw
+    assert len(rig.replays()) == 1
+    rig.ws = 6000  # the stream's workspace grew (a new buffer): the old graph must not serve
+    rig.plan.launch([1, 2, 3])
+    assert len(rig.replays()) == 1 and rig.raw_calls[-1] == (7, (1, 2, 3), 6000)
+    rig.plan.launch([1, 2, 3])
+    assert rig.replays()[-1] == ("replay", 102, 7) and rig.raw_calls[-1] == (99, (1, 2, 3), 6000)
+
+
+@pytest.mark.parametrize("why", ["torch is capturing", "another device is current", "graphs off"])
+def test_these_launch_raw_every_time(monkeypatch, after2, why):
+    rig = Rig(monkeypatch, FakeDriver())
+    if why == "torch is capturing":
+        rig.capturing = True
+    elif why == "another device is current":
+        rig.device = 1
+    else:
+        rig.plan._graphs = None
+    for _ in range(4):
+        rig.plan.launch([1, 2, 3])
+    assert rig.replays() == [] and [c[0] for c in rig.raw_calls] == [7] * 4
+    assert not rig.drv.events
+
+
+def test_a_failed_capture_launches_raw_that_call_and_turns_the_plans_graphs_off(monkeypatch, after2):
+    rig = Rig(monkeypatch, FakeDriver(fail_capture=True))
+    cleared = []
+    monkeypatch.setattr(launch_graphs, "clear_runtime_error", lambda: cleared.append(1))
+    failures = launch_graphs.STATS.failures
+    rig.plan.launch([1, 2, 3])
+    rig.plan.launch([1, 2, 3])  # the capture fails: this call still runs, raw, on the current stream
+    assert rig.raw_calls[-1] == (7, (1, 2, 3), 0) and rig.raw_calls[-2][0] == 99
+    assert rig.plan._graphs.off and cleared == [1] and launch_graphs.STATS.failures == failures + 1
+    n = len(rig.drv.events)
+    for _ in range(3):
+        rig.plan.launch([1, 2, 3])
+    assert len(rig.drv.events) == n and [c[0] for c in rig.raw_calls[-3:]] == [7, 7, 7]
+
+
+def test_a_failed_replay_launches_raw_and_drops_the_graphs(monkeypatch, after2):
+    rig = Rig(monkeypatch, FakeDriver(launch_rc=700))
+    monkeypatch.setattr(launch_graphs, "clear_runtime_error", lambda: None)
+    rig.plan.launch([1, 2, 3])
+    rig.plan.launch([1, 2, 3])
+    assert rig.raw_calls[-1] == (7, (1, 2, 3), 0)  # the replay failed: launched raw
+    assert rig.plan._graphs.off and rig.drv.destroyed == [101]
+
+
+def test_a_plan_keeps_at_most_per_plan_graphs(monkeypatch, after2):
+    monkeypatch.setattr(launch_graphs, "PER_PLAN", 3)
+    rig = Rig(monkeypatch, FakeDriver())
+    for k in range(5):
+        for _ in range(3):
+            rig.plan.launch([k, 2, 3])
+    assert list(rig.plan._graphs.execs) == [(0, 2, 2, 3), (0, 3, 2, 3), (0, 4, 2, 3)]
+    assert rig.drv.destroyed == [101, 102]
+    rig.plan._graphs.release()
+    assert sorted(rig.drv.destroyed) == [101, 102, 103, 104, 105]
+
+
+def test_a_plan_whose_graphs_are_not_replayed_stops_capturing(monkeypatch, after2):
+    monkeypatch.setattr(launch_graphs, "CHURN_CAPTURES", 4)
+    monkeypatch.setattr(launch_graphs, "CHURN_REPLAYS_PER_CAPTURE", 2)
+    rig = Rig(monkeypatch, FakeDriver())
+    for k in range(4):  # each pointer set twice, then never again: 4 captures, 4 replays
+        rig.plan.launch([k, 0, 0])
+        rig.plan.launch([k, 0, 0])
+    assert rig.plan._graphs.off and rig.plan._graphs.execs == {}
+    kept = Rig(monkeypatch, FakeDriver())
+    for k in range(4):  # the same captures, each replayed often: graphs stay on
+        for _ in range(12):
+            kept.plan.launch([k, 0, 0])
+    assert not kept.plan._graphs.off and len(kept.plan._graphs.execs) == 4
+
+
+@pytest.mark.parametrize("after", [1, 3])
+def test_after_is_the_sightings_before_a_capture(monkeypatch, after):
+    monkeypatch.setattr(launch_graphs, "AFTER", after)
+    rig = Rig(monkeypatch, FakeDriver())
+    for _ in range(after):
+        rig.plan.launch([1, 2, 3])
+    assert len(rig.replays()) == 1 and len(rig.raw_calls) == after  # the last raw call is the capture's
+    assert rig.raw_calls[-1][0] == 99
+
+
+def test_the_count_of_sightings_is_bounded(monkeypatch, after2):
+    monkeypatch.setattr(launch_graphs, "SEEN_CAP", 4)
+    gs = launch_graphs.GraphSet(FakeDriver())
+    for k in range(10):
+        assert gs.sighted(k) is False
+        assert len(gs.seen) <= 4
+
+
+@pytest.mark.parametrize("raw,want,warns", [("2", 2, False), ("1", 1, False), ("5", 5, False), ("0", 1, True),
+                                            ("-3", 1, True), ("x", 2, True), ("", 2, True)])
+def test_after_from_the_environment(raw, want, warns, caplog):
+    assert launch_graphs._after(raw) == want
+    assert ("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER" in caplog.text) is warns
+
+
+def test_no_driver_no_graphs(monkeypatch):
+    monkeypatch.setattr(launch_graphs, "_driver", None)
+    monkeypatch.setattr(launch_graphs, "ENABLED", True)
+
+    def no_lib(*a, **k):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+    monkeypatch.setattr(launch_graphs, "Driver", no_lib)
+    assert launch_graphs.new_set() is None and launch_graphs.ENABLED is False
+    monkeypatch.setattr(launch_graphs, "ENABLED", False)
+    monkeypatch.setattr(launch_graphs, "Driver", lambda: pytest.fail("graphs are off: no driver"))
+    assert launch_graphs.new_set() is None
+
+
+def test_the_driver_binds_the_entry_points_by_their_abi_names():
+    calls = []
+
+    class Lib:
+        def __getattr__(self, name):
+            def f(*a):
+                calls.append((name, a))
+                return 0
+            return f
+
+    d = launch_graphs.Driver(Lib())
+    d.capture(42, lambda: calls.append(("work",)))
+    names = [c[0] for c in calls]
+    assert names == ["cuStreamBeginCapture_v2", "work", "cuStreamEndCapture", "cuGraphInstantiateWithFlags"]
+    assert calls[0][1][1] == launch_graphs.CAPTURE_MODE_THREAD_LOCAL
+    assert d.launch is not None
+    with pytest.raises(launch_graphs.DriverError, match="cuGraphLaunch"):
+        d.check(3, "cuGraphLaunch")
+
+
+def test_a_capture_that_raises_still_ends_the_capture():
+    calls = []
+
+    class Lib:
+        def __getattr__(self, name):
+            def f(*a):
+                calls.append(name)
+                return 0
+            return f
+
+    d = launch_graphs.Driver(Lib())
+
+    def work():
+        raise RuntimeError("cuDNN: operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="capturing"):
+        d.capture(42, work)
+    assert calls == ["cuStreamBeginCapture_v2", "cuStreamEndCapture"]
+
+
+def test_set_launch_graphs_off_takes_effect_at_the_next_launch(monkeypatch, after2):
+    import cudnn_fuse as cf
+
+    monkeypatch.setattr(launch_graphs, "ENABLED", True)
+    rig = Rig(monkeypatch, FakeDriver())
+    for _ in range(2):
+        rig.plan.launch([1, 2, 3])
+    assert len(rig.replays()) == 1
+    cf.set_launch_graphs(False)
+    rig.plan.launch([1, 2, 3])
+    assert len(rig.replays()) == 1 and rig.raw_calls[-1] == (7, (1, 2, 3), 0)
+    cf.set_launch_graphs(True)
+    rig.plan.launch([1, 2, 3])
+    assert len(rig.replays()) == 2
+    with pytest.raises(TypeError, match="enabled"):
+        cf.set_launch_graphs("no")
