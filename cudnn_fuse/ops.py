@@ -50,22 +50,29 @@ def _is_cupy(x) -> bool:
 
 def cupy_io(fn):
     """Let ``fn`` take CuPy arrays (zero-copy through DLPack) and return CuPy arrays
-    when its first argument is one. CuPy stays optional: it is imported only then."""
+    when its first argument is one. CuPy stays optional: it is imported only then.
+    The public ops call ``_cupy_call`` themselves after a memo miss instead (a wrapper
+    would add a Python call to every call of the hot path)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if isinstance(args[0], torch.Tensor) or not _is_cupy(args[0]):
             return fn(*args, **kwargs)
-        import cupy
-
-        conv = [torch.from_dlpack(a) if _is_cupy(a) else a for a in args]
-        kw = {k: torch.from_dlpack(v) if _is_cupy(v) else v for k, v in kwargs.items()}
-        out = fn(*conv, **kw)
-        if isinstance(out, tuple):
-            return tuple(cupy.from_dlpack(t) for t in out)
-        return cupy.from_dlpack(out)
+        return _cupy_call(fn, args, kwargs)
 
     return wrapper
+
+
+def _cupy_call(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` with CuPy arrays in and out (zero-copy through DLPack)."""
+    import cupy
+
+    conv = [torch.from_dlpack(a) if _is_cupy(a) else a for a in args]
+    kw = {k: torch.from_dlpack(v) if _is_cupy(v) else v for k, v in kwargs.items()}
+    out = fn(*conv, **kw)
+    if isinstance(out, tuple):
+        return tuple(cupy.from_dlpack(t) for t in out)
+    return cupy.from_dlpack(out)
 
 
 # --------------------------------------------------------------------- logging
@@ -338,7 +345,6 @@ def _conv_padding(padding, ksize, dilation, stride, op="conv2d"):
     return p, p
 
 
-@cupy_io
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
            return_amax=False, *, negative_slope=0.01):
     """Fused ``act(conv2d(x, weight) + bias + residual)``, optionally with ``amax = max|y|``.
@@ -352,6 +358,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     key, launch = _memo("conv2d", x, weight, bias, residual, attrs)
     if launch is not None:
         return launch(x, weight, bias, residual)
+    if _is_cupy(x):
+        return _cupy_call(conv2d, (x, weight, bias, stride, padding, dilation, groups, activation, residual,
+                                   return_amax), {"negative_slope": negative_slope})
     op = "conv2d"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -523,7 +532,6 @@ def _as_batched(t: torch.Tensor, batch: Tuple[int, ...]) -> Optional[torch.Tenso
     return t
 
 
-@cupy_io
 def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
     """Fused ``act(a @ b + bias + residual)`` with torch.matmul's batching and broadcasting.
 
@@ -533,6 +541,8 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     key, launch = _memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(a, b, bias, residual)
+    if _is_cupy(a):
+        return _cupy_call(matmul, (a, b, bias, activation, residual, return_amax), {"negative_slope": negative_slope})
     op = "matmul"
     _check_tensor("a", a, op)
     _check_tensor("b", b, op)
@@ -623,7 +633,6 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
     return out
 
 
-@cupy_io
 def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
     """Fused ``act(x @ weight.T + bias + residual)``; the [out, in] weight is read
     through strides, never copied.
@@ -633,6 +642,8 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     key, launch = _memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(x, weight, bias, residual)
+    if _is_cupy(x):
+        return _cupy_call(linear, (x, weight, bias, activation, residual, return_amax), {"negative_slope": negative_slope})
     op = "linear"
     _check_tensor("x", x, op)
     _check_tensor("weight", weight, op)
@@ -722,7 +733,6 @@ def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             raise ValueError(f"{op}: attn_mask.shape={tuple(attn_mask.shape)} does not broadcast to {target}") from None
 
 
-@cupy_io
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Fused attention forward, torch.nn.functional.scaled_dot_product_attention's semantics.
 
@@ -735,6 +745,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     key, launch = _memo("sdpa", q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa))
     if launch is not None:
         return launch(q, k, v, attn_mask)
+    if _is_cupy(q):
+        return _cupy_call(scaled_dot_product_attention, (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa), {})
     op = "scaled_dot_product_attention"
     _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask

@@ -341,7 +341,7 @@ class Plan:
         a CUDA graph of this very launch (launch_graphs.py)."""
         fn, slots, array, address, n, index, raw_handle = self._raw
         stream = _current_stream(self.device)
-        capturing = _capturing()
+        capturing = stream != 0 and _capturing()  # the legacy default stream (0) is never captured
         ws, keep = _workspace_ptr(self.device, stream, self.workspace_size, capturing) \
             if self.workspace_size else (0, None)
         h = self._handle

@@ -282,3 +282,15 @@ def test_set_launch_graphs_off_takes_effect_at_the_next_launch(monkeypatch, afte
     assert len(rig.replays()) == 2
     with pytest.raises(TypeError, match="enabled"):
         cf.set_launch_graphs("no")
+
+
+def test_the_default_stream_is_never_asked_whether_it_captures(monkeypatch, after2):
+    rig = Rig(monkeypatch, FakeDriver())
+    rig.stream = 0  # the legacy default stream cannot be captured: the check is skipped there
+
+    def asked():
+        raise AssertionError("asked")
+    monkeypatch.setattr(plans, "_capturing", asked)
+    for _ in range(3):
+        rig.plan.launch([1, 2, 3])
+    assert rig.replays()[-1] == ("replay", 101, 0)

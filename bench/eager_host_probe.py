@@ -1,0 +1,95 @@
+"""Where an eager cf.linear call's host time goes, piece by piece (issue 6's host target).
+
+`cf.linear(x, w, b, activation="relu")` at 64x256x256 fp16 with its signature memoized and its
+pointer sets replayed as launch graphs; each piece of that call timed alone over back-to-back
+calls, beside torch's F.linear and F.relu. Medians of interleaved rounds, one process.
+
+    python3 bench/eager_host_probe.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import cudnn_fuse as cf  # noqa: E402
+from bench.common import host_us  # noqa: E402
+from cudnn_fuse import ops, plans  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) * 0.06
+    b = torch.randn(256, device="cuda", dtype=torch.float16)
+    attrs = ("relu", False, 0.01)
+    with torch.no_grad():
+        for _ in range(10):
+            y = cf.linear(x, w, b, activation="relu")
+        key, launch = ops._memo("linear", x, w, b, None, attrs)
+        assert launch is not None, "the signature must be memoized"
+        plan = launch.plan
+        y = torch.empty_strided(launch.size, launch.stride, dtype=launch.dtype, device=launch.device)
+        ptrs = [x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr()]
+        for _ in range(3):
+            plan.launch(ptrs)
+        torch.cuda.synchronize()
+        gs = plan._graphs
+        ex = next(iter(gs.execs.values())) if gs is not None and gs.execs else None
+        stream = torch.cuda.current_stream().cuda_stream
+        drv = gs._drv if gs is not None else None
+        pieces = {
+            "cf_linear": lambda: cf.linear(x, w, b, activation="relu"),
+            "memo_lookup": lambda: ops._memo("linear", x, w, b, None, attrs),
+            "launch_call": lambda: launch(x, w, b, None),
+            "empty_strided": lambda: torch.empty_strided(launch.size, launch.stride, dtype=launch.dtype,
+                                                         device=launch.device),
+            "empty": lambda: torch.empty(launch.size, dtype=launch.dtype, device=launch.device),
+            "new_empty": lambda: x.new_empty(launch.size),
+            "plan_launch_replay": lambda: plan.launch(ptrs),
+            "cuGraphLaunch": (lambda: drv.launch(ex, stream)) if ex is not None else None,
+            "current_stream": lambda: plans._current_stream(0),
+            "is_capturing": plans._capturing,
+            "workspace_ptr": lambda: plans._workspace_ptr(0, stream, plan.workspace_size or 1, False),
+            "torch_linear": lambda: F.linear(x, w, b),
+            "torch_relu": lambda: F.relu(y),
+            "torch_linear_relu": lambda: F.relu(F.linear(x, w, b)),
+        }
+        pieces = {k: v for k, v in pieces.items() if v is not None}
+        rows = {k: [] for k in pieces}
+        for _ in range(args.rounds):
+            for k, fn in pieces.items():
+                rows[k].append(host_us(fn, args.calls))
+        cf.set_launch_graphs(False)
+        rows["plan_launch_raw"] = [host_us(lambda: plan.launch(ptrs), args.calls) for _ in range(args.rounds)]
+        cf.set_launch_graphs(True)
+    med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
+    result = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "op": "cf.linear(x[64,256], w[256,256], b, activation='relu') fp16, memoized, launch graphs on",
+        "engine": plan.engine, "workspace": plan.workspace_size, "calls_per_round": args.calls,
+        "host_us": med, "all_rounds_us": {k: [round(t, 3) for t in v] for k, v in rows.items()},
+        "plan_stats": {k: v for k, v in cf.plan_stats().items() if k.startswith("graph_")},
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "eager_host_probe.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({"host_us": med, "plan_stats": result["plan_stats"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
