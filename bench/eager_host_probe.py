@@ -25,6 +25,25 @@ from bench.common import host_us  # noqa: E402
 from cudnn_fuse import ops, plans  # noqa: E402
 
 
+def host_and_device_us(fn, calls: int) -> tuple:
+    """(host, device) microseconds per call over ``calls`` back-to-back calls: device time from
+    CUDA events around the loop. Equal when the GPU is the bottleneck."""
+    import time
+
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    e0.record()
+    for _ in range(calls):
+        fn()
+    e1.record()
+    t1 = time.perf_counter()
+    e1.synchronize()
+    return 1e6 * (t1 - t0) / calls, 1e3 * e0.elapsed_time(e1) / calls
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -76,18 +95,35 @@ def main(argv=None) -> int:
         cf.set_launch_graphs(False)
         rows["plan_launch_raw"] = [host_us(lambda: plan.launch(ptrs), args.calls) for _ in range(args.rounds)]
         cf.set_launch_graphs(True)
+        # is a loop of calls host-bound or GPU-bound? CUDA-event time of the same loops, beside their host time
+        loops = {"cf_linear": pieces["cf_linear"], "torch_linear_relu": pieces["torch_linear_relu"]}
+        both = {f"{k}{sfx}": {"host": [], "device": []} for k in loops for sfx in ("", "_no_graphs")
+                if not (k.startswith("torch") and sfx)}
+        for _ in range(args.rounds):
+            for name, fn in loops.items():
+                for graphs in ((True, False) if name == "cf_linear" else (True,)):
+                    cf.set_launch_graphs(graphs)
+                    h, d = host_and_device_us(fn, args.calls)
+                    row = both[name + ("" if graphs else "_no_graphs")]
+                    row["host"].append(h)
+                    row["device"].append(d)
+        cf.set_launch_graphs(True)
     med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "op": "cf.linear(x[64,256], w[256,256], b, activation='relu') fp16, memoized, launch graphs on",
         "engine": plan.engine, "workspace": plan.workspace_size, "calls_per_round": args.calls,
-        "host_us": med, "all_rounds_us": {k: [round(t, 3) for t in v] for k, v in rows.items()},
+        "host_us": med,
+        "loop_host_vs_device_us": {k: {m: round(statistics.median(v[m]), 3) for m in v} for k, v in both.items()},
+        "loop_all_rounds_us": {k: {m: [round(t, 3) for t in v[m]] for m in v} for k, v in both.items()},
+        "all_rounds_us": {k: [round(t, 3) for t in v] for k, v in rows.items()},
         "plan_stats": {k: v for k, v in cf.plan_stats().items() if k.startswith("graph_")},
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "eager_host_probe.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({"host_us": med, "plan_stats": result["plan_stats"]}, indent=1))
+    print(json.dumps({"host_us": med, "loops": result["loop_host_vs_device_us"], "plan_stats": result["plan_stats"]},
+                     indent=1))
     return 0
 
 

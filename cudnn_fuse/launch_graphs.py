@@ -52,7 +52,8 @@ def _after(raw) -> int:
 
 ENABLED = os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS", "1").strip().lower() not in _OFF_WORDS
 AFTER = _after(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER", "2"))
-PER_PLAN = 8  # graphs one plan keeps (least recently used dropped): a loop alternates few pointer sets
+PER_PLAN = 64  # graphs one plan keeps (least recently used dropped): a model's same-shaped layers share a plan
+MAX_LIVE = 8192  # graphs alive in the process, all plans together; past it no new capture
 SEEN_CAP = 256  # pointer sets counted per plan before the counts start over
 CHURN_CAPTURES = 64  # after this many captures a plan whose graphs are rarely replayed stops capturing
 CHURN_REPLAYS_PER_CAPTURE = 2
@@ -63,13 +64,14 @@ CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other thre
 class Stats:
     """Process-wide counters (``cf.plan_stats()`` reports them under ``graph_*``)."""
 
-    __slots__ = ("captures", "replays", "failures")
+    __slots__ = ("captures", "replays", "failures", "live")
 
     def __init__(self):
-        self.captures = self.replays = self.failures = 0
+        self.captures = self.replays = self.failures = self.live = 0
 
     def snapshot(self) -> dict:
-        return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_failures": self.failures}
+        return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_failures": self.failures,
+                "graph_live": self.live}
 
 
 STATS = Stats()
@@ -182,9 +184,11 @@ class GraphSet:
         self.execs[key] = ex
         self.captures += 1
         STATS.captures += 1
+        STATS.live += 1
         while len(self.execs) > PER_PLAN:
             _, old = self.execs.popitem(last=False)
             self._drv.destroy(old)
+            STATS.live -= 1
         if self.captures >= CHURN_CAPTURES and self.replays < CHURN_REPLAYS_PER_CAPTURE * self.captures:
             log.debug("launch graphs: %d captures but %d replays for one plan; it launches raw from now on",
                       self.captures, self.replays)
@@ -198,6 +202,7 @@ class GraphSet:
     def release(self) -> None:
         execs, self.execs = self.execs, OrderedDict()
         for ex in execs.values():
+            STATS.live -= 1
             try:
                 self._drv.destroy(ex)
             except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone
@@ -217,9 +222,91 @@ def set_launch_graphs(enabled: bool) -> None:
     ENABLED = enabled
 
 
-def new_set():
-    """A GraphSet for a new plan, or None when graphs are off."""
-    drv = driver() if ENABLED else None
+def room() -> bool:
+    """Whether one more graph may be captured (MAX_LIVE)."""
+    return STATS.live < MAX_LIVE
+
+
+# A graph pays off only where the host is the bottleneck: a kernel shorter than cuDNN's raw execute
+# (10-14 us of host time). On a GPU kept busy, a graph launch costs the GPU time a stream launch does not
+# (bench/results/host_overhead.json: a 2048^3 linear ran 28.5 us a call replayed, 25.4 us launched raw).
+# So only plans whose kernel is estimated (at the H200's peaks: the estimate is a floor) to take at most
+# MAX_US get graphs. CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US sets it.
+PEAK_FLOPS = 989e12  # H200 dense fp16/bf16 tensor-core peak
+PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
+
+
+def _max_us(raw) -> float:
+    try:
+        v = float(raw)
+        if v >= 0:
+            return v
+    except (TypeError, ValueError):
+        pass
+    log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US=%r: want a number >= 0; using 4", raw)
+    return 4.0
+
+
+MAX_US = _max_us(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US", "4"))
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _tensors(spec):
+    import dataclasses
+
+    from .spec import TensorSpec
+
+    for f in dataclasses.fields(spec):
+        v = getattr(spec, f.name)
+        if isinstance(v, TensorSpec):
+            yield v
+        elif dataclasses.is_dataclass(v) and hasattr(v, "operands"):  # a training graph's forward
+            yield from _tensors(v)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _flops(spec) -> int:
+    from . import spec as S
+
+    if isinstance(spec, (S.ConvDgradSpec, S.ConvWgradSpec)):
+        w = spec.w if isinstance(spec, S.ConvDgradSpec) else spec.dw
+        return 2 * _prod(spec.dy.shape) * _prod(w.shape[1:])
+    if isinstance(spec, S.ActGradSpec):
+        return 0
+    if isinstance(spec, S.SdpaBwdSpec):
+        return int(2.5 * S.flops(spec))  # the forward's products and about 1.5x more
+    return S.flops(spec)
+
+
+def estimated_us(spec):
+    """A floor of ``spec``'s kernel time in microseconds (flops and bytes at the H200's peaks),
+    or None when it cannot be estimated."""
+    try:
+        moved = sum(_prod(t.shape) * _ITEMSIZE.get(t.dtype, 4) for t in _tensors(spec))
+        return 1e6 * max(_flops(spec) / PEAK_FLOPS, moved / PEAK_BYTES_PER_S)
+    except Exception:  # noqa: BLE001 - an unknown spec: no graphs
+        return None
+
+
+def worth_graphs(spec) -> bool:
+    """Whether ``spec``'s launches are short enough for graphs to pay (MAX_US)."""
+    est = estimated_us(spec)
+    return est is not None and est <= MAX_US
+
+
+def new_set(spec=None):
+    """A GraphSet for a new plan of ``spec``, or None when graphs are off or its kernel is too long
+    for them to pay (``worth_graphs``)."""
+    if not ENABLED or (spec is not None and not worth_graphs(spec)):
+        return None
+    drv = driver()
     return GraphSet(drv) if drv is not None else None
 
 

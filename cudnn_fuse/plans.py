@@ -328,7 +328,7 @@ class Plan:
         self._handle = handle_for(device)
         self._raw = _raw_launcher(graph, self.uids, self._handle.handle)
         # repeated pointer sets replay as CUDA graphs (launch_graphs.py); None: always raw
-        self._graphs = launch_graphs.new_set() if self._raw is not None else None
+        self._graphs = launch_graphs.new_set(spec) if self._raw is not None else None
 
     @property
     def raw(self) -> bool:
@@ -376,6 +376,8 @@ class Plan:
         (graphs off for this plan) when it cannot be captured. Called under the handle lock."""
         import cudnn
 
+        if not launch_graphs.room():
+            return None  # the process holds MAX_LIVE graphs: raw until some are dropped
         fn, slots, array, address, n, index, raw_handle = self._raw
         h = self._handle
         side = _side_stream(self.device)

@@ -294,3 +294,97 @@ def test_the_default_stream_is_never_asked_whether_it_captures(monkeypatch, afte
     for _ in range(3):
         rig.plan.launch([1, 2, 3])
     assert rig.replays()[-1] == ("replay", 101, 0)
+
+
+def _ts(*shape, dtype="float16"):
+    from cudnn_fuse.spec import TensorSpec
+
+    return TensorSpec.contiguous(shape, dtype)
+
+
+def _recorded(fn):
+    import cudnn_fuse as cf
+
+    with cf.record() as rec:
+        fn()
+    return rec.entries[0].spec
+
+
+def _m(*s, dtype=torch.float16):
+    return torch.empty(*s, device="meta", dtype=dtype)
+
+
+def _cl(t):
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("name,worth", [
+    ("linear 64x256x256", True), ("linear 2048^3", False), ("linear m1 1024x1024", True),
+    ("conv b1 c64 56x56", True), ("conv b32 c64 56x56", False), ("sdpa b1 h12 s128", True),
+    ("sdpa b4 h16 s2048", False), ("dgrad b32 c256 14x14", False), ("dgrad b1 c64 8x8", True),
+    ("wgrad b32 c256 14x14", False), ("act_grad 64x256", True), ("act_grad 8192x8192", False),
+    ("sdpa backward b1 h12 s128", True), ("sdpa backward b2 h16 s4096", False),
+])
+def test_only_short_kernels_get_graphs(name, worth):
+    import cudnn_fuse as cf
+    from cudnn_fuse import spec as S
+
+    geo = dict(stride=(1, 1), pre_padding=(1, 1), post_padding=(1, 1), dilation=(1, 1))
+    specs = {
+        "linear 64x256x256": lambda: _recorded(lambda: cf.linear(_m(64, 256), _m(256, 256), _m(256), activation="relu")),
+        "linear 2048^3": lambda: _recorded(lambda: cf.linear(_m(2048, 2048), _m(2048, 2048), _m(2048))),
+        "linear m1 1024x1024": lambda: _recorded(lambda: cf.linear(_m(1, 1024), _m(1024, 1024), _m(1024),
+                                                                   activation="gelu")),
+        "conv b1 c64 56x56": lambda: _recorded(lambda: cf.conv2d(_cl(_m(1, 64, 56, 56)), _cl(_m(64, 64, 3, 3)), _m(64),
+                                                                 padding=1, activation="relu")),
+        "conv b32 c64 56x56": lambda: _recorded(lambda: cf.conv2d(_cl(_m(32, 64, 56, 56)), _cl(_m(64, 64, 3, 3)),
+                                                                  _m(64), padding=1, activation="relu")),
+        "sdpa b1 h12 s128": lambda: _recorded(lambda: cf.scaled_dot_product_attention(
+            _m(1, 12, 128, 64), _m(1, 12, 128, 64), _m(1, 12, 128, 64), is_causal=True)),
+        "sdpa b4 h16 s2048": lambda: _recorded(lambda: cf.scaled_dot_product_attention(
+            _m(4, 16, 2048, 128), _m(4, 16, 2048, 128), _m(4, 16, 2048, 128))),
+        "dgrad b32 c256 14x14": lambda: S.ConvDgradSpec(_ts(32, 256, 14, 14), _ts(256, 256, 3, 3), _ts(32, 256, 14, 14),
+                                                        **geo),
+        "dgrad b1 c64 8x8": lambda: S.ConvDgradSpec(_ts(1, 64, 8, 8), _ts(64, 64, 3, 3), _ts(1, 64, 8, 8), **geo),
+        "wgrad b32 c256 14x14": lambda: S.ConvWgradSpec(_ts(32, 256, 14, 14), _ts(32, 256, 14, 14), _ts(256, 256, 3, 3),
+                                                        **geo),
+        "act_grad 64x256": lambda: S.ActGradSpec(_ts(64, 256), _ts(64, 256), _ts(64, 256), "gelu"),
+        "act_grad 8192x8192": lambda: S.ActGradSpec(_ts(8192, 8192), _ts(8192, 8192), _ts(8192, 8192), "gelu"),
+        "sdpa backward b1 h12 s128": lambda: S.SdpaBwdSpec(*(_ts(1, 12, 128, 64) for _ in range(5)),
+                                                           _ts(1, 12, 128, 1, dtype="float32"),
+                                                           *(_ts(1, 12, 128, 64) for _ in range(3)), is_causal=True),
+        "sdpa backward b2 h16 s4096": lambda: S.SdpaBwdSpec(*(_ts(2, 16, 4096, 64) for _ in range(5)),
+                                                            _ts(2, 16, 4096, 1, dtype="float32"),
+                                                            *(_ts(2, 16, 4096, 64) for _ in range(3)), is_causal=True),
+    }
+    spec = specs[name]()
+    assert launch_graphs.estimated_us(spec) is not None
+    assert launch_graphs.worth_graphs(spec) is worth, launch_graphs.estimated_us(spec)
+
+
+def test_a_spec_that_cannot_be_estimated_gets_no_graphs(monkeypatch):
+    assert launch_graphs.estimated_us(types.SimpleNamespace(op="mystery")) is None
+    assert launch_graphs.worth_graphs(types.SimpleNamespace(op="mystery")) is False
+    monkeypatch.setattr(launch_graphs, "ENABLED", True)
+    monkeypatch.setattr(launch_graphs, "_driver", FakeDriver())
+    assert launch_graphs.new_set(types.SimpleNamespace(op="mystery")) is None
+    assert isinstance(launch_graphs.new_set(), launch_graphs.GraphSet)
+
+
+@pytest.mark.parametrize("raw,want", [("4", 4.0), ("0", 0.0), ("12.5", 12.5), ("-1", 4.0), ("x", 4.0)])
+def test_max_us_from_the_environment(raw, want):
+    assert launch_graphs._max_us(raw) == want
+
+
+def test_no_capture_past_the_process_cap(monkeypatch, after2):
+    rig = Rig(monkeypatch, FakeDriver())
+    monkeypatch.setattr(launch_graphs.STATS, "live", launch_graphs.MAX_LIVE)
+    for _ in range(4):
+        rig.plan.launch([1, 2, 3])
+    assert rig.replays() == [] and not rig.plan._graphs.off  # raw, and graphs stay on for when there is room
+    monkeypatch.setattr(launch_graphs.STATS, "live", 0)
+    rig.plan.launch([1, 2, 3])
+    rig.plan.launch([1, 2, 3])
+    assert len(rig.replays()) == 1 and launch_graphs.STATS.live == 1
+    rig.plan._graphs.release()
+    assert launch_graphs.STATS.live == 0
