@@ -22,7 +22,7 @@ What it does not do:
 The graphs are driven through the CUDA driver API (libcuda, present wherever CUDA runs),
 not torch.cuda.CUDAGraph: torch's replay also re-seeds its RNG state on every replay, extra
 work that a one-kernel graph would pay per call. ``CUDNN_FUSE_LAUNCH_GRAPHS=0`` turns the
-whole thing off; ``CUDNN_FUSE_LAUNCH_GRAPHS_AFTER`` (default 2) is the sightings before a capture.
+whole thing off; ``CUDNN_FUSE_LAUNCH_GRAPHS_AFTER`` (default 3) is the sightings before a capture.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def _after(raw) -> int:
     try:
         n = int(raw)
     except (TypeError, ValueError):
-        log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER=%r: want an integer >= 1; using 2", raw)
-        return 2
+        log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER=%r: want an integer >= 1; using 3", raw)
+        return 3
     if n < 1:
         log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER=%r: want an integer >= 1; using 1", raw)
         return 1
@@ -51,11 +51,14 @@ def _after(raw) -> int:
 
 
 ENABLED = os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS", "1").strip().lower() not in _OFF_WORDS
-AFTER = _after(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER", "2"))
+AFTER = _after(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER", "3"))
 PER_PLAN = 64  # graphs one plan keeps (least recently used dropped): a model's same-shaped layers share a plan
 MAX_LIVE = 8192  # graphs alive in the process, all plans together; past it no new capture
 SEEN_CAP = 256  # pointer sets counted per plan before the counts start over
-CHURN_CAPTURES = 64  # after this many captures a plan whose graphs are rarely replayed stops capturing
+# A capture costs about 100 us (bench/results/peers_stack_g*.json: a batch-1 stack whose intermediates'
+# addresses did not recur captured on most calls until this guard stopped it). After this many captures
+# a plan whose graphs were replayed less than twice each stops capturing.
+CHURN_CAPTURES = 32
 CHURN_REPLAYS_PER_CAPTURE = 2
 
 CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' CUDA calls are unaffected

@@ -207,7 +207,7 @@ def test_the_count_of_sightings_is_bounded(monkeypatch, after2):
 
 
 @pytest.mark.parametrize("raw,want,warns", [("2", 2, False), ("1", 1, False), ("5", 5, False), ("0", 1, True),
-                                            ("-3", 1, True), ("x", 2, True), ("", 2, True)])
+                                            ("-3", 1, True), ("x", 3, True), ("", 3, True)])
 def test_after_from_the_environment(raw, want, warns, caplog):
     assert launch_graphs._after(raw) == want
     assert ("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER" in caplog.text) is warns
