@@ -51,8 +51,8 @@ def _after(raw) -> int:
 
 
 # Off by default: measured on the H200, a batch-1 stack of eight Linear+GELU layers timed with autotuning on
-# ran 1.48-1.64 ms a call with launch graphs against 0.115 ms without (bench/results/peers_stack_*.json), a
-# pathology not understood yet. CUDNN_FUSE_LAUNCH_GRAPHS=1 or cf.set_launch_graphs(True) opts in.
+# ran 0.87-1.65 ms a call with launch graphs in four of seven runs, against 0.115 ms without
+# (bench/results/launch_graphs/), a pathology not understood yet. CUDNN_FUSE_LAUNCH_GRAPHS=1 or cf.set_launch_graphs(True) opts in.
 ENABLED = os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS", "0").strip().lower() not in _OFF_WORDS
 AFTER = _after(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER", "3"))
 PER_PLAN = 64  # graphs one plan keeps (least recently used dropped): a model's same-shaped layers share a plan

@@ -67,6 +67,7 @@ class Rig:
         p._graphs = launch_graphs.GraphSet(drv)
         self.plan, self.drv = p, drv
         self.ws = 5000
+        monkeypatch.setattr(launch_graphs, "ENABLED", True)  # off by default: these tests switch it on
         monkeypatch.setattr(plans, "_current_stream", lambda d: self.stream)
         monkeypatch.setattr(plans, "_capturing", lambda: self.capturing)
         monkeypatch.setattr(plans, "_current_device", lambda: self.device)
@@ -388,3 +389,17 @@ def test_no_capture_past_the_process_cap(monkeypatch, after2):
     assert len(rig.replays()) == 1 and launch_graphs.STATS.live == 1
     rig.plan._graphs.release()
     assert launch_graphs.STATS.live == 0
+
+
+def test_off_by_default():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDNN_FUSE_LAUNCH_GRAPHS"}
+    code = "from cudnn_fuse import launch_graphs as g; print(g.ENABLED, g.new_set() is None)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]
+    env["CUDNN_FUSE_LAUNCH_GRAPHS"] = "1"
+    out = subprocess.run([sys.executable, "-c", code.replace(", g.new_set() is None", "")], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True"]
