@@ -894,6 +894,7 @@ def run_workload(w: Workload, opts: Options, started: float, timer: Callable = N
 def _run_variant(rec, v, case, timer, clock, ref):
     """Set up, check against torch eager's output, time; returns the reference output."""
     fallbacks = _fallbacks()
+    graphs = _graph_counters()
     fn = out = None
     t0 = clock()
     try:
@@ -916,10 +917,21 @@ def _run_variant(rec, v, case, timer, clock, ref):
         fn = out = None
         if v.cleanup is not None:
             v.cleanup()
+    moved = {k: n - graphs[k] for k, n in _graph_counters().items() if n != graphs[k]}
+    if moved:  # opt-in launch graphs (launch_graphs.py): what this variant captured and replayed
+        rec.setdefault("launch_graphs", {})[v.name] = moved
     fell_back = _fallbacks() - fallbacks
     if fell_back and v.name in CF_VARIANTS:
         rec["notes"].append(f"{v.name}: {fell_back} op call(s) fell back to PyTorch (cf.plan_stats)")
     return ref
+
+
+def _graph_counters() -> dict:
+    from .launch_graphs import STATS
+
+    snap = STATS.snapshot()
+    snap.pop("graph_live", None)
+    return snap
 
 
 def _release() -> None:

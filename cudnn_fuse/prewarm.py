@@ -39,14 +39,18 @@ class Row:
 
 
 def default_builder(autotune: bool, device: int) -> Callable:
-    """Build through the normal load order (which stores into the cache)."""
+    """Build through the normal load order (which stores into the cache), with autotuning on or
+    off for that build only: the process's own setting is restored after each build."""
     from . import autotune as at
     from . import loader
 
-    at.set_autotune(autotune)
-
     def build(spec):
-        loader.load_or_build(spec, device)
+        old = at._enabled  # None (the environment decides) is restored as None
+        at.set_autotune(autotune)
+        try:
+            loader.load_or_build(spec, device)
+        finally:
+            at._enabled = old
 
     return build
 

@@ -353,3 +353,21 @@ def test_bench_list_and_merge_need_no_gpu(tmp_path, capsys):
 def test_bench_rejects_a_bad_regex(capsys):
     assert cli.main(["bench", "--list", "--only", "("]) == 2
     assert "cudnn-fuse bench" in capsys.readouterr().err
+
+
+def test_a_variant_that_captures_or_replays_launch_graphs_records_how_many(monkeypatch):
+    from cudnn_fuse import launch_graphs
+
+    monkeypatch.setattr(launch_graphs, "STATS", launch_graphs.Stats())
+
+    def timer(name, fn, case):
+        if name == "cf_autotuned":  # as if its launches captured 3 graphs and replayed 40 times
+            launch_graphs.STATS.captures += 3
+            launch_graphs.STATS.replays += 40
+            launch_graphs.STATS.live += 3
+        return _timer(name, fn, case)
+
+    rec = bs.run_workload(_fake_workload("mm"), bs.Options(), started=0.0, timer=timer, clock=Clock())
+    assert rec["launch_graphs"] == {"cf_autotuned": {"graph_captures": 3, "graph_replays": 40}}
+    quiet = bs.run_workload(_fake_workload("mm"), bs.Options(), started=0.0, timer=_timer, clock=Clock())
+    assert "launch_graphs" not in quiet  # graphs off (the default): the record is as before

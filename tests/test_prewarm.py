@@ -273,3 +273,27 @@ def test_work_order_puts_expensive_entries_first():
     order = prewarm.work_order(entries)
     costs = [flops(entries[i].spec) for i in order]
     assert sorted(order) == list(range(len(entries))) and costs == sorted(costs, reverse=True)
+
+
+def test_the_default_builder_tunes_its_own_builds_and_restores_the_process_setting(monkeypatch):
+    from cudnn_fuse import autotune as at
+    from cudnn_fuse import loader, prewarm
+
+    seen = []
+    monkeypatch.setattr(loader, "load_or_build", lambda spec, device: seen.append((spec, device,
+                                                                                   at.autotune_enabled())))
+    monkeypatch.setattr(at, "_enabled", None)
+    monkeypatch.delenv("CUDNN_FUSE_AUTOTUNE", raising=False)
+    prewarm.default_builder(True, 1)("spec")
+    assert seen == [("spec", 1, True)]
+    assert at._enabled is None and at.autotune_enabled() is False  # the process's setting, untouched
+    at.set_autotune(True)
+    prewarm.default_builder(False, 0)("other")
+    assert seen[-1] == ("other", 0, False) and at.autotune_enabled() is True
+
+    def boom(spec, device):
+        raise RuntimeError("cuDNN declined")
+    monkeypatch.setattr(loader, "load_or_build", boom)
+    with pytest.raises(RuntimeError):
+        prewarm.default_builder(False, 0)("bad")
+    assert at.autotune_enabled() is True  # restored on failure too
