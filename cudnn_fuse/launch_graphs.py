@@ -58,11 +58,13 @@ AFTER = _after(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER", "3"))
 PER_PLAN = 64  # graphs one plan keeps (least recently used dropped): a model's same-shaped layers share a plan
 MAX_LIVE = 8192  # graphs alive in the process, all plans together; past it no new capture
 SEEN_CAP = 256  # pointer sets counted per plan before the counts start over
-# A capture costs about 100 us (bench/results/peers_stack_g*.json: a batch-1 stack whose intermediates'
-# addresses did not recur captured on most calls until this guard stopped it). After this many captures
-# a plan whose graphs were replayed less than twice each stops capturing.
+# A capture costs ~100 us or more. Where pointer sets recur only a few times each (intermediates' addresses
+# drifting through the allocator's pool), capturing them costs more than their replays save. So past
+# CHURN_CAPTURES captures a plan captures again only while its graphs have been reused (replayed after
+# the launch that captured them) at least CHURN_REUSES_PER_CAPTURE times per capture on average. A gate,
+# not an off switch: captures resume once the reuses catch up.
 CHURN_CAPTURES = 32
-CHURN_REPLAYS_PER_CAPTURE = 2
+CHURN_REUSES_PER_CAPTURE = 4
 
 CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' CUDA calls are unaffected
 
@@ -166,21 +168,22 @@ class GraphSet:
     """One plan's captured graphs, keyed by pointer set, and the sightings of pointer sets not
     captured yet. Used under the plan's handle lock (one launch at a time per device)."""
 
-    __slots__ = ("execs", "seen", "off", "captures", "replays", "_drv")
+    __slots__ = ("execs", "seen", "off", "captures", "replays", "reuses", "_drv")
 
     def __init__(self, drv):
         self.execs: OrderedDict = OrderedDict()
         self.seen: dict = {}
         self.off = False
-        self.captures = self.replays = 0
+        self.captures = self.replays = self.reuses = 0  # replays: every graph launch; reuses: not a capture's own
         self._drv = drv
 
     def sighted(self, key) -> bool:
-        """Count a sighting of ``key`` (not captured yet); True when it is due for a capture."""
+        """Count a sighting of ``key`` (not captured yet); True when it is due for a capture and the
+        plan's captures pay for themselves (CHURN_CAPTURES, CHURN_REUSES_PER_CAPTURE)."""
         n = self.seen.get(key, 0) + 1
         if n >= AFTER:
             self.seen.pop(key, None)
-            return True
+            return self.captures < CHURN_CAPTURES or self.reuses >= CHURN_REUSES_PER_CAPTURE * self.captures
         if len(self.seen) >= SEEN_CAP:
             self.seen.clear()
         self.seen[key] = n
@@ -195,10 +198,9 @@ class GraphSet:
             _, old = self.execs.popitem(last=False)
             self._drv.destroy(old)
             STATS.live -= 1
-        if self.captures >= CHURN_CAPTURES and self.replays < CHURN_REPLAYS_PER_CAPTURE * self.captures:
-            log.debug("launch graphs: %d captures but %d replays for one plan; it launches raw from now on",
-                      self.captures, self.replays)
-            self.disable()
+        if self.captures == CHURN_CAPTURES and self.reuses < CHURN_REUSES_PER_CAPTURE * self.captures:
+            log.debug("launch graphs: %d captures but %d reuses for one plan; it captures again once they catch up",
+                      self.captures, self.reuses)
 
     def disable(self) -> None:
         self.off = True

@@ -351,12 +351,15 @@ class Plan:
                     _current_device() == self.device:
                 key = (ws, *ptrs)
                 ex = graphs.execs.get(key)
+                fresh = False
                 if ex is None and graphs.sighted(key):
-                    ex = self._capture(graphs, key, ptrs, ws)
+                    ex = fresh = self._capture(graphs, key, ptrs, ws)
                 if ex is not None:
                     rc = graphs._drv.launch(ex, stream)
                     if not rc:
                         graphs.replays += 1
+                        if not fresh:
+                            graphs.reuses += 1
                         launch_graphs.STATS.replays += 1
                         return
                     self._graph_failed(graphs, launch_graphs.DriverError(

@@ -174,19 +174,31 @@ def test_a_plan_keeps_at_most_per_plan_graphs(monkeypatch, after2):
     assert sorted(rig.drv.destroyed) == [101, 102, 103, 104, 105]
 
 
-def test_a_plan_whose_graphs_are_not_replayed_stops_capturing(monkeypatch, after2):
+def test_a_plan_whose_graphs_are_not_reused_stops_capturing_until_they_are(monkeypatch, after2):
     monkeypatch.setattr(launch_graphs, "CHURN_CAPTURES", 4)
-    monkeypatch.setattr(launch_graphs, "CHURN_REPLAYS_PER_CAPTURE", 2)
+    monkeypatch.setattr(launch_graphs, "CHURN_REUSES_PER_CAPTURE", 2)
     rig = Rig(monkeypatch, FakeDriver())
-    for k in range(4):  # each pointer set twice, then never again: 4 captures, 4 replays
-        rig.plan.launch([k, 0, 0])
-        rig.plan.launch([k, 0, 0])
-    assert rig.plan._graphs.off and rig.plan._graphs.execs == {}
+    gs = rig.plan._graphs
+    for k in range(4):  # each pointer set seen 3 times, then never again: 4 captures, 4 reuses
+        for _ in range(3):
+            rig.plan.launch([k, 0, 0])
+    assert (gs.captures, gs.reuses, gs.replays) == (4, 4, 8)
+    for k in range(4, 8):  # the gate: 4 reuses < 2 x 4 captures, so these launch raw, uncaptured
+        for _ in range(3):
+            rig.plan.launch([k, 0, 0])
+    assert gs.captures == 4 and not gs.off and len(gs.execs) == 4
+    assert [c[1][0] for c in rig.raw_calls[-12:]] == [4, 4, 4, 5, 5, 5, 6, 6, 6, 7, 7, 7]
+    for _ in range(4):  # the graphs it holds get reused: 8 reuses >= 2 x 4, captures resume
+        rig.plan.launch([0, 0, 0])
+    assert gs.reuses == 8
+    for _ in range(2):
+        rig.plan.launch([9, 0, 0])
+    assert gs.captures == 5 and (0, 9, 0, 0) in gs.execs
     kept = Rig(monkeypatch, FakeDriver())
-    for k in range(4):  # the same captures, each replayed often: graphs stay on
+    for k in range(8):  # captures each replayed often: never gated
         for _ in range(12):
             kept.plan.launch([k, 0, 0])
-    assert not kept.plan._graphs.off and len(kept.plan._graphs.execs) == 4
+    assert kept.plan._graphs.captures == 8 and len(kept.plan._graphs.execs) == 8
 
 
 @pytest.mark.parametrize("after", [1, 3])
