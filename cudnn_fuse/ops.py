@@ -48,23 +48,10 @@ def _is_cupy(x) -> bool:
     return type(x).__module__.split(".", 1)[0] == "cupy"
 
 
-def cupy_io(fn):
-    """Let ``fn`` take CuPy arrays (zero-copy through DLPack) and return CuPy arrays
-    when its first argument is one. CuPy stays optional: it is imported only then.
-    The public ops call ``_cupy_call`` themselves after a memo miss instead (a wrapper
-    would add a Python call to every call of the hot path)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if isinstance(args[0], torch.Tensor) or not _is_cupy(args[0]):
-            return fn(*args, **kwargs)
-        return _cupy_call(fn, args, kwargs)
-
-    return wrapper
-
-
 def _cupy_call(fn, args, kwargs):
-    """``fn(*args, **kwargs)`` with CuPy arrays in and out (zero-copy through DLPack)."""
+    """``fn(*args, **kwargs)`` with CuPy arrays in and out (zero-copy through DLPack): the public ops
+    call it after a memo miss when their first argument is a CuPy array (CuPy stays optional: it is
+    imported only then). No wrapper: that would add a Python call to every call of the hot path."""
     import cupy
 
     conv = [torch.from_dlpack(a) if _is_cupy(a) else a for a in args]

@@ -254,7 +254,7 @@ def test_the_driver_binds_the_entry_points_by_their_abi_names():
     names = [c[0] for c in calls]
     assert names == ["cuStreamBeginCapture_v2", "work", "cuStreamEndCapture", "cuGraphInstantiateWithFlags"]
     assert calls[0][1][1] == launch_graphs.CAPTURE_MODE_THREAD_LOCAL
-    assert d.launch is not None
+    assert d.launch(7, 9) == 0 and calls[-1] == ("cuGraphLaunch", (7, 9))
     with pytest.raises(launch_graphs.DriverError, match="cuGraphLaunch"):
         d.check(3, "cuGraphLaunch")
 
