@@ -213,23 +213,60 @@ def knobs_from_json(knobs: dict) -> dict:
     return {getattr(cudnn.knob_type, k): int(v) for k, v in (knobs or {}).items()}
 
 
+# The host's enqueue rate seen by device_ms in this process (us per call, with a margin): the next
+# measurement's spin starts from it. A slow or contended host (torch.compile's worker processes,
+# data-loader threads) can issue a call slower than the caller's guess.
+_host_us_seen = 0.0
+SPIN_ATTEMPTS = 3
+HOST_US_CAP = 1000.0  # the remembered rate's cap: one slow callable must not lengthen every later spin
+
+
 def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
     """Device milliseconds of each of ``iters`` calls of ``fn``.
 
     The GPU is first held busy by a spin kernel long enough for the host to queue
     every call behind it, so the events time the kernels back to back and not the
-    host's launch overhead (which exceeds a small kernel's run time).
+    host's launch overhead (which exceeds a small kernel's run time). Whether it was
+    long enough is measured, not assumed: when the host took longer to queue the calls
+    than the spin ran, the calls at the end waited on the host and their events timed
+    its launch cost (a 4 us GEMV timed at 0.1 ms and more, which let torch's candidate
+    "win" a batch-1 linear, bench/results/tune_timing_probe.json). Then it measures
+    again behind a spin sized from the host's measured rate, up to SPIN_ATTEMPTS times.
     """
+    global _host_us_seen
+    per_call = max(float(host_us_per_call), _host_us_seen)
+    for attempt in range(SPIN_ATTEMPTS):
+        times, enqueue_ms, spin_ms = _behind_spin(fn, iters, 200.0 + per_call * iters)
+        measured = 1e3 * enqueue_ms / max(iters, 1)
+        if enqueue_ms < spin_ms:  # the last call was queued while the GPU still spun
+            _host_us_seen = max(_host_us_seen, min(1.5 * measured, HOST_US_CAP))
+            return times
+        per_call = max(2.0 * measured, 2.0 * per_call)
+        log.debug("device_ms: the host queued %d calls in %.3f ms, longer than the %.3f ms spin; measuring again "
+                  "behind a longer one (%.0f us a call)", iters, enqueue_ms, spin_ms, per_call)
+    log.info("device_ms: the host stayed slower than the GPU's spin over %d attempts (%.1f us a call): these "
+             "timings include launch overhead", SPIN_ATTEMPTS, measured)
+    return times
+
+
+def _behind_spin(fn, iters: int, spin_us: float) -> tuple[list[float], float, float]:
+    """(device ms of each of ``iters`` calls of ``fn``, host ms taken to queue them, device ms the spin
+    kernel ran): the calls queued behind a spin of about ``spin_us`` (~2 GHz clock; at most 1 s)."""
     import torch
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    torch.cuda._sleep(int(2e3 * (200 + host_us_per_call * iters)))  # ~2 GHz: cycles for the queueing time
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(int(2e3 * min(spin_us, 1e6)))
+    b.record()
+    t0 = time.perf_counter()
     for s, e in events:
         s.record()
         fn()
         e.record()
+    enqueue_ms = 1e3 * (time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events]
+    return [s.elapsed_time(e) for s, e in events], enqueue_ms, a.elapsed_time(b)
 
 
 def random_buffers(spec, roles, device: int, sets: int = 1):

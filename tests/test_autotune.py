@@ -188,3 +188,68 @@ def test_prefer_precompiled_keeps_a_precompiled_winner():
     cands = [Candidate(0, runtime_compiled=False), Candidate(1, runtime_compiled=False)]
     winner, _ = select(cands, *fake({0: 1.0, 1: 0.99}, {0: 1.0, 1: 0.99}), Config(budget_s=1e9, prefer_precompiled=0.5))
     assert winner.index == 1
+
+
+# ---------------------------------------------------------------- device_ms's spin (fake GPU)
+
+
+class FakeSpin:
+    """Stands in for autotune._behind_spin: each call answers the next (enqueue_ms, spin_ms) pair
+    and records the spin it was asked for."""
+
+    def __init__(self, answers):
+        self.answers, self.asked = list(answers), []
+
+    def __call__(self, fn, iters, spin_us):
+        self.asked.append(spin_us)
+        enqueue_ms, spin_ms = self.answers.pop(0)
+        return [float(len(self.asked))] * iters, enqueue_ms, spin_ms
+
+
+@pytest.fixture
+def spin(monkeypatch):
+    monkeypatch.setattr(autotune, "_host_us_seen", 0.0)
+
+    def install(answers):
+        fake_spin = FakeSpin(answers)
+        monkeypatch.setattr(autotune, "_behind_spin", fake_spin)
+        return fake_spin
+    return install
+
+
+def test_device_ms_keeps_timings_queued_behind_the_spin(spin):
+    s = spin([(2.0, 3.2)])  # 30 calls queued in 2 ms behind a 3.2 ms spin
+    assert autotune.device_ms(lambda: None, 30) == [1.0] * 30
+    assert s.asked == [200 + 100 * 30]
+
+
+def test_device_ms_measures_again_when_the_host_outran_the_spin(spin):
+    # 30 calls took 6 ms to queue (200 us each) behind a 3.2 ms spin: the last ones timed the host
+    s = spin([(6.0, 3.2), (6.1, 12.5)])
+    assert autotune.device_ms(lambda: None, 30) == [2.0] * 30  # the second measurement's times
+    assert len(s.asked) == 2
+    assert s.asked[1] >= 200 + 2 * 200 * 30  # sized from the measured 200 us a call, with a margin
+
+
+def test_device_ms_remembers_a_slow_hosts_rate_for_the_next_spin(spin):
+    spin([(6.0, 3.2), (6.1, 12.5)])
+    autotune.device_ms(lambda: None, 30)
+    s = spin([(6.0, 12.0)])
+    autotune.device_ms(lambda: None, 30)
+    assert s.asked[0] >= 200 + 1.5 * (6.1e3 / 30) * 30  # started long enough: no second attempt
+    assert len(s.asked) == 1
+
+
+def test_device_ms_gives_up_after_its_attempts_and_logs(spin, caplog):
+    s = spin([(10.0, 1.0)] * autotune.SPIN_ATTEMPTS)
+    with caplog.at_level("INFO", logger="cudnn_fuse.autotune"):
+        out = autotune.device_ms(lambda: None, 5)
+    assert out == [float(autotune.SPIN_ATTEMPTS)] * 5
+    assert len(s.asked) == autotune.SPIN_ATTEMPTS and s.asked == sorted(s.asked) and s.asked[0] < s.asked[-1]
+    assert "include launch overhead" in caplog.text
+
+
+def test_device_ms_caps_the_remembered_rate(spin):
+    spin([(50.0, 60.0)])  # a callable that takes 10 ms of host time a call
+    autotune.device_ms(lambda: None, 5)
+    assert autotune._host_us_seen == autotune.HOST_US_CAP

@@ -64,3 +64,61 @@ def test_torch_plan_on_the_gpu_matches_eager(act):
     eager = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, None: lambda t: t}[act](eager)
     assert torch.equal(y[0], eager)  # the same cuBLAS call and the same activation kernel as eager
     assert amax.item() == eager.float().abs().max().item()
+
+
+def test_device_ms_times_the_kernel_behind_a_slow_host():
+    """A callable that spends 300 us on the host before a ~3 us kernel: its events must time the kernel
+    (the spin is checked and lengthened), not the host's 300 us."""
+    import statistics
+    import time
+
+    x = torch.randn(4096, device="cuda")
+
+    def slow_host():
+        t = time.perf_counter()
+        while time.perf_counter() - t < 300e-6:
+            pass
+        x.add_(1.0)
+
+    for _ in range(3):
+        slow_host()
+    torch.cuda.synchronize()
+    assert statistics.median(autotune.device_ms(slow_host, 30)) < 0.05
+
+
+def test_a_tuned_batch1_linear_keeps_cudnn_on_a_busy_host(cache_dir):
+    """Two Python threads take the GIL from the tuner: its timings must still be device times, so
+    torch's candidate (allowed only past TORCH_MIN_MS of cuDNN device time) cannot win a 4 us GEMV."""
+    import threading
+
+    from cudnn_fuse.cache import open_default_cache
+
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    stop = threading.Event()
+
+    def hog():
+        while not stop.is_set():
+            pass
+    threads = [threading.Thread(target=hog, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        with autotuning(budget_s=3, torch_candidate=True):
+            y = cf.linear(x, w, b, activation="gelu")
+            torch.cuda.synchronize()
+            plan = plans.plans_in_memory()[-1]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    entry = open_default_cache().get(plan.spec.digest())
+    assert entry is not None and entry.meta["tuned"]
+    cudnn_best = min(c["median_ms"] for c in entry.meta["candidates"]
+                     if c["index"] != autotune.TORCH_INDEX and c["median_ms"] is not None)
+    assert cudnn_best < 0.05, entry.meta["candidates"]
+    assert not isinstance(plan, torch_engine.TorchPlan) and not entry.meta["use_torch"]
+    ref = F.gelu(F.linear(x.float(), w.float(), b.float()))
+    assert (y.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
