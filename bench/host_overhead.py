@@ -1,8 +1,8 @@
 """Host time per call of a tiny fused op, by path (issue 6's host-overhead gap).
 
 `cf.linear(x, w, b, activation="relu")` at 64x256x256 fp16, where the host is the
-bottleneck: the memoized fast path (what users get by default: each call a raw cuDNN
-execute), the same with launch graphs on (repeated pointer sets replayed; opt-in), the
+bottleneck: the memoized fast path (what users get by default: a repeated pointer set replays
+as a launch graph), the same with launch graphs off (each call a raw cuDNN execute), the
 first-call path with the memo off, the same with the public cuDNN execute instead of raw
 pointers, the op replayed under `cf.capture` (per op, 100 ops a graph, and one op a graph:
 torch's CUDAGraph replay), and torch's `F.relu(F.linear(x, w, b))`. All in one process,
@@ -77,21 +77,20 @@ def main(argv=None) -> int:
     with torch.no_grad():
         captured = cf.capture(chain_fn, x)
         single = cf.capture(cf_op)
-        rows = {k: [] for k in ("eager", "eager_launch_graphs", "eager_no_memo", "eager_public_execute", "captured",
+        rows = {k: [] for k in ("eager", "eager_no_launch_graphs", "eager_no_memo", "eager_public_execute", "captured",
                                 "captured_single_op", "torch_eager")}
         dev = {"graphs": [], "no_graphs": []}
         graphs_default = launch_graphs.ENABLED
         for _ in range(args.rounds):
             rows["torch_eager"].append(host_us(torch_op, args.calls))
-            cf.set_launch_graphs(False)
-            rows["eager"].append(host_us(cf_op, args.calls))
-            dev["no_graphs"].append(device_us())
             cf.set_launch_graphs(True)
-            plans.clear()  # plans built from now on get launch graphs
-            rows["eager_launch_graphs"].append(host_us(cf_op, args.calls))
+            plans.clear()  # plans built from now on get launch graphs (the default)
+            rows["eager"].append(host_us(cf_op, args.calls))
             dev["graphs"].append(device_us())
-            cf.set_launch_graphs(graphs_default)
-            plans.clear()
+            cf.set_launch_graphs(False)
+            rows["eager_no_launch_graphs"].append(host_us(cf_op, args.calls))
+            dev["no_graphs"].append(device_us())
+            plans.clear()  # the memo-off and public-execute rows: raw launches, as before graphs
             ops._memo = no_memo
             rows["eager_no_memo"].append(host_us(cf_op, args.calls))
             plans.RAW_EXECUTE = False
@@ -100,6 +99,7 @@ def main(argv=None) -> int:
             plans.RAW_EXECUTE = True
             plans.clear()
             ops._memo = memo
+            cf.set_launch_graphs(graphs_default)
             cf_op()
             rows["captured"].append(host_us(captured.replay, max(1, args.calls // chain)) / chain)
             rows["captured_single_op"].append(host_us(single.replay, args.calls))

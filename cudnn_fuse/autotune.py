@@ -217,56 +217,64 @@ def knobs_from_json(knobs: dict) -> dict:
 # measurement's spin starts from it. A slow or contended host (torch.compile's worker processes,
 # data-loader threads) can issue a call slower than the caller's guess.
 _host_us_seen = 0.0
-SPIN_ATTEMPTS = 3
+SPIN_ATTEMPTS = 4
+SPIN_MARGIN_MS = 0.05  # a call counts as queued behind the spin if queued this long before the spin's end
 HOST_US_CAP = 1000.0  # the remembered rate's cap: one slow callable must not lengthen every later spin
 
 
 def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
-    """Device milliseconds of each of ``iters`` calls of ``fn``.
+    """Device milliseconds of calls of ``fn`` (``iters`` of them, or fewer, see below).
 
     The GPU is first held busy by a spin kernel long enough for the host to queue
-    every call behind it, so the events time the kernels back to back and not the
+    the calls behind it, so the events time the kernels back to back and not the
     host's launch overhead (which exceeds a small kernel's run time). Whether it was
-    long enough is measured, not assumed: when the host took longer to queue the calls
-    than the spin ran, the calls at the end waited on the host and their events timed
-    its launch cost (a 4 us GEMV timed at 0.1 ms and more, which let torch's candidate
-    "win" a batch-1 linear, bench/results/tune_timing_probe.json). Then it measures
-    again behind a spin sized from the host's measured rate, up to SPIN_ATTEMPTS times.
+    long enough is measured, not assumed: a call the host had not finished queueing
+    before the spin ended may have waited on the host, and its events timed its launch
+    cost (a 4 us GEMV timed at 0.25 ms, which let torch's candidate "win" a batch-1
+    linear: bench/results/tune_timing_probe.json). Those calls are dropped; when more
+    than half were, it measures again behind a spin sized from the host's measured
+    rate, up to SPIN_ATTEMPTS times.
     """
     global _host_us_seen
     per_call = max(float(host_us_per_call), _host_us_seen)
+    times: list = []
+    clean: list = []
     for attempt in range(SPIN_ATTEMPTS):
-        times, enqueue_ms, spin_ms = _behind_spin(fn, iters, 200.0 + per_call * iters)
-        measured = 1e3 * enqueue_ms / max(iters, 1)
-        if enqueue_ms < spin_ms:  # the last call was queued while the GPU still spun
+        times, queued, spin_ms = _behind_spin(fn, iters, 200.0 + per_call * iters)
+        clean = [t for t, q in zip(times, queued) if q + SPIN_MARGIN_MS < spin_ms]
+        measured = 1e3 * queued[-1] / len(queued) if queued else 0.0
+        if clean and 2 * len(clean) >= len(times):
             _host_us_seen = max(_host_us_seen, min(1.5 * measured, HOST_US_CAP))
-            return times
-        per_call = max(2.0 * measured, 2.0 * per_call)
-        log.debug("device_ms: the host queued %d calls in %.3f ms, longer than the %.3f ms spin; measuring again "
-                  "behind a longer one (%.0f us a call)", iters, enqueue_ms, spin_ms, per_call)
+            return clean
+        per_call = max(4.0 * measured, 2.0 * per_call)
+        log.debug("device_ms: %d of %d calls queued before the %.3f ms spin ended; measuring again behind a "
+                  "longer one (%.0f us a call)", len(clean), len(times), spin_ms, per_call)
     log.info("device_ms: the host stayed slower than the GPU's spin over %d attempts (%.1f us a call): these "
              "timings include launch overhead", SPIN_ATTEMPTS, measured)
-    return times
+    return clean or times
 
 
-def _behind_spin(fn, iters: int, spin_us: float) -> tuple[list[float], float, float]:
-    """(device ms of each of ``iters`` calls of ``fn``, host ms taken to queue them, device ms the spin
-    kernel ran): the calls queued behind a spin of about ``spin_us`` (~2 GHz clock; at most 1 s)."""
+def _behind_spin(fn, iters: int, spin_us: float) -> tuple[list[float], list[float], float]:
+    """(device ms of each of ``iters`` calls of ``fn``; host ms from the spin's launch until each call
+    was queued whole; device ms the spin ran): the calls queued behind a spin of about ``spin_us``
+    (~2 GHz clock; at most 1 s) launched on an idle GPU, so that it starts as it is launched."""
     import torch
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
     a.record()
     torch.cuda._sleep(int(2e3 * min(spin_us, 1e6)))
     b.record()
     t0 = time.perf_counter()
+    queued = []
     for s, e in events:
         s.record()
         fn()
         e.record()
-    enqueue_ms = 1e3 * (time.perf_counter() - t0)
+        queued.append(1e3 * (time.perf_counter() - t0))
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events], enqueue_ms, a.elapsed_time(b)
+    return [s.elapsed_time(e) for s, e in events], queued, a.elapsed_time(b)
 
 
 def random_buffers(spec, roles, device: int, sets: int = 1):

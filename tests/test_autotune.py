@@ -194,8 +194,9 @@ def test_prefer_precompiled_keeps_a_precompiled_winner():
 
 
 class FakeSpin:
-    """Stands in for autotune._behind_spin: each call answers the next (enqueue_ms, spin_ms) pair
-    and records the spin it was asked for."""
+    """Stands in for autotune._behind_spin: each call answers the next (enqueue_ms, spin_ms) pair (the
+    calls queued evenly over enqueue_ms), times every call as the attempt's number, and records the
+    spin it was asked for."""
 
     def __init__(self, answers):
         self.answers, self.asked = list(answers), []
@@ -203,7 +204,8 @@ class FakeSpin:
     def __call__(self, fn, iters, spin_us):
         self.asked.append(spin_us)
         enqueue_ms, spin_ms = self.answers.pop(0)
-        return [float(len(self.asked))] * iters, enqueue_ms, spin_ms
+        queued = [enqueue_ms * (i + 1) / iters for i in range(iters)]
+        return [float(len(self.asked))] * iters, queued, spin_ms
 
 
 @pytest.fixture
@@ -223,20 +225,26 @@ def test_device_ms_keeps_timings_queued_behind_the_spin(spin):
     assert s.asked == [200 + 100 * 30]
 
 
+def test_device_ms_drops_the_calls_queued_after_the_spin_ended(spin):
+    s = spin([(4.0, 3.2)])  # 30 calls in 4 ms behind a 3.2 ms spin: the last 7 (3.33 ms on) may time the host
+    out = autotune.device_ms(lambda: None, 30)
+    assert out == [1.0] * 23 and len(s.asked) == 1
+
+
 def test_device_ms_measures_again_when_the_host_outran_the_spin(spin):
-    # 30 calls took 6 ms to queue (200 us each) behind a 3.2 ms spin: the last ones timed the host
-    s = spin([(6.0, 3.2), (6.1, 12.5)])
+    # 30 calls took 9 ms to queue (300 us each) behind a 3.2 ms spin: most of them timed the host
+    s = spin([(9.0, 3.2), (9.1, 40.0)])
     assert autotune.device_ms(lambda: None, 30) == [2.0] * 30  # the second measurement's times
     assert len(s.asked) == 2
-    assert s.asked[1] >= 200 + 2 * 200 * 30  # sized from the measured 200 us a call, with a margin
+    assert s.asked[1] >= 200 + 4 * 300 * 30  # sized from the measured 300 us a call, with a margin
 
 
 def test_device_ms_remembers_a_slow_hosts_rate_for_the_next_spin(spin):
-    spin([(6.0, 3.2), (6.1, 12.5)])
+    spin([(9.0, 3.2), (9.1, 40.0)])
     autotune.device_ms(lambda: None, 30)
-    s = spin([(6.0, 12.0)])
+    s = spin([(9.0, 14.0)])
     autotune.device_ms(lambda: None, 30)
-    assert s.asked[0] >= 200 + 1.5 * (6.1e3 / 30) * 30  # started long enough: no second attempt
+    assert s.asked[0] >= 200 + 1.5 * (9.1e3 / 30) * 30  # started long enough: no second attempt
     assert len(s.asked) == 1
 
 
@@ -244,7 +252,7 @@ def test_device_ms_gives_up_after_its_attempts_and_logs(spin, caplog):
     s = spin([(10.0, 1.0)] * autotune.SPIN_ATTEMPTS)
     with caplog.at_level("INFO", logger="cudnn_fuse.autotune"):
         out = autotune.device_ms(lambda: None, 5)
-    assert out == [float(autotune.SPIN_ATTEMPTS)] * 5
+    assert out == [float(autotune.SPIN_ATTEMPTS)] * 5  # nothing was queued in time: the last attempt's times
     assert len(s.asked) == autotune.SPIN_ATTEMPTS and s.asked == sorted(s.asked) and s.asked[0] < s.asked[-1]
     assert "include launch overhead" in caplog.text
 

@@ -91,7 +91,10 @@ def test_replays_are_bit_identical_to_raw_launches_and_read_new_values(cache_dir
             again = _flat(fn(t))
         torch.cuda.synchronize()
         s1 = launch_graphs.STATS.snapshot()
-        assert s1["graph_captures"] > s0["graph_captures"], "a repeated pointer set must be captured"
+        assert s1["graph_captures"] > s0["graph_captures"], ("a repeated pointer set must be captured", plans.plan_stats(),
+                                                             [(type(p).__name__, getattr(p, "engine", None),
+                                                               getattr(p, "_graphs", None) is not None)
+                                                              for p in plans.plans_in_memory()])
         assert s1["graph_replays"] > s0["graph_replays"] and s1["graph_failures"] == s0["graph_failures"]
         for a, c in zip(first, again):
             assert torch.equal(a, c)

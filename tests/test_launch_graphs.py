@@ -403,15 +403,17 @@ def test_no_capture_past_the_process_cap(monkeypatch, after2):
     assert launch_graphs.STATS.live == 0
 
 
-def test_off_by_default():
+def test_on_by_default_and_off_by_environment():
     import subprocess
     import sys
 
     env = {k: v for k, v in __import__("os").environ.items() if k != "CUDNN_FUSE_LAUNCH_GRAPHS"}
-    code = "from cudnn_fuse import launch_graphs as g; print(g.ENABLED, g.new_set() is None)"
+    code = "from cudnn_fuse import launch_graphs as g; print(g.ENABLED)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True"]
-    env["CUDNN_FUSE_LAUNCH_GRAPHS"] = "1"
-    out = subprocess.run([sys.executable, "-c", code.replace(", g.new_set() is None", "")], env=env,
-                         capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True"]
+    for off in ("0", "off", "False"):
+        env["CUDNN_FUSE_LAUNCH_GRAPHS"] = off
+        code_off = "from cudnn_fuse import launch_graphs as g; print(g.ENABLED, g.new_set() is None)"
+        out = subprocess.run([sys.executable, "-c", code_off], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        assert out.split() == ["False", "True"], off
