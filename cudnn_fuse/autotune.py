@@ -255,18 +255,20 @@ def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
 
 
 def _behind_spin(fn, iters: int, spin_us: float) -> tuple[list[float], list[float], float]:
-    """(device ms of each of ``iters`` calls of ``fn``; host ms from the spin's launch until each call
-    was queued whole; device ms the spin ran): the calls queued behind a spin of about ``spin_us``
-    (~2 GHz clock; at most 1 s) launched on an idle GPU, so that it starts as it is launched."""
+    """(device ms of each of ``iters`` calls of ``fn``; host ms from just before the spin's launch until
+    each call was queued whole; device ms the spin ran): the calls queued behind a spin of about
+    ``spin_us`` (~2 GHz clock; at most 1 s). The clock starts before the launch, so a host held up
+    between launching the spin and queueing the calls (another thread holding the GIL) cannot make a
+    late call look early."""
     import torch
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    t0 = time.perf_counter()  # before the spin's launch: the spin cannot end before t0 + its run time
     a.record()
     torch.cuda._sleep(int(2e3 * min(spin_us, 1e6)))
     b.record()
-    t0 = time.perf_counter()
     queued = []
     for s, e in events:
         s.record()
