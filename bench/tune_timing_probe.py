@@ -9,12 +9,14 @@ GPU spin sized for 100 us of host time a call; cuDNN's public execute, which the
 costs ~85 us on the H200 host, so a host slowed by anything else (torch.compile's workers in the
 suite) outran the spin and the events timed its launch cost.
 
-This probe tunes cf.linear(x[1,1024], w[1024,1024], b, activation="gelu") bf16, each trial in a
-fresh plan cache, with 0 or 2 Python threads spinning beside it (they take the GIL from the
+This probe tunes cf.linear(x[1,1024], w[1024,1024], b, activation="gelu") bf16 (gelu1024), each
+trial in a fresh plan cache, with 0 or 2 Python threads spinning beside it (they take the GIL from the
 tuner), under the spin of commit a8acb28 (fixed: 100 us a call) and under autotune.device_ms now
 (measured: the spin checked against the host's enqueue time and lengthened). For each trial: the
 engine chosen, the winner's and torch's timed medians (from the autotuner's log) and the call's
-device time in a captured graph with no threads running.
+device time in a captured graph with no threads running; and the heuristic plan's. relu768:
+cf.linear(x[1,768], w[768,768], b, activation="relu") (the suite's small_linear row), measured
+spin, no threads.
 
     python3 bench/tune_timing_probe.py --out bench/results
 """
@@ -101,36 +103,51 @@ def graph_us(fn, reps: int = 20) -> float:
     return statistics.median(out)
 
 
+def _write(res, out_dir) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "tune_timing_probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=3.0)
+    ap.add_argument("--ops", default="gelu1024,relu768", help="gelu1024 (every setting), relu768 (measured spin, no threads)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     bf = torch.bfloat16
-    w = torch.randn(1024, 1024, device="cuda", dtype=bf) / 32
-    b = torch.randn(1024, device="cuda", dtype=bf)
-    x = torch.randn(1, 1024, device="cuda", dtype=bf)
-    with cf.record() as rec:
-        cf.linear(x.to("meta"), w.to("meta"), b.to("meta"), activation="gelu")
-    spec = rec.entries[0].spec
-
-    def call():
-        return cf.linear(x, w, b, activation="gelu")
-
     lines = Lines()
     logging.getLogger("cudnn_fuse").addHandler(lines)
     logging.getLogger("cudnn_fuse").setLevel(logging.DEBUG)
     measured = autotune.device_ms
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "op": "cf.linear(x[1,1024], w[1024,1024], b, activation='gelu') bf16", "trials": []}
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "trials": [], "heuristic": {}}
     old_cfg = autotune.DEFAULT_CONFIG
     autotune.DEFAULT_CONFIG = autotune.Config(budget_s=args.budget_s)
     try:
-        with torch.no_grad():
-            for hogs in (0, 2):
-                for impl in ("fixed_spin", "measured_spin"):
+        for op in args.ops.split(","):
+            n, act = (1024, "gelu") if op == "gelu1024" else (768, "relu")
+            w = torch.randn(n, n, device="cuda", dtype=bf) / n ** 0.5
+            b = torch.randn(n, device="cuda", dtype=bf)
+            x = torch.randn(1, n, device="cuda", dtype=bf)
+            with cf.record() as rec:
+                cf.linear(x.to("meta"), w.to("meta"), b.to("meta"), activation=act)
+            spec = rec.entries[0].spec
+
+            def call():
+                return cf.linear(x, w, b, activation=act)
+
+            settings = [(h, i) for h in (0, 2) for i in ("fixed_spin", "measured_spin")] if op == "gelu1024" \
+                else [(0, "measured_spin")]
+            with torch.no_grad():
+                os.environ["CUDNN_FUSE_CACHE_DIR"] = tempfile.mkdtemp()
+                plans.clear()
+                call()
+                heur = plans.get_plan(spec, 0)
+                res["heuristic"][op] = {"engine": heur.engine, "device_us_per_call": round(graph_us(call), 3)}
+                print(op, "heuristic", res["heuristic"][op], flush=True)
+                for hogs, impl in settings:
                     for trial in range(args.trials):
                         os.environ["CUDNN_FUSE_CACHE_DIR"] = tempfile.mkdtemp()
                         plans.clear()
@@ -148,7 +165,7 @@ def main(argv=None) -> int:
                         plan = plans.get_plan(spec, 0)
                         won = [ln for ln in lines.lines if "winner" in ln or "beats the cuDNN" in ln]
                         nums = [float(m) for ln in won for m in re.findall(r"(\d+\.\d+) ms", ln)]
-                        row = {"hogs": hogs, "impl": impl, "trial": trial,
+                        row = {"op": op, "hogs": hogs, "impl": impl, "trial": trial,
                                "engine": getattr(plan, "engine", type(plan).__name__),
                                "cudnn_winner_ms": nums[0] if nums else None,
                                "torch_ms_if_it_won": nums[1] if len(nums) > 1 else None,
@@ -156,21 +173,20 @@ def main(argv=None) -> int:
                                "device_us_per_call": round(graph_us(call), 3), "log": won}
                         res["trials"].append(row)
                         print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
+                        _write(res, args.out)  # a run cut short keeps its trials
     finally:
         autotune.DEFAULT_CONFIG = old_cfg
     summary = {}
-    for hogs in (0, 2):
-        for impl in ("fixed_spin", "measured_spin"):
-            rows = [r for r in res["trials"] if r["hogs"] == hogs and r["impl"] == impl]
-            summary[f"{impl}_hogs{hogs}"] = {
-                "torch_chosen": sum(r["engine"] == "torch" for r in rows), "trials": len(rows),
-                "cudnn_winner_ms": [r["cudnn_winner_ms"] for r in rows],
-                "device_us_per_call": [r["device_us_per_call"] for r in rows]}
+    for r in res["trials"]:
+        s = summary.setdefault(f"{r['op']}_{r['impl']}_hogs{r['hogs']}",
+                               {"torch_chosen": 0, "trials": 0, "cudnn_winner_ms": [], "device_us_per_call": []})
+        s["torch_chosen"] += r["engine"] == "torch"
+        s["trials"] += 1
+        s["cudnn_winner_ms"].append(r["cudnn_winner_ms"])
+        s["device_us_per_call"].append(r["device_us_per_call"])
     res["summary"] = summary
     print(json.dumps(summary, indent=1))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tune_timing_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    _write(res, args.out)
     return 0
 
 

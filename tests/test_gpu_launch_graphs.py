@@ -87,8 +87,8 @@ def test_replays_are_bit_identical_to_raw_launches_and_read_new_values(cache_dir
     with torch.no_grad():
         s0 = launch_graphs.STATS.snapshot()
         first = _flat(fn(t))  # a first sighting of its pointers: raw (plan built)
-        for _ in range(3):
-            again = _flat(fn(t))
+        for _ in range(8):  # the outputs' blocks settle into a cycle (in a long process's fragmented pool
+            again = _flat(fn(t))  # the first few calls' blocks need not recur: seen once with 3 calls)
         torch.cuda.synchronize()
         s1 = launch_graphs.STATS.snapshot()
         assert s1["graph_captures"] > s0["graph_captures"], ("a repeated pointer set must be captured", plans.plan_stats(),
