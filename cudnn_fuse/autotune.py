@@ -229,22 +229,36 @@ def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
     the calls behind it, so the events time the kernels back to back and not the
     host's launch overhead (which exceeds a small kernel's run time). Whether it was
     long enough is measured, not assumed: a call the host had not finished queueing
-    before the spin ended may have waited on the host, and its events timed its launch
+    before the GPU reached it (the spin's end, then the calls ahead of it) may have waited on the host, and its events timed its launch
     cost (a 4 us GEMV timed at 0.25 ms, which let torch's candidate "win" a batch-1
     linear: bench/results/tune_timing_probe.json). Those calls are dropped; when more
     than half were, it measures again behind a spin sized from the host's measured
-    rate, up to SPIN_ATTEMPTS times.
+    rate, up to SPIN_ATTEMPTS times (``spin_timed``).
     """
+    return spin_timed(lambda i: fn(), iters, host_us_per_call)
+
+
+def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: float = 200.0,
+               remember: bool = True) -> list[float]:
+    """Device ms of ``call(i)`` for i in range(iters), each between CUDA events, queued behind a spin
+    of ``base_us`` + ``host_us_per_call`` per call; ``before(i)`` runs ahead of call i, outside its
+    events (an L2 flush). The calls the host queued only after the GPU reached them are dropped, and the whole is measured
+    again behind a longer spin when over half were (see device_ms). ``remember``: seed later spins
+    with the host rate seen here (the tuner's calls; a benchmark's callables differ too much)."""
     global _host_us_seen
-    per_call = max(float(host_us_per_call), _host_us_seen)
+    per_call = max(float(host_us_per_call), _host_us_seen if remember else 0.0)
     times: list = []
     clean: list = []
+    measured = 0.0
     for attempt in range(SPIN_ATTEMPTS):
-        times, queued, spin_ms = _behind_spin(fn, iters, 200.0 + per_call * iters)
-        clean = [t for t, q in zip(times, queued) if q + SPIN_MARGIN_MS < spin_ms]
+        times, queued, starts, spin_ms = _behind_spin(call, iters, base_us + per_call * iters, before)
+        # call i is clean when the host had queued it whole before the GPU reached its start event:
+        # the spin's end (no earlier than spin_ms after the host's clock started) plus the calls ahead
+        clean = [t for t, q, st in zip(times, queued, starts) if q + SPIN_MARGIN_MS < spin_ms + st]
         measured = 1e3 * queued[-1] / len(queued) if queued else 0.0
         if clean and 2 * len(clean) >= len(times):
-            _host_us_seen = max(_host_us_seen, min(1.5 * measured, HOST_US_CAP))
+            if remember:
+                _host_us_seen = max(_host_us_seen, min(1.5 * measured, HOST_US_CAP))
             return clean
         per_call = max(4.0 * measured, 2.0 * per_call)
         log.debug("device_ms: %d of %d calls queued before the %.3f ms spin ended; measuring again behind a "
@@ -254,12 +268,13 @@ def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
     return clean or times
 
 
-def _behind_spin(fn, iters: int, spin_us: float) -> tuple[list[float], list[float], float]:
-    """(device ms of each of ``iters`` calls of ``fn``; host ms from just before the spin's launch until
-    each call was queued whole; device ms the spin ran): the calls queued behind a spin of about
-    ``spin_us`` (~2 GHz clock; at most 1 s). The clock starts before the launch, so a host held up
-    between launching the spin and queueing the calls (another thread holding the GIL) cannot make a
-    late call look early."""
+def _behind_spin(call, iters: int, spin_us: float, before=None) -> tuple[list, list, list, float]:
+    """(device ms of each of ``call(0)`` .. ``call(iters - 1)``; host ms from just before the spin's
+    launch until each call was queued whole; device ms from the spin's end to each call's start
+    event; device ms the spin ran): the calls queued behind a spin
+    of about ``spin_us`` (~2 GHz clock; at most 1 s). The clock starts before the launch, so a host
+    held up between launching the spin and queueing the calls (another thread holding the GIL)
+    cannot make a late call look early."""
     import torch
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -270,13 +285,15 @@ def _behind_spin(fn, iters: int, spin_us: float) -> tuple[list[float], list[floa
     torch.cuda._sleep(int(2e3 * min(spin_us, 1e6)))
     b.record()
     queued = []
-    for s, e in events:
+    for i, (s, e) in enumerate(events):
+        if before is not None:
+            before(i)
         s.record()
-        fn()
+        call(i)
         e.record()
         queued.append(1e3 * (time.perf_counter() - t0))
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events], queued, a.elapsed_time(b)
+    return [s.elapsed_time(e) for s, e in events], queued, [b.elapsed_time(s) for s, _ in events], a.elapsed_time(b)
 
 
 def random_buffers(spec, roles, device: int, sets: int = 1):

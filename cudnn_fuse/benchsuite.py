@@ -709,20 +709,18 @@ def host_enqueue_us(fn, inputs, calls: int = 8) -> float:
 
 
 def device_times(fn, inputs, iters: int, host_us: float, flush: Optional[torch.Tensor] = None) -> list:
-    """Device milliseconds of each of ``iters`` calls, queued behind a spin long enough for the
-    host to issue all of them, so each event pair times kernels and not launch overhead.
+    """Device milliseconds of ``iters`` calls (fewer when some were dropped), queued behind a spin
+    long enough for the host to issue all of them, so each event pair times kernels and not launch
+    overhead; the spin is checked, and lengthened when the host outran it (autotune.spin_timed).
     Input sets rotate; ``flush`` (a buffer > L2) is zeroed between calls, outside the events."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    _spin(500 + 1.5 * (host_us + (15 if flush is not None else 0)) * iters)
-    for i, (s, e) in enumerate(events):
-        args = inputs[i % len(inputs)]
-        if flush is not None:
-            flush.zero_()
-        s.record()
-        fn(*args)
-        e.record()
-    sync()
-    return [s.elapsed_time(e) for s, e in events]
+    from .autotune import spin_timed
+
+    def call(i):
+        fn(*inputs[i % len(inputs)])
+
+    before = (lambda i: flush.zero_()) if flush is not None else None
+    return spin_timed(call, iters, 1.5 * (host_us + (15 if flush is not None else 0)), before=before,
+                      base_us=500.0, remember=False)
 
 
 def wall_block_ms(fn, inputs, per_block: int, blocks: int) -> list:

@@ -194,18 +194,19 @@ def test_prefer_precompiled_keeps_a_precompiled_winner():
 
 
 class FakeSpin:
-    """Stands in for autotune._behind_spin: each call answers the next (enqueue_ms, spin_ms) pair (the
-    calls queued evenly over enqueue_ms), times every call as the attempt's number, and records the
-    spin it was asked for."""
+    """Stands in for autotune._behind_spin: each call answers the next (enqueue_ms, spin_ms[, kernel_ms])
+    (the calls queued evenly over enqueue_ms; on the GPU back to back after the spin, kernel_ms each,
+    0 by default), times every call as the attempt's number, and records the spin it was asked for."""
 
     def __init__(self, answers):
         self.answers, self.asked = list(answers), []
 
-    def __call__(self, fn, iters, spin_us):
+    def __call__(self, call, iters, spin_us, before=None):
         self.asked.append(spin_us)
-        enqueue_ms, spin_ms = self.answers.pop(0)
+        enqueue_ms, spin_ms, *kernel_ms = self.answers.pop(0)
         queued = [enqueue_ms * (i + 1) / iters for i in range(iters)]
-        return [float(len(self.asked))] * iters, queued, spin_ms
+        starts = [i * (kernel_ms[0] if kernel_ms else 0.0) for i in range(iters)]  # back to back after the spin
+        return [float(len(self.asked))] * iters, queued, starts, spin_ms
 
 
 @pytest.fixture
@@ -261,3 +262,25 @@ def test_device_ms_caps_the_remembered_rate(spin):
     spin([(50.0, 60.0)])  # a callable that takes 10 ms of host time a call
     autotune.device_ms(lambda: None, 5)
     assert autotune._host_us_seen == autotune.HOST_US_CAP
+
+
+def test_spin_timed_without_remember_leaves_the_seed_alone(spin):
+    spin([(9.0, 3.2), (9.1, 40.0)])
+    assert autotune.spin_timed(lambda i: None, 30, 100.0, remember=False) == [2.0] * 30
+    assert autotune._host_us_seen == 0.0
+
+
+def test_benchsuite_device_times_goes_through_the_checked_spin(spin, monkeypatch):
+    from cudnn_fuse import benchsuite
+
+    s = spin([(4.0, 3.2)])
+    out = benchsuite.device_times(lambda *a: None, [()], 30, host_us=50.0)
+    assert out == [1.0] * 23  # the calls queued after the spin ended are dropped
+    assert s.asked == [500 + 1.5 * 50 * 30]
+
+
+def test_device_ms_keeps_late_queued_calls_the_gpu_had_not_reached(spin):
+    # 30 long kernels (0.5 ms each) queued over 4 ms behind a 3.2 ms spin: the GPU was still busy with
+    # earlier calls when the last ones were queued, so none of them waited on the host
+    s = spin([(4.0, 3.2, 0.5)])
+    assert autotune.device_ms(lambda: None, 30) == [1.0] * 30 and len(s.asked) == 1
