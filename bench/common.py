@@ -63,3 +63,20 @@ def host_us(fn, calls: int = 2000) -> float:
     from cudnn_fuse.benchsuite import host_us as _host_us
 
     return _host_us(fn, calls)
+
+
+def replay_us(graph, calls_per_graph: int, reps: int = 20) -> float:
+    """Device microseconds per call of a captured graph (``cf.capture``) holding ``calls_per_graph``
+    calls: three warm replays, then the median of ``reps`` replays, each between CUDA events."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        out.append(1e3 * e0.elapsed_time(e1) / calls_per_graph)
+    return statistics.median(out)

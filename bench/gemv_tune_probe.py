@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -22,24 +21,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
+from bench.common import replay_us  # noqa: E402
 from cudnn_fuse import autotune, loader, plans  # noqa: E402
 
 
 def graph_us(fn, reps=20) -> float:
     """Device microseconds per layer call: 8 layers x 12 passes captured, replayed ``reps`` times."""
-    g = cf.capture(fn)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        out.append(1e3 * e0.elapsed_time(e1) / 96)
-    return statistics.median(out)
+    return replay_us(cf.capture(fn), 96, reps)
 
 
 def main(argv=None) -> int:

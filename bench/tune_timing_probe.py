@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import statistics
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
+from bench.common import replay_us  # noqa: E402
 from cudnn_fuse import autotune, plans  # noqa: E402
 
 
@@ -88,19 +88,7 @@ def graph_us(fn, reps: int = 20) -> float:
     def many():
         for _ in range(96):
             fn()
-    g = cf.capture(many)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        out.append(1e3 * e0.elapsed_time(e1) / 96)
-    return statistics.median(out)
+    return replay_us(cf.capture(many), 96, reps)
 
 
 def _write(res, out_dir) -> None:
