@@ -246,6 +246,8 @@ def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: 
     again behind a longer spin when over half were (see device_ms). ``remember``: seed later spins
     with the host rate seen here (the tuner's calls; a benchmark's callables differ too much)."""
     global _host_us_seen
+    if iters < 1:
+        return []
     per_call = max(float(host_us_per_call), _host_us_seen if remember else 0.0)
     times: list = []
     clean: list = []

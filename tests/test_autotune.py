@@ -284,3 +284,8 @@ def test_device_ms_keeps_late_queued_calls_the_gpu_had_not_reached(spin):
     # earlier calls when the last ones were queued, so none of them waited on the host
     s = spin([(4.0, 3.2, 0.5)])
     assert autotune.device_ms(lambda: None, 30) == [1.0] * 30 and len(s.asked) == 1
+
+
+def test_spin_timed_with_no_calls_measures_nothing(spin):
+    s = spin([])
+    assert autotune.device_ms(lambda: None, 0) == [] and s.asked == []
