@@ -218,7 +218,7 @@ def knobs_from_json(knobs: dict) -> dict:
 # data-loader threads) can issue a call slower than the caller's guess.
 _host_us_seen = 0.0
 SPIN_ATTEMPTS = 4
-SPIN_MARGIN_MS = 0.05  # a call counts as queued behind the spin if queued this long before the spin's end
+SPIN_MARGIN_MS = 0.05  # a call counts as queued in time if queued this long before the GPU reached it
 HOST_US_CAP = 1000.0  # the remembered rate's cap: one slow callable must not lengthen every later spin
 
 
@@ -229,11 +229,12 @@ def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
     the calls behind it, so the events time the kernels back to back and not the
     host's launch overhead (which exceeds a small kernel's run time). Whether it was
     long enough is measured, not assumed: a call the host had not finished queueing
-    before the GPU reached it (the spin's end, then the calls ahead of it) may have waited on the host, and its events timed its launch
-    cost (a 4 us GEMV timed at 0.25 ms, which let torch's candidate "win" a batch-1
-    linear: bench/results/tune_timing_probe.json). Those calls are dropped; when more
-    than half were, it measures again behind a spin sized from the host's measured
-    rate, up to SPIN_ATTEMPTS times (``spin_timed``).
+    before the GPU reached it (the spin's end, then the calls ahead of it) may have
+    waited on the host, and its events timed its launch cost (a 4 us GEMV timed at
+    0.25 ms, which let torch's candidate "win" a batch-1 linear:
+    bench/results/tune_timing_probe.json). Those calls are dropped; when more than half
+    were, it measures again behind a spin sized from the host's measured rate, up to
+    SPIN_ATTEMPTS times (``spin_timed``).
     """
     return spin_timed(lambda i: fn(), iters, host_us_per_call)
 
@@ -242,9 +243,10 @@ def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: 
                remember: bool = True) -> list[float]:
     """Device ms of ``call(i)`` for i in range(iters), each between CUDA events, queued behind a spin
     of ``base_us`` + ``host_us_per_call`` per call; ``before(i)`` runs ahead of call i, outside its
-    events (an L2 flush). The calls the host queued only after the GPU reached them are dropped, and the whole is measured
-    again behind a longer spin when over half were (see device_ms). ``remember``: seed later spins
-    with the host rate seen here (the tuner's calls; a benchmark's callables differ too much)."""
+    events (an L2 flush). The calls the host queued only after the GPU reached them are dropped,
+    and the whole is measured again behind a longer spin when over half were (see device_ms).
+    ``remember``: seed later spins with the host rate seen here (the tuner's calls; a benchmark's
+    callables differ too much)."""
     global _host_us_seen
     if iters < 1:
         return []
@@ -263,8 +265,8 @@ def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: 
                 _host_us_seen = max(_host_us_seen, min(1.5 * measured, HOST_US_CAP))
             return clean
         per_call = max(4.0 * measured, 2.0 * per_call)
-        log.debug("device_ms: %d of %d calls queued before the %.3f ms spin ended; measuring again behind a "
-                  "longer one (%.0f us a call)", len(clean), len(times), spin_ms, per_call)
+        log.debug("device_ms: %d of %d calls queued before the GPU reached them (spin %.3f ms); measuring again "
+                  "behind a longer spin (%.0f us a call)", len(clean), len(times), spin_ms, per_call)
     log.info("device_ms: the host stayed slower than the GPU's spin over %d attempts (%.1f us a call): these "
              "timings include launch overhead", SPIN_ATTEMPTS, measured)
     return clean or times
@@ -273,10 +275,10 @@ def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: 
 def _behind_spin(call, iters: int, spin_us: float, before=None) -> tuple[list, list, list, float]:
     """(device ms of each of ``call(0)`` .. ``call(iters - 1)``; host ms from just before the spin's
     launch until each call was queued whole; device ms from the spin's end to each call's start
-    event; device ms the spin ran): the calls queued behind a spin
-    of about ``spin_us`` (~2 GHz clock; at most 1 s). The clock starts before the launch, so a host
-    held up between launching the spin and queueing the calls (another thread holding the GIL)
-    cannot make a late call look early."""
+    event; device ms the spin ran): the calls queued behind a spin of about ``spin_us`` (~2 GHz
+    clock; at most 1 s). The clock starts before the launch, so a host held up between launching
+    the spin and queueing the calls (another thread holding the GIL) cannot make a late call look
+    early."""
     import torch
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]

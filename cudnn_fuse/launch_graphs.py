@@ -22,7 +22,8 @@ What it does not do:
 The graphs are driven through the CUDA driver API (libcuda, present wherever CUDA runs),
 not torch.cuda.CUDAGraph: torch's replay also re-seeds its RNG state on every replay, extra
 work that a one-kernel graph would pay per call. On by default (see ENABLED);
-``CUDNN_FUSE_LAUNCH_GRAPHS=0`` turns it off for a process; ``CUDNN_FUSE_LAUNCH_GRAPHS_AFTER`` (default 3) is the sightings before a capture.
+``CUDNN_FUSE_LAUNCH_GRAPHS=0`` turns it off for a process; ``CUDNN_FUSE_LAUNCH_GRAPHS_AFTER``
+(default 3) is the sightings before a capture.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ def _after(raw) -> int:
     return n
 
 
-# On by default. They were opt-in while an autotuned batch-1 stack ran 0.87-1.65 ms a call with them in three
-# runs; those runs ran torch's candidate, chosen by a tuner timing the host (autotune.device_ms, fixed since;
-# bench/results/tune_timing_probe.json), not a fault of the graphs. CUDNN_FUSE_LAUNCH_GRAPHS=0 or
-# cf.set_launch_graphs(False) turns them off.
+# On by default. They were opt-in while an autotuned batch-1 stack ran 0.87-1.65 ms a call with them in four
+# of seven runs; the three of those with records ran torch's candidate, chosen by a tuner timing the host
+# (autotune.device_ms, fixed since; bench/results/tune_timing_probe.json), not a fault of the graphs.
+# CUDNN_FUSE_LAUNCH_GRAPHS=0 or cf.set_launch_graphs(False) turns them off.
 ENABLED = os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS", "1").strip().lower() not in _OFF_WORDS
 AFTER = _after(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER", "3"))
 PER_PLAN = 64  # graphs one plan keeps (least recently used dropped): a model's same-shaped layers share a plan
