@@ -21,7 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import replay_us  # noqa: E402
+from bench.common import replay_us, write_json  # noqa: E402
 from cudnn_fuse import autotune, loader, plans  # noqa: E402
 
 
@@ -75,9 +75,7 @@ def main(argv=None) -> int:
                                    for c in meta.get("candidates", [])]
         res["winner_index"] = meta.get("winner_index")
         res["use_torch"] = meta.get("use_torch")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gemv_tune_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(args.out, "gemv_tune_probe.json"), res)
     print(json.dumps(res, indent=1))
     return 0
 

@@ -37,7 +37,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import replay_us  # noqa: E402
+from bench.common import replay_us, write_json  # noqa: E402
 from cudnn_fuse import autotune, plans  # noqa: E402
 
 
@@ -91,18 +91,13 @@ def graph_us(fn, reps: int = 20) -> float:
     return replay_us(cf.capture(many), 96, reps)
 
 
-def _write(res, out_dir) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "tune_timing_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=3.0)
-    ap.add_argument("--ops", default="gelu1024,relu768", help="gelu1024 (every setting), relu768 (measured spin, no threads)")
+    ap.add_argument("--ops", default="gelu1024,relu768",
+                    help="gelu1024 (every setting), relu768 (measured spin, no threads)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     bf = torch.bfloat16
@@ -161,7 +156,8 @@ def main(argv=None) -> int:
                                "device_us_per_call": round(graph_us(call), 3), "log": won}
                         res["trials"].append(row)
                         print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
-                        _write(res, args.out)  # a run cut short keeps its trials
+                        # written after every trial, atomically: a run cut short keeps its trials
+                        write_json(os.path.join(args.out, "tune_timing_probe.json"), res)
     finally:
         autotune.DEFAULT_CONFIG = old_cfg
     summary = {}
@@ -174,7 +170,7 @@ def main(argv=None) -> int:
         s["device_us_per_call"].append(r["device_us_per_call"])
     res["summary"] = summary
     print(json.dumps(summary, indent=1))
-    _write(res, args.out)
+    write_json(os.path.join(args.out, "tune_timing_probe.json"), res)
     return 0
 
 

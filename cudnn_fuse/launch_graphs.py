@@ -176,7 +176,7 @@ class GraphSet:
         self.execs: OrderedDict = OrderedDict()
         self.seen: dict = {}
         self.off = False
-        self.captures = self.replays = self.reuses = 0  # replays: every graph launch; reuses: not a capture's own
+        self.captures = self.reuses = 0  # reuses: graph launches other than a capture's own
         self._drv = drv
 
     def sighted(self, key) -> bool:

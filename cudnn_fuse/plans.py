@@ -357,7 +357,6 @@ class Plan:
                 if ex is not None:
                     rc = graphs._drv.launch(ex, stream)
                     if not rc:
-                        graphs.replays += 1
                         if not fresh:
                             graphs.reuses += 1
                         launch_graphs.STATS.replays += 1
