@@ -1,13 +1,20 @@
 """Do launch graphs cost device time on batch-1 kernels? (the peers conv1 part, 2026-12-01)
 
-With launch graphs on by default, the peers suite's batch-1 conv rows read 0.3-2 us slower in
-device time than in the earlier run with them off (the residual rows most). This times the same
-plans in one process, in alternating rounds, three ways: ``on`` (the default: a launch whose
-stream still has work queued goes raw, launch_graphs.REPLAY_WHEN_BUSY False), ``always`` (every
-captured pointer set replays, the behaviour before), ``off`` (no graphs). Device time per call
-behind a checked spin with L2 flushed between calls (the suite's device mode,
-``benchsuite.device_times``) and wall time per call back to back (``wall_block_ms``, the host's
-cost included); and the host cost of one cuStreamQuery through ctypes.
+With launch graphs on by default, the peers suite's four batch-1 residual conv rows read 1.7-2.3 us
+slower in device time than in the run before, with graphs off. This times the same plans with
+graphs on and off in one process, in alternating rounds: device time per call behind a checked
+spin with L2 flushed between calls (the suite's device mode, ``benchsuite.device_times``) and wall
+time per call back to back (``wall_block_ms``, the host's cost included).
+
+Results (bench/results/launch_graphs/graph_device_probe.json, one H200): behind queued work the
+residual convs' replays took 1.8-2.2 us longer than their stream launches (same kernel, same
+kernel time in torch.profiler), the others 0.1-0.5 us; back to back the replays took 4.6-15 us
+less a call. Commit 15a5880 tried launching raw whenever the stream still had work queued (one
+cuStreamQuery a launch, 0.99 us through ctypes; graph_device_probe_busy_check.json, with a third
+mode "always"): the residual rows' device time came back to graphs-off's (0.85-0.98 us less than
+replaying every time, on that machine), but the others lost 0.36-0.50 us, every call paid 2.3-3.0
+us more wall time, and host_overhead's eager call read 19.25 us (16.93 that day without it).
+Reverted: the graphs replay whenever they exist.
 
     python3 bench/graph_device_probe.py --out bench/results
 """
@@ -18,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -66,39 +72,28 @@ def main(argv=None) -> int:
         for i in range(64):  # build the plan and capture every set's graph (3 sightings each)
             fn(*sets[i % len(sets)])
         torch.cuda.synchronize()
-        modes = ("on", "always", "off")
-        dev, wall = {m: [] for m in modes}, {m: [] for m in modes}
-        counts = {m: {"replays": 0, "busy_raw": 0} for m in modes}
+        dev = {"on": [], "off": []}
+        wall = {"on": [], "off": []}
+        replays = {"on": 0, "off": 0}
         for rnd in range(args.rounds):
-            for mode in (modes if rnd % 2 == 0 else modes[::-1]):
-                cf.set_launch_graphs(mode != "off")
-                launch_graphs.REPLAY_WHEN_BUSY = mode == "always"
-                before = launch_graphs.STATS.replays, launch_graphs.STATS.busy
+            for mode in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
+                cf.set_launch_graphs(mode == "on")
+                before = launch_graphs.STATS.replays
                 host = host_enqueue_us(fn, sets)
                 dev[mode].append(statistics.median(device_times(fn, sets, 100, host, flush)))
                 wall[mode].append(statistics.median(wall_block_ms(fn, sets, 200, 10)))
-                counts[mode]["replays"] += launch_graphs.STATS.replays - before[0]
-                counts[mode]["busy_raw"] += launch_graphs.STATS.busy - before[1]
+                replays[mode] += launch_graphs.STATS.replays - before
         cf.set_launch_graphs(True)
-        launch_graphs.REPLAY_WHEN_BUSY = False
         row = {"name": name, "device_ms": {m: round(statistics.median(v), 5) for m, v in dev.items()},
                "wall_ms": {m: round(statistics.median(v), 5) for m, v in wall.items()},
                "device_rounds_ms": {m: [round(x, 5) for x in v] for m, v in dev.items()},
                "wall_rounds_ms": {m: [round(x, 5) for x in v] for m, v in wall.items()},
-               "counts": counts}
+               "replays": replays}
         rows.append(row)
-        print(f"{name:32s} device " + " ".join(f"{m} {row['device_ms'][m]:.5f}" for m in modes)
-              + "  wall " + " ".join(f"{m} {row['wall_ms'][m]:.5f}" for m in modes) + f"  {counts}", flush=True)
-    drv, stream = launch_graphs.driver(), torch.cuda.current_stream().cuda_stream
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20000):
-        drv.query(stream)
-    query_us = 1e6 * (time.perf_counter() - t0) / 20000
-    print(f"cuStreamQuery through ctypes: {query_us:.3f} us a call")
+        print(f"{name:34s} device on {row['device_ms']['on']:.5f} off {row['device_ms']['off']:.5f}   "
+              f"wall on {row['wall_ms']['on']:.5f} off {row['wall_ms']['off']:.5f}   replays {replays}", flush=True)
     write_json(os.path.join(args.out, "graph_device_probe.json"),
-               {"device": device_name(), "torch": torch.__version__, "rounds": args.rounds,
-                "stream_query_us": round(query_us, 3), "rows": rows})
+               {"device": device_name(), "torch": torch.__version__, "rounds": args.rounds, "rows": rows})
     return 0
 
 

@@ -69,29 +69,19 @@ CHURN_CAPTURES = 32
 CHURN_REUSES_PER_CAPTURE = 4
 
 CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' CUDA calls are unaffected
-NOT_READY = 600  # CUDA_ERROR_NOT_READY: cuStreamQuery's answer while the stream has work queued
-
-# A replay costs the GPU time where the GPU, not the host, is the bottleneck: behind queued work, a
-# batch-1 residual conv's replay took 1.8-2.2 us longer from one event to the next than its stream
-# launch (same kernel, same kernel time; bench/results/graph_device_probe.json), so a plan's launches
-# lose the graphs' point exactly when the host has time to spare. So a launch whose stream still has
-# work queued (one cuStreamQuery) launches raw, and one whose stream has drained (the host is
-# what the GPU waits for) replays. CUDNN_FUSE_LAUNCH_GRAPHS_WHEN_BUSY=1 replays either way.
-REPLAY_WHEN_BUSY = os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_WHEN_BUSY", "0").strip().lower() not in _OFF_WORDS
 
 
 class Stats:
     """Process-wide counters (``cf.plan_stats()`` reports them under ``graph_*``)."""
 
-    __slots__ = ("captures", "replays", "failures", "live", "busy")
+    __slots__ = ("captures", "replays", "failures", "live")
 
     def __init__(self):
-        self.captures = self.replays = self.failures = self.live = self.busy = 0
+        self.captures = self.replays = self.failures = self.live = 0
 
     def snapshot(self) -> dict:
-        """busy: launches of a captured pointer set that went raw because their stream had work queued."""
         return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_failures": self.failures,
-                "graph_live": self.live, "graph_busy_raw": self.busy}
+                "graph_live": self.live}
 
 
 STATS = Stats()
@@ -102,7 +92,7 @@ class DriverError(RuntimeError):
 
 
 class Driver:
-    """The seven CUDA driver entry points a one-kernel graph needs, through ctypes."""
+    """The six CUDA driver entry points a one-kernel graph needs, through ctypes."""
 
     def __init__(self, lib=None):
         lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
@@ -117,7 +107,6 @@ class Driver:
         self._end = fn("cuStreamEndCapture", vp, P(vp))
         self._instantiate = fn("cuGraphInstantiateWithFlags", P(vp), vp, ctypes.c_ulonglong)
         self.launch = fn("cuGraphLaunch", vp, vp)  # (exec, stream) -> CUresult; the hot path calls it directly
-        self.query = fn("cuStreamQuery", vp)  # (stream) -> 0 when drained, NOT_READY while work is queued
         self._exec_destroy = fn("cuGraphExecDestroy", vp)
         self._graph_destroy = fn("cuGraphDestroy", vp)
         self._name = getattr(lib, "cuGetErrorName", None)

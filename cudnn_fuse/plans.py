@@ -355,18 +355,14 @@ class Plan:
                 if ex is None and graphs.sighted(key):
                     ex = fresh = self._capture(graphs, key, ptrs, ws)
                 if ex is not None:
-                    if not fresh and not launch_graphs.REPLAY_WHEN_BUSY and \
-                            graphs._drv.query(stream) == launch_graphs.NOT_READY:
-                        launch_graphs.STATS.busy += 1  # work queued: the GPU is the bottleneck, launch raw
-                    else:
-                        rc = graphs._drv.launch(ex, stream)
-                        if not rc:
-                            if not fresh:
-                                graphs.reuses += 1
-                            launch_graphs.STATS.replays += 1
-                            return
-                        self._graph_failed(graphs, launch_graphs.DriverError(
-                            f"cuGraphLaunch: {graphs._drv.error_name(rc)}"))
+                    rc = graphs._drv.launch(ex, stream)
+                    if not rc:
+                        if not fresh:
+                            graphs.reuses += 1
+                        launch_graphs.STATS.replays += 1
+                        return
+                    self._graph_failed(graphs, launch_graphs.DriverError(
+                        f"cuGraphLaunch: {graphs._drv.error_name(rc)}"))
             if h.stream != stream:
                 import cudnn
 
