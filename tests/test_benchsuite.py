@@ -207,6 +207,30 @@ def test_model_variants_time_eager_python_before_any_torch_compile():
         assert names[-1] == bs.MAX_AUTOTUNE
 
 
+def test_small_ops_time_every_eager_variant_before_any_torch_compile(monkeypatch):
+    """The batch-1 rows are timed on the wall clock too: cf's autotuned variant (and its repeat,
+    the noise gauge) must not be the one timed after torch.compile has slowed the host."""
+    def cpu_rand(*shape, dtype, scale=1.0, cl=False):
+        t = (torch.randn(*shape) * scale).to(dtype)
+        return t.contiguous(memory_format=torch.channels_last) if cl else t
+
+    monkeypatch.setattr(bs, "_rand", cpu_rand)
+    small = [w for w in bs.registry() if w.kind == "small"]
+    assert len(small) == 4
+    for w in small:
+        case = w.build(bs.Options())
+        names = [v.name for v in case.variants]
+        compiles = [n for n in names if n in bs.COMPILED_VARIANTS]
+        assert case.mode == "wall" and set(compiles) >= {"torch_compile", bs.MAX_AUTOTUNE,
+                                                          "torch_compile_reduce_overhead"}
+        assert names[-len(compiles):] == compiles, names
+        assert names[:2] == ["torch_eager", "cf"]
+        assert names.index("cf") < names.index("cf_repeat") < names.index("cf_autotuned") < names.index("cf_captured")
+    # the other kernel rows keep their order: cf's repeat and autotuned variants after the compiles
+    order = [v.name for v in bs.kernel_variants(lambda: None, lambda: None)]
+    assert order.index(bs.MAX_AUTOTUNE) < order.index("cf_repeat") < order.index("cf_autotuned")
+
+
 def test_build_failure_is_recorded_not_raised():
     def broken(opts):
         raise ImportError("No module named 'torchvision'")
