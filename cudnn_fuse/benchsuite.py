@@ -906,6 +906,7 @@ def _run_variant(rec, v, case, timer, clock, ref):
     """Set up, check against torch eager's output, time; returns the reference output."""
     fallbacks = _fallbacks()
     graphs = _graph_counters()
+    held = _plan_ids() if v.name in ENGINE_VARIANTS else None
     fn = out = None
     t0 = clock()
     try:
@@ -928,6 +929,10 @@ def _run_variant(rec, v, case, timer, clock, ref):
         fn = out = None
         if v.cleanup is not None:
             v.cleanup()
+    if held is not None:  # the engines of the plans this variant built (cf_autotuned's setup clears the memory)
+        engines = _new_engines(held)
+        if engines:
+            rec.setdefault("engines", {})[v.name] = engines
     moved = {k: n - graphs[k] for k, n in _graph_counters().items() if n != graphs[k]}
     if moved:  # launch graphs (launch_graphs.py): what this variant captured and replayed
         rec.setdefault("launch_graphs", {})[v.name] = moved
@@ -935,6 +940,28 @@ def _run_variant(rec, v, case, timer, clock, ref):
     if fell_back and v.name in CF_VARIANTS:
         rec["notes"].append(f"{v.name}: {fell_back} op call(s) fell back to PyTorch (cf.plan_stats)")
     return ref
+
+
+ENGINE_VARIANTS = ("cf", "cf_autotuned")
+ENGINES_LISTED = 12  # distinct engines listed a variant (a model builds dozens of plans)
+
+
+def _plan_ids() -> set:
+    from .plans import plans_in_memory
+
+    return {id(p) for p in plans_in_memory()}
+
+
+def _new_engines(held: set) -> dict:
+    """{"plans": n, "engines": [distinct engine names, at most ENGINES_LISTED]} of the plans in
+    memory now that were not in ``held`` (ids); {} when there are none."""
+    from .plans import plans_in_memory
+
+    new = [p for p in plans_in_memory() if id(p) not in held]
+    if not new:
+        return {}
+    names = sorted({str(getattr(p, "engine", type(p).__name__)) for p in new})
+    return {"plans": len(new), "engines": names[:ENGINES_LISTED]}
 
 
 def _graph_counters() -> dict:

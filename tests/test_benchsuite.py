@@ -5,6 +5,7 @@ import json
 import os
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -229,6 +230,37 @@ def test_small_ops_time_every_eager_variant_before_any_torch_compile(monkeypatch
     # the other kernel rows keep their order: cf's repeat and autotuned variants after the compiles
     order = [v.name for v in bs.kernel_variants(lambda: None, lambda: None)]
     assert order.index(bs.MAX_AUTOTUNE) < order.index("cf_repeat") < order.index("cf_autotuned")
+
+
+def test_the_record_names_the_engines_cf_and_its_autotuned_variant_built(monkeypatch):
+    from cudnn_fuse import plans
+
+    held = [types.SimpleNamespace(engine="eng9_old")]  # a plan of an earlier workload
+    monkeypatch.setattr(plans, "plans_in_memory", lambda: list(held))
+
+    def variant(name, action):
+        def setup():
+            action()
+            return lambda x: x * 2
+        return bs.Variant(name, setup)
+
+    def heuristic():
+        held.append(types.SimpleNamespace(engine="eng4_k24=23"))
+
+    def tuned():  # the autotuned variant's setup clears the in-memory plans, then builds tuned ones
+        held[:] = [types.SimpleNamespace(engine=e) for e in ("eng4_k24=40", "eng4_k24=40", "gemm:torch")]
+
+    case = bs.Case([(torch.ones(3),)], [variant("torch_eager", lambda: None), variant("cf", heuristic),
+                                        variant("cf_repeat", lambda: None), variant("cf_autotuned", tuned)])
+    w = bs.Workload("mm", "matmul", "mlp", 1, 1, lambda opts: case)
+    rec = bs.run_workload(w, bs.Options(), started=0.0, timer=_timer, clock=Clock())
+    assert rec["engines"] == {"cf": {"plans": 1, "engines": ["eng4_k24=23"]},
+                              "cf_autotuned": {"plans": 3, "engines": ["eng4_k24=40", "gemm:torch"]}}
+    monkeypatch.setattr(bs, "ENGINES_LISTED", 1)  # a model's dozens of plans: the count, a few names
+    held[:] = [types.SimpleNamespace(engine="b"), types.SimpleNamespace(engine="a")]
+    assert bs._new_engines(set()) == {"plans": 2, "engines": ["a"]}
+    assert bs._new_engines({id(held[1])}) == {"plans": 1, "engines": ["b"]}
+    assert bs._new_engines({id(p) for p in held}) == {}
 
 
 def test_build_failure_is_recorded_not_raised():
