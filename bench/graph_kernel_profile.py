@@ -2,7 +2,8 @@
 behind bench/graph_device_probe.py's "same kernel, same kernel time"). torch.profiler over 16
 calls each way, per conv; the 1x1 convs without a residual run as cuBLAS GEMMs (conv_gemm.py).
 
-Ran once on an H200 at fccccd4's library code as bench/tmp_prof.py (this file's body, unchanged);
+Ran once on an H200 at fccccd4's library code as bench/tmp_prof.py (this file's body, less an unused
+import of cudnn_fuse.plans);
 its output is bench/results/launch_graphs/graph_kernel_profile.txt: one kernel a call both ways,
 2.92 / 2.91 us (no residual, nvjet), 3.18 / 3.20 us and 3.62 / 3.62 us (residual, cuDNN).
 
@@ -28,5 +29,4 @@ for name, c, k, hw, r, res, act in [("nores", 64, 256, 56, 1, False, None), ("re
             d = getattr(e, "self_device_time_total", 0)
             if d > 0 or e.key.startswith("cu") or "Memset" in e.key or "Memcpy" in e.key:
                 print(f"   {e.count:4d} dev {d/ max(e.count,1):8.2f}us  {e.key[:110]}")
-    from cudnn_fuse import plans
     print(cf.plan_stats())
