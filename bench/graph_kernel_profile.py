@@ -2,10 +2,10 @@
 behind bench/graph_device_probe.py's "same kernel, same kernel time"). torch.profiler over 16
 calls each way, per conv; the 1x1 convs without a residual run as cuBLAS GEMMs (conv_gemm.py).
 
-Ran once on an H200 at fccccd4's library code as bench/tmp_prof.py (this file's body, less an unused
-import of cudnn_fuse.plans);
-its output is bench/results/launch_graphs/graph_kernel_profile.txt: one kernel a call both ways,
-2.92 / 2.91 us (no residual, nvjet), 3.18 / 3.20 us and 3.62 / 3.62 us (residual, cuDNN).
+Ran once on an H200 at fccccd4's library code as bench/tmp_prof.py (this file's body, less an
+unused import of cudnn_fuse.plans); its output is bench/results/launch_graphs/graph_kernel_profile.txt:
+one kernel a call both ways, 2.92 / 2.91 us (no residual, nvjet), 3.18 / 3.20 us and 3.62 / 3.62 us
+(residual, cuDNN).
 
     python3 bench/graph_kernel_profile.py
 """
