@@ -2,7 +2,9 @@
 
 `cf.linear(x, w, b, activation="relu")` at 64x256x256 fp16 with its signature memoized and its
 pointer sets replayed as launch graphs; each piece of that call timed alone over back-to-back
-calls, beside torch's F.linear and F.relu. Medians of interleaved rounds, one process.
+calls, beside torch's F.linear and F.relu. Medians of interleaved rounds, one process. Also the
+whole call's host time (and cuGraphLaunch's, and torch's) with the GPU kept busy by a sleep kernel,
+so that no call waits for the GPU (``queued_host_us``).
 
     python3 bench/eager_host_probe.py --out bench/results
 """
@@ -44,6 +46,26 @@ def host_and_device_us(fn, calls: int) -> tuple:
     return 1e6 * (t1 - t0) / calls, 1e3 * e0.elapsed_time(e1) / calls
 
 
+def queued_host_us(fn, calls: int = 400, rounds: int = 5) -> float:
+    """Host microseconds per call with the GPU held busy by a sleep kernel for the whole loop, so
+    that no call waits for the GPU (a back-to-back loop of calls shorter than their kernels times
+    the GPU): the median over ``rounds`` loops of ``calls`` calls."""
+    import time
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        torch.cuda._sleep(int(40e6))  # ~20 ms at the H200's clock: longer than any loop below
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append(1e6 * (time.perf_counter() - t0) / calls)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -78,6 +100,7 @@ def main(argv=None) -> int:
                                                          device=launch.device),
             "empty": lambda: torch.empty(launch.size, dtype=launch.dtype, device=launch.device),
             "new_empty": lambda: x.new_empty(launch.size),
+            "new_empty_strided": lambda: x.new_empty_strided(launch.size, launch.stride),
             "plan_launch_replay": lambda: plan.launch(ptrs),
             "cuGraphLaunch": (lambda: drv.launch(ex, stream)) if ex is not None else None,
             "current_stream": lambda: plans._current_stream(0),
@@ -108,6 +131,14 @@ def main(argv=None) -> int:
                     row["host"].append(h)
                     row["device"].append(d)
         cf.set_launch_graphs(True)
+        # the same calls' host time with the GPU busy throughout (none of them waits for the GPU)
+        queued = {"cf_linear": pieces["cf_linear"], "torch_linear_relu": pieces["torch_linear_relu"]}
+        if "cuGraphLaunch" in pieces:
+            queued["cuGraphLaunch"] = pieces["cuGraphLaunch"]
+        queued_rows = {k: [] for k in queued}
+        for _ in range(args.rounds):
+            for k, fn in queued.items():
+                queued_rows[k].append(queued_host_us(fn))
     med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -117,12 +148,14 @@ def main(argv=None) -> int:
         "loop_host_vs_device_us": {k: {m: round(statistics.median(v[m]), 3) for m in v} for k, v in both.items()},
         "loop_all_rounds_us": {k: {m: [round(t, 3) for t in v[m]] for m in v} for k, v in both.items()},
         "all_rounds_us": {k: [round(t, 3) for t in v] for k, v in rows.items()},
+        "queued_host_us": {k: round(statistics.median(v), 3) for k, v in queued_rows.items()},
+        "queued_all_rounds_us": {k: [round(t, 3) for t in v] for k, v in queued_rows.items()},
         "plan_stats": {k: v for k, v in cf.plan_stats().items() if k.startswith("graph_")},
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "eager_host_probe.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({"host_us": med, "loops": result["loop_host_vs_device_us"], "plan_stats": result["plan_stats"]},
+    print(json.dumps({"host_us": med, "queued_host_us": result["queued_host_us"], "loops": result["loop_host_vs_device_us"], "plan_stats": result["plan_stats"]},
                      indent=1))
     return 0
 

@@ -220,11 +220,10 @@ def _run(op: str, spec, buffers, ref_fn):
 
 _FAST = plans.FAST
 _deterministic = plans.deterministic  # in the key: a launch remembered in one mode never serves the other
+_det_algorithms, _det_cudnn = plans._det_algorithms, plans._det_cudnn  # deterministic()'s two getters, inlined
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def broadcast_shapes(s1, s2) -> tuple:
@@ -253,13 +252,17 @@ def _memo(name: str, a, b, c, d, attrs: tuple):
     on, an operand requiring grad; its key's name ends in ":grad") must go through autograd,
     but its validation depends only on the operands' metadata and ``attrs``: its entry is the
     validated call of the autograd op (``_remember_call``), attributes only, never tensors."""
-    if type(a) is not torch.Tensor or _active_recorders or torch.compiler.is_compiling():
+    if type(a) is not torch.Tensor or _active_recorders or _is_compiling():
         return None, None
-    if torch.is_grad_enabled() and (a.requires_grad or getattr(b, "requires_grad", False)
-                                    or getattr(c, "requires_grad", False) or getattr(d, "requires_grad", False)):
+    if _grad_enabled() and (a.requires_grad or getattr(b, "requires_grad", False)
+                            or getattr(c, "requires_grad", False) or getattr(d, "requires_grad", False)):
         name += ":grad"
-    try:  # four operands, spelled out: this runs on every call
-        key = (name, _meta(a), _meta(b), _meta(c), _meta(d), attrs, _deterministic())
+    try:  # four operands, spelled out (each as _meta would), no call per operand: this runs on every call
+        key = (name, (a.shape, a.stride(), a.dtype, a.device),
+               None if b is None else (b.shape, b.stride(), b.dtype, b.device),
+               None if c is None else (c.shape, c.stride(), c.dtype, c.device),
+               None if d is None else (d.shape, d.stride(), d.dtype, d.device),
+               attrs, _det_algorithms() or _det_cudnn())
         return key, _FAST.get(key)
     except (AttributeError, TypeError):
         return None, None
@@ -277,25 +280,36 @@ _active_recorders = manifest._active  # the live list: non-empty while cf.record
 
 
 class _Launch:
-    """A remembered signature: the plan and the outputs' geometry."""
+    """A remembered signature: the plan and the outputs' geometry. Called with the op's four
+    operands (None where absent: which ones are is part of the memo key, so fixed per entry)."""
 
-    __slots__ = ("plan", "size", "stride", "dtype", "device", "amax")
+    __slots__ = ("plan", "size", "stride", "dtype", "device", "amax", "_like_a")
 
-    def __init__(self, plan, y: torch.Tensor, amax: bool):
+    def __init__(self, plan, y: torch.Tensor, amax: bool, a: Optional[torch.Tensor] = None):
         self.plan, self.size, self.stride = plan, tuple(y.shape), tuple(y.stride())
         self.dtype, self.device, self.amax = y.dtype, y.device, amax
+        # the output has the first operand's dtype and device (the key holds them): allocate it
+        # through a.new_empty_strided, torch's cheapest allocation call (no keyword parsing)
+        self._like_a = a is not None and a.dtype == y.dtype and a.device == y.device
 
-    def __call__(self, *inputs):
-        y = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
-        ptrs = [t.data_ptr() for t in inputs if t is not None]
+    def __call__(self, a, b, c, d):
+        y = a.new_empty_strided(self.size, self.stride) if self._like_a else \
+            torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+        ptrs = [a.data_ptr()]
+        if b is not None:
+            ptrs.append(b.data_ptr())
+        if c is not None:
+            ptrs.append(c.data_ptr())
+        if d is not None:
+            ptrs.append(d.data_ptr())
         ptrs.append(y.data_ptr())
         if not self.amax:
             self.plan.launch(ptrs)
             return y
-        a = torch.empty((), dtype=torch.float32, device=self.device)
-        ptrs.append(a.data_ptr())
+        am = torch.empty((), dtype=torch.float32, device=self.device)
+        ptrs.append(am.data_ptr())
         self.plan.launch(ptrs)
-        return y, a
+        return y, am
 
 
 def _remember(key, originals, plan, buffers, out) -> None:
@@ -309,7 +323,7 @@ def _remember(key, originals, plan, buffers, out) -> None:
         return  # a copy or a moved view fed the plan: the slow path must keep making it
     if len(_FAST) >= plans.FAST_CAPACITY:
         _FAST.clear()
-    _FAST[key] = _Launch(plan, y, amax is not None)
+    _FAST[key] = _Launch(plan, y, amax is not None, originals[0])
 
 
 # ----------------------------------------------------------------------- conv2d

@@ -294,6 +294,7 @@ def _workspace_ptr(device: int, stream: int, size: int, capturing: bool | None =
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_GRAPH_STATS = launch_graphs.STATS
 _side_streams: dict = {}  # device -> the stream launch graphs are captured on (never launched on)
 
 
@@ -339,30 +340,36 @@ class Plan:
         """Execute with raw device pointers (``ptrs`` in roles order) on the current
         stream; only for plans with ``raw`` True. A pointer set seen before replays as
         a CUDA graph of this very launch (launch_graphs.py)."""
-        fn, slots, array, address, n, index, raw_handle = self._raw
-        stream = _current_stream(self.device)
+        device = self.device
+        stream = _current_stream(device)
         capturing = stream != 0 and _capturing()  # the legacy default stream (0) is never captured
-        ws, keep = _workspace_ptr(self.device, stream, self.workspace_size, capturing) \
-            if self.workspace_size else (0, None)
+        if self.workspace_size:
+            ws, keep = _workspace_ptr(device, stream, self.workspace_size, capturing)
+        else:
+            ws = keep = 0
         h = self._handle
         graphs = self._graphs
         with h.lock:  # one handle per device: stream switch + launch must not interleave
-            if graphs is not None and launch_graphs.ENABLED and not graphs.off and not capturing and \
-                    _current_device() == self.device:
+            if graphs is not None and not capturing and not graphs.off and launch_graphs.ENABLED and \
+                    _current_device() == device:
                 key = (ws, *ptrs)
                 ex = graphs.execs.get(key)
-                fresh = False
-                if ex is None and graphs.sighted(key):
-                    ex = fresh = self._capture(graphs, key, ptrs, ws)
-                if ex is not None:
+                if ex is not None:  # a replay: the hot path
                     rc = graphs._drv.launch(ex, stream)
                     if not rc:
-                        if not fresh:
-                            graphs.reuses += 1
-                        launch_graphs.STATS.replays += 1
+                        graphs.reuses += 1
+                        _GRAPH_STATS.replays += 1
                         return
+                elif graphs.sighted(key):
+                    ex = self._capture(graphs, key, ptrs, ws)
+                    rc = graphs._drv.launch(ex, stream) if ex is not None else 0
+                    if ex is not None and not rc:
+                        _GRAPH_STATS.replays += 1
+                        return
+                if ex is not None:
                     self._graph_failed(graphs, launch_graphs.DriverError(
                         f"cuGraphLaunch: {graphs._drv.error_name(rc)}"))
+            fn, slots, array, address, n, index, raw_handle = self._raw
             if h.stream != stream:
                 import cudnn
 

@@ -73,6 +73,33 @@ def test_remember_and_launch_pass_pointers_in_role_order():
     assert plan.launched == [[x2.data_ptr(), w.data_ptr(), b.data_ptr(), y2.data_ptr(), a2.data_ptr()]]
 
 
+@pytest.mark.parametrize("present", [(True, False), (False, True), (True, True), (False, False)])
+def test_a_remembered_launch_skips_the_absent_operands(present):
+    """Bias and residual present or not: the pointers are the present operands' in role order,
+    then the output's; the output is new every call, with the remembered geometry."""
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    b = torch.randn(6, dtype=torch.bfloat16) if present[0] else None
+    r = torch.randn(4, 6, dtype=torch.bfloat16) if present[1] else None
+    y = torch.empty(4, 6, dtype=torch.bfloat16)
+    plan = FakePlan()
+    ins = [t for t in (x, w, b, r) if t is not None]
+    ops._remember("k", (x, w, b, r), plan, ins + [y], y)
+    launch = plans.FAST["k"]
+    y1, y2 = launch(x, w, b, r), launch(x, w, b, r)
+    assert y1.shape == (4, 6) and y1.dtype == torch.bfloat16 and y1.data_ptr() != y2.data_ptr()
+    assert plan.launched == [[t.data_ptr() for t in ins] + [y1.data_ptr()], [t.data_ptr() for t in ins] + [y2.data_ptr()]]
+
+
+def test_a_remembered_output_of_another_dtype_keeps_its_dtype():
+    """An output whose dtype is not the first operand's is allocated with its own."""
+    x = torch.randn(4, 8, dtype=torch.float16)
+    y = torch.empty(4, 6, dtype=torch.bfloat16)
+    out = ops._Launch(FakePlan(), y, False, x)(x, x, None, None)
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 6)
+    same = ops._Launch(FakePlan(), torch.empty(2, 3, dtype=torch.float16), False, x)(x, x, None, None)
+    assert same.dtype == torch.float16 and same.shape == (2, 3) and same.device == x.device
+
+
 def test_remember_keeps_the_layout_of_the_output():
     x = torch.randn(2, 4, 5, 5, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
     w = torch.randn(8, 4, 3, 3, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
