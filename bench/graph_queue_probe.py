@@ -1,0 +1,128 @@
+"""How many launches queue behind a busy GPU before the host blocks, by kind of launch.
+
+A loop of host-bound calls that runs while the GPU is busy (a sleep kernel queued first) should
+take its host time only: the launches queue. eager_host_probe.py found 400 replays of one
+launch graph behind a 20 ms sleep took ~55 us each, the sleep's length spread over them: the host
+waited for the GPU. This probe finds where that starts: for n launches of each kind behind a 50 ms
+sleep, the host time of the loop (ms) and per call (us). Kinds: one launch graph replayed
+(cuGraphLaunch of one executable), 8 executables in turn, cf.linear with launch graphs (memoized)
+and without (raw cuDNN launches), the raw plan launch alone, and torch's F.relu (a kernel launch).
+cf.linear 64x256x256 fp16, one process.
+
+    python3 bench/graph_queue_probe.py --out bench/results/launch_graphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import cudnn_fuse as cf  # noqa: E402
+from cudnn_fuse import ops  # noqa: E402
+
+SLEEP_CYCLES = int(1e8)  # ~50 ms at the H200's 1.98 GHz
+
+
+def queued_loop_ms(fn, n: int) -> float:
+    """Host milliseconds of ``n`` calls of ``fn`` queued behind a ~50 ms sleep kernel."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e3 * t
+
+
+def idle_sleep_ms() -> float:
+    """Device milliseconds of the sleep kernel alone."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "launch_graphs"))
+    ap.add_argument("--counts", default="8,32,64,128,256,512,1024,2048")
+    args = ap.parse_args(argv)
+    counts = [int(c) for c in args.counts.split(",")]
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) * 0.06
+    b = torch.randn(256, device="cuda", dtype=torch.float16)
+    attrs = ("relu", False, 0.01)
+    rows = {}
+    with torch.no_grad():
+        cf.set_launch_graphs(True)
+        for _ in range(10):
+            cf.linear(x, w, b, activation="relu")
+        _, launch = ops._memo("linear", x, w, b, None, attrs)
+        assert launch is not None, "the signature must be memoized"
+        plan = launch.plan
+        assert plan._graphs is not None, "this plan must get launch graphs"
+        ys = [torch.empty(64, 256, device="cuda", dtype=torch.float16) for _ in range(8)]
+        sets = [[x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr()] for y in ys]
+        for ptrs in sets:
+            for _ in range(4):
+                plan.launch(ptrs)
+        torch.cuda.synchronize()
+        execs = [plan._graphs.execs[(0, *ptrs)] for ptrs in sets]
+        drv = plan._graphs._drv
+        stream = torch.cuda.current_stream().cuda_stream
+        turn = [0]
+
+        def rr8():
+            turn[0] = (turn[0] + 1) % 8
+            drv.launch(execs[turn[0]], stream)
+
+        kinds = {
+            "graph_one_exec": lambda: drv.launch(execs[0], stream),
+            "graph_8_execs": rr8,
+            "cf_linear_graphs": lambda: cf.linear(x, w, b, activation="relu"),
+            "cf_linear_raw": lambda: cf.linear(x, w, b, activation="relu"),
+            "plan_launch_raw": lambda: plan.launch(sets[0]),
+            "torch_relu": lambda: F.relu(x),
+        }
+        raw_kinds = ("cf_linear_raw", "plan_launch_raw")
+        for name, fn in kinds.items():
+            cf.set_launch_graphs(name not in raw_kinds)
+            for _ in range(20):
+                fn()
+            rows[name] = {}
+            for n in counts:
+                ms = queued_loop_ms(fn, n)
+                rows[name][n] = {"host_ms": round(ms, 3), "us_per_call": round(1e3 * ms / n, 3)}
+        cf.set_launch_graphs(True)
+        sleep_ms = idle_sleep_ms()
+    result = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "op": "cf.linear(x[64,256], w[256,256], b, activation='relu') fp16", "engine": plan.engine,
+        "sleep_ms": round(sleep_ms, 3),
+        "queued_behind_sleep": rows,
+        "plan_stats": {k: v for k, v in cf.plan_stats().items() if k.startswith("graph_")},
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "graph_queue_probe.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"sleep kernel: {sleep_ms:.1f} ms")
+    print(f"{'kind':18s}" + "".join(f"{n:>10d}" for n in counts) + "   (us per call, n calls behind the sleep)")
+    for name, r in rows.items():
+        print(f"{name:18s}" + "".join(f"{r[n]['us_per_call']:10.2f}" for n in counts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
