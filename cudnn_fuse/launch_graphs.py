@@ -74,14 +74,14 @@ CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other thre
 class Stats:
     """Process-wide counters (``cf.plan_stats()`` reports them under ``graph_*``)."""
 
-    __slots__ = ("captures", "replays", "failures", "live")
+    __slots__ = ("captures", "kernels", "replays", "failures", "live")
 
     def __init__(self):
-        self.captures = self.replays = self.failures = self.live = 0
+        self.captures = self.kernels = self.replays = self.failures = self.live = 0
 
     def snapshot(self) -> dict:
-        return {"graph_captures": self.captures, "graph_replays": self.replays, "graph_failures": self.failures,
-                "graph_live": self.live}
+        return {"graph_captures": self.captures, "graph_kernels": self.kernels, "graph_replays": self.replays,
+                "graph_failures": self.failures, "graph_live": self.live}
 
 
 STATS = Stats()
@@ -91,8 +91,85 @@ class DriverError(RuntimeError):
     pass
 
 
+# ------------------------------------------------------- a one-kernel graph, launched as its kernel
+#
+# A graph launch costs the host more than the kernel launch it holds (H200 host: cuGraphLaunch 6.3-11.1
+# us against cuLaunchKernelEx's 4.5-5.9 for the same captured cuDNN kernels), and once 9-31 graph
+# launches are queued behind busy GPU work the next one waits for the GPU, where kernel launches queue
+# ~1000 (bench/results/launch_graphs/graph_queue_probe.json, kernel_replay_probe.json). So a captured
+# graph that is one kernel node is not instantiated: its kernel is launched directly, with the node's
+# function, grid, block, shared memory, parameters (the node's own copy, kept alive with the graph) and
+# launch attributes. That is the launch the capture recorded, as a graph replay is. Graphs of more than
+# one node (a memset before the kernel, several kernels) replay as graphs.
+
+
+class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = [("func", ctypes.c_void_p), ("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint),
+                ("bx", ctypes.c_uint), ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint),
+                ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p),
+                ("ctx", ctypes.c_void_p)]
+
+
+class _AttrValue(ctypes.Union):  # CUlaunchAttributeValue (64 bytes)
+    _fields_ = [("bytes", ctypes.c_ubyte * 64), ("words", ctypes.c_uint64 * 8)]
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("_pad", ctypes.c_ubyte * 4), ("value", _AttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
+
+
+NODE_TYPE_KERNEL = 0  # CU_GRAPH_NODE_TYPE_KERNEL
+# The kernel-node attributes (CUlaunchAttributeID) a direct launch carries over when set: access policy
+# window 1, cooperative 2, cluster dimension 4, cluster scheduling policy 5, priority 8, memory sync domain
+# map 9 and domain 10, preferred cluster dimension 11, shared memory carveout 14. Cooperative and the
+# cluster dimension change what a kernel computes: a node whose values of those cannot be read is not
+# launched directly. The others are placement and scheduling hints, carried when readable.
+NODE_ATTRS = (1, 2, 4, 5, 8, 9, 10, 11, 14)
+REQUIRED_ATTRS = (2, 4)
+
+KERNEL_REPLAY = os.environ.get("CUDNN_FUSE_KERNEL_REPLAY", "1").strip().lower() not in _OFF_WORDS
+
+
+class KernelReplay:
+    """A captured one-kernel graph's kernel, launched directly (cuLaunchKernelEx). Holds the graph,
+    whose node owns the kernel's parameter values; ``Driver.destroy`` frees it."""
+
+    __slots__ = ("graph", "func", "params", "extra", "attrs", "cfg", "cfg_ref", "stream", "_launch")
+
+    def __init__(self, launch, graph, func, node: _KernelNodeParams, attrs, stream: int):
+        self._launch, self.graph, self.func = launch, graph, func
+        self.params, self.extra = node.kernelParams, node.extra
+        self.attrs = (_LaunchAttr * max(1, len(attrs)))()
+        for i, (aid, value) in enumerate(attrs):
+            self.attrs[i].id = aid
+            ctypes.memmove(ctypes.byref(self.attrs[i].value), ctypes.byref(value), ctypes.sizeof(_AttrValue))
+        self.cfg = _LaunchConfig(node.gx, node.gy, node.gz, node.bx, node.by, node.bz, node.smem, stream,
+                                 self.attrs, len(attrs))
+        self.cfg_ref = ctypes.byref(self.cfg)
+        self.stream = stream
+
+    def launch(self, stream: int) -> int:
+        """Launch the kernel on ``stream``; the CUresult."""
+        if stream != self.stream:
+            self.cfg.hStream = stream
+            self.stream = stream
+        return self._launch(self.cfg_ref, self.func, self.params, self.extra)
+
+    @property
+    def attribute_ids(self) -> list:
+        return [self.attrs[i].id for i in range(self.cfg.numAttrs)]
+
+
 class Driver:
-    """The six CUDA driver entry points a one-kernel graph needs, through ctypes."""
+    """The CUDA driver entry points of one-kernel graphs, through ctypes: capture, instantiate,
+    launch, destroy, and the node queries and kernel launch of ``KernelReplay`` (optional: without
+    them, or with ``CUDNN_FUSE_KERNEL_REPLAY=0``, every capture replays as a graph)."""
 
     def __init__(self, lib=None):
         lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
@@ -110,6 +187,24 @@ class Driver:
         self._exec_destroy = fn("cuGraphExecDestroy", vp)
         self._graph_destroy = fn("cuGraphDestroy", vp)
         self._name = getattr(lib, "cuGetErrorName", None)
+        self.kernels = KERNEL_REPLAY
+        if self.kernels:
+            try:
+                self._nodes = fn("cuGraphGetNodes", vp, vp, P(ctypes.c_size_t))
+                self._node_type = fn("cuGraphNodeGetType", vp, P(ctypes.c_int))
+                try:
+                    self._node_params = fn("cuGraphKernelNodeGetParams_v2", vp, P(_KernelNodeParams))
+                except AttributeError:
+                    self._node_params = fn("cuGraphKernelNodeGetParams", vp, P(_KernelNodeParams))
+                self._node_attr = fn("cuGraphKernelNodeGetAttribute", vp, ctypes.c_int, P(_AttrValue))
+                self._launch_kernel = fn("cuLaunchKernelEx", P(_LaunchConfig), vp, vp, vp)
+                try:
+                    self._kernel_function = fn("cuKernelGetFunction", P(vp), vp)
+                except AttributeError:
+                    self._kernel_function = None
+            except AttributeError as exc:
+                log.info("launch graphs replay as graphs: this driver lacks %s", exc)
+                self.kernels = False
 
     def error_name(self, rc: int) -> str:
         if self._name is not None:
@@ -125,27 +220,66 @@ class Driver:
         if rc:
             raise DriverError(f"{what}: {self.error_name(rc)}")
 
-    def capture(self, stream: int, work) -> int:
-        """Capture ``work()`` (launches on ``stream``) into a graph; returns the instantiated
-        executable's handle. Raises DriverError, or what ``work`` raised, leaving the stream
-        out of capture either way."""
+    def capture(self, stream: int, work):
+        """Capture ``work()`` (launches on ``stream``) into a graph; returns a ``KernelReplay`` when
+        the graph is one kernel node (and ``kernels``), else the instantiated executable's handle.
+        Raises DriverError, or what ``work`` raised, leaving the stream out of capture either way."""
         self.check(self._begin(stream, CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
         graph = ctypes.c_void_p()
         try:
             work()
         finally:
             rc = self._end(stream, ctypes.byref(graph))
+        kept = None
         try:
             self.check(rc, "cuStreamEndCapture")
+            if self.kernels and graph.value:
+                kept = self._kernel_of(graph.value, stream)
+                if kept is not None:
+                    return kept
             ex = ctypes.c_void_p()
             self.check(self._instantiate(ctypes.byref(ex), graph, 0), "cuGraphInstantiate")
             return ex.value
         finally:
-            if graph.value:
+            if graph.value and kept is None:
                 self._graph_destroy(graph)
 
+    def _kernel_of(self, graph: int, stream: int):
+        """The KernelReplay of ``graph`` when it is one kernel node whose launch can be read back
+        whole, else None (it then replays as a graph)."""
+        n = ctypes.c_size_t(0)
+        if self._nodes(graph, None, ctypes.byref(n)) or n.value != 1:
+            return None
+        nodes = (ctypes.c_void_p * 1)()
+        kind = ctypes.c_int(-1)
+        if self._nodes(graph, nodes, ctypes.byref(n)) or n.value != 1 or \
+                self._node_type(nodes[0], ctypes.byref(kind)) or kind.value != NODE_TYPE_KERNEL:
+            return None
+        node = _KernelNodeParams()
+        if self._node_params(nodes[0], ctypes.byref(node)) or not node.kernelParams:
+            return None
+        func = node.func
+        if not func:
+            f = ctypes.c_void_p()
+            if not node.kern or self._kernel_function is None or self._kernel_function(ctypes.byref(f), node.kern):
+                return None
+            func = f.value
+        attrs = []
+        for aid in NODE_ATTRS:
+            value = _AttrValue()
+            if self._node_attr(nodes[0], aid, ctypes.byref(value)):
+                if aid in REQUIRED_ATTRS:
+                    return None
+                continue
+            if any(value.bytes):
+                attrs.append((aid, value))
+        return KernelReplay(self._launch_kernel, graph, func, node, attrs, stream)
+
     def destroy(self, ex) -> None:
-        self._exec_destroy(ex)  # an exec still running is freed once it completes
+        if isinstance(ex, KernelReplay):
+            self._graph_destroy(ex.graph)  # launched kernels copied their parameters at launch
+        else:
+            self._exec_destroy(ex)  # an exec still running is freed once it completes
 
 
 _driver = None
@@ -195,6 +329,8 @@ class GraphSet:
         self.execs[key] = ex
         self.captures += 1
         STATS.captures += 1
+        if isinstance(ex, KernelReplay):
+            STATS.kernels += 1  # captures that replay as their kernel
         STATS.live += 1
         while len(self.execs) > PER_PLAN:
             _, old = self.execs.popitem(last=False)

@@ -294,7 +294,7 @@ def _workspace_ptr(device: int, stream: int, size: int, capturing: bool | None =
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-_GRAPH_STATS = launch_graphs.STATS
+_KernelReplay = launch_graphs.KernelReplay
 _side_streams: dict = {}  # device -> the stream launch graphs are captured on (never launched on)
 
 
@@ -355,20 +355,21 @@ class Plan:
                 key = (ws, *ptrs)
                 ex = graphs.execs.get(key)
                 if ex is not None:  # a replay: the hot path
-                    rc = graphs._drv.launch(ex, stream)
+                    rc = ex.launch(stream) if type(ex) is _KernelReplay else graphs._drv.launch(ex, stream)
                     if not rc:
                         graphs.reuses += 1
-                        _GRAPH_STATS.replays += 1
+                        launch_graphs.STATS.replays += 1
                         return
                 elif graphs.sighted(key):
                     ex = self._capture(graphs, key, ptrs, ws)
-                    rc = graphs._drv.launch(ex, stream) if ex is not None else 0
-                    if ex is not None and not rc:
-                        _GRAPH_STATS.replays += 1
-                        return
+                    if ex is not None:
+                        rc = ex.launch(stream) if type(ex) is _KernelReplay else graphs._drv.launch(ex, stream)
+                        if not rc:
+                            launch_graphs.STATS.replays += 1
+                            return
                 if ex is not None:
-                    self._graph_failed(graphs, launch_graphs.DriverError(
-                        f"cuGraphLaunch: {graphs._drv.error_name(rc)}"))
+                    what = "cuLaunchKernelEx" if type(ex) is _KernelReplay else "cuGraphLaunch"
+                    self._graph_failed(graphs, launch_graphs.DriverError(f"{what}: {graphs._drv.error_name(rc)}"))
             fn, slots, array, address, n, index, raw_handle = self._raw
             if h.stream != stream:
                 import cudnn

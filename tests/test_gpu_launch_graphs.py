@@ -1,6 +1,7 @@
 """GPU: launch graphs (launch_graphs.py) on real plans. A pointer set's second launch is captured
 and later ones replay; the replays give bit-identical outputs to raw launches of the same plan,
-read new values written into the same tensors, run on whatever stream is current, allocate no
+read new values written into the same tensors, run on whatever stream is current (as their kernel
+where the capture is one kernel node, KernelReplay), allocate no
 memory, stay out of torch's own capture (cf.capture), serve training steps (whose backward
 launches replay too) and concurrent threads."""
 
@@ -113,6 +114,28 @@ def test_replays_are_bit_identical_to_raw_launches_and_read_new_values(cache_dir
         for a, c in zip(got, want):
             assert torch.equal(a, c)
         assert not torch.equal(first[0], want[0])
+
+
+def test_one_kernel_captures_replay_as_their_kernel(cache_dir):
+    """Captures of one kernel node become KernelReplays (launched with cuLaunchKernelEx), the others
+    graph executables; over the five cases both kinds occur (on the H200 with cuDNN 9.19 the
+    linear's plan is one kernel, the AMAX one a memset and a kernel), and each capture is counted."""
+    kinds = {}
+    with torch.no_grad():
+        for name, ((t,), fn) in _cases().items():
+            plans.clear()
+            k0 = launch_graphs.STATS.kernels
+            c0 = launch_graphs.STATS.captures
+            for _ in range(8):
+                fn(t)
+            torch.cuda.synchronize()
+            entries = [e for p in _raw_plans() if p._graphs is not None for e in p._graphs.execs.values()]
+            assert entries, name
+            n_kernels = sum(isinstance(e, launch_graphs.KernelReplay) for e in entries)
+            assert launch_graphs.STATS.kernels - k0 == n_kernels <= launch_graphs.STATS.captures - c0
+            kinds[name] = {type(e).__name__ for e in entries}
+    assert any("KernelReplay" in k for k in kinds.values()), kinds
+    assert any("int" in k for k in kinds.values()), kinds
 
 
 def test_a_replay_runs_on_the_current_stream(cache_dir):

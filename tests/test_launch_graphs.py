@@ -418,3 +418,159 @@ def test_on_by_default_and_off_by_environment():
         out = subprocess.run([sys.executable, "-c", code_off], env=env, capture_output=True, text=True,
                              check=True).stdout
         assert out.split() == ["False", "True"], off
+
+
+class NodeLib:
+    """A stand-in libcuda whose captured graph has the given node types; its kernel node has a
+    2x3x1 grid of 128 threads, 4096 bytes of shared memory, parameters at 0x5000 and a cluster
+    dimension (attribute 4); records every call by name."""
+
+    GRAPH, NODE, FUNC, PARAMS = 0x100, 0x200, 0x300, 0x5000
+
+    def __init__(self, types_=(0,), fail_attr=(), func=FUNC):
+        self.types, self.fail_attr, self.func = list(types_), set(fail_attr), func
+        self.calls = []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        handler = getattr(type(self), "_" + name, None)
+
+        def f(*a):
+            self.calls.append((name, a))
+            return handler(self, *a) if handler is not None else 0
+        return f
+
+    def _cuStreamEndCapture(self, stream, graph):
+        graph._obj.value = self.GRAPH
+        return 0
+
+    def _cuGraphInstantiateWithFlags(self, ex, graph, flags):
+        ex._obj.value = 0x900
+        return 0
+
+    def _cuGraphGetNodes(self, graph, nodes, n):
+        if nodes is not None:
+            for i in range(len(self.types)):
+                nodes[i] = self.NODE + i
+        n._obj.value = len(self.types)
+        return 0
+
+    def _cuGraphNodeGetType(self, node, kind):
+        kind._obj.value = self.types[node - self.NODE]
+        return 0
+
+    def _cuGraphKernelNodeGetParams_v2(self, node, p):
+        p = p._obj
+        p.func, p.kernelParams, p.kern = self.func, self.PARAMS, 0x777
+        p.gx, p.gy, p.gz, p.bx, p.by, p.bz, p.smem = 2, 3, 1, 128, 1, 1, 4096
+        return 0
+
+    def _cuGraphKernelNodeGetAttribute(self, node, aid, value):
+        if aid in self.fail_attr:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        if aid == 4:
+            value._obj.words[0] = 2 | (1 << 32)  # cluster (2, 1, 1)
+            value._obj.words[1] = 1
+        return 0
+
+    def _cuKernelGetFunction(self, f, kern):
+        f._obj.value = 0x301
+        return 0
+
+    def names(self):
+        return [c[0] for c in self.calls]
+
+
+def test_a_one_kernel_graph_replays_as_its_kernel():
+    lib = NodeLib()
+    d = launch_graphs.Driver(lib)
+    k = d.capture(42, lambda: None)
+    assert isinstance(k, launch_graphs.KernelReplay)
+    assert "cuGraphInstantiateWithFlags" not in lib.names() and "cuGraphDestroy" not in lib.names()
+    assert k.func == NodeLib.FUNC and k.params == NodeLib.PARAMS and k.attribute_ids == [4]
+    cfg = k.cfg
+    assert (cfg.gx, cfg.gy, cfg.gz, cfg.bx, cfg.by, cfg.bz, cfg.smem, cfg.hStream) == (2, 3, 1, 128, 1, 1, 4096, 42)
+    assert bytes(k.attrs[0].value.bytes)[:12] == (2).to_bytes(4, "little") + (1).to_bytes(4, "little") * 2
+    assert k.launch(42) == 0
+    name, args = lib.calls[-1]
+    assert name == "cuLaunchKernelEx" and args[1:] == (NodeLib.FUNC, NodeLib.PARAMS, None)
+    k.launch(43)  # another stream: the config follows it
+    assert k.cfg.hStream == 43 and k.stream == 43
+    d.destroy(k)
+    assert lib.calls[-1] == ("cuGraphDestroy", (NodeLib.GRAPH,))
+
+
+@pytest.mark.parametrize("case", ["memset and kernel", "two kernels", "a memset", "cluster unreadable",
+                                  "cooperative unreadable", "kernel replay off"])
+def test_other_graphs_replay_as_graphs(monkeypatch, case):
+    types_ = {"memset and kernel": (2, 0), "two kernels": (0, 0), "a memset": (2,)}.get(case, (0,))
+    fail = {"cluster unreadable": (4,), "cooperative unreadable": (2,)}.get(case, ())
+    monkeypatch.setattr(launch_graphs, "KERNEL_REPLAY", case != "kernel replay off")
+    lib = NodeLib(types_, fail_attr=fail)
+    d = launch_graphs.Driver(lib)
+    ex = d.capture(42, lambda: None)
+    assert ex == 0x900 and "cuGraphInstantiateWithFlags" in lib.names()
+    assert lib.names()[-1] == "cuGraphDestroy"  # the graph, once instantiated
+    assert ("cuGraphGetNodes" in lib.names()) is (case != "kernel replay off")
+    d.destroy(ex)
+    assert lib.calls[-1] == ("cuGraphExecDestroy", (0x900,))
+
+
+def test_an_unreadable_hint_is_left_out_and_a_library_kernel_gets_its_function():
+    lib = NodeLib(fail_attr=(14,), func=0)  # no function handle in the node: the CUkernel's
+    k = launch_graphs.Driver(lib).capture(42, lambda: None)
+    assert isinstance(k, launch_graphs.KernelReplay) and k.func == 0x301 and k.attribute_ids == [4]
+
+
+def test_a_driver_without_the_kernel_entry_points_replays_graphs(caplog):
+    class Old(NodeLib):
+        def __getattr__(self, name):
+            if name == "cuLaunchKernelEx":
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    lib = Old()
+    d = launch_graphs.Driver(lib)
+    assert d.kernels is False and d.capture(42, lambda: None) == 0x900
+
+
+def test_a_plan_launches_its_kernel_replay_and_counts_it(monkeypatch, after2):
+    class KernelDriver(FakeDriver):
+        def capture(self, stream, work):
+            work()
+            lib = NodeLib()
+            self.lib = lib
+            return launch_graphs.Driver(lib)._kernel_of(NodeLib.GRAPH, stream)
+
+    rig = Rig(monkeypatch, KernelDriver())
+    kernels = launch_graphs.STATS.kernels
+    for _ in range(4):
+        rig.plan.launch([1, 2, 3])
+    k = rig.plan._graphs.execs[(0, 1, 2, 3)]
+    assert isinstance(k, launch_graphs.KernelReplay) and launch_graphs.STATS.kernels == kernels + 1
+    launches = [c for c in rig.drv.lib.calls if c[0] == "cuLaunchKernelEx"]
+    assert len(launches) == 3 and len(rig.raw_calls) == 2 and rig.replays() == []  # never a graph launch
+    assert k.stream == 7
+    rig.stream = 8
+    rig.plan.launch([1, 2, 3])
+    assert k.cfg.hStream == 8
+
+
+def test_a_failed_kernel_launch_launches_raw_and_drops_the_graphs(monkeypatch, after2):
+    class Failing(NodeLib):
+        def _cuLaunchKernelEx(self, *a):
+            return 1
+
+    class KernelDriver(FakeDriver):
+        def capture(self, stream, work):
+            work()
+            return launch_graphs.Driver(Failing())._kernel_of(NodeLib.GRAPH, stream)
+
+    monkeypatch.setattr(launch_graphs, "clear_runtime_error", lambda: None)
+    rig = Rig(monkeypatch, KernelDriver())
+    rig.plan.launch([1, 2, 3])
+    rig.plan.launch([1, 2, 3])  # captured; its kernel launch fails: raw that call, graphs off
+    assert rig.raw_calls[-1] == (7, (1, 2, 3), 0) and rig.plan._graphs.off
+    assert len(rig.drv.destroyed) == 1 and isinstance(rig.drv.destroyed[0], launch_graphs.KernelReplay)
