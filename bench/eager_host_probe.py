@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
 from bench.common import host_us  # noqa: E402
-from cudnn_fuse import ops, plans  # noqa: E402
+from cudnn_fuse import launch_graphs, ops, plans  # noqa: E402
 
 
 def host_and_device_us(fn, calls: int) -> tuple:
@@ -89,9 +89,26 @@ def main(argv=None) -> int:
             plan.launch(ptrs)
         torch.cuda.synchronize()
         gs = plan._graphs
-        ex = next(iter(gs.execs.values())) if gs is not None and gs.execs else None
-        stream = torch.cuda.current_stream().cuda_stream
         drv = gs._drv if gs is not None else None
+        stream = torch.cuda.current_stream().cuda_stream
+        ex = kr = None  # a graph executable of the same launch, held outside the plan (KernelReplay off)
+        if drv is not None:
+            drv.kernels = False
+            gs.release()
+            gs.seen.clear()
+            for _ in range(3):
+                plan.launch(ptrs)
+            torch.cuda.synchronize()
+            ex = gs.execs.pop((0, *ptrs), None) if plan.workspace_size == 0 else None
+            drv.kernels = launch_graphs.KERNEL_REPLAY
+            gs.release()
+            gs.seen.clear()
+            for _ in range(3):
+                plan.launch(ptrs)
+            torch.cuda.synchronize()
+            kr = gs.execs.get((0, *ptrs)) if plan.workspace_size == 0 else None
+            if not isinstance(kr, launch_graphs.KernelReplay):
+                kr = None
         pieces = {
             "cf_linear": lambda: cf.linear(x, w, b, activation="relu"),
             "memo_lookup": lambda: ops._memo("linear", x, w, b, None, attrs),
@@ -103,6 +120,7 @@ def main(argv=None) -> int:
             "new_empty_strided": lambda: x.new_empty_strided(launch.size, launch.stride),
             "plan_launch_replay": lambda: plan.launch(ptrs),
             "cuGraphLaunch": (lambda: drv.launch(ex, stream)) if ex is not None else None,
+            "cuLaunchKernelEx": (lambda: kr.launch(stream)) if kr is not None else None,
             "current_stream": lambda: plans._current_stream(0),
             "is_capturing": plans._capturing,
             "workspace_ptr": lambda: plans._workspace_ptr(0, stream, plan.workspace_size or 1, False),
@@ -120,21 +138,31 @@ def main(argv=None) -> int:
         cf.set_launch_graphs(True)
         # is a loop of calls host-bound or GPU-bound? CUDA-event time of the same loops, beside their host time
         loops = {"cf_linear": pieces["cf_linear"], "torch_linear_relu": pieces["torch_linear_relu"]}
-        both = {f"{k}{sfx}": {"host": [], "device": []} for k in loops for sfx in ("", "_no_graphs")
+        modes = {"": (True, True), "_graph_replays": (True, False), "_no_graphs": (False, True)}
+        both = {f"{k}{sfx}": {"host": [], "device": []} for k in loops for sfx in modes
                 if not (k.startswith("torch") and sfx)}
         for _ in range(args.rounds):
             for name, fn in loops.items():
-                for graphs in ((True, False) if name == "cf_linear" else (True,)):
+                for sfx, (graphs, kernels) in (modes.items() if name == "cf_linear" else [("", (True, True))]):
                     cf.set_launch_graphs(graphs)
+                    if drv is not None and drv.kernels != (kernels and launch_graphs.KERNEL_REPLAY):
+                        drv.kernels = kernels and launch_graphs.KERNEL_REPLAY
+                        gs.release()  # captured again as the mode says, in the loop's warm-up
+                        gs.seen.clear()
                     h, d = host_and_device_us(fn, args.calls)
-                    row = both[name + ("" if graphs else "_no_graphs")]
+                    row = both[name + sfx]
                     row["host"].append(h)
                     row["device"].append(d)
         cf.set_launch_graphs(True)
+        if drv is not None:
+            drv.kernels = launch_graphs.KERNEL_REPLAY
+            gs.release()
+            gs.seen.clear()
         # the same calls' host time with the GPU busy throughout (none of them waits for the GPU)
         queued = {"cf_linear": pieces["cf_linear"], "torch_linear_relu": pieces["torch_linear_relu"]}
-        if "cuGraphLaunch" in pieces:
-            queued["cuGraphLaunch"] = pieces["cuGraphLaunch"]
+        for k in ("cuGraphLaunch", "cuLaunchKernelEx"):
+            if k in pieces:
+                queued[k] = pieces[k]
         queued_rows = {k: [] for k in queued}
         for _ in range(args.rounds):
             for k, fn in queued.items():
@@ -142,7 +170,8 @@ def main(argv=None) -> int:
     med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "op": "cf.linear(x[64,256], w[256,256], b, activation='relu') fp16, memoized, launch graphs on",
+        "op": "cf.linear(x[64,256], w[256,256], b, activation='relu') fp16, memoized, launch graphs on "
+              "(one-kernel captures as their kernel unless the row says graph_replays)",
         "engine": plan.engine, "workspace": plan.workspace_size, "calls_per_round": args.calls,
         "host_us": med,
         "loop_host_vs_device_us": {k: {m: round(statistics.median(v[m]), 3) for m in v} for k, v in both.items()},

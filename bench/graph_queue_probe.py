@@ -5,8 +5,10 @@ take its host time only: the launches queue. eager_host_probe.py found 400 repla
 launch graph behind a 20 ms sleep took ~55 us each, the sleep's length spread over them: the host
 waited for the GPU. This probe finds where that starts: for n launches of each kind behind a 50 ms
 sleep, the host time of the loop (ms) and per call (us). Kinds: one launch graph replayed
-(cuGraphLaunch of one executable), 8 executables in turn, cf.linear with launch graphs (memoized)
-and without (raw cuDNN launches), the raw plan launch alone, and torch's F.relu (a kernel launch).
+(cuGraphLaunch of one executable), 8 executables in turn, the same captures launched as their
+kernel (KernelReplay: one, 8 in turn), cf.linear (memoized) by default (one-kernel captures as
+their kernel), with graph replays, and raw (launch graphs off), the raw plan launch alone, and
+torch's F.relu (a kernel launch).
 cf.linear 64x256x256 fp16, one process.
 
     python3 bench/graph_queue_probe.py --out bench/results/launch_graphs
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from cudnn_fuse import ops  # noqa: E402
+from cudnn_fuse import launch_graphs, ops  # noqa: E402
 
 SLEEP_CYCLES = int(1e8)  # ~50 ms at the H200's 1.98 GHz
 
@@ -75,30 +77,63 @@ def main(argv=None) -> int:
         assert plan._graphs is not None, "this plan must get launch graphs"
         ys = [torch.empty(64, 256, device="cuda", dtype=torch.float16) for _ in range(8)]
         sets = [[x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr()] for y in ys]
-        for ptrs in sets:
-            for _ in range(4):
-                plan.launch(ptrs)
-        torch.cuda.synchronize()
-        execs = [plan._graphs.execs[(0, *ptrs)] for ptrs in sets]
-        drv = plan._graphs._drv
+        gs = plan._graphs
+        drv = gs._drv
         stream = torch.cuda.current_stream().cuda_stream
+
+        def capture_all(kernels: bool) -> list:
+            """The 8 pointer sets' captures, as kernels (KernelReplay) or as graph executables, taken
+            out of the plan so that its next captures do not free them."""
+            drv.kernels = kernels
+            gs.release()
+            gs.seen.clear()
+            for ptrs in sets:
+                for _ in range(launch_graphs.AFTER):
+                    plan.launch(ptrs)
+            torch.cuda.synchronize()
+            return [gs.execs.pop((0, *ptrs)) for ptrs in sets]
+
+        graph_execs = capture_all(False)
+        kernels = capture_all(True) if launch_graphs.KERNEL_REPLAY else []
+        kernels = [k for k in kernels if isinstance(k, launch_graphs.KernelReplay)]
+        drv.kernels = launch_graphs.KERNEL_REPLAY
         turn = [0]
 
-        def rr8():
-            turn[0] = (turn[0] + 1) % 8
-            drv.launch(execs[turn[0]], stream)
+        def rr8(entries, launch):
+            def call():
+                turn[0] = (turn[0] + 1) % 8
+                launch(entries[turn[0]])
+            return call
 
+        def mode(kernel_replay: bool):
+            def setup():
+                drv.kernels = kernel_replay and launch_graphs.KERNEL_REPLAY
+                gs.release()
+                gs.seen.clear()
+            return setup
+
+        graph_launch = lambda ex: drv.launch(ex, stream)  # noqa: E731
+        kernel_launch = lambda k: k.launch(stream)  # noqa: E731
         kinds = {
-            "graph_one_exec": lambda: drv.launch(execs[0], stream),
-            "graph_8_execs": rr8,
-            "cf_linear_graphs": lambda: cf.linear(x, w, b, activation="relu"),
-            "cf_linear_raw": lambda: cf.linear(x, w, b, activation="relu"),
-            "plan_launch_raw": lambda: plan.launch(sets[0]),
-            "torch_relu": lambda: F.relu(x),
+            "graph_one_exec": (None, lambda: graph_launch(graph_execs[0])),
+            "graph_8_execs": (None, rr8(graph_execs, graph_launch)),
+            "cf_linear_graph_replays": (mode(False), lambda: cf.linear(x, w, b, activation="relu")),
+            "cf_linear_raw": (None, lambda: cf.linear(x, w, b, activation="relu")),
+            "plan_launch_raw": (None, lambda: plan.launch(sets[0])),
+            "torch_relu": (None, lambda: F.relu(x)),
         }
+        if kernels:
+            kinds.update({
+                "kernel_one": (None, lambda: kernel_launch(kernels[0])),
+                "kernel_8": (None, rr8(kernels, kernel_launch)) if len(kernels) == 8 else (None, None),
+                "cf_linear_default": (mode(True), lambda: cf.linear(x, w, b, activation="relu")),
+            })
+        kinds = {k: v for k, v in kinds.items() if v[1] is not None}
         raw_kinds = ("cf_linear_raw", "plan_launch_raw")
-        for name, fn in kinds.items():
+        for name, (setup, fn) in kinds.items():
             cf.set_launch_graphs(name not in raw_kinds)
+            if setup is not None:
+                setup()
             for _ in range(20):
                 fn()
             rows[name] = {}
@@ -106,6 +141,9 @@ def main(argv=None) -> int:
                 ms = queued_loop_ms(fn, n)
                 rows[name][n] = {"host_ms": round(ms, 3), "us_per_call": round(1e3 * ms / n, 3)}
         cf.set_launch_graphs(True)
+        drv.kernels = launch_graphs.KERNEL_REPLAY
+        for e in graph_execs + kernels:
+            drv.destroy(e)
         sleep_ms = idle_sleep_ms()
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         captured = cf.capture(chain_fn, x)
         single = cf.capture(cf_op)
-        rows = {k: [] for k in ("eager", "eager_no_launch_graphs", "eager_no_memo", "eager_public_execute", "captured",
+        rows = {k: [] for k in ("eager", "eager_graph_replays", "eager_no_launch_graphs", "eager_no_memo", "eager_public_execute", "captured",
                                 "captured_single_op", "torch_eager")}
         dev = {"graphs": [], "no_graphs": []}
         graphs_default = launch_graphs.ENABLED
@@ -86,6 +86,13 @@ def main(argv=None) -> int:
             cf.set_launch_graphs(True)
             plans.clear()  # plans built from now on get launch graphs (the default)
             rows["eager"].append(host_us(cf_op, args.calls))
+            drv = launch_graphs.driver()
+            if drv is not None:  # the same with one-kernel captures replayed as graphs (before KernelReplay)
+                drv.kernels = False
+                plans.clear()
+                rows["eager_graph_replays"].append(host_us(cf_op, args.calls))
+                drv.kernels = launch_graphs.KERNEL_REPLAY
+                plans.clear()
             dev["graphs"].append(device_us())
             cf.set_launch_graphs(False)
             rows["eager_no_launch_graphs"].append(host_us(cf_op, args.calls))
@@ -103,6 +110,7 @@ def main(argv=None) -> int:
             cf_op()
             rows["captured"].append(host_us(captured.replay, max(1, args.calls // chain)) / chain)
             rows["captured_single_op"].append(host_us(single.replay, args.calls))
+    rows = {k: v for k, v in rows.items() if v}
     med = {k: round(statistics.median(v), 2) for k, v in rows.items()}
     result = {
         "device": torch.cuda.get_device_name(),
