@@ -106,7 +106,8 @@ def main(argv=None) -> int:
             for _ in range(3):
                 plan.launch(ptrs)
             torch.cuda.synchronize()
-            kr = gs.execs.get((0, *ptrs)) if plan.workspace_size == 0 else None
+            # held outside the plan too: the loops below release the plan's captures, which frees them
+            kr = gs.execs.pop((0, *ptrs), None) if plan.workspace_size == 0 else None
             if not isinstance(kr, launch_graphs.KernelReplay):
                 kr = None
         pieces = {
@@ -167,6 +168,9 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for k, fn in queued.items():
                 queued_rows[k].append(queued_host_us(fn))
+        for held in (ex, kr):
+            if held is not None:
+                drv.destroy(held)
     med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,

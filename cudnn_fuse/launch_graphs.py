@@ -12,6 +12,12 @@ same pointers would have run. Tensor contents are read when the graph runs, as a
 reads them. No scalar is passed by value (``builders`` puts every scalar into the graph
 itself), so nothing else is baked in.
 
+A capture that is one kernel node is not replayed as a graph but launched as that kernel
+(``KernelReplay``, cuLaunchKernelEx with the node's function, dimensions, parameters and
+attributes): graph launches block the host once a few dozen are queued behind busy GPU work, and
+cost a short kernel device time there that a kernel launch does not (docs/decisions.md).
+``CUDNN_FUSE_KERNEL_REPLAY=0`` replays every capture as a graph.
+
 What it does not do:
 - It never captures while torch captures (``cf.capture``, ``torch.cuda.graph``): those
   launches stay raw and become part of the user's graph.

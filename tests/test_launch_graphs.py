@@ -574,3 +574,16 @@ def test_a_failed_kernel_launch_launches_raw_and_drops_the_graphs(monkeypatch, a
     rig.plan.launch([1, 2, 3])  # captured; its kernel launch fails: raw that call, graphs off
     assert rig.raw_calls[-1] == (7, (1, 2, 3), 0) and rig.plan._graphs.off
     assert len(rig.drv.destroyed) == 1 and isinstance(rig.drv.destroyed[0], launch_graphs.KernelReplay)
+
+
+def test_kernel_replay_on_by_default_and_off_by_environment():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDNN_FUSE_KERNEL_REPLAY"}
+    code = "from cudnn_fuse import launch_graphs as g; print(g.KERNEL_REPLAY)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True"]
+    env["CUDNN_FUSE_KERNEL_REPLAY"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
