@@ -91,25 +91,25 @@ def main(argv=None) -> int:
         gs = plan._graphs
         drv = gs._drv if gs is not None else None
         stream = torch.cuda.current_stream().cuda_stream
-        ex = kr = None  # a graph executable of the same launch, held outside the plan (KernelReplay off)
+        def held_capture(kernels: bool):
+            """This launch captured afresh (as its kernel or as a graph executable) and taken out of
+            the plan: the loops below release the plan's captures, which would free it."""
+            drv.kernels = kernels
+            gs.release()
+            gs.seen.clear()
+            for _ in range(launch_graphs.AFTER):
+                plan.launch(ptrs)
+            torch.cuda.synchronize()
+            return gs.execs.pop((0, *ptrs), None) if plan.workspace_size == 0 else None
+
+        ex = kr = None  # the same launch as a graph executable and as a KernelReplay, held outside the plan
         if drv is not None:
-            drv.kernels = False
-            gs.release()
-            gs.seen.clear()
-            for _ in range(3):
-                plan.launch(ptrs)
-            torch.cuda.synchronize()
-            ex = gs.execs.pop((0, *ptrs), None) if plan.workspace_size == 0 else None
+            ex = held_capture(False)
+            got = held_capture(launch_graphs.KERNEL_REPLAY)
             drv.kernels = launch_graphs.KERNEL_REPLAY
-            gs.release()
-            gs.seen.clear()
-            for _ in range(3):
-                plan.launch(ptrs)
-            torch.cuda.synchronize()
-            # held outside the plan too: the loops below release the plan's captures, which frees them
-            kr = gs.execs.pop((0, *ptrs), None) if plan.workspace_size == 0 else None
-            if not isinstance(kr, launch_graphs.KernelReplay):
-                kr = None
+            kr = got if isinstance(got, launch_graphs.KernelReplay) else None
+            if got is not None and kr is None:
+                drv.destroy(got)  # a graph again (kernel replay off): not the piece timed
         pieces = {
             "cf_linear": lambda: cf.linear(x, w, b, activation="relu"),
             "memo_lookup": lambda: ops._memo("linear", x, w, b, None, attrs),
