@@ -5,10 +5,17 @@ what the library adds around the kernels: validation, memo lookups, autograd.Fun
 plumbing, spec caches, output allocation. The baseline is a bare autograd.Function that
 allocates the same outputs and nothing else (the floor of any Python-level op).
 
+``--eager``: the memoized inference call instead (``cf.linear`` 64x256x256, the issue-6 host
+row), through a real ``plans.Plan`` whose launches go to libc stand-ins of the driver calls
+(gettimeofday for cuGraphLaunch's two pointers, memcmp of zero bytes for cuLaunchKernelEx's
+four): its launch-graph replays, its kernel replays (``KernelReplay``) and its raw launches, so
+that the Python each path adds can be compared on any machine (bench/eager_host_probe.py is the
+GPU's count).
+
 Numbers from a CPU host are not H200 host numbers; use it to compare changes, and
 bench/host_breakdown.py on the GPU to quote.
 
-    python3 bench/host_harness.py [--profile]
+    python3 bench/host_harness.py [--profile] [--eager]
 """
 
 from __future__ import annotations
@@ -70,11 +77,101 @@ def per_call_us(fn, calls):
     return 1e6 * (time.perf_counter() - t) / calls
 
 
+def eager_rows(calls: int = 100000, rounds: int = 5) -> dict:
+    """{path: (us per memoized cf.linear call, entry type, replays)} for the graph, kernel and raw
+    paths of a stand-in plan (see the module docstring); the best of ``rounds`` loops."""
+    import contextlib
+    import ctypes
+    import threading
+    import timeit
+    import types
+
+    from cudnn_fuse import launch_graphs
+
+    libc = ctypes.CDLL(None)
+    gtod = libc.gettimeofday
+    gtod.argtypes, gtod.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+    memcmp = ctypes.CDLL(None).memcmp  # a second handle: its own argtypes
+    memcmp.argtypes = [ctypes.POINTER(launch_graphs._LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p]
+    memcmp.restype = ctypes.c_int
+    tv = ctypes.create_string_buffer(64)
+    node = launch_graphs._KernelNodeParams()  # kernelParams 0: memcmp's length, so it reads nothing
+    hints = []
+    for aid in (4, 5, 9):  # as many attributes as the H200's cuDNN kernels carried
+        v = launch_graphs._AttrValue()
+        v.words[0] = 1
+        hints.append((aid, v))
+
+    class StandIn:
+        def __init__(self, kernels):
+            self.kernels = kernels
+            self.launch = gtod
+
+        def capture(self, stream, work):
+            work()
+            if self.kernels:
+                return launch_graphs.KernelReplay(memcmp, 0x100, 0x300, node, hints, stream)
+            return ctypes.addressof(tv)
+
+        def destroy(self, ex):
+            pass
+
+        def error_name(self, rc):
+            return str(rc)
+
+    def plan(drv):
+        p = object.__new__(plans.Plan)
+        p.spec = types.SimpleNamespace(op="linear")
+        p.graph, p.uids, p.workspace_size, p.device, p.engine, p._ordered = None, (1, 2, 3, 4), 0, 0, "stand-in", True
+        p._handle = types.SimpleNamespace(lock=threading.Lock(), stream=0, handle=None)
+        array = (ctypes.c_uint64 * 4)()
+        p._raw = (lambda *a: None, (0, 1, 2, 3), array, ctypes.addressof(array), 4, -1, 0)
+        p._graphs = launch_graphs.GraphSet(drv) if drv is not None else None
+        return p
+
+    x, w, b = (torch.randn(64, 256).half(), torch.randn(256, 256).half(), torch.randn(256).half())
+    attrs = ("relu", False, 0.01)
+    out = {}
+    with contextlib.ExitStack() as stack:
+        for name, value in (("_current_stream", lambda d: 0), ("_current_device", lambda: 0),
+                            ("_side_stream", lambda d: 0)):
+            stack.enter_context(mock.patch.object(plans, name, value))
+        stack.enter_context(mock.patch.object(launch_graphs, "ENABLED", True))
+        stack.enter_context(mock.patch.object(torch.cuda, "device", lambda d: contextlib.nullcontext()))
+        import cudnn
+
+        stack.enter_context(mock.patch.object(cudnn, "set_stream", lambda **k: None, create=True))
+        with torch.no_grad():
+            for path, drv in (("graph_replays", StandIn(False)), ("kernel_replays", StandIn(True)), ("raw", None)):
+                ops._FAST.clear()
+                key, _ = ops._memo("linear", x, w, b, None, attrs)
+                p = plan(drv)
+                ops._FAST[key] = ops._Launch(p, torch.empty(64, 256).half(), False, x)
+
+                def call():
+                    cf.linear(x, w, b, activation="relu")
+                for _ in range(200):
+                    call()
+                replays = launch_graphs.STATS.replays
+                us = min(timeit.repeat(call, number=calls, repeat=rounds)) / calls * 1e6
+                entries = list(p._graphs.execs.values()) if p._graphs is not None else []
+                out[path] = (us, type(entries[0]).__name__ if entries else None,
+                             launch_graphs.STATS.replays - replays)
+        ops._FAST.clear()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", choices=("conv2d", "linear"), help="cProfile 1000 steps of this op")
+    ap.add_argument("--eager", action="store_true", help="the memoized inference call's paths instead")
     args = ap.parse_args(argv)
+    if args.eager:
+        for path, (us, entry, _) in eager_rows().items():
+            print(f"cf_linear_eager_{path:16s} {us:8.3f} us  (entries: {entry})")
+        return 0
     cl = torch.channels_last
     dt = torch.float16
     x = torch.randn(2, 16, 8, 8).to(dt).to(memory_format=cl).requires_grad_()
