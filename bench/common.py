@@ -65,6 +65,17 @@ def host_us(fn, calls: int = 2000) -> float:
     return _host_us(fn, calls)
 
 
+def host_row_operands():
+    """The operands of issue 6's host row, ``cf.linear(x, w, b, activation="relu")`` at 64x256x256
+    fp16 on the current GPU: x [64, 256], w [256, 256] (scaled 0.06), b [256], drawn after
+    ``torch.manual_seed(0)``."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
+    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) * 0.06
+    b = torch.randn(256, device="cuda", dtype=torch.float16)
+    return x, w, b
+
+
 def replay_us(graph, calls_per_graph: int, reps: int = 20) -> float:
     """Device microseconds per call of a captured graph (``cf.capture``) holding ``calls_per_graph``
     calls: three warm replays, then the median of ``reps`` replays, each between CUDA events."""

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
+from bench.common import host_row_operands  # noqa: E402
 from cudnn_fuse import launch_graphs, ops  # noqa: E402
 
 SLEEP_CYCLES = int(1e8)  # ~50 ms at the H200's 1.98 GHz
@@ -61,10 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--counts", default="8,32,64,128,256,512,1024,2048")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.counts.split(",")]
-    torch.manual_seed(0)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
-    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) * 0.06
-    b = torch.randn(256, device="cuda", dtype=torch.float16)
+    x, w, b = host_row_operands()
     attrs = ("relu", False, 0.01)
     rows = {}
     with torch.no_grad():

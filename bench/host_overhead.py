@@ -28,7 +28,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import host_us  # noqa: E402
+from bench.common import host_row_operands, host_us  # noqa: E402
 from cudnn_fuse import launch_graphs, ops, plans  # noqa: E402
 
 
@@ -38,10 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=10000)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
-    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) * 0.06
-    b = torch.randn(256, device="cuda", dtype=torch.float16)
+    x, w, b = host_row_operands()
     chain = 100
     memo = ops._memo
 

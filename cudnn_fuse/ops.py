@@ -219,8 +219,8 @@ def _run(op: str, spec, buffers, ref_fn):
 # autograd op; torch.compile and cf.record never take the memo.
 
 _FAST = plans.FAST
-_deterministic = plans.deterministic  # in the key: a launch remembered in one mode never serves the other
-_det_algorithms, _det_cudnn = plans._det_algorithms, plans._det_cudnn  # deterministic()'s two getters, inlined
+# plans.deterministic()'s two getters, inlined into the key: a launch remembered in one mode never serves the other
+_det_algorithms, _det_cudnn = plans._det_algorithms, plans._det_cudnn
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _FAST_DTYPES = (torch.float16, torch.bfloat16)

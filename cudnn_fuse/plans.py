@@ -382,8 +382,9 @@ class Plan:
         del keep
 
     def _capture(self, graphs, key, ptrs, ws):
-        """Capture this launch with ``ptrs`` on a side stream; the executable graph, or None
-        (graphs off for this plan) when it cannot be captured. Called under the handle lock."""
+        """Capture this launch with ``ptrs`` on a side stream; the capture (a KernelReplay, or a graph
+        executable's handle), or None (graphs off for this plan) when it cannot be captured. Called
+        under the handle lock."""
         import cudnn
 
         if not launch_graphs.room():
