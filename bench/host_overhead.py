@@ -2,7 +2,9 @@
 
 `cf.linear(x, w, b, activation="relu")` at 64x256x256 fp16, where the host is the
 bottleneck: the memoized fast path (what users get by default: a repeated pointer set replays
-as a launch graph), the same with launch graphs off (each call a raw cuDNN execute), the
+as its captured kernel), the same replayed as a one-kernel graph (``eager_graph_replays``) and as
+its kernel with every attribute the captured node had (``eager_node_attrs``, before
+launch_graphs.Driver.trim_attrs), the same with launch graphs off (each call a raw cuDNN execute), the
 first-call path with the memo off, the same with the public cuDNN execute instead of raw
 pointers, the op replayed under `cf.capture` (per op, 100 ops a graph, and one op a graph:
 torch's CUDAGraph replay), and torch's `F.relu(F.linear(x, w, b))`. All in one process,
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         captured = cf.capture(chain_fn, x)
         single = cf.capture(cf_op)
-        rows = {k: [] for k in ("eager", "eager_graph_replays", "eager_no_launch_graphs", "eager_no_memo", "eager_public_execute", "captured",
+        rows = {k: [] for k in ("eager", "eager_graph_replays", "eager_node_attrs", "eager_no_launch_graphs", "eager_no_memo", "eager_public_execute", "captured",
                                 "captured_single_op", "torch_eager")}
         dev = {"graphs": [], "no_graphs": []}
         graphs_default = launch_graphs.ENABLED
@@ -89,6 +91,11 @@ def main(argv=None) -> int:
                 plans.clear()
                 rows["eager_graph_replays"].append(host_us(cf_op, args.calls))
                 drv.kernels = launch_graphs.KERNEL_REPLAY
+                if drv.kernels:  # kernel replays with every attribute the captured node had (before trim_attrs)
+                    drv.trim = False
+                    plans.clear()
+                    rows["eager_node_attrs"].append(host_us(cf_op, args.calls))
+                    drv.trim = launch_graphs.TRIM_ATTRS
                 plans.clear()
             dev["graphs"].append(device_us())
             cf.set_launch_graphs(False)

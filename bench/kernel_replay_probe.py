@@ -80,6 +80,14 @@ except AttributeError:
 cuKernelNodeGetAttribute = fn("cuGraphKernelNodeGetAttribute", vp, ctypes.c_int, P(AttrValue))
 cuLaunchKernelEx = fn("cuLaunchKernelEx", P(LaunchConfig), vp, vp, vp)
 cuKernelGetFunction = fn("cuKernelGetFunction", P(vp), vp)
+cuLaunchKernel = fn("cuLaunchKernel", vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp)
+cuFuncGetAttribute = fn("cuFuncGetAttribute", P(ctypes.c_int), ctypes.c_int, vp)
+try:
+    cuFuncGetParamInfo = fn("cuFuncGetParamInfo", vp, ctypes.c_size_t, P(ctypes.c_size_t), P(ctypes.c_size_t))
+except AttributeError:
+    cuFuncGetParamInfo = None
+FUNC_ATTRS = {10: "cluster_size_must_be_set", 11: "required_cluster_width", 12: "required_cluster_height",
+              13: "required_cluster_depth", 15: "cluster_scheduling_policy_preference"}
 
 
 def check(rc, what):
@@ -162,6 +170,42 @@ class Replay:
         self.cfg = LaunchConfig(p.gx, p.gy, p.gz, p.bx, p.by, p.bz, p.smem, stream, self.attr_list, len(ids))
         self.cfg_ref = ctypes.byref(self.cfg)
 
+    def func_info(self) -> dict:
+        """The kernel's cluster-related function attributes and its parameters' count and bytes."""
+        out = {}
+        for aid, name in FUNC_ATTRS.items():
+            v = ctypes.c_int(-1)
+            rc = cuFuncGetAttribute(ctypes.byref(v), aid, self.func)
+            out[name] = v.value if rc == 0 else f"rc {rc}"
+        if cuFuncGetParamInfo is not None:
+            n, end = 0, 0
+            off, size = ctypes.c_size_t(), ctypes.c_size_t()
+            while n < 4096 and cuFuncGetParamInfo(self.func, n, ctypes.byref(off), ctypes.byref(size)) == 0:
+                end = max(end, off.value + size.value)
+                n += 1
+            out["params"], out["param_bytes"] = n, end
+        return out
+
+    def variant(self, ids):
+        """A direct launch with these of the node's attribute ids (kept alive in the closure)."""
+        p = self.params
+        attr_list = (LaunchAttr * max(1, len(ids)))()
+        for i, aid in enumerate(ids):
+            attr_list[i].id = aid
+            ctypes.memmove(ctypes.byref(attr_list[i].value), ctypes.byref(self.node_values[aid]), 64)
+        cfg = LaunchConfig(p.gx, p.gy, p.gz, p.bx, p.by, p.bz, p.smem, torch.cuda.current_stream().cuda_stream,
+                           attr_list, len(ids))
+        ref, func, params, extra = ctypes.byref(cfg), self.func, p.kernelParams, p.extra
+
+        def launch(_keep=(cfg, attr_list)):
+            return cuLaunchKernelEx(ref, func, params, extra)
+        return launch
+
+    def legacy(self):
+        """The same kernel through cuLaunchKernel (no attributes at all)."""
+        p, stream = self.params, torch.cuda.current_stream().cuda_stream
+        return lambda: cuLaunchKernel(self.func, p.gx, p.gy, p.gz, p.bx, p.by, p.bz, p.smem, stream, p.kernelParams, p.extra)
+
     def graph_launch(self):
         return cuGraphLaunch(self.ex, torch.cuda.current_stream().cuda_stream)
 
@@ -210,6 +254,54 @@ def cases():
     yield "sdpa_b1_h8_s128_d64_causal", (q,), lambda q: cf.scaled_dot_product_attention(q, k, v, is_causal=True)
     a, bm = r(128, 512, dt=bf), r(512, 256, dt=bf) * 0.05
     yield "matmul_128x512x256_amax", (a,), lambda a: cf.matmul(a, bm, return_amax=True)
+
+
+def variant_cases(rec, rp, plan, ptrs, outs, inp, calls) -> None:
+    """The direct launch with fewer attributes: the node's nonzero ones (``node``), the library's
+    trimmed set (``trimmed``: launch_graphs.Driver.trim_attrs, against the capture's side stream),
+    none (``none``), and cuLaunchKernel (``legacy``). Each: bit-identical to the raw launch on fresh
+    inputs, host microseconds back to back and queued behind a sleep, interleaved rounds."""
+    from cudnn_fuse import launch_graphs
+
+    drv = launch_graphs.driver() or launch_graphs.Driver()  # the probe runs with launch graphs off
+    ids = sorted(rp.node_values)
+    trimmed = ids
+    if drv is not None and drv.kernels:
+        kept = drv.trim_attrs([(a, rp.node_values[a]) for a in ids], rp.func, rp.side.cuda_stream)
+        trimmed = [a for a, _ in kept]
+    names = {"node": ids, "trimmed": trimmed, "none": []}
+    launches = {k: rp.variant(v) for k, v in names.items()}
+    launches["legacy"] = rp.legacy()
+    out = rec["variants"] = {k: {"attrs": [ATTR_NAMES[a] for a in v]} for k, v in names.items()}
+    out["legacy"] = {"attrs": []}
+    for k, f in launches.items():
+        same = []
+        for _ in range(3):
+            inp.copy_(torch.randn_like(inp))
+            for o in outs:
+                o.fill_(0)
+            plan.launch(ptrs)
+            torch.cuda.synchronize()
+            want = [o.clone() for o in outs]
+            for o in outs:
+                o.fill_(0)
+            rc = f()
+            torch.cuda.synchronize()
+            if rc:
+                out[k]["rc"] = rc
+                break
+            same.append(all(torch.equal(o, w) for o, w in zip(outs, want)))
+        out[k]["bit_identical"] = same
+    live = {k: f for k, f in launches.items() if "rc" not in out[k]}
+    for k in live:
+        out[k]["host_us"], out[k]["queued_256_us"] = [], []
+    for _ in range(5):
+        for k, f in live.items():
+            out[k]["host_us"].append(round(host_us(f, calls), 3))
+            out[k]["queued_256_us"].append(round(queued_us(f, 256), 3))
+    for k in live:
+        out[k]["host_us_median"] = statistics.median(out[k]["host_us"])
+        out[k]["queued_256_us_median"] = statistics.median(out[k]["queued_256_us"])
 
 
 def main(argv=None) -> int:
@@ -287,6 +379,8 @@ def main(argv=None) -> int:
                         rec["queued_256_us"][k].append(round(queued_us(f, 256), 3))
                 rec["host_us_median"] = {k: statistics.median(v) for k, v in rec["host_us"].items()}
                 rec["queued_256_us_median"] = {k: statistics.median(v) for k, v in rec["queued_256_us"].items()}
+                rec["func"] = rp.func_info()
+                variant_cases(rec, rp, plan, ptrs, outs, inp, args.calls)
             except Exception as exc:  # noqa: BLE001 - a probe: report and go on
                 rec["error"] = f"{type(exc).__name__}: {exc}"
     plans.Plan.launch = orig
@@ -297,7 +391,10 @@ def main(argv=None) -> int:
     for name, rec in results.items():
         print(name, json.dumps({k: rec.get(k) for k in ("engine", "node_types", "launched_attrs", "dims", "bit_identical",
                                                       "kernel_launch_rc_all_attrs", "host_us_median", "queued_256_us_median", "error",
-                                                      "kernel_launch_rc")}))
+                                                      "kernel_launch_rc", "func")}))
+        for k, v in rec.get("variants", {}).items():
+            print("   ", k, json.dumps({f: v.get(f) for f in ("attrs", "bit_identical", "rc", "host_us_median",
+                                                               "queued_256_us_median")}))
     return 0
 
 

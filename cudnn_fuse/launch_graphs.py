@@ -138,8 +138,24 @@ NODE_TYPE_KERNEL = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 # launched directly. The others are placement and scheduling hints, carried when readable.
 NODE_ATTRS = (1, 2, 4, 5, 8, 9, 10, 11, 14)
 REQUIRED_ATTRS = (2, 4)
+# A captured node carries values a plain launch would get anyway: the stream's own access policy window,
+# priority and memory sync domain (map) (what the node inherited from the capture stream), and a cluster of
+# one block with its scheduling policy (every block of a launch without clusters is a cluster of one).
+# Those are left out of the direct launch (``trim_attrs``), unless CUDNN_FUSE_KERNEL_ATTRS=all: a launch
+# with a stream's values on that stream, or a 1x1x1 cluster for a kernel that does not insist on one, is
+# the launch without them. Left out, a retargeted launch gets the new stream's values, as the raw launch
+# would.
+STREAM_ATTRS = (1, 8, 9, 10)  # CUlaunchAttributeID values that are also CUstreamAttrID values
+FUNC_CLUSTER_SIZE_MUST_BE_SET = 10  # CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET
 
 KERNEL_REPLAY = os.environ.get("CUDNN_FUSE_KERNEL_REPLAY", "1").strip().lower() not in _OFF_WORDS
+TRIM_ATTRS = os.environ.get("CUDNN_FUSE_KERNEL_ATTRS", "trim").strip().lower() != "all"
+
+
+def _unit_cluster(value) -> bool:
+    """Whether a cluster-dimension attribute value is one block (x = y = z = 1)."""
+    w0, w1 = value.words[0], value.words[1]
+    return (w0 & 0xFFFFFFFF, w0 >> 32, w1 & 0xFFFFFFFF) == (1, 1, 1)
 
 
 class KernelReplay:
@@ -194,6 +210,8 @@ class Driver:
         self._graph_destroy = fn("cuGraphDestroy", vp)
         self._name = getattr(lib, "cuGetErrorName", None)
         self.kernels = KERNEL_REPLAY
+        self.trim = TRIM_ATTRS
+        self._stream_attr = self._func_attr = None  # bound with the kernel entry points (trim_attrs)
         if self.kernels:
             try:
                 self._nodes = fn("cuGraphGetNodes", vp, vp, P(ctypes.c_size_t))
@@ -204,6 +222,12 @@ class Driver:
                     self._node_params = fn("cuGraphKernelNodeGetParams", vp, P(_KernelNodeParams))
                 self._node_attr = fn("cuGraphKernelNodeGetAttribute", vp, ctypes.c_int, P(_AttrValue))
                 self._launch_kernel = fn("cuLaunchKernelEx", P(_LaunchConfig), vp, vp, vp)
+                self._stream_attr = getattr(lib, "cuStreamGetAttribute", None)
+                if self._stream_attr is not None:
+                    self._stream_attr.argtypes, self._stream_attr.restype = [vp, ctypes.c_int, P(_AttrValue)], ctypes.c_int
+                self._func_attr = getattr(lib, "cuFuncGetAttribute", None)
+                if self._func_attr is not None:
+                    self._func_attr.argtypes, self._func_attr.restype = [P(ctypes.c_int), ctypes.c_int, vp], ctypes.c_int
                 try:
                     self._kernel_function = fn("cuKernelGetFunction", P(vp), vp)
                 except AttributeError:
@@ -279,7 +303,31 @@ class Driver:
                 continue
             if any(value.bytes):
                 attrs.append((aid, value))
+        if self.trim:
+            attrs = self.trim_attrs(attrs, func, stream)
         return KernelReplay(self._launch_kernel, graph, func, node, attrs, stream)
+
+    def trim_attrs(self, attrs, func, stream: int) -> list:
+        """``attrs`` ([(id, value)] of a kernel node captured on ``stream``) less those a plain
+        launch of ``func`` on that stream gets anyway (see STREAM_ATTRS): values equal to the
+        stream's own, and a one-block cluster with its scheduling policy when ``func`` does not
+        insist on a cluster size. What cannot be read is kept."""
+        values = dict(attrs)
+        cluster = values.get(4)
+        drop_cluster = False
+        if cluster is not None and _unit_cluster(cluster) and self._func_attr is not None:
+            must = ctypes.c_int(1)
+            drop_cluster = self._func_attr(ctypes.byref(must), FUNC_CLUSTER_SIZE_MUST_BE_SET, func) == 0 and must.value == 0
+        kept = []
+        for aid, value in attrs:
+            if aid == 4 and drop_cluster or aid == 5 and (cluster is None or drop_cluster):
+                continue
+            if aid in STREAM_ATTRS and self._stream_attr is not None:
+                own = _AttrValue()
+                if self._stream_attr(stream, aid, ctypes.byref(own)) == 0 and bytes(own.bytes) == bytes(value.bytes):
+                    continue
+            kept.append((aid, value))
+        return kept
 
     def destroy(self, ex) -> None:
         if isinstance(ex, KernelReplay):

@@ -587,3 +587,89 @@ def test_kernel_replay_on_by_default_and_off_by_environment():
     env["CUDNN_FUSE_KERNEL_REPLAY"] = "0"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"]
+
+
+UNIT_CLUSTER, PAIR_CLUSTER = [1 | (1 << 32), 1], [2 | (1 << 32), 1]  # (1, 1, 1) and (2, 1, 1)
+
+
+class AttrLib(NodeLib):
+    """A NodeLib whose kernel node has the given attribute values (id -> 64-bit words), whose
+    capture stream has the given ones, and whose function says (``must``) whether it must be
+    launched with a cluster size; ``missing``: entry points it lacks."""
+
+    def __init__(self, node, stream=None, must=0, missing=()):
+        super().__init__()
+        self.node_vals, self.stream_vals, self.must, self.missing = node, stream or {}, must, set(missing)
+
+    def __getattr__(self, name):
+        if name in getattr(self, "missing", ()):
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+    def _cuGraphKernelNodeGetAttribute(self, node, aid, value):
+        for i, w in enumerate(self.node_vals.get(aid, ())):
+            value._obj.words[i] = w
+        return 0
+
+    def _cuStreamGetAttribute(self, stream, aid, value):
+        assert stream == 42  # the capture's stream
+        for i, w in enumerate(self.stream_vals.get(aid, ())):
+            value._obj.words[i] = w
+        return 0
+
+    def _cuFuncGetAttribute(self, out, aid, func):
+        assert aid == launch_graphs.FUNC_CLUSTER_SIZE_MUST_BE_SET and func == NodeLib.FUNC
+        out._obj.value = self.must
+        return 0
+
+
+DEFAULT_MAP = {9: [256]}  # the memory sync domain map (default 0, remote 1) a stream has by default
+
+
+@pytest.mark.parametrize("case,want", [
+    ("one-block cluster, the stream's map", []),
+    ("two-block cluster", [4, 5]),
+    ("one-block cluster the kernel insists on", [4, 5]),
+    ("no cluster, a policy", []),
+    ("a map other than the stream's", [9]),
+    ("a priority the stream lacks", [8]),
+    ("trim off", [4, 5, 9]),
+    ("no stream or function queries", [4, 5, 9]),
+])
+def test_a_kernel_replay_leaves_out_what_a_plain_launch_gets_anyway(monkeypatch, case, want):
+    node = {4: UNIT_CLUSTER, 5: [1], **DEFAULT_MAP}
+    stream, must, missing = dict(DEFAULT_MAP), 0, ()
+    if case == "two-block cluster":
+        node[4] = PAIR_CLUSTER
+    elif case == "one-block cluster the kernel insists on":
+        must = 1
+    elif case == "no cluster, a policy":
+        del node[4]
+    elif case == "a map other than the stream's":
+        stream[9] = [1]
+        del node[4]
+    elif case == "a priority the stream lacks":
+        node = {8: [3], **DEFAULT_MAP}
+    elif case == "no stream or function queries":
+        missing = ("cuStreamGetAttribute", "cuFuncGetAttribute")
+    monkeypatch.setattr(launch_graphs, "TRIM_ATTRS", case != "trim off")
+    lib = AttrLib(node, stream, must, missing)
+    k = launch_graphs.Driver(lib).capture(42, lambda: None)
+    assert isinstance(k, launch_graphs.KernelReplay) and k.attribute_ids == want
+    assert k.cfg.numAttrs == len(want)
+    for i, aid in enumerate(want):  # a kept attribute carries the node's own value
+        assert list(k.attrs[i].value.words[:len(node[aid])]) == node[aid]
+    assert k.launch(42) == 0 and lib.names()[-1] == "cuLaunchKernelEx"
+
+
+def test_kernel_attributes_trimmed_by_default_and_kept_by_environment():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDNN_FUSE_KERNEL_ATTRS"}
+    code = "from cudnn_fuse import launch_graphs as g; print(g.TRIM_ATTRS)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True"]
+    env["CUDNN_FUSE_KERNEL_ATTRS"] = "all"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
