@@ -267,7 +267,12 @@ def variant_cases(rec, rp, plan, ptrs, outs, inp, calls) -> None:
     ids = sorted(rp.node_values)
     trimmed = ids
     if drv is not None and drv.kernels:
-        kept = drv.trim_attrs([(a, rp.node_values[a]) for a in ids], rp.func, rp.side.cuda_stream)
+        def lib_value(v):  # the library's own CUlaunchAttributeValue type, same 64 bytes
+            out = launch_graphs._AttrValue()
+            ctypes.memmove(ctypes.byref(out), ctypes.byref(v), 64)
+            return out
+
+        kept = drv.trim_attrs([(a, lib_value(rp.node_values[a])) for a in ids], rp.func, rp.side.cuda_stream)
         trimmed = [a for a, _ in kept]
     names = {"node": ids, "trimmed": trimmed, "none": []}
     launches = {k: rp.variant(v) for k, v in names.items()}
