@@ -91,10 +91,7 @@ def eager_rows(calls: int = 100000, rounds: int = 5) -> dict:
     libc = ctypes.CDLL(None)
     gtod = libc.gettimeofday
     gtod.argtypes, gtod.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
-    memcmp = ctypes.CDLL(None).memcmp  # a second handle: its own argtypes
-    memcmp.argtypes = [ctypes.POINTER(launch_graphs._LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p]
-    memcmp.restype = ctypes.c_int
+    memcmp = launch_graphs._bare(libc, "memcmp")  # unprototyped, as the Driver binds cuLaunchKernelEx
     tv = ctypes.create_string_buffer(64)
     node = launch_graphs._KernelNodeParams()  # kernelParams 0: memcmp's length, so it reads nothing
     hints = []

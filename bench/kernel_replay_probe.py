@@ -186,8 +186,10 @@ class Replay:
             out["params"], out["param_bytes"] = n, end
         return out
 
-    def variant(self, ids):
-        """A direct launch with these of the node's attribute ids (kept alive in the closure)."""
+    def variant(self, ids, bare=False):
+        """A direct launch with these of the node's attribute ids (kept alive in the closure); ``bare``:
+        through cuLaunchKernelEx without a prototype, given ready ctypes objects (as the library calls it,
+        launch_graphs._bare), instead of the prototyped binding converting integers per call."""
         p = self.params
         attr_list = (LaunchAttr * max(1, len(ids)))()
         for i, aid in enumerate(ids):
@@ -196,6 +198,15 @@ class Replay:
         cfg = LaunchConfig(p.gx, p.gy, p.gz, p.bx, p.by, p.bz, p.smem, torch.cuda.current_stream().cuda_stream,
                            attr_list, len(ids))
         ref, func, params, extra = ctypes.byref(cfg), self.func, p.kernelParams, p.extra
+        if bare:
+            from cudnn_fuse import launch_graphs
+
+            f = launch_graphs._bare(lib, "cuLaunchKernelEx")
+            fp, pp, ep = vp(func), vp(params), (vp(extra) if extra else None)
+
+            def launch_bare(_keep=(cfg, attr_list)):
+                return f(ref, fp, pp, ep)
+            return launch_bare
 
         def launch(_keep=(cfg, attr_list)):
             return cuLaunchKernelEx(ref, func, params, extra)
@@ -258,8 +269,9 @@ def cases():
 
 def variant_cases(rec, rp, plan, ptrs, outs, inp, calls) -> None:
     """The direct launch with fewer attributes: the node's nonzero ones (``node``), the library's
-    trimmed set (``trimmed``: launch_graphs.Driver.trim_attrs, against the capture's side stream),
-    none (``none``), and cuLaunchKernel (``legacy``). Each: bit-identical to the raw launch on fresh
+    trimmed set (``trimmed``: launch_graphs.Driver.trim_attrs, against the capture's side stream; and
+    ``trimmed_bare``, the same through the unprototyped binding the library uses), none (``none``),
+    and cuLaunchKernel (``legacy``). Each: bit-identical to the raw launch on fresh
     inputs, host microseconds back to back and queued behind a sleep, interleaved rounds."""
     from cudnn_fuse import launch_graphs
 
@@ -276,8 +288,10 @@ def variant_cases(rec, rp, plan, ptrs, outs, inp, calls) -> None:
         trimmed = [a for a, _ in kept]
     names = {"node": ids, "trimmed": trimmed, "none": []}
     launches = {k: rp.variant(v) for k, v in names.items()}
+    launches["trimmed_bare"] = rp.variant(trimmed, bare=True)
     launches["legacy"] = rp.legacy()
     out = rec["variants"] = {k: {"attrs": [ATTR_NAMES[a] for a in v]} for k, v in names.items()}
+    out["trimmed_bare"] = {"attrs": [ATTR_NAMES[a] for a in trimmed]}
     out["legacy"] = {"attrs": []}
     for k, f in launches.items():
         same = []

@@ -495,7 +495,8 @@ def test_a_one_kernel_graph_replays_as_its_kernel():
     assert bytes(k.attrs[0].value.bytes)[:12] == (2).to_bytes(4, "little") + (1).to_bytes(4, "little") * 2
     assert k.launch(42) == 0
     name, args = lib.calls[-1]
-    assert name == "cuLaunchKernelEx" and args[1:] == (NodeLib.FUNC, NodeLib.PARAMS, None)
+    assert name == "cuLaunchKernelEx" and [getattr(a, "value", a) for a in args[1:]] == [NodeLib.FUNC, NodeLib.PARAMS, None]
+    assert ctypes.addressof(args[0]._obj) == ctypes.addressof(k.cfg)  # the config itself, by reference
     k.launch(43)  # another stream: the config follows it
     assert k.cfg.hStream == 43 and k.stream == 43
     d.destroy(k)
