@@ -112,7 +112,6 @@ def run(args) -> int:
     import cudnn_fuse as cf
     from cudnn_fuse import autotune, loader, plans
     from cudnn_fuse.cache import open_default_cache
-    from cudnn_fuse.cli import format_table
     from cudnn_fuse.spec import flops
 
     if not torch.cuda.is_available():
@@ -152,8 +151,17 @@ def run(args) -> int:
     if entry is None:
         print("cudnn-fuse autotune: tuned, but the plan cache is unavailable; the result was not stored", file=sys.stderr)
         return 1
-    meta = entry.meta
-    f = flops(spec)
+    print(candidate_report(entry.meta, flops(spec)))
+    print(f"stored under {digest[:16]} in {pc.dir}")
+    return 0
+
+
+def candidate_report(meta: dict, f: float) -> str:
+    """A tuned entry's candidates as a table (fastest first, the one chosen starred), the runoff
+    against torch where one ran (autotune.settle_torch), and the winner; ``f``: the graph's FLOPs."""
+    from cudnn_fuse import autotune
+    from cudnn_fuse.cli import format_table
+
     rows = []
     for c in sorted(meta.get("candidates", []), key=lambda c: (c["median_ms"] is None, c["median_ms"] or 0)):
         ms = c["median_ms"]
@@ -163,12 +171,17 @@ def run(args) -> int:
                      ",".join(f"{k}={v}" for k, v in sorted(c["knobs"].items())) or "-",
                      f"{ms:.4f}" if ms is not None else "-", f"{f / ms / 1e9:.1f}" if ms else "-",
                      c["workspace"], c["status"].split(":")[0]])
-    print(format_table(["", "#", "engine", "knobs", "median ms", "TFLOP/s", "workspace", "status"], rows))
+    out = [format_table(["", "#", "engine", "knobs", "median ms", "TFLOP/s", "workspace", "status"], rows)]
+    runoff = {c["index"]: c["runoff_ms"] for c in meta.get("candidates", []) if c.get("runoff_ms") is not None}
+    if autotune.TORCH_INDEX in runoff and len(runoff) == 2:  # the winner and torch, timed again alternately
+        w = next(ms for i, ms in runoff.items() if i != autotune.TORCH_INDEX)
+        out.append(f"\nrunoff (a close call, the two timed again alternately): cuDNN winner {w:.4f} ms, "
+                   f"torch {runoff[autotune.TORCH_INDEX]:.4f} ms")
     if meta.get("use_torch"):
         winner = "torch (cuBLAS + epilogue), faster than every cuDNN candidate"
     elif meta.get("use_gemm"):
         winner = "the GEMM of the 1x1 conv's matrix views (its own matmul entry), faster than every conv candidate"
     else:
         winner = meta.get("engine_name")
-    print(f"\nwinner {winner} stored under {digest[:16]} in {pc.dir}")
-    return 0
+    out.append(f"\nwinner {winner}")
+    return "\n".join(out)

@@ -46,3 +46,31 @@ def test_bar_shows_counts_percent_and_eta():
     text = out.getvalue()
     assert "0/4" in text and "2/4" in text and "4/4 100%" in text
     assert "eta" in text and text.endswith("\n")
+
+
+def _meta(use_torch, runoff):
+    from cudnn_fuse import autotune
+
+    def cand(index, name, ms, r=None):
+        return {"index": index, "name": name, "knobs": {"k24": 41} if index >= 0 else {}, "median_ms": ms,
+                "workspace": 0, "status": "timed", "runoff_ms": r}
+
+    return {"winner_index": 3, "engine_name": "eng7_k24=41", "use_torch": use_torch,
+            "candidates": [cand(3, "eng7", 3.86, runoff[0]), cand(5, "eng0", 4.10),
+                           cand(autotune.TORCH_INDEX, "torch", 3.90, runoff[1])]}
+
+
+def test_the_candidate_report_stars_the_choice_and_shows_a_runoff():
+    from cudnn_fuse.cli_autotune import candidate_report
+
+    text = candidate_report(_meta(True, (3.88, 3.64)), 2 * 16384 * 4096 * 16384)
+    lines = text.splitlines()
+    starred = [ln for ln in lines if ln.lstrip().startswith("*")]
+    assert len(starred) == 1 and "torch" in starred[0]  # torch won the runoff though its median read slower
+    assert "runoff" in text and "cuDNN winner 3.8800 ms, torch 3.6400 ms" in text
+    assert "winner torch (cuBLAS + epilogue)" in text
+    assert [ln for ln in lines if "eng7" in ln and "3.8600" in ln]  # medians as timed, fastest first
+    assert text.index("3.8600") < text.index("3.9000") < text.index("4.1000")
+    plain = candidate_report(_meta(False, (None, None)), 1.0)  # no runoff: no runoff line, cuDNN starred
+    assert "runoff" not in plain and "winner eng7_k24=41" in plain
+    assert [ln for ln in plain.splitlines() if ln.lstrip().startswith("*")][0].split()[1] == "3"

@@ -139,6 +139,80 @@ def test_torch_timing_and_decision():
     assert failed.to_dict()["median_ms"] is None  # stored as JSON like any failed candidate
 
 
+def test_the_runoff_alternates_and_takes_medians():
+    calls = []
+    a_times, b_times = iter([1.0, 1.4, 1.1, 1.2]), iter([2.0, 2.2, 0.5, 2.4])
+
+    def a():
+        calls.append("a")
+        return next(a_times)
+
+    def b():
+        calls.append("b")
+        return next(b_times)
+
+    assert autotune.runoff(a, b, 4) == (1.15, 2.1)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # ABBA: a drift weighs on both alike
+    assert autotune.Config().runoff_rounds % 2 == 0  # an even count balances a steady drift
+
+
+def _torch(ms):
+    t = autotune.Timing(autotune.TORCH_INDEX, "torch", None, {}, 0)
+    t.median_ms, t.status = ms, "timed"
+    return t
+
+
+class Drift:
+    """Timings that grow by ``step`` ms per call, whichever candidate is timed (a GPU slowing
+    down over a tuning); ``timer(own)``: a candidate whose true time is ``base + own``."""
+
+    def __init__(self, step, base=1.0):
+        self.now, self.step, self.base = 0.0, step, base
+
+    def timer(self, own):
+        def time_it():
+            self.now += self.step
+            return self.base + own + self.now
+        return time_it
+
+
+def test_a_close_call_against_torch_is_settled_by_a_runoff():
+    cfg = autotune.Config(runoff_rounds=4, runoff_margin=0.15)
+    # torch timed last, 0.3 ms of drift later, read 1.05 against the winner's 1.0; really it is 0.04 ms faster
+    winner, torch_t = _winner(1.0), _torch(1.05)
+    assert not autotune.torch_wins(winner, [winner, torch_t])
+    clock = Drift(0.1)
+    assert autotune.settle_torch(winner, torch_t, clock.timer(0.0), clock.timer(-0.04), cfg)
+    assert torch_t.runoff_ms < winner.runoff_ms and autotune.torch_wins(winner, [winner, torch_t])
+    assert torch_t.to_dict()["runoff_ms"] == round(torch_t.runoff_ms, 6)  # recorded with the candidates
+    # and the other way: torch really slower; the runoff keeps cuDNN
+    winner, torch_t = _winner(1.0), _torch(0.97)
+    clock = Drift(0.1)
+    assert autotune.settle_torch(winner, torch_t, clock.timer(0.0), clock.timer(0.04), cfg)
+    assert not autotune.torch_wins(winner, [winner, torch_t])
+
+
+@pytest.mark.parametrize("case", ["far apart", "launch-bound", "torch failed", "runoff fails", "no rounds"])
+def test_no_runoff_where_the_medians_decide(case):
+    cfg = autotune.Config(runoff_rounds=0 if case == "no rounds" else 4, runoff_margin=0.15)
+    winner = _winner(0.05 if case == "launch-bound" else 1.0)
+    torch_t = _torch({"far apart": 0.7, "launch-bound": 0.049}.get(case, 0.98))
+    if case == "torch failed":
+        torch_t.status = "failed:cuBLAS"
+    ran = []
+
+    def time_it():
+        ran.append(1)
+        if case == "runoff fails":
+            raise RuntimeError("device lost")
+        return 1.0
+
+    assert not autotune.settle_torch(winner, torch_t, time_it, time_it, cfg)
+    assert ran == ([1] if case == "runoff fails" else [])
+    assert winner.runoff_ms == torch_t.runoff_ms == float("inf")
+    assert autotune.torch_wins(winner, [winner, torch_t]) is (case in ("far apart", "runoff fails", "no rounds"))
+
+
 def test_torch_candidate_can_be_switched_off(monkeypatch):
     assert autotune.Config().torch_candidate is True
     for off in ("0", "off", "False"):
