@@ -5,7 +5,8 @@ the step 3.9-5.5 ms). This splits the host time of one layer at a shape small en
 the GPU never holds the host back (2x128x8x8 fp16, channels_last, 3x3): the cuDNN launch
 alone of each graph (forward, activation-grad + dbias, dgrad, wgrad), the cf forward and
 backward functions, and a whole forward + backward through autograd, against torch's.
-Median of interleaved rounds, one process.
+Median of interleaved rounds, one process; per row, how much the launch-graph counters rose
+(``graph_counts``: whether the row's launches replayed or launched raw).
 
     python3 bench/host_breakdown.py --out bench/results
 """
@@ -85,19 +86,27 @@ def main(argv=None) -> int:
             with torch.enable_grad():
                 f()
     rounds = {k: [] for k in fns}
+    graph_counts = {k: {} for k in fns}  # per row, over all rounds: the launch-graph counters' increase
+    from cudnn_fuse import launch_graphs
+
     for _ in range(args.rounds):
         for k, f in fns.items():
+            before = launch_graphs.STATS.snapshot()
             if k.endswith("_step"):
                 rounds[k].append(host_us(f, args.calls))
             else:
                 with torch.no_grad():
                     rounds[k].append(host_us(f, args.calls))
+            after = launch_graphs.STATS.snapshot()
+            for name in ("graph_captures", "graph_kernels", "graph_replays", "graph_failures"):
+                graph_counts[k][name] = graph_counts[k].get(name, 0) + after[name] - before[name]
     med = {k: round(statistics.median(v), 2) for k, v in rounds.items()}
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "layer": f"conv2d {args.batch}x{C}x{args.hw}x{args.hw} 3x3 fp16 channels_last, bias, relu",
               "calls_per_round": args.calls, "rounds": args.rounds, "host_us_per_call": med,
               "engines": {op: p.engine for op, p in by_op.items()}, "raw_launch": {op: p.raw for op, p in by_op.items()},
-              "all_rounds_us": {k: [round(v, 2) for v in r] for k, r in rounds.items()}}
+              "all_rounds_us": {k: [round(v, 2) for v in r] for k, r in rounds.items()},
+              "graph_counts": graph_counts}
     for k, v in med.items():
         print(f"{k:28s} {v:8.2f} us")
     os.makedirs(args.out, exist_ok=True)
