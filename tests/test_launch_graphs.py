@@ -577,15 +577,17 @@ def test_a_failed_kernel_launch_launches_raw_and_drops_the_graphs(monkeypatch, a
     assert len(rig.drv.destroyed) == 1 and isinstance(rig.drv.destroyed[0], launch_graphs.KernelReplay)
 
 
-def test_kernel_replay_on_by_default_and_off_by_environment():
+@pytest.mark.parametrize("var,flag,off", [("CUDNN_FUSE_KERNEL_REPLAY", "KERNEL_REPLAY", "0"),
+                                           ("CUDNN_FUSE_KERNEL_ATTRS", "TRIM_ATTRS", "all")])
+def test_kernel_replay_switches_on_by_default_and_off_by_environment(var, flag, off):
     import subprocess
     import sys
 
-    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDNN_FUSE_KERNEL_REPLAY"}
-    code = "from cudnn_fuse import launch_graphs as g; print(g.KERNEL_REPLAY)"
+    env = {k: v for k, v in __import__("os").environ.items() if k != var}
+    code = f"from cudnn_fuse import launch_graphs as g; print(g.{flag})"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True"]
-    env["CUDNN_FUSE_KERNEL_REPLAY"] = "0"
+    env[var] = off
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"]
 
@@ -661,16 +663,3 @@ def test_a_kernel_replay_leaves_out_what_a_plain_launch_gets_anyway(monkeypatch,
     for i, aid in enumerate(want):  # a kept attribute carries the node's own value
         assert list(k.attrs[i].value.words[:len(node[aid])]) == node[aid]
     assert k.launch(42) == 0 and lib.names()[-1] == "cuLaunchKernelEx"
-
-
-def test_kernel_attributes_trimmed_by_default_and_kept_by_environment():
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDNN_FUSE_KERNEL_ATTRS"}
-    code = "from cudnn_fuse import launch_graphs as g; print(g.TRIM_ATTRS)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True"]
-    env["CUDNN_FUSE_KERNEL_ATTRS"] = "all"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False"]
