@@ -162,14 +162,12 @@ class KernelReplay:
     """A captured one-kernel graph's kernel, launched directly (cuLaunchKernelEx). Holds the graph,
     whose node owns the kernel's parameter values; ``Driver.destroy`` frees it."""
 
-    __slots__ = ("graph", "func", "params", "extra", "attrs", "cfg", "cfg_ref", "stream", "_launch", "_func", "_params",
-                 "_extra")
+    __slots__ = ("graph", "attrs", "cfg", "cfg_ref", "stream", "_launch", "_func", "_params", "_extra")
 
     def __init__(self, launch, graph, func, node: _KernelNodeParams, attrs, stream: int):
         """``launch``: cuLaunchKernelEx without a prototype (``_bare``): it is called with ready ctypes
         objects, which ctypes passes on unconverted."""
-        self._launch, self.graph, self.func = launch, graph, func
-        self.params, self.extra = node.kernelParams, node.extra
+        self._launch, self.graph = launch, graph
         self._func, self._params = ctypes.c_void_p(func), ctypes.c_void_p(node.kernelParams)
         self._extra = ctypes.c_void_p(node.extra) if node.extra else None
         self.attrs = (_LaunchAttr * max(1, len(attrs)))()
@@ -187,6 +185,14 @@ class KernelReplay:
             self.cfg.hStream = stream
             self.stream = stream
         return self._launch(self.cfg_ref, self._func, self._params, self._extra)
+
+    @property
+    def func(self) -> int:
+        return self._func.value
+
+    @property
+    def params(self) -> int:
+        return self._params.value
 
     @property
     def attribute_ids(self) -> list:
