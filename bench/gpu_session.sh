@@ -12,7 +12,7 @@
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
 # graphstack (the batch-1 rows three times with launch graphs on, the default since 29135eb: their records hold each
-# variant's launch-graph captures and replays), tuneprobe (tune_timing_probe: does the tuner time kernels or the host), graphprobe (graph_device_probe: batch-1 convs' device and wall time with launch graphs on and off), queueprobe (graph_queue_probe: launches queued behind a busy GPU, by kind), kernelprobe (kernel_replay_probe: a captured launch replayed as its kernel), eagerprobe (eager_host_probe: the eager call piece by piece), gapprobe (host_gap_probe: the eager row's host time after each of host_overhead's steps), runoffprobe (runoff_probe: large GEMMs tuned with and without the runoff against torch), sustainprobe (sustained_probe: those GEMMs timed as a burst and sustained, with nvidia-smi clocks), hostbd (host_breakdown with and without kernel replays). pytest:<file>,<file> runs those GPU test files (report in the log). TESTS_TIMEOUT: the tests steps' limit (default 480).
+# variant's launch-graph captures and replays), tuneprobe (tune_timing_probe: does the tuner time kernels or the host), graphprobe (graph_device_probe: batch-1 convs' device and wall time with launch graphs on and off), queueprobe (graph_queue_probe: launches queued behind a busy GPU, by kind), kernelprobe (kernel_replay_probe: a captured launch replayed as its kernel), eagerprobe (eager_host_probe: the eager call piece by piece), gapprobe (host_gap_probe: the eager row's host time after each of host_overhead's steps), runoffprobe (runoff_probe: large GEMMs tuned with and without the runoff against torch), sustainprobe (sustained_probe: those GEMMs timed as a burst and sustained, with nvidia-smi clocks), modeprobe (replay_mode_probe: wall, queued and device time of the eager conv and linear in each launch mode), hostbd (host_breakdown by default, with graph replays only, with no launch graphs). pytest:<file>,<file> runs those GPU test files (report in the log). TESTS_TIMEOUT: the tests steps' limit (default 480).
 # The tests step leaves out the optimize() fuzz (step optfuzz, 111 s): the rest took 297 s on one H200 at 46bb6fb and
 # reached 690 of its 728 tests in 400 s at 67b9039 (the eng8 bar's 48 grouped-gradient tests and the conv GEMM's
 # nested tuning came in between), so give it a call of its own, or split it with tests2 on nvidia-h200-x2. MEMORY_ARGS: options of the memory steps. SKIP_INSTALL=1: the wheels are
@@ -71,10 +71,13 @@ for s in $STEPS; do
         eagerprobe) step eager_host_probe 150 python3 bench/eager_host_probe.py --out "$OUT" --rounds "${ROUNDS:-3}" ;;
         gapprobe) step host_gap_probe 150 python3 bench/host_gap_probe.py --out "$OUT" ;;
         runoffprobe) step runoff_probe 200 python3 bench/runoff_probe.py --out "$OUT" ;;
+        modeprobe) for m in "default" "graph CUDNN_FUSE_KERNEL_REPLAY=0" "raw CUDNN_FUSE_LAUNCH_GRAPHS=0"; do  # replay_mode_probe per launch mode
+                set -- $m; tag=$1; shift; env "$@" bash -c "$(declare -f step); log=$log; step replay_mode_probe_$tag 90 python3 bench/replay_mode_probe.py --out $OUT --tag $tag"; done ;;
         sustainprobe) step sustained_probe 240 python3 bench/sustained_probe.py --out "$OUT" ;;
         hostbd) mkdir -p "$OUT/noreplay"  # host_breakdown with kernel replays, then without (CUDNN_FUSE_KERNEL_REPLAY=0)
               step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT"
-              CUDNN_FUSE_KERNEL_REPLAY=0 step host_breakdown_noreplay 60 python3 bench/host_breakdown.py --out "$OUT/noreplay" ;;
+              CUDNN_FUSE_KERNEL_REPLAY=0 step host_breakdown_noreplay 60 python3 bench/host_breakdown.py --out "$OUT/noreplay"
+              mkdir -p "$OUT/nographs"; CUDNN_FUSE_LAUNCH_GRAPHS=0 step host_breakdown_nographs 60 python3 bench/host_breakdown.py --out "$OUT/nographs" ;;
         host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3
               step host_breakdown 60 python3 bench/host_breakdown.py --out "$OUT" ;;
         pytest:*) files=${s#pytest:}; step "$s" "${TESTS_TIMEOUT:-260}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${files//,/ } ;;

@@ -67,6 +67,14 @@ class Config:
     # alternately, ``runoff_rounds`` rounds, and that decides (settle_torch).
     runoff_margin: float = 0.15
     runoff_rounds: int = 4  # even: ABBA rounds then balance a steady drift exactly
+    # A graph whose best first run takes at least ``heat_min_ms`` is run back to back for ``heat_s``
+    # (at most a quarter of the budget) before its candidates are timed, so that all of them are
+    # timed at the clocks a sustained run settles to, not the first ones at an idle GPU's boost
+    # clock: on the H200 a sustained bf16 GEMM holds the 700 W cap at ~1400 MHz within 0.5 s of
+    # starting (1980 MHz idle), and a 16384x4096x16384 linear + GELU timed as a burst read 3.15 ms
+    # against 3.82 sustained (bench/results/sustained_probe.json). 0 turns it off.
+    heat_s: float = float(os.environ.get("CUDNN_FUSE_TUNE_HEAT_S", "0.5"))
+    heat_min_ms: float = 0.25
 
 
 DEFAULT_CONFIG = Config()
@@ -126,6 +134,7 @@ def select(
     cfg: Config,
     deterministic: bool = False,
     clock: Callable[[], float] = time.perf_counter,
+    heat: Optional[Callable[[Candidate, float], None]] = None,
 ) -> tuple[Timing, list[Timing]]:
     """Pick the fastest candidate.
 
@@ -133,8 +142,10 @@ def select(
        ``deterministic``;
     2. run each once (``run_once`` -> ms); drop those over ``prune_factor`` x
        the best first run so far;
-    3. time the survivors (``time_candidate`` -> median ms);
-    4. stop starting new candidates once ``cfg.budget_s`` is spent.
+    3. when the best first run is at least ``cfg.heat_min_ms``, ``heat(best, seconds)`` runs it
+       back to back (``heat_gpu``) so the timings that follow all see a sustained run's clocks;
+    4. time the survivors (``time_candidate`` -> median ms);
+    5. stop starting new candidates once ``cfg.budget_s`` is spent (the heat counts).
 
     Returns (winner, every candidate's Timing). Raises UnsupportedError when no
     candidate produced a finite time.
@@ -174,6 +185,13 @@ def select(
             continue
         best_first = min(best_first, t.first_ms)
         live.append((c, t))
+    seconds = min(cfg.heat_s, cfg.budget_s / 4)
+    if heat is not None and seconds > 0 and live and best_first >= cfg.heat_min_ms:
+        hottest = min(live, key=lambda ct: ct[1].first_ms)[0]
+        try:
+            heat(hottest, seconds)
+        except Exception as exc:  # noqa: BLE001 - timing without the heat is still timing
+            log.debug("autotune: heating the GPU failed (%s); timing without it", exc)
     for c, t in live:
         # a candidate that lost by > prune_factor to a LATER first run is pruned too
         if t.first_ms > cfg.prune_factor * best_first:
@@ -242,6 +260,26 @@ def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
     SPIN_ATTEMPTS times (``spin_timed``).
     """
     return spin_timed(lambda i: fn(), iters, host_us_per_call)
+
+
+def heat_gpu(run: Callable[[], None], seconds: float, clock: Callable[[], float] = time.perf_counter,
+             sync: Optional[Callable[[], None]] = None) -> int:
+    """Call ``run()`` back to back for about ``seconds`` of wall time, the host never more than 4
+    calls ahead of the GPU (synchronized every 4), so the GPU is busy that long; the number of
+    calls. Brings a GPU from its idle boost clock to what a sustained run holds (power cap)."""
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.synchronize
+    end = clock() + seconds
+    n = 0
+    while True:
+        run()
+        n += 1
+        if n % 4 == 0:
+            sync()
+            if clock() >= end:
+                return n
 
 
 def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: float = 200.0,
@@ -446,8 +484,12 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
             launch(c, next(counter))
         return statistics.median(device_ms(lambda: launch(c, next(counter)), cfg.repeats))
 
+    def heat(c: Candidate, seconds: float) -> None:
+        counter = iter(range(10**9))
+        heat_gpu(lambda: launch(c, next(counter)), seconds)
+
     try:
-        winner, timings = select(candidates, run_once, time_candidate, cfg, deterministic)
+        winner, timings = select(candidates, run_once, time_candidate, cfg, deterministic, heat=heat)
     finally:
         workspaces.clear()
     g.build_plan_at_index(winner.index)

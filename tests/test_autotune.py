@@ -289,3 +289,71 @@ def test_device_ms_keeps_late_queued_calls_the_gpu_had_not_reached(spin):
 def test_spin_timed_with_no_calls_measures_nothing(spin):
     s = spin([])
     assert autotune.device_ms(lambda: None, 0) == [] and s.asked == []
+
+
+# ---------------------------------------------------------------- heat before timing
+
+
+def test_heat_runs_the_fastest_first_candidate_once_before_any_timing():
+    calls = []
+    run_once, time_c = fake({0: 1.2, 1: 0.9, 2: 1.0}, {0: 1.1, 1: 0.95, 2: 0.9}, calls=calls)
+
+    def heat(c, seconds):
+        calls.append(("heat", c.index, seconds))
+
+    winner, _ = select(cands(3), run_once, time_c, Config(budget_s=10, heat_s=0.5, heat_min_ms=0.25), heat=heat)
+    heats = [i for i, call in enumerate(calls) if call[0] == "heat"]
+    assert [calls[i] for i in heats] == [("heat", 1, 0.5)]  # candidate 1 had the best first run
+    first_time = next(i for i, call in enumerate(calls) if call[0] == "time")
+    last_once = max(i for i, call in enumerate(calls) if call[0] == "once")
+    assert last_once < heats[0] < first_time
+    assert winner.index == 2  # the heat does not change how the medians decide
+
+
+@pytest.mark.parametrize("cfg", [Config(heat_s=0.5, heat_min_ms=2.0), Config(heat_s=0.0, heat_min_ms=0.25)])
+def test_no_heat_for_short_graphs_or_when_turned_off(cfg):
+    seen = []
+    run_once, time_c = fake({0: 1.0, 1: 1.1}, {0: 1.0, 1: 0.9})
+    select(cands(2), run_once, time_c, cfg, heat=lambda c, s: seen.append(c.index))
+    assert seen == []
+
+
+def test_heat_takes_at_most_a_quarter_of_the_budget_and_counts_against_it():
+    clock = FakeClock()
+    run_once, time_c = fake({0: 1.0, 1: 1.0}, {0: 0.9, 1: 0.7}, clock, cost=0.1)
+    got = []
+
+    def heat(c, seconds):
+        got.append(seconds)
+        clock.t += 5.0  # a heat that overran: the budget is then spent
+
+    winner, timings = select(cands(2), run_once, time_c, Config(budget_s=2.0, heat_s=1.0, heat_min_ms=0.5),
+                             clock=clock, heat=heat)
+    assert got == [0.5]
+    assert [t.status for t in timings] == ["budget", "budget"]
+    assert winner.median_ms == winner.first_ms  # no full timing: the best first run stands
+
+
+def test_a_failing_heat_is_logged_and_timing_goes_on(caplog):
+    run_once, time_c = fake({0: 1.0, 1: 1.0}, {0: 0.9, 1: 0.7})
+
+    def heat(c, seconds):
+        raise RuntimeError("no GPU")
+
+    with caplog.at_level("DEBUG", logger="cudnn_fuse.autotune"):
+        winner, timings = select(cands(2), run_once, time_c, Config(heat_s=0.5, heat_min_ms=0.5), heat=heat)
+    assert winner.index == 1 and all(t.status == "timed" for t in timings)
+    assert "heating the GPU failed" in caplog.text
+
+
+def test_heat_gpu_runs_until_the_time_is_up_syncing_every_four_calls():
+    clock = FakeClock()
+    log = []
+
+    def run():
+        log.append("run")
+        clock.t += 0.1
+
+    n = autotune.heat_gpu(run, 1.0, clock=clock, sync=lambda: log.append("sync"))
+    assert n == 12  # 1.0 s reached after the 10th call; it stops at the next sync
+    assert log.count("sync") == 3 and log[4] == "sync" and log[-1] == "sync"

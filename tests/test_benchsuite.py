@@ -427,3 +427,27 @@ def test_a_variant_that_captures_or_replays_launch_graphs_records_how_many(monke
     assert rec["launch_graphs"] == {"cf_autotuned": {"graph_captures": 3, "graph_replays": 40}}
     quiet = bs.run_workload(_fake_workload("mm"), bs.Options(), started=0.0, timer=_timer, clock=Clock())
     assert "launch_graphs" not in quiet  # graphs off (the default): the record is as before
+
+
+@pytest.mark.parametrize("est_ms, heated", [(1.0, True), (0.1, False)])
+def test_timer_heats_the_gpu_before_timing_a_long_variant(monkeypatch, est_ms, heated):
+    """A variant whose calls take at least autotune's heat_min_ms is first run back to back for
+    heat_s (every variant then timed at a sustained run's clocks); a short one is not."""
+    from cudnn_fuse import autotune
+
+    seen, ran = [], []
+    monkeypatch.setattr(bs, "_warm", lambda fn, inputs, **kw: est_ms)
+    monkeypatch.setattr(bs, "host_enqueue_us", lambda fn, inputs: 5.0)
+    monkeypatch.setattr(bs, "device_times", lambda fn, inputs, iters, host, flush: [2.0, 1.0, 3.0])
+
+    def fake_heat(run, seconds):
+        seen.append(seconds)
+        run()
+        run()
+
+    monkeypatch.setattr(autotune, "heat_gpu", fake_heat)
+    monkeypatch.setattr(autotune, "DEFAULT_CONFIG", autotune.Config(heat_s=0.4, heat_min_ms=0.5))
+    case = bs.Case(inputs=[(1,), (2,)], variants=[])
+    assert bs.Timer(100.0)("v", lambda i: ran.append(i), case) == 2.0
+    assert seen == ([0.4] if heated else [])
+    assert ran == ([1, 2] if heated else [])  # the heat rotates through the input sets
