@@ -98,7 +98,7 @@ def plot_roofline(doc: dict, path: str) -> int:
         hi = max(r[2] for r in rows) * 2
         xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
         ax.plot(xs, [min(ceiling, bw * x) for x in xs], color="black", linewidth=1,
-                label=f"roof: {ceiling} TFLOP/s, {bw} TB/s")
+                label=f"roof: {ceiling} TFLOP/s, {bw} TB/s (the highest part's)")
         for kind, color in KIND_COLORS.items():
             pts = [r for r in rows if r[1] == kind]
             if pts:
@@ -116,7 +116,7 @@ def plot_roofline(doc: dict, path: str) -> int:
     ax.set_xlabel("arithmetic intensity (FLOP / byte, fewest bytes)")
     ax.set_ylabel("TFLOP/s (filled: cf autotuned; hollow: best peer)")
     ax.set_title(f"{doc.get('device')}: roofline from the ceilings measured in the run", fontsize=9)
-    bx.set_xlabel("cf's fraction of the roofline floor (floor ms / cf ms); dashed: 0.85")
+    bx.set_xlabel("cf's fraction of the roofline floor of its own run's ceilings (floor ms / cf ms); dashed: 0.85")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -137,7 +137,8 @@ def table(doc: dict) -> str:
     ho = doc.get("host_overhead_us") or {}
     ttr = doc.get("time_to_ready_s") or {}
     lines = [f"Device {doc.get('device')}, torch {doc.get('torch')}, cudnn_fuse {doc.get('cudnn_fuse')}; "
-             f"measured bf16 matmul ceiling {doc.get('ceiling_tflops')} TFLOP/s, HBM copy {doc.get('hbm_tbps')} TB/s.",
+             f"measured bf16 matmul ceiling {doc.get('ceiling_tflops')} TFLOP/s, HBM copy {doc.get('hbm_tbps')} TB/s "
+             "(the highest of the parts; each row is judged against the ceilings of the run that measured it).",
              "",
              f"Geomean speedup of cf over the best peer: {s.get('geomean_speedup_vs_best_peer')}; autotuned cf over "
              f"torch.compile max-autotune: {s.get('geomean_autotuned_vs_max_autotune')}.",

@@ -1022,10 +1022,13 @@ def geomean(xs) -> Optional[float]:
 
 
 def summarize(doc: dict) -> dict:
-    """Per-workload roofline fields and the run's summary against issue 6's targets."""
-    ceiling, bw = doc.get("ceiling_tflops"), doc.get("hbm_tbps")
-    ridge = ceiling / bw if _finite(ceiling) and _finite(bw) else None  # FLOP per byte
+    """Per-workload roofline fields and the run's summary against issue 6's targets. A record merged
+    from a part carries that run's ceilings (``run_ceiling_tflops``, ``run_hbm_tbps``, see ``merge``)
+    and is judged against them: the ceiling measured in the same run, on the same GPU, not another
+    part's (two H200 machines' sustained bf16 matmuls differed by 12%, 757.6 against 673.7 TFLOP/s)."""
     for rec in doc["workloads"]:
+        ceiling, bw = _run_ceilings(rec, doc)
+        ridge = ceiling / bw if _finite(ceiling) and _finite(bw) else None  # FLOP per byte
         ms = rec.get("cf_autotuned_ms") if _finite(rec.get("cf_autotuned_ms")) else rec.get("cf_best_ms")
         rec["cf_tflops"] = round(rec["flops"] / ms / 1e9, 2) if _finite(ms) else None
         rec["intensity"] = round(rec["flops"] / rec["bytes"], 2) if rec.get("bytes") else None
@@ -1038,7 +1041,7 @@ def summarize(doc: dict) -> dict:
     below = [r["name"] for r in kernels if _finite(r.get("speedup_autotuned_vs_best_peer"))
              and r["speedup_autotuned_vs_best_peer"] < 1.0]
     compute = [r for r in kernels if r.get("compute_bound") and _finite(r.get("cf_tflops"))]
-    under = [r["name"] for r in compute if r["cf_tflops"] < COMPUTE_BOUND_TARGET * ceiling]
+    under = [r["name"] for r in compute if r["cf_tflops"] < COMPUTE_BOUND_TARGET * _run_ceilings(r, doc)[0]]
     gm_ma = geomean(r.get("speedup_autotuned_vs_max_autotune") for r in doc["workloads"])
     doc["summary"] = {
         "workloads": len(doc["workloads"]),
@@ -1055,6 +1058,12 @@ def summarize(doc: dict) -> dict:
                     "compute_bound_ge_85pct": (not under) if compute else None},
     }
     return doc
+
+
+def _run_ceilings(rec: dict, doc: dict) -> tuple:
+    """(bf16 TFLOP/s, HBM TB/s) of the run that measured ``rec``: its part's where merged, else the doc's."""
+    ceiling, bw = rec.get("run_ceiling_tflops"), rec.get("run_hbm_tbps")
+    return (ceiling if _finite(ceiling) else doc.get("ceiling_tflops"), bw if _finite(bw) else doc.get("hbm_tbps"))
 
 
 def _floor_ms(rec, ceiling, bw) -> Optional[float]:
@@ -1230,7 +1239,8 @@ def write_json(path: str, doc: dict) -> None:
 
 def merge(docs: Sequence[dict]) -> dict:
     """One document from parts: workloads concatenated (a name measured twice keeps the record
-    with more measured variants, later part on ties); ceilings are the highest a part measured;
+    with more measured variants, later part on ties), each stamped with its part's ceilings
+    (``run_ceiling_tflops``, ``run_hbm_tbps``); the document's ceilings are the highest a part measured;
     the host overhead and time to ready come from the part that measured them."""
     if not docs:
         raise ValueError("merge needs at least one document")
@@ -1250,6 +1260,10 @@ def merge(docs: Sequence[dict]) -> dict:
     by_name: dict = {}
     for d in docs:
         for rec in d["workloads"]:
+            rec = dict(rec)
+            for key, run_key in (("ceiling_tflops", "run_ceiling_tflops"), ("hbm_tbps", "run_hbm_tbps")):
+                if not _finite(rec.get(run_key)) and _finite(d.get(key)):
+                    rec[run_key] = d[key]  # judged against its own run's ceilings (summarize)
             old = by_name.get(rec["name"])
             if old is None or _measured(rec) >= _measured(old):
                 by_name[rec["name"]] = rec

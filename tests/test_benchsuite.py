@@ -323,6 +323,9 @@ def test_merge_of_parts():
     assert merged["time_to_ready_s"]["torch_compile"] == 40.0
     assert [p["part"] for p in merged["parts"]] == ["conv32", "core"]
     assert merged["summary"]["workloads"] == 2
+    # each record keeps the ceilings of the run that measured it; the parts' own records are untouched
+    assert [(r["run_ceiling_tflops"], r["run_hbm_tbps"]) for r in merged["workloads"]] == [(780.0, 4.3), (790.0, 4.2)]
+    assert "run_ceiling_tflops" not in better
     with pytest.raises(ValueError, match="schema"):
         bs.merge([{"schema": "other", "workloads": []}])
 
@@ -341,6 +344,23 @@ def test_summary_roofline_and_targets():
     assert s["geomean_autotuned_vs_max_autotune"] == pytest.approx(((2.0 / 1.6) * (2.6 / 1.3)) ** 0.5, abs=1e-3)
     assert s["targets"] == {"autotuned_ge_best_peer": False, "geomean_vs_max_autotune_ge_1_25": True,
                             "compute_bound_ge_85pct": False}
+
+
+def test_a_merged_record_is_judged_against_its_own_runs_ceiling():
+    """1 TFLOP in 1.3 ms is 769 TFLOP/s: 96% of its own run's 800, but under 85% of another part's 1000."""
+    names = [w.name for w in bs.registry()]
+    fast = _rec(names[0], cf=2.0, tuned=1.3)
+    other = _rec(names[1], cf=2.0, tuned=1.0)  # 1000 TFLOP/s: 100% of its run's 1000
+    merged = bs.merge([_doc("core", [fast], ceiling_tflops=800.0, hbm_tbps=4.0),
+                       _doc("conv32", [other], ceiling_tflops=1000.0, hbm_tbps=4.0)])
+    assert merged["ceiling_tflops"] == 1000.0
+    assert merged["summary"]["compute_bound_under_85pct_of_ceiling"] == []
+    got = {r["name"]: r for r in merged["workloads"]}
+    assert got[names[0]]["floor_ms"] == pytest.approx(1.25) and got[names[1]]["floor_ms"] == pytest.approx(1.0)
+    # the same record judged against the other part's ceiling (no run ceiling of its own) is under
+    lone = _rec(names[0], cf=2.0, tuned=1.3)
+    doc = bs.summarize(_doc("all", [lone], ceiling_tflops=1000.0, hbm_tbps=4.0))
+    assert doc["summary"]["compute_bound_under_85pct_of_ceiling"] == [names[0]]
 
 
 def test_a_tiny_kernel_is_not_compute_bound_whatever_its_intensity():
