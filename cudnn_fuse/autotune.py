@@ -70,8 +70,8 @@ class Config:
     # A graph whose best first run takes at least ``heat_min_ms`` is run back to back for ``heat_s``
     # (at most a quarter of the budget) before its candidates are timed, so that all of them are
     # timed at the clocks a sustained run settles to, not the first ones at an idle GPU's boost
-    # clock: on the H200 a sustained bf16 GEMM holds the 700 W cap at ~1400 MHz within 0.5 s of
-    # starting (1980 MHz idle), and a 16384x4096x16384 linear + GELU timed as a burst read 3.15 ms
+    # clock: on the H200 a sustained bf16 GEMM holds the 700 W cap at a median 1425 MHz within 0.5 s
+    # of starting (1980 MHz idle), and a 16384x4096x16384 linear + GELU timed as a burst read 3.15 ms
     # against 3.82 sustained (bench/results/sustained_probe.json). 0 turns it off.
     heat_s: float = float(os.environ.get("CUDNN_FUSE_TUNE_HEAT_S", "0.5"))
     heat_min_ms: float = 0.25
