@@ -142,8 +142,9 @@ def select(
        ``deterministic``;
     2. run each once (``run_once`` -> ms); drop those over ``prune_factor`` x
        the best first run so far;
-    3. when the best first run is at least ``cfg.heat_min_ms``, ``heat(best, seconds)`` runs it
-       back to back (``heat_gpu``) so the timings that follow all see a sustained run's clocks;
+    3. when the best first run is at least ``cfg.heat_min_ms`` and the budget has room,
+       ``heat(best, seconds)`` runs it back to back (``heat_gpu``) so the timings that follow all
+       see a sustained run's clocks;
     4. time the survivors (``time_candidate`` -> median ms);
     5. stop starting new candidates once ``cfg.budget_s`` is spent (the heat counts).
 
@@ -186,7 +187,8 @@ def select(
         best_first = min(best_first, t.first_ms)
         live.append((c, t))
     seconds = min(cfg.heat_s, cfg.budget_s / 4)
-    if heat is not None and seconds > 0 and live and best_first >= cfg.heat_min_ms:
+    if heat is not None and seconds > 0 and live and best_first >= cfg.heat_min_ms \
+            and clock() - t0 + seconds < cfg.budget_s:  # never a heat that leaves no time to time
         hottest = min(live, key=lambda ct: ct[1].first_ms)[0]
         try:
             heat(hottest, seconds)

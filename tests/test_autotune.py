@@ -334,6 +334,15 @@ def test_heat_takes_at_most_a_quarter_of_the_budget_and_counts_against_it():
     assert winner.median_ms == winner.first_ms  # no full timing: the best first run stands
 
 
+def test_no_heat_once_the_first_runs_spent_the_budget():
+    clock = FakeClock()
+    seen = []
+    run_once, time_c = fake({0: 1.0, 1: 1.0}, {0: 0.9, 1: 0.7}, clock, cost=0.9)  # 1.8 s of first runs
+    select(cands(2), run_once, time_c, Config(budget_s=2.0, heat_s=0.5, heat_min_ms=0.5), clock=clock,
+           heat=lambda c, s: seen.append(s))
+    assert seen == []  # 1.8 + 0.5 s would pass the 2 s budget: the heat would only leave no timing
+
+
 def test_a_failing_heat_is_logged_and_timing_goes_on(caplog):
     run_once, time_c = fake({0: 1.0, 1: 1.0}, {0: 0.9, 1: 0.7})
 
