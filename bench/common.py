@@ -91,3 +91,63 @@ def replay_us(graph, calls_per_graph: int, reps: int = 20) -> float:
         e1.synchronize()
         out.append(1e3 * e0.elapsed_time(e1) / calls_per_graph)
     return statistics.median(out)
+
+
+def large_gemm_cases(linear_ms=(16384,), amax_of=None):
+    """The large bf16 GEMMs where autotuned cf trailed torch in the suite's core part, as
+    (name, cf's op, torch's eager op) with fresh normal operands (seeded): linear + GELU
+    M x 4096 -> 16384 for each M in ``linear_ms``, then 8192^3 matmul + AMAX (torch: the product,
+    then ``amax_of(y)``, by default max |y| as one reduction)."""
+    import torch.nn.functional as F
+
+    import cudnn_fuse as cf
+
+    bf = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, device="cuda", generator=g) * scale).to(bf)
+
+    for m in linear_ms:
+        x, w, b = r(m, 4096), r(16384, 4096, scale=0.02), r(16384)
+        yield (f"linear_gelu_{m}x4096x16384", lambda x=x, w=w, b=b: cf.linear(x, w, b, activation="gelu"),
+               lambda x=x, w=w, b=b: F.gelu(F.linear(x, w, b)))
+    amax_of = amax_of or (lambda y: torch.linalg.vector_norm(y, float("inf")))
+    a, m2 = r(8192, 8192), r(8192, 8192, scale=0.02)
+    yield ("matmul_amax_8192cubed", lambda: cf.matmul(a, m2, return_amax=True),
+           lambda: (lambda y: (y, amax_of(y)))(a @ m2))
+
+
+def tuned(op, cfg):
+    """Run ``op()`` once with autotuning on under ``cfg`` (autotune.Config) in place of the default
+    config, then restore both; the plan it built (the newest in memory)."""
+    import cudnn_fuse as cf
+    from cudnn_fuse import autotune, plans
+
+    saved = autotune.DEFAULT_CONFIG
+    autotune.DEFAULT_CONFIG = cfg
+    cf.set_autotune(True)
+    try:
+        op()
+        torch.cuda.synchronize()
+    finally:
+        cf.set_autotune(False)
+        autotune.DEFAULT_CONFIG = saved
+    return plans.plans_in_memory()[-1]
+
+
+def profile_text(fn, calls: int, top: int) -> str:
+    """cProfile of ``calls`` calls of ``fn()`` (synced at the end): the ``top`` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()

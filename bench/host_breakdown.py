@@ -26,7 +26,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import host_us  # noqa: E402
+from bench.common import host_us, profile_text  # noqa: E402
 from cudnn_fuse import autotune, plans, torch_ops  # noqa: E402
 from cudnn_fuse.builders import roles_of  # noqa: E402
 
@@ -111,20 +111,8 @@ def main(argv=None) -> int:
         print(f"{k:28s} {v:8.2f} us")
     os.makedirs(args.out, exist_ok=True)
     if args.profile:  # where the cf step's host time goes, by Python function (C calls inside them included)
-        import cProfile
-        import io
-        import pstats
-
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(500):
-            cf_step()
-        torch.cuda.synchronize()
-        prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
         with open(os.path.join(args.out, "host_breakdown_profile.txt"), "w") as f:
-            f.write(buf.getvalue())
+            f.write(profile_text(cf_step, 500, 35))
     with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -16,11 +16,8 @@ and a cProfile of 3000 conv calls (top functions by own time).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -30,6 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
+from bench.common import profile_text  # noqa: E402
 from cudnn_fuse import autotune, launch_graphs, plans  # noqa: E402
 from cudnn_fuse.builders import roles_of  # noqa: E402
 
@@ -115,21 +113,13 @@ def main(argv=None) -> int:
                 res[k]["queued_us"].append(round(queued_us(f), 2))
                 res[k]["device_us"].append(round(device_us(f), 2))
         after = launch_graphs.STATS.snapshot()
-        prof = cProfile.Profile()
-        f = rows["cf_conv"]
-        prof.enable()
-        for _ in range(3000):
-            f()
-        torch.cuda.synchronize()
-        prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+        profile = profile_text(rows["cf_conv"], 3000, 15)
     doc = {"device": torch.cuda.get_device_name(), "tag": args.tag,
            "env": {k: v for k, v in os.environ.items() if k.startswith("CUDNN_FUSE_")},
            "engines": {k: p.engine for k, p in by_op.items()},
            "median": {k: {m: statistics.median(v) for m, v in r.items()} for k, r in res.items()},
            "rounds": res, "graph_counts": {k: after[k] - before[k] for k in after if isinstance(after[k], int)},
-           "profile_cf_conv": buf.getvalue()}
+           "profile_cf_conv": profile}
     for k, r in doc["median"].items():
         print(f"{args.tag:8s} {k:14s} " + "  ".join(f"{m} {v:7.2f}" for m, v in r.items()), flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -19,27 +19,11 @@ import sys
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import cudnn_fuse as cf  # noqa: E402
+from bench.common import large_gemm_cases, tuned  # noqa: E402
 from cudnn_fuse import autotune, plans  # noqa: E402
-
-
-def cases():
-    bf = torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def r(*s, scale=1.0):
-        return (torch.randn(*s, device="cuda", generator=g) * scale).to(bf)
-
-    x, w, b = r(16384, 4096), r(16384, 4096, scale=0.02), r(16384)
-    yield ("linear_gelu_16384x4096x16384", lambda: cf.linear(x, w, b, activation="gelu"),
-           lambda: F.gelu(F.linear(x, w, b)))
-    a, m = r(8192, 8192), r(8192, 8192, scale=0.02)
-    yield ("matmul_amax_8192cubed", lambda: cf.matmul(a, m, return_amax=True),
-           lambda: (lambda y: (y, y.abs().amax().float()))(a @ m))
 
 
 def event_ms(fn, n=20) -> float:
@@ -63,21 +47,12 @@ def main(argv=None) -> int:
 
     results = {}
     with torch.no_grad():
-        for name, op, ref in cases():
+        for name, op, ref in large_gemm_cases(amax_of=lambda y: y.abs().amax().float()):
             runs = results[name] = []
             for label, rounds in (("runoff", 4), ("medians", 0), ("runoff", 4)):
                 os.environ["CUDNN_FUSE_CACHE_DIR"] = tempfile.mkdtemp()
                 plans.clear()
-                saved = autotune.DEFAULT_CONFIG
-                autotune.DEFAULT_CONFIG = autotune.Config(budget_s=args.budget_s, runoff_rounds=rounds)
-                cf.set_autotune(True)
-                try:
-                    op()
-                    torch.cuda.synchronize()
-                finally:
-                    cf.set_autotune(False)
-                    autotune.DEFAULT_CONFIG = saved
-                plan = plans.plans_in_memory()[-1]
+                plan = tuned(op, autotune.Config(budget_s=args.budget_s, runoff_rounds=rounds))
                 meta = open_default_cache().get(plan.spec.digest()).meta
                 cands = meta["candidates"]
                 tor = next(c for c in cands if c["index"] == autotune.TORCH_INDEX)

@@ -12,6 +12,9 @@ then cf's op and torch's eager op, each timed in this process
 (``sustained_probe_smi.csv``), so a ranking that flips can be put next to the clocks.
 
     python3 bench/sustained_probe.py --out bench/results
+
+bench/results/sustained_probe.json was taken at 3a4ee00, before the autotuner heated the GPU ahead
+of its timings (its tuning was then a burst too).
 """
 
 from __future__ import annotations
@@ -26,28 +29,11 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import cudnn_fuse as cf  # noqa: E402
+from bench.common import large_gemm_cases, tuned  # noqa: E402
 from cudnn_fuse import autotune, plans  # noqa: E402
-
-
-def cases():
-    bf = torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def r(*s, scale=1.0):
-        return (torch.randn(*s, device="cuda", generator=g) * scale).to(bf)
-
-    for m in (16384, 4096):
-        x, w, b = r(m, 4096), r(16384, 4096, scale=0.02), r(16384)
-        yield (f"linear_gelu_{m}x4096x16384", lambda x=x, w=w, b=b: cf.linear(x, w, b, activation="gelu"),
-               lambda x=x, w=w, b=b: F.gelu(F.linear(x, w, b)))
-    a, m = r(8192, 8192), r(8192, 8192, scale=0.02)
-    yield ("matmul_amax_8192cubed", lambda: cf.matmul(a, m, return_amax=True),
-           lambda: (lambda y: (y, torch.linalg.vector_norm(y, float("inf"))))(a @ m))
 
 
 def burst_ms(fn) -> float:
@@ -95,20 +81,11 @@ def main(argv=None) -> int:
     t_start = time.time()
     try:
         with torch.no_grad():
-            for name, op, ref in cases():
+            for name, op, ref in large_gemm_cases((16384, 4096)):
                 os.environ["CUDNN_FUSE_CACHE_DIR"] = tempfile.mkdtemp()
                 plans.clear()
-                saved = autotune.DEFAULT_CONFIG
-                autotune.DEFAULT_CONFIG = autotune.Config(budget_s=args.budget_s, torch_candidate=False)
-                cf.set_autotune(True)
                 t_tune = time.time()
-                try:
-                    op()
-                    torch.cuda.synchronize()
-                finally:
-                    cf.set_autotune(False)
-                    autotune.DEFAULT_CONFIG = saved
-                plan = plans.plans_in_memory()[-1]
+                plan = tuned(op, autotune.Config(budget_s=args.budget_s, torch_candidate=False))
                 rec = {"engine": plan.engine, "tuned_s": [round(t_tune - t_start, 1), round(time.time() - t_start, 1)],
                        "burst_ms": {"cf": round(burst_ms(op), 4), "torch": round(burst_ms(ref), 4)}}
                 blocks = {"cf": [], "torch": []}
