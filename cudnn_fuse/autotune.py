@@ -245,6 +245,17 @@ _host_us_seen = 0.0
 SPIN_ATTEMPTS = 4
 SPIN_MARGIN_MS = 0.05  # a call counts as queued in time if queued this long before the GPU reached it
 HOST_US_CAP = 1000.0  # the remembered rate's cap: one slow callable must not lengthen every later spin
+# This process's checked-spin measurements (spin_stats): how many, how many measured again behind a
+# longer spin, and the device time spent spinning (the GPU idle while the host queues).
+_SPIN = {"timings": 0, "respins": 0, "spin_ms": 0.0}
+
+
+def spin_stats() -> dict:
+    """Counters of the checked spin in this process (``tune_*`` keys of ``cf.plan_stats()``): timings
+    taken, re-measurements behind a longer spin, device ms spent spinning, and the host rate (us a
+    call) that seeds the next spin."""
+    return {"tune_timings": _SPIN["timings"], "tune_respins": _SPIN["respins"],
+            "tune_spin_ms": round(_SPIN["spin_ms"], 3), "tune_host_us_seen": round(_host_us_seen, 2)}
 
 
 def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
@@ -299,8 +310,12 @@ def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: 
     times: list = []
     clean: list = []
     measured = 0.0
+    _SPIN["timings"] += 1
     for attempt in range(SPIN_ATTEMPTS):
+        if attempt:
+            _SPIN["respins"] += 1
         times, queued, starts, spin_ms = _behind_spin(call, iters, base_us + per_call * iters, before)
+        _SPIN["spin_ms"] += spin_ms
         # call i is clean when the host had queued it whole before the GPU reached its start event:
         # the spin's end (no earlier than spin_ms after the host's clock started) plus the calls ahead
         clean = [t for t, q, st in zip(times, queued, starts) if q + SPIN_MARGIN_MS < spin_ms + st]

@@ -88,9 +88,12 @@ STATS = _Stats()
 
 
 def plan_stats() -> dict:
-    """Counters of this process: builds, hits, misses, evictions, fallbacks, build_seconds, and the
-    launch graphs' captures, replays and failures (launch_graphs.py)."""
-    return {**STATS.snapshot(), **launch_graphs.STATS.snapshot()}
+    """Counters of this process: builds, hits, misses, evictions, fallbacks, build_seconds, the
+    launch graphs' captures, replays and failures (launch_graphs.py), and the autotuner's checked
+    spin (``tune_*``: autotune.spin_stats)."""
+    from . import autotune
+
+    return {**STATS.snapshot(), **launch_graphs.STATS.snapshot(), **autotune.spin_stats()}
 
 
 # ---------------------------------------------------------------- handles

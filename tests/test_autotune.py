@@ -258,6 +258,20 @@ def test_device_ms_gives_up_after_its_attempts_and_logs(spin, caplog):
     assert "include launch overhead" in caplog.text
 
 
+def test_spin_stats_count_timings_respins_and_spin_time(spin, monkeypatch):
+    monkeypatch.setattr(autotune, "_SPIN", {"timings": 0, "respins": 0, "spin_ms": 0.0})
+    spin([(2.0, 3.2), (9.0, 3.2), (9.1, 40.0)])  # one clean timing, then one measured again
+    autotune.device_ms(lambda: None, 30)
+    autotune.device_ms(lambda: None, 30)
+    got = autotune.spin_stats()
+    assert (got["tune_timings"], got["tune_respins"]) == (2, 1)
+    assert got["tune_spin_ms"] == pytest.approx(3.2 + 3.2 + 40.0)
+    assert got["tune_host_us_seen"] == pytest.approx(1.5 * 9.1e3 / 30, abs=0.01)
+    import cudnn_fuse as cf
+
+    assert {k: v for k, v in cf.plan_stats().items() if k.startswith("tune_")} == got
+
+
 def test_device_ms_caps_the_remembered_rate(spin):
     spin([(50.0, 60.0)])  # a callable that takes 10 ms of host time a call
     autotune.device_ms(lambda: None, 5)
