@@ -76,6 +76,26 @@ def host_row_operands():
     return x, w, b
 
 
+def host_row_calls(x, w, b, chain: int = 100):
+    """The host row's calls on its operands: (cf's ``cf.linear(x, w, b, activation="relu")``, torch's
+    ``F.relu(F.linear(x, w, b))``, a function applying cf's ``chain`` times, for ``cf.capture``)."""
+    import torch.nn.functional as F
+
+    import cudnn_fuse as cf
+
+    def cf_op():
+        return cf.linear(x, w, b, activation="relu")
+
+    def torch_op():
+        return F.relu(F.linear(x, w, b))
+
+    def chain_fn(t):
+        for _ in range(chain):
+            t = cf.linear(t, w, b, activation="relu")
+        return t
+    return cf_op, torch_op, chain_fn
+
+
 def replay_us(graph, calls_per_graph: int, reps: int = 20) -> float:
     """Device microseconds per call of a captured graph (``cf.capture``) holding ``calls_per_graph``
     calls: three warm replays, then the median of ``reps`` replays, each between CUDA events."""

@@ -21,12 +21,11 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import host_row_operands, host_us  # noqa: E402
+from bench.common import host_row_calls, host_row_operands, host_us  # noqa: E402
 from cudnn_fuse import ops, plans  # noqa: E402
 
 
@@ -39,16 +38,7 @@ def main(argv=None) -> int:
     x, w, b = host_row_operands()
     attrs = ("relu", False, 0.01)
 
-    def cf_op():
-        return cf.linear(x, w, b, activation="relu")
-
-    def torch_op():
-        return F.relu(F.linear(x, w, b))
-
-    def chain_fn(t):
-        for _ in range(100):
-            t = cf.linear(t, w, b, activation="relu")
-        return t
+    cf_op, torch_op, chain_fn = host_row_calls(x, w, b)
 
     stages = {}
 
