@@ -47,10 +47,11 @@ def child() -> None:
 
             prof = cProfile.Profile()
             prof.enable()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         torch.cuda.synchronize()
         per[name] = 1e3 * (time.perf_counter() - t0)
+        cpu_ms = 1e3 * (time.process_time() - c0)  # every thread's CPU time: work, not waiting
         if profiling:
             prof.disable()
             if per[name] > 20:
@@ -65,6 +66,7 @@ def child() -> None:
         parts[name] = {k: round(1e3 * (after[k + "_seconds"] - before[k + "_seconds"]), 3)
                        for k in ("build", "load", "cache_get", "deserialize", "autotune")}
         parts[name]["second_call"] = round(again, 3)
+        parts[name]["cpu"] = round(cpu_ms, 3)
     print(json.dumps({"per_graph_ms": per, "parts_ms": parts, "stats": cf.plan_stats(), "setup_ms": setup_ms,
                       "slow_first_calls": slow, "preload_ms": preload}))
 
@@ -94,8 +96,24 @@ def _preload_cudnn_libraries() -> dict:
     return out
 
 
-def run_child(cache_dir: str, autotune: bool, budget_s: float, profile: bool = False, preload: bool = False) -> dict:
-    env = dict(os.environ, COLD_START_PROFILE="1" if profile else "0", COLD_START_PRELOAD="1" if preload else "0", CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_AUTOTUNE="1" if autotune else "0",
+def _driver_cache() -> dict:
+    """The CUDA driver's compiled-kernel cache (where PTX compiled at load time is kept): its
+    directory, files and bytes; a kernel that ships as PTX only is compiled by the driver there."""
+    d = os.environ.get("CUDA_CACHE_PATH") or os.path.join(os.path.expanduser("~"), ".nv", "ComputeCache")
+    files, size = 0, 0
+    for root, _, names in os.walk(d):
+        for n in names:
+            files += 1
+            try:
+                size += os.path.getsize(os.path.join(root, n))
+            except OSError:
+                pass
+    return {"dir": d, "files": files, "bytes": size, "disabled": os.environ.get("CUDA_CACHE_DISABLE", "0")}
+
+
+def run_child(cache_dir: str, autotune: bool, budget_s: float, profile: bool = False, preload: bool = False,
+              extra_env: dict | None = None) -> dict:
+    env = dict(os.environ, **(extra_env or {}), COLD_START_PROFILE="1" if profile else "0", COLD_START_PRELOAD="1" if preload else "0", CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_AUTOTUNE="1" if autotune else "0",
                CUDNN_FUSE_TUNE_BUDGET_S=str(budget_s), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, capture_output=True, text=True,
                        timeout=900)
@@ -112,6 +130,9 @@ def main(argv=None) -> int:
                     help="one more warm process under cProfile: where each first call over 20 ms goes")
     ap.add_argument("--preload-probe", action="store_true",
                     help="one more warm process that first dlopens every cuDNN sub-library (timed)")
+    ap.add_argument("--jit-probe", action="store_true",
+                    help="one more warm process with the driver's kernel cache off (CUDA_CACHE_DISABLE=1): "
+                         "do the slow first calls compile PTX?")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -126,6 +147,9 @@ def main(argv=None) -> int:
         warm = run_child(tune_dir, autotune=True, budget_s=args.budget_s)
         profiled = run_child(tune_dir, autotune=True, budget_s=args.budget_s, profile=True) if args.profile_slow else None
         preloaded = run_child(tune_dir, autotune=True, budget_s=args.budget_s, preload=True) if args.preload_probe else None
+        driver_cache = _driver_cache()
+        nojit = run_child(tune_dir, autotune=True, budget_s=args.budget_s,
+                          extra_env={"CUDA_CACHE_DISABLE": "1"}) if args.jit_probe else None
     n = len(heur["per_graph_ms"])
 
     def mean(r):
@@ -159,6 +183,11 @@ def main(argv=None) -> int:
         result["warm_after_preload"] = {"preload_ms": preloaded["preload_ms"], "mean_ms_per_graph": mean(preloaded),
                                         "median_ms_per_graph": median(preloaded),
                                         "per_graph_ms": {k: round(v, 3) for k, v in preloaded["per_graph_ms"].items()}}
+    result["driver_kernel_cache"] = driver_cache
+    if nojit is not None:
+        result["warm_driver_cache_off"] = {"mean_ms_per_graph": mean(nojit), "median_ms_per_graph": median(nojit),
+                                           "per_graph_ms": {k: round(v, 3) for k, v in nojit["per_graph_ms"].items()},
+                                           "cpu_ms": {k: v["cpu"] for k, v in nojit["parts_ms"].items()}}
     write_json(os.path.join(args.out, "cold_start.json"), result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("per_graph_ms", "stats")}, indent=1))
     return 0

@@ -8,7 +8,7 @@
 # memory2 (memory and memory_at at once, one per GPU), bwdprobe (backward_probe: each backward piece), convprobe
 # (conv_host_probe: where the conv step's host time goes), sdpasweep (knob_sweep --attention per SDPA_SHAPES), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
 # cf under torch.compile, torch.compile), host (host_overhead +
-# host_breakdown), cold (cold_start), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
+# host_breakdown), cold (cold_start, COLD_ARGS its options, e.g. --jit-probe), prewarm (prewarm_scaling, 2 GPUs), peers:<part>, and
 # peers2:<partA>,<partB>: two parts at once, one per GPU (nvidia-h200-x2: twice the suite per
 # device-second; each workload's variants still share one process and one GPU).
 # graphstack (the batch-1 rows three times with launch graphs on, the default since 29135eb: their records hold each
@@ -84,7 +84,7 @@ for s in $STEPS; do
         pytest:*) files=${s#pytest:}; step "$s" "${TESTS_TIMEOUT:-260}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${files//,/ } ;;
         gpt2probe) step gpt2_probe 240 python3 bench/gpt2_probe.py --out "$OUT" ;;
         gpt2probe_train) step gpt2_probe_train 300 python3 bench/gpt2_probe.py --out "$OUT" --train ;;
-        cold) step cold_start 150 python3 bench/cold_start.py --out "$OUT" ;;
+        cold) step cold_start "${COLD_TIMEOUT:-240}" python3 bench/cold_start.py --out "$OUT" ${COLD_ARGS:-} ;;
         prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
         peers:*) step "$s" "${PEERS_TIMEOUT:-420}" python3 bench/peers.py --part "${s#peers:}" \
                      --budget-s "${PEERS_BUDGET:-320}" --deadline-s "${PEERS_DEADLINE:-370}" --out "$OUT/peers_${s#peers:}.json" ${PEERS_ARGS:-} ;;

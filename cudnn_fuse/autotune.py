@@ -238,10 +238,16 @@ def knobs_from_json(knobs: dict) -> dict:
     return {getattr(cudnn.knob_type, k): int(v) for k, v in (knobs or {}).items()}
 
 
-# The host's enqueue rate seen by device_ms in this process (us per call, with a margin): the next
+# The host's enqueue rate seen by the last device_ms of this process that queued at least
+# SEED_MIN_CALLS calls (us per call: the median interval between its calls, with a margin): the next
 # measurement's spin starts from it. A slow or contended host (torch.compile's worker processes,
-# data-loader threads) can issue a call slower than the caller's guess.
+# data-loader threads) can issue a call slower than the caller's guess. The median and the latest,
+# not the mean and the highest: one slow moment (a collection, a first call loading its kernel)
+# made the mean of a short timing read up to the cap, and the highest rate seen then set every
+# later spin of the process to 1 ms a call (30 ms idle GPU a candidate; the cold start's convs'
+# tunings ran to their budget).
 _host_us_seen = 0.0
+SEED_MIN_CALLS = 4
 SPIN_ATTEMPTS = 4
 SPIN_MARGIN_MS = 0.05  # a call counts as queued in time if queued this long before the GPU reached it
 HOST_US_CAP = 1000.0  # the remembered rate's cap: one slow callable must not lengthen every later spin
@@ -321,8 +327,8 @@ def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: 
         clean = [t for t, q, st in zip(times, queued, starts) if q + SPIN_MARGIN_MS < spin_ms + st]
         measured = 1e3 * queued[-1] / len(queued) if queued else 0.0
         if clean and 2 * len(clean) >= len(times):
-            if remember:
-                _host_us_seen = max(_host_us_seen, min(1.5 * measured, HOST_US_CAP))
+            if remember and len(queued) >= SEED_MIN_CALLS:
+                _host_us_seen = min(1.5 * _median_interval_us(queued), HOST_US_CAP)
             return clean
         per_call = max(4.0 * measured, 2.0 * per_call)
         log.debug("device_ms: %d of %d calls queued before the GPU reached them (spin %.3f ms); measuring again "
@@ -330,6 +336,13 @@ def spin_timed(call, iters: int, host_us_per_call: float, before=None, base_us: 
     log.info("device_ms: the host stayed slower than the GPU's spin over %d attempts (%.1f us a call): these "
              "timings include launch overhead", SPIN_ATTEMPTS, measured)
     return clean or times
+
+
+def _median_interval_us(queued: Sequence[float]) -> float:
+    """The median host time between consecutive calls (us), from their queued times (ms since the
+    clock started; the first interval is the first call's, spin launch included)."""
+    steps = [b - a for a, b in zip([0.0, *queued[:-1]], queued)]
+    return 1e3 * statistics.median(steps)
 
 
 def _behind_spin(call, iters: int, spin_us: float, before=None) -> tuple[list, list, list, float]:

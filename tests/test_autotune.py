@@ -204,7 +204,10 @@ class FakeSpin:
     def __call__(self, call, iters, spin_us, before=None):
         self.asked.append(spin_us)
         enqueue_ms, spin_ms, *kernel_ms = self.answers.pop(0)
-        queued = [enqueue_ms * (i + 1) / iters for i in range(iters)]
+        if callable(enqueue_ms):  # the queued times themselves (ms since the clock started)
+            queued = [enqueue_ms(i) for i in range(iters)]
+        else:
+            queued = [enqueue_ms * (i + 1) / iters for i in range(iters)]
         starts = [i * (kernel_ms[0] if kernel_ms else 0.0) for i in range(iters)]  # back to back after the spin
         return [float(len(self.asked))] * iters, queued, starts, spin_ms
 
@@ -245,8 +248,36 @@ def test_device_ms_remembers_a_slow_hosts_rate_for_the_next_spin(spin):
     autotune.device_ms(lambda: None, 30)
     s = spin([(9.0, 14.0)])
     autotune.device_ms(lambda: None, 30)
-    assert s.asked[0] >= 200 + 1.5 * (9.1e3 / 30) * 30  # started long enough: no second attempt
+    assert s.asked[0] == pytest.approx(200 + 1.5 * (9.1e3 / 30) * 30)  # started long enough: no second attempt
     assert len(s.asked) == 1
+
+
+def test_device_ms_seeds_the_next_spin_from_the_latest_rate_not_the_highest(spin):
+    spin([(9.0, 3.2), (9.1, 40.0)])  # a slow moment: 300 us a call
+    autotune.device_ms(lambda: None, 30)
+    spin([(1.5, 14.0)])  # the host back at 50 us a call
+    autotune.device_ms(lambda: None, 30)
+    assert autotune._host_us_seen == pytest.approx(1.5 * 50.0)
+    s = spin([(1.5, 14.0)])
+    autotune.device_ms(lambda: None, 30, host_us_per_call=10.0)
+    assert s.asked == [pytest.approx(200 + 1.5 * 50.0 * 30)]  # from the latest rate, not 450 us a call
+
+
+def test_device_ms_seeds_from_the_median_interval_not_one_slow_call(spin):
+    # 30 calls at 50 us each, but call 10 waited 20 ms (a collection, a first kernel load): the mean
+    # reads 716 us a call, the median 50 us
+    s = spin([(lambda i: 0.05 * (i + 1) + (20.0 if i >= 10 else 0.0), 30.0)])
+    out = autotune.device_ms(lambda: None, 30)
+    assert len(out) == 30 and len(s.asked) == 1  # every call was queued before the GPU reached it
+    assert autotune._host_us_seen == pytest.approx(1.5 * 50.0)
+
+
+def test_a_one_call_timing_leaves_the_seed_alone(spin):
+    spin([(1.5, 14.0)])
+    autotune.device_ms(lambda: None, 30)
+    spin([(0.9, 1.0)])  # one call, its interval the spin's launch and a 900 us hiccup
+    autotune.device_ms(lambda: None, 1)
+    assert autotune._host_us_seen == pytest.approx(1.5 * 50.0)
 
 
 def test_device_ms_gives_up_after_its_attempts_and_logs(spin, caplog):
