@@ -55,6 +55,12 @@ def main(argv=None) -> int:
     def torch_step():
         F.relu(F.conv2d(xg, wg, bg, padding=1)).backward(gy)
 
+    def on_calling_thread(step):  # the backward run on the calling thread, not autograd's device thread
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                step()
+        return run
+
     cf_step()  # builds every graph of the layer
     torch.cuda.synchronize()
     by_op = {}
@@ -78,6 +84,8 @@ def main(argv=None) -> int:
                                                                       [0, 0], 1, [True, True, False])),
         "cf_step": cf_step,
         "torch_step": torch_step,
+        "cf_step_calling_thread": on_calling_thread(cf_step),
+        "torch_step_calling_thread": on_calling_thread(torch_step),
     }
     for op, p in sorted(by_op.items()):
         fns[f"launch_{op}"] = raw(p)
@@ -92,7 +100,7 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for k, f in fns.items():
             before = launch_graphs.STATS.snapshot()
-            if k.endswith("_step"):
+            if "_step" in k:
                 rounds[k].append(host_us(f, args.calls))
             else:
                 with torch.no_grad():

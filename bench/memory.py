@@ -70,11 +70,19 @@ def interleaved_ms(models, x, rounds=6, steps=4) -> list:
     neither runs on a GPU the other has warmed (clocks, temperature); each model's round
     medians come back too, for the spread."""
     per = [[] for _ in models]
+    graphs = [[] for _ in models]  # per round: the launch-graph captures and replays it made
     for r in range(rounds):
         order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
         for i in order:
+            before = cf.plan_stats()
             per[i].append(synced_ms(lambda: train_step(models[i], x), steps))
+            after = cf.plan_stats()
+            graphs[i].append([after[k] - before[k] for k in ("graph_captures", "graph_replays")])
+    LAST_GRAPHS[:] = graphs
     return [(statistics.median(p), p) for p in per]
+
+
+LAST_GRAPHS: list = []  # interleaved_ms's last per-round [captures, replays], per model
 
 
 ROUNDS = 6
@@ -88,7 +96,8 @@ def case(name, eager, fused, x):
     # fallbacks counts every op call that ran torch instead of a cuDNN graph (forward or backward)
     row = {"name": name, "eager_peak_bytes": ep, "cf_peak_bytes": cp, "eager_step_ms": round(et, 3),
            "cf_step_ms": round(ct, 3), "cf_fallbacks": cf.plan_stats()["fallbacks"] - f0,
-           "eager_round_ms": [round(v, 3) for v in er], "cf_round_ms": [round(v, 3) for v in cr]}
+           "eager_round_ms": [round(v, 3) for v in er], "cf_round_ms": [round(v, 3) for v in cr],
+           "cf_round_graph_captures_replays": LAST_GRAPHS[1] if len(LAST_GRAPHS) > 1 else None}
     print(f"{name:40s} peak {ep / 2**20:8.1f} -> {cp / 2**20:8.1f} MiB ({cp / ep:5.2f}x)   "
           f"step {et:7.3f} -> {ct:7.3f} ms ({ct / et:5.2f}x)   rounds eager {min(er):.3f}-{max(er):.3f}, "
           f"cf {min(cr):.3f}-{max(cr):.3f}", flush=True)
@@ -118,8 +127,13 @@ def main(argv=None) -> int:
                     help="cf autotunes every graph on its first call (budget: $CUDNN_FUSE_TUNE_BUDGET_S); "
                          "written to memory_autotuned.json")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="alternating timing rounds per case (4 steps each)")
+    ap.add_argument("--calling-thread", action="store_true",
+                    help="run every backward on the calling thread (torch.autograd.set_multithreading_enabled(False)), "
+                         "eager's and cf's alike; written to memory_calling_thread.json")
     args = ap.parse_args(argv)
     globals()["ROUNDS"] = max(1, args.rounds)
+    if args.calling_thread:
+        torch.autograd.set_multithreading_enabled(False)
     if args.autotune:
         cf.set_autotune(True)
     torch.manual_seed(0)
@@ -141,8 +155,10 @@ def main(argv=None) -> int:
     if args.variants:  # dgrad / wgrad through torch's convolution_backward instead of cuDNN graphs
         with _engines(CONV="torch"):
             rows.append(case("conv_bias_relu [bwd dgrad/wgrad: torch]", cbase, cf.optimize(copy.deepcopy(cbase)), xc))
-    write_json(os.path.join(args.out, "memory_autotuned.json" if args.autotune else "memory.json"),
-               {"device": device_name(), "autotune": args.autotune, "cases": rows})
+    name = "memory_autotuned" if args.autotune else "memory"
+    write_json(os.path.join(args.out, name + ("_calling_thread" if args.calling_thread else "") + ".json"),
+               {"device": device_name(), "autotune": args.autotune, "calling_thread": args.calling_thread,
+                "cases": rows})
     return 0
 
 
