@@ -17,7 +17,6 @@ cf.linear 64x256x256 fp16, one process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import host_row_operands  # noqa: E402
+from bench.common import host_row_operands, write_json  # noqa: E402
 from cudnn_fuse import launch_graphs, ops  # noqa: E402
 
 SLEEP_CYCLES = int(1e8)  # ~50 ms at the H200's 1.98 GHz
@@ -150,9 +149,7 @@ def main(argv=None) -> int:
         "queued_behind_sleep": rows,
         "plan_stats": {k: v for k, v in cf.plan_stats().items() if k.startswith("graph_")},
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "graph_queue_probe.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(args.out, "graph_queue_probe.json"), result)
     print(f"sleep kernel: {sleep_ms:.1f} ms")
     print(f"{'kind':18s}" + "".join(f"{n:>10d}" for n in counts) + "   (us per call, n calls behind the sleep)")
     for name, r in rows.items():

@@ -25,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import host_row_calls, host_row_operands, host_us  # noqa: E402
+from bench.common import host_row_calls, host_row_operands, host_us, write_json  # noqa: E402
 from cudnn_fuse import ops, plans  # noqa: E402
 
 
@@ -84,9 +84,7 @@ def main(argv=None) -> int:
         stage("captures_dropped")
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls,
            "rounds": args.rounds, "stages": stages}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "host_gap_probe.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(os.path.join(args.out, "host_gap_probe.json"), doc)
     return 0
 
 

@@ -27,6 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
+from bench.common import write_json  # noqa: E402
 from cudnn_fuse import plans  # noqa: E402
 
 vp, u32 = ctypes.c_void_p, ctypes.c_uint
@@ -404,9 +405,7 @@ def main(argv=None) -> int:
                 rec["error"] = f"{type(exc).__name__}: {exc}"
     plans.Plan.launch = orig
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": results}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kernel_replay_probe.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(os.path.join(args.out, "kernel_replay_probe.json"), doc)
     for name, rec in results.items():
         print(name, json.dumps({k: rec.get(k) for k in ("engine", "node_types", "launched_attrs", "dims", "bit_identical",
                                                       "kernel_launch_rc_all_attrs", "host_us_median", "queued_256_us_median", "error",

@@ -21,7 +21,6 @@ conv 14.55 / 17.32 us and 17.89 / 9.84 us, kernel / graph replays). Not run yet.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import profile_text  # noqa: E402
+from bench.common import profile_text, write_json  # noqa: E402
 from cudnn_fuse import autotune, launch_graphs, plans  # noqa: E402
 from cudnn_fuse.builders import roles_of  # noqa: E402
 
@@ -145,9 +144,7 @@ def main(argv=None) -> int:
            "profile_cf_conv": profile}
     for k, r in doc["median"].items():
         print(f"{args.tag:8s} {k:14s} " + "  ".join(f"{m} {v:7.2f}" for m, v in r.items()), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"replay_mode_probe_{args.tag}.json"), "w") as fh:
-        json.dump(doc, fh, indent=1)
+    write_json(os.path.join(args.out, f"replay_mode_probe_{args.tag}.json"), doc)
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.common import large_gemm_cases, tuned  # noqa: E402
+from bench.common import large_gemm_cases, tuned, write_json  # noqa: E402
 from cudnn_fuse import autotune, plans  # noqa: E402
 
 
@@ -68,9 +68,7 @@ def main(argv=None) -> int:
                 runs.append(rec)
                 print(name, json.dumps(rec), flush=True)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": results}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "runoff_probe.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(os.path.join(args.out, "runoff_probe.json"), doc)
     return 0
 
 

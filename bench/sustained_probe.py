@@ -32,7 +32,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.common import large_gemm_cases, tuned  # noqa: E402
+from bench.common import large_gemm_cases, tuned, write_json  # noqa: E402
 from cudnn_fuse import autotune, plans  # noqa: E402
 
 
@@ -107,8 +107,7 @@ def main(argv=None) -> int:
             smi.terminate()
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "block_s": args.block_s,
            "cases": results}
-    with open(os.path.join(args.out, "sustained_probe.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(os.path.join(args.out, "sustained_probe.json"), doc)
     return 0
 
 
