@@ -80,14 +80,15 @@ CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other thre
 class Stats:
     """Process-wide counters (``cf.plan_stats()`` reports them under ``graph_*``)."""
 
-    __slots__ = ("captures", "kernels", "replays", "failures", "live")
+    __slots__ = ("captures", "kernels", "replays", "failures", "declined", "live")
 
     def __init__(self):
-        self.captures = self.kernels = self.replays = self.failures = self.live = 0
+        self.captures = self.kernels = self.replays = self.failures = self.declined = self.live = 0
 
     def snapshot(self) -> dict:
+        # declined: long kernels' captures that were not one kernel node (dropped; the plan launches raw)
         return {"graph_captures": self.captures, "graph_kernels": self.kernels, "graph_replays": self.replays,
-                "graph_failures": self.failures, "graph_live": self.live}
+                "graph_failures": self.failures, "graph_declined": self.declined, "graph_live": self.live}
 
 
 STATS = Stats()
@@ -95,6 +96,11 @@ STATS = Stats()
 
 class DriverError(RuntimeError):
     pass
+
+
+class NotOneKernel(Exception):
+    """A capture asked to be one kernel (``kernel_only``) was not: its graph is dropped and the plan
+    launches raw (a long kernel's launches replay only as their kernel, never as a graph)."""
 
 
 # ------------------------------------------------------- a one-kernel graph, launched as its kernel
@@ -131,6 +137,8 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 NODE_TYPE_KERNEL = 0  # CU_GRAPH_NODE_TYPE_KERNEL
+NODE_TYPE_NAMES = ("kernel", "memcpy", "memset", "host", "graph", "empty", "wait_event", "event_record",
+                   "ext_semaphore_signal", "ext_semaphore_wait", "mem_alloc", "mem_free", "batch_mem_op", "conditional")
 # The kernel-node attributes (CUlaunchAttributeID) a direct launch carries over when set: access policy
 # window 1, cooperative 2, cluster dimension 4, cluster scheduling policy 5, priority 8, memory sync domain
 # map 9 and domain 10, preferred cluster dimension 11, shared memory carveout 14. Cooperative and the
@@ -271,10 +279,11 @@ class Driver:
         if rc:
             raise DriverError(f"{what}: {self.error_name(rc)}")
 
-    def capture(self, stream: int, work):
+    def capture(self, stream: int, work, kernel_only: bool = False):
         """Capture ``work()`` (launches on ``stream``) into a graph; returns a ``KernelReplay`` when
-        the graph is one kernel node (and ``kernels``), else the instantiated executable's handle.
-        Raises DriverError, or what ``work`` raised, leaving the stream out of capture either way."""
+        the graph is one kernel node (and ``kernels``), else the instantiated executable's handle,
+        or with ``kernel_only`` raises NotOneKernel instead of instantiating. Raises DriverError, or
+        what ``work`` raised, leaving the stream out of capture either way."""
         self.check(self._begin(stream, CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
         graph = ctypes.c_void_p()
         try:
@@ -288,12 +297,33 @@ class Driver:
                 kept = self._kernel_of(graph.value, stream)
                 if kept is not None:
                     return kept
+            if kernel_only:
+                raise NotOneKernel(f"the capture is not one kernel node ({self.node_kinds(graph.value)})"
+                                   if self.kernels else "kernel replays are off")
             ex = ctypes.c_void_p()
             self.check(self._instantiate(ctypes.byref(ex), graph, 0), "cuGraphInstantiate")
             return ex.value
         finally:
             if graph.value and kept is None:
                 self._graph_destroy(graph)
+
+    def node_kinds(self, graph: int) -> str:
+        """The kinds of ``graph``'s nodes, comma-separated ("kernel, memset"), for logs; "?" where unreadable."""
+        try:
+            n = ctypes.c_size_t(0)
+            if self._nodes(graph, None, ctypes.byref(n)):
+                return "?"
+            nodes = (ctypes.c_void_p * max(1, n.value))()
+            if self._nodes(graph, nodes, ctypes.byref(n)):
+                return "?"
+            kinds = []
+            for i in range(n.value):
+                kind = ctypes.c_int(-1)
+                self._node_type(nodes[i], ctypes.byref(kind))
+                kinds.append(NODE_TYPE_NAMES[kind.value] if 0 <= kind.value < len(NODE_TYPE_NAMES) else str(kind.value))
+            return ", ".join(kinds) if kinds else "no nodes"
+        except Exception:  # noqa: BLE001 - a log detail, never a failure
+            return "?"
 
     def _kernel_of(self, graph: int, stream: int):
         """The KernelReplay of ``graph`` when it is one kernel node whose launch can be read back
@@ -379,12 +409,13 @@ class GraphSet:
     """One plan's captured graphs, keyed by pointer set, and the sightings of pointer sets not
     captured yet. Used under the plan's handle lock (one launch at a time per device)."""
 
-    __slots__ = ("execs", "seen", "off", "captures", "replays", "reuses", "_drv")
+    __slots__ = ("execs", "seen", "off", "captures", "replays", "reuses", "kernel_only", "_drv")
 
-    def __init__(self, drv):
+    def __init__(self, drv, kernel_only: bool = False):
         self.execs: OrderedDict = OrderedDict()
         self.seen: dict = {}
         self.off = False
+        self.kernel_only = kernel_only  # a long kernel's plan: its captures replay as their kernel or not at all
         self.captures = self.reuses = 0  # reuses: graph launches other than a capture's own
         self._drv = drv
 
@@ -448,27 +479,36 @@ def room() -> bool:
     return STATS.live < MAX_LIVE
 
 
-# A graph pays off only where the host is the bottleneck: a kernel shorter than cuDNN's raw execute
+# A graph launch pays off only where the host is the bottleneck: a kernel shorter than cuDNN's raw execute
 # (10-14 us of host time). On a GPU kept busy, a graph launch costs the GPU time a stream launch does not
 # (bench/results/host_overhead.json: a 2048^3 linear ran 28.5 us a call replayed, 25.4 us launched raw).
 # So only plans whose kernel is estimated (at the H200's peaks: the estimate is a floor) to take at most
-# MAX_US get graphs. CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US sets it.
+# MAX_US replay their captures as graphs. CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US sets it.
+#
+# A one-kernel capture launched as its kernel (KernelReplay) is a plain kernel launch on the caller's stream,
+# with no graph-launch cost on the GPU (launch_graphs/graph_device_probe_kernel_replay.json: within 0.1 us of
+# the raw launch), and it costs the host 4-6 us against cuDNN's 10-30 us execute. So plans of longer kernels
+# (up to KERNEL_MAX_US, CUDNN_FUSE_KERNEL_REPLAY_MAX_US, default no limit) get kernel replays only: a capture
+# of theirs that is not one kernel node is dropped, and the plan launches raw from then on. This is what takes
+# host time out of a host-bound training step of long convs (every launch of it was raw before).
 PEAK_FLOPS = 989e12  # H200 dense fp16/bf16 tensor-core peak
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 
 
-def _max_us(raw) -> float:
+def _max_us(raw, var: str = "CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US", default: float = 4.0) -> float:
     try:
         v = float(raw)
-        if v >= 0:
+        if v >= 0:  # NaN compares False: refused
             return v
     except (TypeError, ValueError):
         pass
-    log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US=%r: want a number >= 0; using 4", raw)
-    return 4.0
+    log.warning("%s=%r: want a number >= 0; using %s", var, raw, default)
+    return default
 
 
 MAX_US = _max_us(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US", "4"))
+KERNEL_MAX_US = _max_us(os.environ.get("CUDNN_FUSE_KERNEL_REPLAY_MAX_US", "inf"), "CUDNN_FUSE_KERNEL_REPLAY_MAX_US",
+                        float("inf"))
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -517,18 +557,28 @@ def estimated_us(spec):
 
 
 def worth_graphs(spec) -> bool:
-    """Whether ``spec``'s launches are short enough for graphs to pay (MAX_US)."""
+    """Whether ``spec``'s launches are short enough for graph replays to pay (MAX_US)."""
     est = estimated_us(spec)
     return est is not None and est <= MAX_US
 
 
 def new_set(spec=None):
-    """A GraphSet for a new plan of ``spec``, or None when graphs are off or its kernel is too long
-    for them to pay (``worth_graphs``)."""
-    if not ENABLED or (spec is not None and not worth_graphs(spec)):
+    """A GraphSet for a new plan of ``spec``, or None when graphs are off or its kernel cannot be
+    estimated. A kernel too long for graph replays to pay (``worth_graphs``) gets a set of kernel
+    replays only (``kernel_only``), where the driver launches captured kernels (KERNEL_REPLAY) and
+    the estimate is within KERNEL_MAX_US; else None."""
+    if not ENABLED:
         return None
+    kernel_only = False
+    if spec is not None and not worth_graphs(spec):
+        est = estimated_us(spec)
+        if est is None or not est <= KERNEL_MAX_US:
+            return None
+        kernel_only = True
     drv = driver()
-    return GraphSet(drv) if drv is not None else None
+    if drv is None or kernel_only and not drv.kernels:
+        return None
+    return GraphSet(drv, kernel_only=kernel_only)
 
 
 def clear_runtime_error() -> None:

@@ -405,7 +405,13 @@ class Plan:
 
         try:
             with torch.cuda.device(self.device):
-                ex = graphs._drv.capture(side, work)
+                ex = graphs._drv.capture(side, work, kernel_only=True) if graphs.kernel_only else \
+                    graphs._drv.capture(side, work)
+        except launch_graphs.NotOneKernel as exc:  # a long kernel's plan replays as its kernel or not at all
+            launch_graphs.STATS.declined += 1
+            graphs.disable()
+            log.debug("cudnn_fuse: %s plan (%s) launches raw: its kernel is long and %s", self.spec.op, self.engine, exc)
+            return None
         except Exception as exc:  # noqa: BLE001 - a plan that cannot be captured keeps launching raw
             self._graph_failed(graphs, exc)
             return None

@@ -258,3 +258,97 @@ def test_graphs_off_launches_raw(cache_dir):
             assert launch_graphs.STATS.snapshot() == r
     finally:
         cf.set_launch_graphs(True)
+
+
+def _long_cases():
+    """Kernels too long for graph replays (launch_graphs.MAX_US): their plans get kernel replays only."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h = torch.float16
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, device="cuda", generator=g) * scale).to(h)
+
+    cx, cw, cb = _cl(r(32, 128, 28, 28)), _cl(r(128, 128, 3, 3, scale=1 / 34)), r(128)
+    x, w, b = r(2048, 2048), r(2048, 2048, scale=1 / 45), r(2048)
+    return {
+        "conv_b32_c128_28": ((cx,), lambda x: cf.conv2d(x, cw, cb, padding=1, activation="relu")),
+        "linear_2048_gelu": ((x,), lambda x: cf.linear(x, w, b, activation="gelu")),
+    }
+
+
+def _long_sets():
+    return [p._graphs for p in _raw_plans() if p._graphs is not None and p._graphs.kernel_only]
+
+
+@pytest.mark.parametrize("name", ["conv_b32_c128_28", "linear_2048_gelu"])
+def test_long_kernels_replay_as_their_kernel_bit_identical_or_launch_raw(cache_dir, name):
+    """A long kernel's plan (estimate over MAX_US) captures its repeated pointer sets too, but keeps a
+    capture only as a KernelReplay: outputs bit-identical to raw launches, new values read; a capture of
+    more than one node is declined (counted) and the plan launches raw, never a graph replay."""
+    (t,), fn = _long_cases()[name]
+    with torch.no_grad():
+        s0 = launch_graphs.STATS.snapshot()
+        first = _flat(fn(t))
+        for _ in range(8):
+            again = _flat(fn(t))
+        torch.cuda.synchronize()
+        s1 = launch_graphs.STATS.snapshot()
+        sets = _long_sets()
+        assert sets, [(p.spec.op, launch_graphs.estimated_us(p.spec)) for p in _raw_plans()]
+        entries = [e for s in sets for e in s.execs.values()]
+        assert all(isinstance(e, launch_graphs.KernelReplay) for e in entries), entries
+        assert s1["graph_failures"] == s0["graph_failures"]
+        kept = s1["graph_kernels"] - s0["graph_kernels"]
+        declined = s1["graph_declined"] - s0["graph_declined"]
+        assert kept + declined >= 1 and kept == s1["graph_captures"] - s0["graph_captures"]
+        if declined:
+            assert all(s.off for s in sets) and s1["graph_replays"] == s0["graph_replays"]
+        else:
+            assert s1["graph_replays"] > s0["graph_replays"]
+        for a, c in zip(first, again):
+            assert torch.equal(a, c)
+        t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
+        for _ in range(6):
+            out = _flat(fn(t))
+        got = [o.clone() for o in out]
+        with raw_only():
+            want = _flat(fn(t))
+        torch.cuda.synchronize()
+        for a, c in zip(got, want):
+            assert torch.equal(a, c)
+        assert not torch.equal(first[0], want[0])
+
+
+def test_a_training_step_of_long_convs_replays_its_kernels_bit_for_bit(cache_dir):
+    """The host-bound training step these exist for: long convs' forward, dgrad and wgrad launches
+    replay as their kernels from the third step on, and the gradients equal raw launches' bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    model = torch.nn.Sequential(cf.nn.Conv2d(128, 128, 3, padding=1, activation="relu"),
+                                cf.nn.Conv2d(128, 128, 3, padding=1, activation="relu"))
+    model = model.cuda().half().to(memory_format=torch.channels_last)
+    x = _cl(torch.randn(32, 128, 28, 28, device="cuda", generator=g).half()).requires_grad_()
+
+    def step():
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+        (model(x).float() ** 2).mean().backward()
+        return [t.grad.clone() for t in (x, *model.parameters())]
+
+    first = step()
+    k0, r0 = launch_graphs.STATS.kernels, launch_graphs.STATS.replays
+    for _ in range(5):
+        again = step()
+    torch.cuda.synchronize()
+    sets = _long_sets()
+    ops = sorted({p.spec.op for p in _raw_plans() if p._graphs is not None and p._graphs.kernel_only})
+    assert len(ops) >= 2, ops  # the forward's and at least one backward piece's plans are long
+    assert launch_graphs.STATS.kernels > k0 and launch_graphs.STATS.replays > r0, (ops, [len(s.execs) for s in sets])
+    with raw_only():
+        want, want2 = step(), step()
+    for a, b, c, c2 in zip(first, again, want, want2):
+        if torch.equal(c, c2):  # a deterministic piece (raw launches agree with themselves): bit for bit
+            assert torch.equal(b, c) and torch.equal(a, c)
+        else:  # an engine that accumulates in no fixed order (split-K atomics): as close as raw is to raw
+            tol = (c.float() - c2.float()).abs().max().item() * 4
+            assert (b.float() - c.float()).abs().max().item() <= tol

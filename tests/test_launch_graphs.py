@@ -24,9 +24,13 @@ class FakeDriver:
         self.next = 100
         self.destroyed = []
 
-    def capture(self, stream, work):
-        self.events.append(("begin", stream))
+    kernels = True  # the real Driver's: whether captures may replay as their kernel
+
+    def capture(self, stream, work, kernel_only=False):
+        self.events.append(("begin", stream) if not kernel_only else ("begin kernel only", stream))
         work()
+        if kernel_only:  # this stand-in's captures are never one kernel node
+            raise launch_graphs.NotOneKernel("the capture is not one kernel node")
         if self.fail_capture:
             raise launch_graphs.DriverError("cuStreamEndCapture: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED")
         self.next += 1
@@ -385,9 +389,91 @@ def test_a_spec_that_cannot_be_estimated_gets_no_graphs(monkeypatch):
     assert isinstance(launch_graphs.new_set(), launch_graphs.GraphSet)
 
 
-@pytest.mark.parametrize("raw,want", [("4", 4.0), ("0", 0.0), ("12.5", 12.5), ("-1", 4.0), ("x", 4.0)])
+@pytest.mark.parametrize("raw,want", [("4", 4.0), ("0", 0.0), ("12.5", 12.5), ("-1", 4.0), ("x", 4.0), ("nan", 4.0)])
 def test_max_us_from_the_environment(raw, want):
     assert launch_graphs._max_us(raw) == want
+
+
+@pytest.mark.parametrize("raw,want,warns", [("inf", float("inf"), False), ("100", 100.0, False),
+                                            ("-3", float("inf"), True), ("lots", float("inf"), True)])
+def test_kernel_replay_max_us_from_the_environment(raw, want, warns, caplog):
+    with caplog.at_level("WARNING", logger="cudnn_fuse.launch_graphs"):
+        got = launch_graphs._max_us(raw, "CUDNN_FUSE_KERNEL_REPLAY_MAX_US", float("inf"))
+    assert got == want
+    assert ("CUDNN_FUSE_KERNEL_REPLAY_MAX_US" in caplog.text) is warns
+
+
+def _long_conv_spec():
+    import cudnn_fuse as cf
+
+    return _recorded(lambda: cf.conv2d(_cl(_m(32, 128, 56, 56)), _cl(_m(128, 128, 3, 3)), _m(128), padding=1,
+                                       activation="relu"))
+
+
+@pytest.mark.parametrize("case", ["default", "kernel replays off", "estimate over the limit", "limit above it"])
+def test_a_long_kernel_gets_kernel_replays_only(monkeypatch, case):
+    spec = _long_conv_spec()
+    est = launch_graphs.estimated_us(spec)
+    assert est > launch_graphs.MAX_US and not launch_graphs.worth_graphs(spec)  # too long for graph replays
+    drv = FakeDriver()
+    drv.kernels = case != "kernel replays off"
+    monkeypatch.setattr(launch_graphs, "ENABLED", True)
+    monkeypatch.setattr(launch_graphs, "_driver", drv)
+    monkeypatch.setattr(launch_graphs, "KERNEL_MAX_US",
+                        {"estimate over the limit": est / 2, "limit above it": est * 2}.get(case, float("inf")))
+    gs = launch_graphs.new_set(spec)
+    if case in ("kernel replays off", "estimate over the limit"):
+        assert gs is None
+    else:
+        assert isinstance(gs, launch_graphs.GraphSet) and gs.kernel_only is True
+    short = launch_graphs.new_set(_recorded(lambda: __import__("cudnn_fuse").linear(_m(64, 256), _m(256, 256))))
+    assert isinstance(short, launch_graphs.GraphSet) and short.kernel_only is False  # graphs or kernels, either
+
+
+def test_a_long_kernels_capture_that_is_not_one_kernel_is_dropped_and_it_launches_raw(monkeypatch, after2):
+    rig = Rig(monkeypatch, FakeDriver())
+    rig.plan._graphs = launch_graphs.GraphSet(rig.drv, kernel_only=True)
+    monkeypatch.setattr(launch_graphs, "clear_runtime_error", lambda: pytest.fail("a decline is not a failure"))
+    failures, declined = launch_graphs.STATS.failures, launch_graphs.STATS.declined
+    rig.plan.launch([1, 2, 3])
+    rig.plan.launch([1, 2, 3])  # captured (kernel only), not one kernel: dropped, and this call launches raw
+    assert rig.drv.events == [("begin kernel only", 99)] and rig.replays() == []
+    assert rig.raw_calls[-1] == (7, (1, 2, 3), 0) and rig.plan._graphs.off
+    assert launch_graphs.STATS.declined == declined + 1 and launch_graphs.STATS.failures == failures
+    assert plans.plan_stats()["graph_declined"] == launch_graphs.STATS.declined
+    for _ in range(3):
+        rig.plan.launch([1, 2, 3])
+    assert len(rig.drv.events) == 1 and [c[0] for c in rig.raw_calls[-3:]] == [7, 7, 7]  # no capture again
+
+
+def test_a_long_kernels_one_kernel_capture_replays_as_its_kernel(monkeypatch, after2):
+    class KernelDriver(FakeDriver):
+        def capture(self, stream, work, kernel_only=False):
+            assert kernel_only
+            work()
+            self.lib = NodeLib()
+            return launch_graphs.Driver(self.lib)._kernel_of(NodeLib.GRAPH, stream)
+
+    rig = Rig(monkeypatch, KernelDriver())
+    rig.plan._graphs = launch_graphs.GraphSet(rig.drv, kernel_only=True)
+    for _ in range(4):
+        rig.plan.launch([1, 2, 3])
+    assert isinstance(rig.plan._graphs.execs[(0, 1, 2, 3)], launch_graphs.KernelReplay)
+    assert len([c for c in rig.drv.lib.calls if c[0] == "cuLaunchKernelEx"]) == 3 and len(rig.raw_calls) == 2
+
+
+@pytest.mark.parametrize("case", ["memset and kernel", "two kernels", "kernel replay off"])
+def test_a_kernel_only_capture_of_another_graph_is_never_instantiated(monkeypatch, case):
+    monkeypatch.setattr(launch_graphs, "KERNEL_REPLAY", case != "kernel replay off")
+    lib = NodeLib({"memset and kernel": (2, 0), "two kernels": (0, 0)}.get(case, (0,)))
+    d = launch_graphs.Driver(lib)
+    with pytest.raises(launch_graphs.NotOneKernel) as err:
+        d.capture(42, lambda: None, kernel_only=True)
+    assert str(err.value).endswith({"memset and kernel": "(memset, kernel)", "two kernels": "(kernel, kernel)",
+                                    "kernel replay off": "kernel replays are off"}[case])
+    assert "cuGraphInstantiateWithFlags" not in lib.names()
+    name, args = lib.calls[-1]
+    assert name == "cuGraphDestroy" and getattr(args[0], "value", args[0]) == NodeLib.GRAPH  # the graph dropped
 
 
 def test_no_capture_past_the_process_cap(monkeypatch, after2):
@@ -539,7 +625,7 @@ def test_a_driver_without_the_kernel_entry_points_replays_graphs(caplog):
 
 def test_a_plan_launches_its_kernel_replay_and_counts_it(monkeypatch, after2):
     class KernelDriver(FakeDriver):
-        def capture(self, stream, work):
+        def capture(self, stream, work, kernel_only=False):
             work()
             lib = NodeLib()
             self.lib = lib
