@@ -65,15 +65,17 @@ def step_stats(model, x, steps=10):
     return peak_bytes(model, x), synced_ms(lambda: train_step(model, x), steps)
 
 
-def interleaved_ms(models, x, rounds=6, steps=4) -> list:
+def interleaved_ms(models, x, rounds=6, steps=4, setups=None) -> list:
     """Median step ms of each model, timed in alternating rounds (A B, B A, A B, ...) so that
     neither runs on a GPU the other has warmed (clocks, temperature); each model's round
-    medians come back too, for the spread."""
+    medians come back too, for the spread. ``setups[i]()``, where given, runs before model i's rounds."""
     per = [[] for _ in models]
     graphs = [[] for _ in models]  # per round: the launch-graph captures and replays it made
     for r in range(rounds):
         order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
         for i in order:
+            if setups is not None and setups[i] is not None:
+                setups[i]()
             before = cf.plan_stats()
             per[i].append(synced_ms(lambda: train_step(models[i], x), steps))
             after = cf.plan_stats()
@@ -88,20 +90,67 @@ LAST_GRAPHS: list = []  # interleaved_ms's last per-round [captures, replays], p
 ROUNDS = 6
 
 
+def _row(name, ep, cp, et, er, ct, cr, fallbacks, graphs):
+    # fallbacks counts every op call that ran torch instead of a cuDNN graph (forward or backward)
+    row = {"name": name, "eager_peak_bytes": ep, "cf_peak_bytes": cp, "eager_step_ms": round(et, 3),
+           "cf_step_ms": round(ct, 3), "cf_fallbacks": fallbacks,
+           "eager_round_ms": [round(v, 3) for v in er], "cf_round_ms": [round(v, 3) for v in cr],
+           "cf_round_graph_captures_replays": graphs}
+    print(f"{name:40s} peak {ep / 2**20:8.1f} -> {cp / 2**20:8.1f} MiB ({cp / ep:5.2f}x)   "
+          f"step {et:7.3f} -> {ct:7.3f} ms ({ct / et:5.2f}x)   rounds eager {min(er):.3f}-{max(er):.3f}, "
+          f"cf {min(cr):.3f}-{max(cr):.3f}", flush=True)
+    return row
+
+
 def case(name, eager, fused, x):
     ep = peak_bytes(eager, x)
     f0 = cf.plan_stats()["fallbacks"]
     cp = peak_bytes(fused, x)
     (et, er), (ct, cr) = interleaved_ms([eager, fused], x, rounds=ROUNDS)
-    # fallbacks counts every op call that ran torch instead of a cuDNN graph (forward or backward)
-    row = {"name": name, "eager_peak_bytes": ep, "cf_peak_bytes": cp, "eager_step_ms": round(et, 3),
-           "cf_step_ms": round(ct, 3), "cf_fallbacks": cf.plan_stats()["fallbacks"] - f0,
-           "eager_round_ms": [round(v, 3) for v in er], "cf_round_ms": [round(v, 3) for v in cr],
-           "cf_round_graph_captures_replays": LAST_GRAPHS[1] if len(LAST_GRAPHS) > 1 else None}
-    print(f"{name:40s} peak {ep / 2**20:8.1f} -> {cp / 2**20:8.1f} MiB ({cp / ep:5.2f}x)   "
-          f"step {et:7.3f} -> {ct:7.3f} ms ({ct / et:5.2f}x)   rounds eager {min(er):.3f}-{max(er):.3f}, "
-          f"cf {min(cr):.3f}-{max(cr):.3f}", flush=True)
-    return row
+    return _row(name, ep, cp, et, er, ct, cr, cf.plan_stats()["fallbacks"] - f0,
+                LAST_GRAPHS[1] if len(LAST_GRAPHS) > 1 else None)
+
+
+def _long_kernel_sets(off: bool):
+    """Switch the kernel-replay-only launch sets of every plan held (launch_graphs: kernels too long for
+    graph replays) off (launched raw, as before they existed) or back on."""
+    from cudnn_fuse import launch_graphs, plans
+
+    n = 0
+    for p in plans.plans_in_memory():
+        p = getattr(p, "gemm", p)
+        gs = getattr(p, "_graphs", None)
+        if isinstance(gs, launch_graphs.GraphSet) and gs.kernel_only:
+            n += 1
+            if off and not gs.off:
+                gs.off = True
+                _SWITCHED_OFF.add(id(gs))
+            elif not off and id(gs) in _SWITCHED_OFF:  # never one that declined (off on its own)
+                gs.off = False
+                _SWITCHED_OFF.discard(id(gs))
+    return n
+
+
+_SWITCHED_OFF: set = set()
+
+
+def kernel_replay_case(name, eager, fused, x) -> list:
+    """``case`` with a third variant in the same rounds: the cf model with long kernels' kernel replays
+    switched off (every launch of theirs raw), the same plans otherwise. Two rows: cf as it is, and
+    cf with them off (name + " [long kernels raw]")."""
+    ep = peak_bytes(eager, x)
+    f0 = cf.plan_stats()["fallbacks"]
+    cp = peak_bytes(fused, x)
+    sets = _long_kernel_sets(False)
+    (et, er), (ct, cr), (rt, rr) = interleaved_ms(
+        [eager, fused, fused], x, rounds=ROUNDS,
+        setups=[None, lambda: _long_kernel_sets(False), lambda: _long_kernel_sets(True)])
+    _long_kernel_sets(False)
+    fb = cf.plan_stats()["fallbacks"] - f0
+    g = LAST_GRAPHS
+    rows = [_row(name, ep, cp, et, er, ct, cr, fb, g[1]), _row(name + " [long kernels raw]", ep, cp, et, er, rt, rr, fb, g[2])]
+    rows[0]["long_kernel_sets"] = sets
+    return rows
 
 
 @contextlib.contextmanager
@@ -127,6 +176,10 @@ def main(argv=None) -> int:
                     help="cf autotunes every graph on its first call (budget: $CUDNN_FUSE_TUNE_BUDGET_S); "
                          "written to memory_autotuned.json")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="alternating timing rounds per case (4 steps each)")
+    ap.add_argument("--kernel-replay-ab", action="store_true",
+                    help="every main row also with long kernels' kernel replays off (rows named ' [long kernels raw]'), "
+                         "interleaved in the same rounds")
+    ap.add_argument("--only", choices=("mlp", "conv"), help="run only these cases")
     ap.add_argument("--calling-thread", action="store_true",
                     help="run every backward on the calling thread (torch.autograd.set_multithreading_enabled(False)), "
                          "eager's and cf's alike; written to memory_calling_thread.json")
@@ -138,26 +191,44 @@ def main(argv=None) -> int:
         cf.set_autotune(True)
     torch.manual_seed(0)
     bf = torch.bfloat16
-    base = mlp().cuda().to(bf)
-    x = torch.randn(8192, 2048, device="cuda", dtype=bf, requires_grad=True)
-    rows = [case("mlp_linear_gelu", base, cf.optimize(copy.deepcopy(base)), x),
-            case("mlp_linear_gelu_recompute", base, cf.optimize(copy.deepcopy(base), recompute=True), x)]
-    if args.variants:  # the same cases with torch (cuBLAS) for the backward's dX / dW products
+    rows = []
+    if args.only != "conv":
+        base = mlp().cuda().to(bf)
+        x = torch.randn(8192, 2048, device="cuda", dtype=bf, requires_grad=True)
+        if args.kernel_replay_ab:
+            rows += kernel_replay_case("mlp_linear_gelu", base, cf.optimize(copy.deepcopy(base)), x)
+            rows += kernel_replay_case("mlp_linear_gelu_recompute", base, cf.optimize(copy.deepcopy(base), recompute=True), x)
+        else:
+            rows += [case("mlp_linear_gelu", base, cf.optimize(copy.deepcopy(base)), x),
+                     case("mlp_linear_gelu_recompute", base, cf.optimize(copy.deepcopy(base), recompute=True), x)]
+    if args.variants and args.only != "conv":  # the same cases with torch (cuBLAS) for the backward's dX / dW products
         with _engines(MLP_DZ="split"):  # the MLP's dz as a product then an act-grad graph, not one graph
             rows.append(case("mlp_linear_gelu [mlp dz: split]", base, cf.optimize(copy.deepcopy(base)), x))
         with _engines(MM="torch"):
             rows += [case("mlp_linear_gelu [bwd mm: torch]", base, cf.optimize(copy.deepcopy(base)), x),
                      case("mlp_linear_gelu_recompute [bwd mm: torch]", base,
                           cf.optimize(copy.deepcopy(base), recompute=True), x)]
+    if args.only == "mlp":
+        return _write(args, rows)
     cbase = convs().cuda().half().to(memory_format=torch.channels_last)
     xc = torch.randn(32, 128, 56, 56, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
-    rows.append(case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_()))
+    if args.kernel_replay_ab:
+        rows += kernel_replay_case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_())
+    else:
+        rows.append(case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_()))
     if args.variants:  # dgrad / wgrad through torch's convolution_backward instead of cuDNN graphs
         with _engines(CONV="torch"):
             rows.append(case("conv_bias_relu [bwd dgrad/wgrad: torch]", cbase, cf.optimize(copy.deepcopy(cbase)), xc))
+    return _write(args, rows)
+
+
+def _write(args, rows) -> int:
     name = "memory_autotuned" if args.autotune else "memory"
-    write_json(os.path.join(args.out, name + ("_calling_thread" if args.calling_thread else "") + ".json"),
+    suffix = ("_calling_thread" if args.calling_thread else "") + (f"_{args.only}" if args.only else "")
+    write_json(os.path.join(args.out, name + suffix + ".json"),
                {"device": device_name(), "autotune": args.autotune, "calling_thread": args.calling_thread,
+                "kernel_replay_ab": args.kernel_replay_ab, "graph_stats": {k: v for k, v in cf.plan_stats().items()
+                                                                           if k.startswith("graph_")},
                 "cases": rows})
     return 0
 
