@@ -92,6 +92,12 @@ def _describe(graph: int) -> dict:
     return {"nodes": out}
 
 
+def _kind(ex) -> str:
+    if isinstance(ex, launch_graphs.SequenceReplay):
+        return "SequenceReplay(" + ", ".join(ex.kinds) + ")"
+    return "graph" if isinstance(ex, int) else type(ex).__name__
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results/launch_graphs")
@@ -123,7 +129,8 @@ def main(argv=None) -> int:
         plan_rows.append({"op": getattr(spec, "op", None), "spec": type(spec).__name__, "engine": getattr(p, "engine", None),
                           "estimated_us": launch_graphs.estimated_us(spec) if spec is not None else None,
                           "launch_set": None if gs is None else {"kernel_only": gs.kernel_only, "off": gs.off,
-                                                                 "execs": len(gs.execs), "reuses": gs.reuses}})
+                                                                 "execs": len(gs.execs), "reuses": gs.reuses,
+                                                                 "kinds": sorted({_kind(e) for e in gs.execs.values()})}})
     name = "capture_nodes_probe" + ("_autotuned" if args.autotune else "") + ".json"
     write_json(os.path.join(args.out, name), {"device": device_name(), "autotune": args.autotune,
                                               "graph_stats": {k: v for k, v in cf.plan_stats().items() if k.startswith("graph_")},

@@ -80,14 +80,16 @@ CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other thre
 class Stats:
     """Process-wide counters (``cf.plan_stats()`` reports them under ``graph_*``)."""
 
-    __slots__ = ("captures", "kernels", "replays", "failures", "declined", "live")
+    __slots__ = ("captures", "kernels", "sequences", "replays", "failures", "declined", "live")
 
     def __init__(self):
-        self.captures = self.kernels = self.replays = self.failures = self.declined = self.live = 0
+        self.captures = self.kernels = self.sequences = self.replays = self.failures = self.declined = self.live = 0
 
     def snapshot(self) -> dict:
         # declined: long kernels' captures that were not one kernel node (dropped; the plan launches raw)
-        return {"graph_captures": self.captures, "graph_kernels": self.kernels, "graph_replays": self.replays,
+        # kernels: captures launched directly (KernelReplay or SequenceReplay); sequences: of those, the chains
+        return {"graph_captures": self.captures, "graph_kernels": self.kernels, "graph_sequences": self.sequences,
+                "graph_replays": self.replays,
                 "graph_failures": self.failures, "graph_declined": self.declined, "graph_live": self.live}
 
 
@@ -158,6 +160,12 @@ FUNC_CLUSTER_SIZE_MUST_BE_SET = 10  # CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET
 
 KERNEL_REPLAY = os.environ.get("CUDNN_FUSE_KERNEL_REPLAY", "1").strip().lower() not in _OFF_WORDS
 TRIM_ATTRS = os.environ.get("CUDNN_FUSE_KERNEL_ATTRS", "trim").strip().lower() != "all"
+# A capture that is a chain of kernel and memset nodes (a memset before the kernel: SDPA's and AMAX's; a
+# kernel and its reduction) launched as those operations in turn (SequenceReplay). Off by default until it
+# has been run on the GPU: CUDNN_FUSE_NODE_SEQUENCES=1 turns it on.
+NODE_SEQUENCES = os.environ.get("CUDNN_FUSE_NODE_SEQUENCES", "0").strip().lower() not in (*_OFF_WORDS, "")
+MAX_SEQUENCE = 8  # nodes in a chain launched one by one; a longer graph replays as a graph
+NODE_TYPE_MEMSET = 2
 
 
 def _unit_cluster(value) -> bool:
@@ -207,6 +215,58 @@ class KernelReplay:
         return [self.attrs[i].id for i in range(self.cfg.numAttrs)]
 
 
+class _MemsetNodeParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
+    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
+                ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+
+
+class MemsetStep:
+    """A captured memset node, launched as the driver's memset on a stream: cuMemsetD{8,16,32}Async
+    (one row) or cuMemsetD2D{8,16,32}Async (``height`` rows ``pitch`` bytes apart), ``width`` elements
+    of ``elementSize`` bytes set to ``value``."""
+
+    __slots__ = ("_fn", "_args", "dst", "value", "element_size", "width", "height", "pitch")
+
+    def __init__(self, fns: dict, p: _MemsetNodeParams):
+        """``fns``: {(element size, 2D?): bound memset function}."""
+        self.dst, self.value, self.element_size = p.dst, p.value, p.elementSize
+        self.width, self.height, self.pitch = p.width, max(1, p.height), p.pitch
+        self._fn = fns[(p.elementSize, self.height > 1)]
+        if self.height > 1:
+            self._args = (ctypes.c_uint64(p.dst), ctypes.c_size_t(p.pitch), ctypes.c_uint(p.value),
+                          ctypes.c_size_t(p.width), ctypes.c_size_t(self.height))
+        else:
+            self._args = (ctypes.c_uint64(p.dst), ctypes.c_uint(p.value), ctypes.c_size_t(p.width))
+
+    def launch(self, stream: int) -> int:
+        return self._fn(*self._args, ctypes.c_void_p(stream))
+
+
+class SequenceReplay:
+    """A captured graph that is a chain of kernel and memset nodes, launched as those operations in
+    the chain's order on one stream (what the graph's edges order). Holds the graph, whose kernel nodes
+    own their parameter values; ``Driver.destroy`` frees it."""
+
+    __slots__ = ("graph", "steps", "stream")
+
+    def __init__(self, graph, steps, stream: int):
+        self.graph, self.steps, self.stream = graph, tuple(steps), stream
+
+    def launch(self, stream: int) -> int:
+        """Launch every step on ``stream`` in turn; the first failing step's CUresult, or 0. A step
+        that fails leaves the later ones unlaunched: the caller then runs the whole op raw."""
+        for step in self.steps:
+            rc = step.launch(stream)
+            if rc:
+                return rc
+        self.stream = stream
+        return 0
+
+    @property
+    def kinds(self) -> list:
+        return ["kernel" if isinstance(st, KernelReplay) else "memset" for st in self.steps]
+
+
 def _bare(lib, name: str):
     """``name`` of ``lib`` with no argument prototype, as its own function object (a CDLL's attribute is
     shared with every other user of that library handle). Called with ready ctypes objects, which ctypes
@@ -241,6 +301,9 @@ class Driver:
         self.kernels = KERNEL_REPLAY
         self.trim = TRIM_ATTRS
         self._stream_attr = self._func_attr = None  # bound with the kernel entry points (trim_attrs)
+        self.sequences = False  # chains of kernels and memsets launched one by one (NODE_SEQUENCES)
+        self._edges = self._memset_params = None
+        self._memsets: dict = {}
         if self.kernels:
             try:
                 self._nodes = fn("cuGraphGetNodes", vp, vp, P(ctypes.c_size_t))
@@ -261,9 +324,30 @@ class Driver:
                     self._kernel_function = fn("cuKernelGetFunction", P(vp), vp)
                 except AttributeError:
                     self._kernel_function = None
+                self._bind_sequences(lib, fn)
             except AttributeError as exc:
                 log.info("launch graphs replay as graphs: this driver lacks %s", exc)
                 self.kernels = False
+
+    def _bind_sequences(self, lib, fn) -> None:
+        """The entry points of SequenceReplay (edges, memset nodes, the memsets), when NODE_SEQUENCES;
+        a driver that lacks one launches such captures as graphs."""
+        if not NODE_SEQUENCES:
+            return
+        vp, P = ctypes.c_void_p, ctypes.POINTER
+        try:
+            self._edges = fn("cuGraphGetEdges", vp, vp, vp, P(ctypes.c_size_t))
+            self._memset_params = fn("cuGraphMemsetNodeGetParams", vp, P(_MemsetNodeParams))
+            u64, sz = ctypes.c_uint64, ctypes.c_size_t
+            for size, suffix, value in ((1, "8", ctypes.c_ubyte), (2, "16", ctypes.c_ushort), (4, "32", ctypes.c_uint)):
+                self._memsets[(size, False)] = fn(f"cuMemsetD{suffix}Async", u64, value, sz, vp)
+                self._memsets[(size, True)] = fn(f"cuMemsetD2D{suffix}Async", u64, sz, value, sz, sz, vp)
+        except AttributeError as exc:
+            log.info("launch graphs: node sequences off, this driver lacks %s", exc)
+            self._edges = self._memset_params = None
+            self._memsets = {}
+            return
+        self.sequences = True
 
     def error_name(self, rc: int) -> str:
         if self._name is not None:
@@ -295,10 +379,13 @@ class Driver:
             self.check(rc, "cuStreamEndCapture")
             if self.kernels and graph.value:
                 kept = self._kernel_of(graph.value, stream)
+                if kept is None and self.sequences:
+                    kept = self._sequence_of(graph.value, stream)
                 if kept is not None:
                     return kept
             if kernel_only:
-                raise NotOneKernel(f"the capture is not one kernel node ({self.node_kinds(graph.value)})"
+                what = "one kernel node or a chain of kernels and memsets" if self.sequences else "one kernel node"
+                raise NotOneKernel(f"the capture is not {what} ({self.node_kinds(graph.value)})"
                                    if self.kernels else "kernel replays are off")
             ex = ctypes.c_void_p()
             self.check(self._instantiate(ctypes.byref(ex), graph, 0), "cuGraphInstantiate")
@@ -327,7 +414,7 @@ class Driver:
 
     def _kernel_of(self, graph: int, stream: int):
         """The KernelReplay of ``graph`` when it is one kernel node whose launch can be read back
-        whole, else None (it then replays as a graph)."""
+        whole, else None (it then replays as a graph, or as a SequenceReplay)."""
         n = ctypes.c_size_t(0)
         if self._nodes(graph, None, ctypes.byref(n)) or n.value != 1:
             return None
@@ -336,8 +423,13 @@ class Driver:
         if self._nodes(graph, nodes, ctypes.byref(n)) or n.value != 1 or \
                 self._node_type(nodes[0], ctypes.byref(kind)) or kind.value != NODE_TYPE_KERNEL:
             return None
+        return self._kernel_node(nodes[0], graph, stream)
+
+    def _kernel_node(self, node_handle, graph, stream: int):
+        """The KernelReplay of one kernel node of ``graph`` (which keeps its parameters), or None when
+        its launch cannot be read back whole."""
         node = _KernelNodeParams()
-        if self._node_params(nodes[0], ctypes.byref(node)) or not node.kernelParams:
+        if self._node_params(node_handle, ctypes.byref(node)) or not node.kernelParams:
             return None
         func = node.func
         if not func:
@@ -348,7 +440,7 @@ class Driver:
         attrs = []
         for aid in NODE_ATTRS:
             value = _AttrValue()
-            if self._node_attr(nodes[0], aid, ctypes.byref(value)):
+            if self._node_attr(node_handle, aid, ctypes.byref(value)):
                 if aid in REQUIRED_ATTRS:
                     return None
                 continue
@@ -357,6 +449,61 @@ class Driver:
         if self.trim:
             attrs = self.trim_attrs(attrs, func, stream)
         return KernelReplay(self._launch_kernel, graph, func, node, attrs, stream)
+
+    def _sequence_of(self, graph: int, stream: int):
+        """The SequenceReplay of ``graph`` when its 2..MAX_SEQUENCE nodes are kernels (each readable
+        whole) and memsets (of 1, 2 or 4-byte elements) in one chain (every node after at most one,
+        before at most one, one first node, all reached from it), else None. An edge the plain
+        query cannot report whole (a programmatic one) fails the query: None."""
+        if self._edges is None:
+            return None
+        n = ctypes.c_size_t(0)
+        if self._nodes(graph, None, ctypes.byref(n)) or not 1 < n.value <= MAX_SEQUENCE:
+            return None
+        count = n.value
+        nodes = (ctypes.c_void_p * count)()
+        if self._nodes(graph, nodes, ctypes.byref(n)) or n.value != count:
+            return None
+        m = ctypes.c_size_t(0)
+        if self._edges(graph, None, None, ctypes.byref(m)) or m.value != count - 1:
+            return None
+        frm, to = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
+        if self._edges(graph, frm, to, ctypes.byref(m)) or m.value != count - 1:
+            return None
+        handles = [nodes[i] for i in range(count)]
+        following, preceded = {}, set()
+        for i in range(count - 1):
+            a, b = frm[i], to[i]
+            if a in following or b in preceded or a not in handles or b not in handles:
+                return None
+            following[a] = b
+            preceded.add(b)
+        firsts = [h for h in handles if h not in preceded]
+        if len(firsts) != 1:
+            return None
+        order = [firsts[0]]
+        while order[-1] in following and len(order) <= count:
+            order.append(following[order[-1]])
+        if len(order) != count:
+            return None
+        steps = []
+        for h in order:
+            kind = ctypes.c_int(-1)
+            if self._node_type(h, ctypes.byref(kind)):
+                return None
+            if kind.value == NODE_TYPE_KERNEL:
+                step = self._kernel_node(h, graph, stream)
+            elif kind.value == NODE_TYPE_MEMSET:
+                p = _MemsetNodeParams()
+                if self._memset_params(h, ctypes.byref(p)) or (p.elementSize, max(1, p.height) > 1) not in self._memsets:
+                    return None
+                step = MemsetStep(self._memsets, p)
+            else:
+                return None
+            if step is None:
+                return None
+            steps.append(step)
+        return SequenceReplay(graph, steps, stream)
 
     def trim_attrs(self, attrs, func, stream: int) -> list:
         """``attrs`` ([(id, value)] of a kernel node captured on ``stream``) less those a plain
@@ -381,7 +528,7 @@ class Driver:
         return kept
 
     def destroy(self, ex) -> None:
-        if isinstance(ex, KernelReplay):
+        if isinstance(ex, (KernelReplay, SequenceReplay)):
             self._graph_destroy(ex.graph)  # launched kernels copied their parameters at launch
         else:
             self._exec_destroy(ex)  # an exec still running is freed once it completes
@@ -435,8 +582,10 @@ class GraphSet:
         self.execs[key] = ex
         self.captures += 1
         STATS.captures += 1
-        if isinstance(ex, KernelReplay):
-            STATS.kernels += 1  # captures that replay as their kernel
+        if isinstance(ex, (KernelReplay, SequenceReplay)):
+            STATS.kernels += 1  # captures that replay as direct launches (their kernel, or a chain of them)
+            if isinstance(ex, SequenceReplay):
+                STATS.sequences += 1
         STATS.live += 1
         while len(self.execs) > PER_PLAN:
             _, old = self.execs.popitem(last=False)

@@ -297,7 +297,6 @@ def _workspace_ptr(device: int, stream: int, size: int, capturing: bool | None =
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-_KernelReplay = launch_graphs.KernelReplay
 _side_streams: dict = {}  # device -> the stream launch graphs are captured on (never launched on)
 
 
@@ -358,7 +357,8 @@ class Plan:
                 key = (ws, *ptrs)
                 ex = graphs.execs.get(key)
                 if ex is not None:  # a replay: the hot path
-                    rc = ex.launch(stream) if type(ex) is _KernelReplay else graphs._drv.launch(ex, stream)
+                    # an int is a graph executable; the rest launch themselves (KernelReplay, SequenceReplay)
+                    rc = graphs._drv.launch(ex, stream) if type(ex) is int else ex.launch(stream)
                     if not rc:
                         graphs.reuses += 1
                         launch_graphs.STATS.replays += 1
@@ -366,12 +366,13 @@ class Plan:
                 elif graphs.sighted(key):
                     ex = self._capture(graphs, key, ptrs, ws)
                     if ex is not None:
-                        rc = ex.launch(stream) if type(ex) is _KernelReplay else graphs._drv.launch(ex, stream)
+                        rc = graphs._drv.launch(ex, stream) if type(ex) is int else ex.launch(stream)
                         if not rc:
                             launch_graphs.STATS.replays += 1
                             return
                 if ex is not None:
-                    what = "cuLaunchKernelEx" if type(ex) is _KernelReplay else "cuGraphLaunch"
+                    what = "cuGraphLaunch" if type(ex) is int else \
+                        "cuLaunchKernelEx" if type(ex) is launch_graphs.KernelReplay else "a SequenceReplay's launch"
                     self._graph_failed(graphs, launch_graphs.DriverError(f"{what}: {graphs._drv.error_name(rc)}"))
             fn, slots, array, address, n, index, raw_handle = self._raw
             if h.stream != stream:

@@ -91,6 +91,12 @@ def test_replays_are_bit_identical_to_raw_launches_and_read_new_values(cache_dir
     if drv is not None:
         monkeypatch.setattr(drv, "trim", trim)
     (t,), fn = _cases()[name]
+    _check_replays_exact(t, fn)
+
+
+def _check_replays_exact(t, fn):
+    """Repeated calls of ``fn(t)`` are captured and replayed; their outputs equal the first (raw) call's
+    bit for bit, a replay reads new values written into ``t``, and equals a raw launch of them."""
     with torch.no_grad():
         s0 = launch_graphs.STATS.snapshot()
         first = _flat(fn(t))  # a first sighting of its pointers: raw (plan built)
@@ -352,3 +358,66 @@ def test_a_training_step_of_long_convs_replays_its_kernels_bit_for_bit(cache_dir
         else:  # an engine that accumulates in no fixed order (split-K atomics): as close as raw is to raw
             tol = (c.float() - c2.float()).abs().max().item() * 4
             assert (b.float() - c.float()).abs().max().item() <= tol
+
+
+@pytest.fixture
+def node_sequences(monkeypatch):
+    """A Driver with node sequences on (launch_graphs.NODE_SEQUENCES, off by default) serving every plan
+    built in the test."""
+    monkeypatch.setattr(launch_graphs, "NODE_SEQUENCES", True)
+    drv = launch_graphs.Driver()
+    if not drv.sequences:
+        pytest.skip("this driver lacks the entry points of node sequences")
+    monkeypatch.setattr(launch_graphs, "_driver", drv)
+    plans.clear()
+    yield drv
+    plans.clear()
+
+
+def _entries():
+    return [e for p in _raw_plans() if p._graphs is not None for e in p._graphs.execs.values()]
+
+
+@pytest.mark.parametrize("name", ["linear_gelu_amax", "sdpa_causal", "conv_bias_relu_residual"])
+def test_node_sequences_are_exact_and_replace_the_graph_replays(cache_dir, node_sequences, name):
+    """With node sequences on, a capture of a memset and a kernel (AMAX's, SDPA's on the H200) is launched
+    as those two operations: outputs bit-identical to raw launches, new values read, and no capture left
+    to replay as a graph where every one is a chain of kernels and memsets."""
+    (t,), fn = _cases()[name]
+    s0 = launch_graphs.STATS.snapshot()
+    _check_replays_exact(t, fn)
+    entries = _entries()
+    kinds = sorted({type(e).__name__ for e in entries})
+    if name != "conv_bias_relu_residual":  # these two are a memset and a kernel on the H200 (cuDNN 9.19)
+        assert "SequenceReplay" in kinds, kinds
+        assert launch_graphs.STATS.sequences > s0["graph_sequences"]
+    for e in entries:
+        if isinstance(e, launch_graphs.SequenceReplay):
+            assert "kernel" in e.kinds and len(e.kinds) >= 2
+
+
+@pytest.mark.parametrize("name", ["conv_b32_c128_28", "linear_2048_gelu"])
+def test_long_kernels_with_node_sequences_are_exact(cache_dir, node_sequences, name):
+    (t,), fn = _long_cases()[name]
+    with torch.no_grad():
+        first = _flat(fn(t))
+        for _ in range(8):
+            again = _flat(fn(t))
+        torch.cuda.synchronize()
+        assert _long_sets()
+        assert all(not isinstance(e, int) for e in _entries())  # never a graph replay for a long kernel
+        for a, c in zip(first, again):
+            assert torch.equal(a, c)
+        t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
+        for _ in range(6):
+            out = _flat(fn(t))
+        got = [o.clone() for o in out]
+        with raw_only():
+            want = _flat(fn(t))
+        torch.cuda.synchronize()
+        for a, c in zip(got, want):
+            assert torch.equal(a, c)
+
+
+def test_a_training_step_of_long_convs_with_node_sequences_matches_raw_launches(cache_dir, node_sequences):
+    test_a_training_step_of_long_convs_replays_its_kernels_bit_for_bit(cache_dir)

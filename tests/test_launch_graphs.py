@@ -749,3 +749,185 @@ def test_a_kernel_replay_leaves_out_what_a_plain_launch_gets_anyway(monkeypatch,
     for i, aid in enumerate(want):  # a kept attribute carries the node's own value
         assert list(k.attrs[i].value.words[:len(node[aid])]) == node[aid]
     assert k.launch(42) == 0 and lib.names()[-1] == "cuLaunchKernelEx"
+
+
+class ChainLib(NodeLib):
+    """NodeLib with edges (``edges``: [(from index, to index)]), memset nodes (index -> params) and the
+    memset launches; ``lossy``: the edge query fails as it does for an edge it cannot report whole."""
+
+    def __init__(self, types_, edges, memsets=None, lossy=False, **kw):
+        super().__init__(types_, **kw)
+        self.edges, self.memsets, self.lossy = list(edges), dict(memsets or {}), lossy
+
+    def _cuGraphGetEdges(self, graph, frm, to, m):
+        if self.lossy:
+            return 222  # CUDA_ERROR_LOSSY_QUERY
+        if frm is not None:
+            for i, (a, b) in enumerate(self.edges):
+                frm[i], to[i] = self.NODE + a, self.NODE + b
+        m._obj.value = len(self.edges)
+        return 0
+
+    def _cuGraphMemsetNodeGetParams(self, node, p):
+        dst, value, size, width, height, pitch = self.memsets[node - self.NODE]
+        p = p._obj
+        p.dst, p.value, p.elementSize, p.width, p.height, p.pitch = dst, value, size, width, height, pitch
+        return 0
+
+
+@pytest.fixture
+def sequences(monkeypatch):
+    monkeypatch.setattr(launch_graphs, "NODE_SEQUENCES", True)
+
+
+def _plain(args):
+    return [getattr(a, "value", a) for a in args]
+
+
+def test_node_sequences_are_off_by_default_and_on_by_environment():
+    import subprocess
+    import sys
+
+    code = "from cudnn_fuse import launch_graphs as g; print(g.NODE_SEQUENCES)"
+    for env, want in (({}, "False"), ({"CUDNN_FUSE_NODE_SEQUENCES": "1"}, "True"),
+                      ({"CUDNN_FUSE_NODE_SEQUENCES": "off"}, "False")):
+        import os
+
+        e = {k: v for k, v in os.environ.items() if k != "CUDNN_FUSE_NODE_SEQUENCES"}
+        out = subprocess.run([sys.executable, "-c", code], env={**e, **env}, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, (env, out.stderr)
+
+
+def test_a_memset_then_kernel_chain_launches_as_a_memset_then_the_kernel(sequences):
+    # nodes listed kernel first, the edge says the memset (node 1) runs before the kernel (node 0)
+    lib = ChainLib((0, 2), edges=[(1, 0)], memsets={1: (0xD000, 0, 4, 256, 1, 0)})
+    d = launch_graphs.Driver(lib)
+    assert d.sequences
+    seq = d.capture(42, lambda: None)
+    assert isinstance(seq, launch_graphs.SequenceReplay) and seq.kinds == ["memset", "kernel"]
+    assert "cuGraphInstantiateWithFlags" not in lib.names() and "cuGraphDestroy" not in lib.names()
+    assert seq.launch(43) == 0
+    (n1, a1), (n2, a2) = lib.calls[-2:]
+    assert n1 == "cuMemsetD32Async" and _plain(a1) == [0xD000, 0, 256, 43]
+    assert n2 == "cuLaunchKernelEx" and seq.steps[1].cfg.hStream == 43
+    d.destroy(seq)
+    name, args = lib.calls[-1]
+    assert name == "cuGraphDestroy" and _plain(args) == [NodeLib.GRAPH]
+
+
+@pytest.mark.parametrize("size,height,name", [(1, 1, "cuMemsetD8Async"), (2, 1, "cuMemsetD16Async"),
+                                               (4, 3, "cuMemsetD2D32Async"), (1, 2, "cuMemsetD2D8Async")])
+def test_a_memset_launches_with_its_element_size_and_rows(sequences, size, height, name):
+    lib = ChainLib((2, 0), edges=[(0, 1)], memsets={0: (0xE000, 7, size, 64, height, 512)})
+    seq = launch_graphs.Driver(lib).capture(42, lambda: None)
+    seq.launch(42)
+    got_name, args = [c for c in lib.calls if c[0].startswith("cuMemset")][-1]
+    assert got_name == name
+    want = [0xE000, 512, 7, 64, height, 42] if height > 1 else [0xE000, 7, 64, 42]
+    assert _plain(args) == want
+
+
+def test_a_chain_of_two_kernels_launches_both_in_the_edges_order(sequences):
+    class Two(ChainLib):
+        def _cuGraphKernelNodeGetParams_v2(self, node, p):
+            super()._cuGraphKernelNodeGetParams_v2(node, p)
+            p._obj.func = 0x300 + (node - self.NODE)  # each kernel its own function
+            return 0
+
+    lib = Two((0, 0, 0), edges=[(2, 0), (0, 1)])
+    seq = launch_graphs.Driver(lib).capture(42, lambda: None)
+    assert [st.func for st in seq.steps] == [0x302, 0x300, 0x301]
+    seq.launch(42)
+    launched = [_plain(a)[1] for n, a in lib.calls if n == "cuLaunchKernelEx"]
+    assert launched == [0x302, 0x300, 0x301]
+
+
+@pytest.mark.parametrize("case", ["no edges (two first nodes)", "a fork", "an edge not reported whole", "a memcpy",
+                                  "an 8-byte memset", "an unreadable kernel", "too many nodes", "sequences off"])
+def test_other_graphs_still_replay_as_graphs(monkeypatch, sequences, case):
+    types_, edges, memsets, kw = (2, 0), [(0, 1)], {0: (0xD000, 0, 4, 16, 1, 0)}, {}
+    if case == "no edges (two first nodes)":
+        edges = []
+    elif case == "a fork":
+        types_, edges = (2, 0, 0), [(0, 1), (0, 2)]
+    elif case == "an edge not reported whole":
+        kw["lossy"] = True
+    elif case == "a memcpy":
+        types_ = (1, 0)
+    elif case == "an 8-byte memset":
+        memsets = {0: (0xD000, 0, 8, 16, 1, 0)}
+    elif case == "an unreadable kernel":
+        kw["fail_attr"] = (4,)  # the cluster dimension: required
+    elif case == "too many nodes":
+        n = launch_graphs.MAX_SEQUENCE + 1
+        types_, edges = (0,) * n, [(i, i + 1) for i in range(n - 1)]
+    else:
+        monkeypatch.setattr(launch_graphs, "NODE_SEQUENCES", False)
+    lib = ChainLib(types_, edges, memsets, **kw)
+    d = launch_graphs.Driver(lib)
+    ex = d.capture(42, lambda: None)
+    assert ex == 0x900 and "cuGraphInstantiateWithFlags" in lib.names(), case
+    assert ("cuGraphGetEdges" in lib.names()) is (case not in ("sequences off", "too many nodes"))
+    with pytest.raises(launch_graphs.NotOneKernel):  # a long kernel's capture of it: declined
+        launch_graphs.Driver(ChainLib(types_, edges, memsets, **kw)).capture(42, lambda: None, kernel_only=True)
+
+
+def test_a_long_kernels_memset_and_kernel_capture_is_kept_as_a_sequence(sequences):
+    lib = ChainLib((2, 0), edges=[(0, 1)], memsets={0: (0xD000, 0, 4, 16, 1, 0)})
+    seq = launch_graphs.Driver(lib).capture(42, lambda: None, kernel_only=True)
+    assert isinstance(seq, launch_graphs.SequenceReplay)
+
+
+def test_a_failing_step_stops_the_sequence_and_returns_its_error(sequences):
+    class Failing(ChainLib):
+        def _cuMemsetD32Async(self, *a):
+            return 700
+
+    lib = Failing((2, 0), edges=[(0, 1)], memsets={0: (0xD000, 0, 4, 16, 1, 0)})
+    seq = launch_graphs.Driver(lib).capture(42, lambda: None)
+    assert seq.launch(42) == 700 and "cuLaunchKernelEx" not in lib.names()
+
+
+def test_a_plan_replays_its_sequence_and_counts_it(monkeypatch, after2, sequences):
+    class SeqDriver(FakeDriver):
+        def capture(self, stream, work, kernel_only=False):
+            work()
+            self.lib = ChainLib((2, 0), edges=[(0, 1)], memsets={0: (0xD000, 0, 4, 16, 1, 0)})
+            return launch_graphs.Driver(self.lib).capture(stream, lambda: None, kernel_only=kernel_only)
+
+    for kernel_only in (False, True):
+        rig = Rig(monkeypatch, SeqDriver())
+        rig.plan._graphs = launch_graphs.GraphSet(rig.drv, kernel_only=kernel_only)
+        k, s = launch_graphs.STATS.kernels, launch_graphs.STATS.sequences
+        for _ in range(4):
+            rig.plan.launch([1, 2, 3])
+        seq = rig.plan._graphs.execs[(0, 1, 2, 3)]
+        assert isinstance(seq, launch_graphs.SequenceReplay)
+        assert launch_graphs.STATS.kernels == k + 1 and launch_graphs.STATS.sequences == s + 1
+        names = rig.drv.lib.names()
+        assert names.count("cuMemsetD32Async") == 3 and names.count("cuLaunchKernelEx") == 3
+        assert len(rig.raw_calls) == 2 and rig.replays() == []  # never a graph launch
+        assert plans.plan_stats()["graph_sequences"] == launch_graphs.STATS.sequences
+
+
+def test_a_failed_sequence_launch_launches_raw_and_drops_the_graphs(monkeypatch, after2, sequences):
+    class Failing(ChainLib):
+        def _cuLaunchKernelEx(self, *a):
+            return 700
+
+    class SeqDriver(FakeDriver):
+        def capture(self, stream, work, kernel_only=False):
+            work()
+            lib = Failing((2, 0), edges=[(0, 1)], memsets={0: (0xD000, 0, 4, 16, 1, 0)})
+            self.d = launch_graphs.Driver(lib)
+            return self.d.capture(stream, lambda: None)
+
+        def destroy(self, ex):
+            self.destroyed.append(ex)
+
+    rig = Rig(monkeypatch, SeqDriver())
+    monkeypatch.setattr(launch_graphs, "clear_runtime_error", lambda: None)
+    rig.plan.launch([1, 2, 3])
+    rig.plan.launch([1, 2, 3])  # captured, its launch fails: the call runs raw, graphs dropped
+    assert rig.raw_calls[-1] == (7, (1, 2, 3), 0) and rig.plan._graphs.off
+    assert len(rig.drv.destroyed) == 1 and isinstance(rig.drv.destroyed[0], launch_graphs.SequenceReplay)
