@@ -162,7 +162,7 @@ def eager_rows(calls: int = 100000, rounds: int = 5) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--profile", choices=("conv2d", "linear"), help="cProfile 1000 steps of this op")
+    ap.add_argument("--profile", choices=("conv2d", "linear", "stack8", "chain8"), help="cProfile 1000 steps of this op")
     ap.add_argument("--eager", action="store_true", help="the memoized inference call's paths instead")
     args = ap.parse_args(argv)
     if args.eager:
@@ -189,6 +189,19 @@ def main(argv=None) -> int:
     def bare_step():
         Bare.apply(x, w, b).backward(gy)
 
+    # an 8-layer conv-bias-ReLU stack as cf.nn modules: each layer its own autograd node, or one
+    # cf.nn.ConvChain node for all 8 (optimize(chain_convs=True)); the same layers either way
+    torch.manual_seed(0)
+    layers = [cf.nn.Conv2d(16, 16, 3, padding=1, activation="relu").to(dt).to(memory_format=cl) for _ in range(8)]
+    stack = torch.nn.Sequential(*layers)
+    chain = cf.nn.ConvChain(layers, chained=True)
+
+    def stack_step():
+        stack(x).backward(gy)
+
+    def chain_step():
+        chain(x).backward(gy)
+
     patches = [mock.patch.object(plans, "get_plan", _fake_get_plan),
                mock.patch.object(ops, "_why_not_fused", lambda op, ts: None),
                mock.patch.object(backward, "usable", lambda *ts: True)]
@@ -197,13 +210,14 @@ def main(argv=None) -> int:
     try:
         plans.clear()
         res = {name: per_call_us(fn, args.calls) for name, fn in
-               (("bare_function_step", bare_step), ("cf_conv2d_step", conv_step), ("cf_linear_step", linear_step))}
+               (("bare_function_step", bare_step), ("cf_conv2d_step", conv_step), ("cf_linear_step", linear_step),
+                ("cf_conv_stack8_step", stack_step), ("cf_conv_chain8_step", chain_step))}
         for k, v in res.items():
             print(f"{k:24s} {v:8.1f} us")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
-            step = conv_step if args.profile == "conv2d" else linear_step
+            step = {"conv2d": conv_step, "linear": linear_step, "stack8": stack_step, "chain8": chain_step}[args.profile]
             for _ in range(1000):
                 step()
             prof.disable()

@@ -111,6 +111,19 @@ def case(name, eager, fused, x):
                 LAST_GRAPHS[1] if len(LAST_GRAPHS) > 1 else None)
 
 
+def chain_case(name, eager, fused, chained, x) -> list:
+    """``case`` with a third model in the same rounds: cf with its conv runs chained (one autograd node,
+    cf.optimize(chain_convs=True)). Two rows: cf as it is, and cf chained (name + " [conv chain]")."""
+    ep = peak_bytes(eager, x)
+    f0 = cf.plan_stats()["fallbacks"]
+    cp = peak_bytes(fused, x)
+    hp = peak_bytes(chained, x)
+    (et, er), (ct, cr), (ht, hr) = interleaved_ms([eager, fused, chained], x, rounds=ROUNDS)
+    fb = cf.plan_stats()["fallbacks"] - f0
+    g = LAST_GRAPHS
+    return [_row(name, ep, cp, et, er, ct, cr, fb, g[1]), _row(name + " [conv chain]", ep, hp, et, er, ht, hr, fb, g[2])]
+
+
 def _long_kernel_sets(off: bool):
     """Switch the kernel-replay-only launch sets of every plan held (launch_graphs: kernels too long for
     graph replays) off (launched raw, as before they existed) or back on."""
@@ -179,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-replay-ab", action="store_true",
                     help="every main row also with long kernels' kernel replays off (rows named ' [long kernels raw]'), "
                          "interleaved in the same rounds")
+    ap.add_argument("--conv-chain-ab", action="store_true",
+                    help="the conv row also with its layers chained (one autograd node), interleaved in the same rounds")
     ap.add_argument("--only", choices=("mlp", "conv"), help="run only these cases")
     ap.add_argument("--calling-thread", action="store_true",
                     help="run every backward on the calling thread (torch.autograd.set_multithreading_enabled(False)), "
@@ -212,7 +227,10 @@ def main(argv=None) -> int:
         return _write(args, rows)
     cbase = convs().cuda().half().to(memory_format=torch.channels_last)
     xc = torch.randn(32, 128, 56, 56, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
-    if args.kernel_replay_ab:
+    if args.conv_chain_ab:
+        rows += chain_case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase), chain_convs=False),
+                           cf.optimize(copy.deepcopy(cbase), chain_convs=True), xc.requires_grad_())
+    elif args.kernel_replay_ab:
         rows += kernel_replay_case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_())
     else:
         rows.append(case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_()))
@@ -227,7 +245,7 @@ def _write(args, rows) -> int:
     suffix = ("_calling_thread" if args.calling_thread else "") + (f"_{args.only}" if args.only else "")
     write_json(os.path.join(args.out, name + suffix + ".json"),
                {"device": device_name(), "autotune": args.autotune, "calling_thread": args.calling_thread,
-                "kernel_replay_ab": args.kernel_replay_ab, "graph_stats": {k: v for k, v in cf.plan_stats().items()
+                "kernel_replay_ab": args.kernel_replay_ab, "conv_chain_ab": args.conv_chain_ab, "graph_stats": {k: v for k, v in cf.plan_stats().items()
                                                                            if k.startswith("graph_")},
                 "cases": rows})
     return 0

@@ -68,6 +68,120 @@ class Conv2d(torch.nn.Conv2d):
         return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")
 
 
+def _functorch_active() -> bool:
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+def _traced(t) -> bool:
+    from .backward import _traced as traced
+
+    return traced(t)
+
+
+def _autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+    except TypeError:  # a torch whose is_autocast_enabled takes no device
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def _conv_chain_default() -> bool:
+    import os
+
+    return os.environ.get("CUDNN_FUSE_CONV_CHAIN", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+class ConvChain(torch.nn.Module):
+    """Convs applied in turn (``cudnn_fuse.nn.Conv2d``, each with no activation or ReLU and no
+    residual: ``optimize(model, chain_convs=True)`` builds it for such a run of layers) whose
+    eager training step is ONE autograd node: the layers' forwards run in turn, and the backward
+    runs each layer's replayed backward program in turn (``torch_ops._ConvChain``), where each
+    layer on its own would be a Python autograd node (its apply, saved-tensor unpacking and the
+    engine's call into Python: 35 us a layer on the H200 host, bench/results/conv_host_probe).
+    Inference, torch.compile, autocast, functorch transforms, an active ``cf.record``, tensor
+    subclasses and any hook on the layers (or a global module hook) run the layers one by one,
+    exactly as without the chain.
+
+    The layers are not this module's children: they stay where they were (the model's own
+    children, so the state_dict keys, ``.to()`` and optimizers see them as before) and this module
+    holds them in a plain list. ``chained=False`` (or ``CUDNN_FUSE_CONV_CHAIN=0`` at
+    construction) makes it run them one by one always."""
+
+    def __init__(self, layers, chained=None):
+        super().__init__()
+        layers = list(layers)
+        if len(layers) < 1 or not all(ConvChain.chainable(m) for m in layers):
+            raise ValueError("ConvChain: layers must be cudnn_fuse.nn.Conv2d modules with no activation or ReLU")
+        self._layers = layers  # a plain list: not registered, the layers stay their owner's children
+        self.chained = _conv_chain_default() if chained is None else bool(chained)
+        self._geo_cache = None
+
+    @staticmethod
+    def chainable(m) -> bool:
+        return type(m) is Conv2d and m.activation in (None, "relu") and m.padding_mode == "zeros"
+
+    @property
+    def layers(self) -> list:
+        return list(self._layers)
+
+    def _geos(self):
+        """Each layer's (stride, pre, post, dilation, groups), remembered while the layers' attributes
+        stay the same (they are read on every call: a changed padding is seen)."""
+        sig = tuple((m.stride, m.padding, m.dilation, m.groups, m.kernel_size) for m in self._layers)
+        if self._geo_cache is not None and self._geo_cache[0] == sig:
+            return self._geo_cache[1]
+        geos = []
+        for stride, padding, dilation, groups, ksize in sig:
+            stride, dilation = tuple(stride), tuple(dilation)
+            pre, post = ops._conv_padding(padding, tuple(ksize), dilation, stride)
+            geos.append((stride, tuple(pre), tuple(post), dilation, groups))
+        self._geo_cache = (sig, tuple(geos))
+        return self._geo_cache[1]
+
+    def _one_node(self, x):
+        """The layers' parameters [w0, b0, w1, b1, ...] when this call runs as one node, else None."""
+        if not self.chained or not torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() != 4:
+            return None
+        if torch.compiler.is_compiling() or _autocast() or _functorch_active() or _traced(x):
+            return None
+        from . import manifest
+
+        if manifest._active:
+            return None
+        from torch.nn.modules import module as _mod
+
+        if _mod._global_forward_hooks or _mod._global_forward_pre_hooks or _mod._global_backward_hooks or \
+                getattr(_mod, "_global_backward_pre_hooks", None) or getattr(_mod, "_global_forward_hooks_always_called", None):
+            return None
+        wants = x.requires_grad
+        params = []
+        P = torch.nn.Parameter
+        for m in self._layers:
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return None
+            own = m._parameters
+            w, b = own["weight"], own.get("bias")
+            if type(w) is not P or (b is not None and type(b) is not P):
+                return None
+            wants = wants or w.requires_grad or (b is not None and b.requires_grad)
+            params += (w, b)
+        return params if wants else None
+
+    def forward(self, x):
+        params = self._one_node(x)
+        if params is not None:
+            from . import torch_ops
+
+            return torch_ops.conv_chain(x, self._layers, self._geos(), params)
+        for m in self._layers:
+            x = m(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{len(self._layers)} layers, chained={self.chained}"
+
+
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` + fused epilogue: ``act(x @ W.T + bias + residual)``.
 

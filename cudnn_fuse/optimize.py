@@ -9,6 +9,10 @@ when the whole model does not trace):
 - Linear + GELU-like activation + Linear [+ residual add] (a transformer MLP) ->
   cudnn_fuse.nn.FusedMLP (its backward fuses the activation's backward into the second
   layer's data-gradient GEMM; not with ``recompute``);
+- with ``chain_convs=True`` (``CUDNN_FUSE_CONV_CHAIN=1``): a run of 2+ of those convs with no
+  activation or ReLU and no residual, each the next one's only input -> one
+  cudnn_fuse.nn.ConvChain, whose training step is one autograd node (the layers stay
+  where they were: state_dict keys unchanged);
 - F.scaled_dot_product_attention call sites -> cudnn_fuse.scaled_dot_product_attention;
 - a large Linear (>= 1M weights) with nothing to fuse whose output width is not a multiple of
   16 bytes (GPT-2's lm_head, 50257 wide) -> cudnn_fuse.nn.AlignedLinear (aligned GEMM on a padded weight; torch's
@@ -182,8 +186,9 @@ def _new_linear(lin: nn.Linear, act, slope, recompute) -> cfnn.Linear:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, summary: Summary, prefix: str, recompute: bool):
+    def __init__(self, gm: fx.GraphModule, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False):
         self.gm, self.summary, self.prefix, self.recompute = gm, summary, prefix, recompute
+        self.chain_convs = chain_convs
         self.count = 0
 
     def where(self, node) -> str:
@@ -327,15 +332,51 @@ class _Rewriter:
                 self.summary.replaced.append((self.where(node), "F.scaled_dot_product_attention"))
         self.gm.graph.eliminate_dead_code()
         self.gm.delete_all_unused_submodules()
+        if self.chain_convs:
+            self.chain()  # after the clean-up: the chained layers stay the model's children
         self.gm.graph.lint()
         self.gm.recompile()
+
+    def chain(self) -> None:
+        """Runs of 2+ chainable cudnn_fuse.nn.Conv2d calls (no activation or ReLU, no residual), each
+        the next one's only input and used by it alone -> one cudnn_fuse.nn.ConvChain call, whose
+        training step is one autograd node. The layers stay registered where they were."""
+        calls_of = collections.Counter(n.target for n in self.gm.graph.nodes if n.op == "call_module")
+
+        def chainable(node) -> bool:
+            return node.op == "call_module" and calls_of[node.target] == 1 and \
+                cfnn.ConvChain.chainable(self.gm.get_submodule(node.target)) and len(node.args) == 1 and not node.kwargs
+
+        runs, run = [], []
+        for node in list(self.gm.graph.nodes):
+            if chainable(node) and run and node.args[0] is run[-1] and _only_user(run[-1]) is node:
+                run.append(node)
+                continue
+            if len(run) >= 2:
+                runs.append(run)
+            run = [node] if chainable(node) else []
+        if len(run) >= 2:
+            runs.append(run)
+        for run in runs:
+            name = f"cudnn_fuse_chain_{self.count}"
+            self.count += 1
+            layers = [self.gm.get_submodule(n.target) for n in run]
+            # the ConvChain holds the layers in a plain list; add_submodule registers only the chain
+            self.gm.add_submodule(name, cfnn.ConvChain(layers, chained=True))
+            with self.gm.graph.inserting_after(run[-1]):
+                new = self.gm.graph.call_module(name, (run[0].args[0],))
+            run[-1].replace_all_uses_with(new)
+            for n in reversed(run):
+                self.gm.graph.erase_node(n)
+            where = ", ".join(f"{self.prefix}{n.target}" for n in run)
+            self.summary.replaced.append((where, f"{len(run)} convs chained (one autograd node for their training step)"))
 
 
 def _aligned_pattern(m: cfnn.AlignedLinear) -> str:
     return f"Linear, output {m.out_features} wide padded to {m.out_features + m.pad} (aligned GEMM)"
 
 
-def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) -> nn.Module:
+def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False) -> nn.Module:
     """The traced + rewritten module, or the module with its children rewritten."""
     if type(module) is nn.Linear:  # a lone Linear child (e.g. an untraceable model's lm_head)
         if cfnn.AlignedLinear.wanted(module):
@@ -353,10 +394,10 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) 
         summary.left_alone.append((where, f"not traceable by torch.fx ({type(exc).__name__}); its children are "
                                           "rewritten one by one"))
         for name, child in list(module.named_children()):
-            setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute))
+            setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute, chain_convs))
         return module
     before = len(summary.replaced)
-    _Rewriter(gm, summary, prefix, recompute).run()
+    _Rewriter(gm, summary, prefix, recompute, chain_convs).run()
     if len(summary.replaced) == before:
         # nothing fused: keep the original module (a GraphModule lacks the attributes other
         # code may read, e.g. transformers reads ``attn_dropout.p``)
@@ -365,14 +406,22 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool) 
     return gm
 
 
-def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, inplace: bool = False) -> nn.Module:
+def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, inplace: bool = False,
+             chain_convs: bool | None = None) -> nn.Module:
     """Return ``model`` with its fusable patterns on cudnn_fuse ops (see the module doc).
 
     Eval mode folds BatchNorm2d into the convs (inference); in train mode BN stays.
     Convs' models are moved to channels_last once. ``autotune`` turns on
     autotuning of new plans; ``recompute`` is given to the Linear modules.
+    ``chain_convs`` (default ``CUDNN_FUSE_CONV_CHAIN``, off): runs of fused convs with no
+    activation or ReLU, each feeding only the next, become one ``cudnn_fuse.nn.ConvChain``
+    whose training step is one autograd node (state_dict keys unchanged).
     The original model is left untouched unless ``inplace``.
     """
+    if chain_convs is None:
+        chain_convs = cfnn._conv_chain_default()
+    elif not isinstance(chain_convs, bool):
+        raise TypeError(f"optimize: chain_convs must be a bool or None, got {chain_convs!r}")
     if autotune:
         from .autotune import set_autotune
 
@@ -384,7 +433,7 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
 
     if use_cudnn_fuse_attention(model):
         summary.replaced.append((type(model).__name__, "transformers sdpa attention -> cudnn_fuse attention"))
-    out = _rewrite(model, summary, "", recompute)
+    out = _rewrite(model, summary, "", recompute, chain_convs)
     if any(isinstance(m, nn.Conv2d) for m in out.modules()):
         out = out.to(memory_format=torch.channels_last)
     out.cudnn_fuse_summary = summary

@@ -303,6 +303,88 @@ def conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, res
     return (y, amax) if return_amax else y
 
 
+# ------------------------------------------------------------------------ a chain of convs, one node
+
+
+class _LayerCtx:
+    """One chained layer as _conv2d_backward reads a ctx (the general path, for what the layer's
+    program does not take): its saved tensors as _save keeps them for no activation or ReLU, and
+    needs_input_grad in the custom op's argument layout."""
+
+    __slots__ = ("saved_tensors", "needs_input_grad", "act", "slope", "geo", "has_bias", "has_residual")
+
+    def __init__(self, x, w, y, act, slope, geo, has_bias, need_x, need_w, need_b):
+        self.saved_tensors = (x, w, y, None, None)
+        self.needs_input_grad = (need_x, need_w, need_b, False, False, False, False, False, False, False, False, False)
+        self.act, self.slope, self.geo, self.has_bias, self.has_residual = act, slope, geo, has_bias, False
+
+
+class _ConvChain(torch.autograd.Function):
+    """A chain of convs (each with no activation or ReLU, no residual) as ONE autograd node
+    (cudnn_fuse.nn.ConvChain). The forward runs each layer's own forward, with grad off (its
+    validated inference call); the backward runs each layer's replayed backward program in turn
+    (backward.conv_program: dz + dbias, dgrad, wgrad), the general path where a layer has none.
+    What it saves is what the layers' own nodes save (each input, each ReLU output, each weight),
+    through save_for_backward; what it removes is one Python autograd node a layer (the node's
+    apply, its saved-tensor unpacking and the engine's call into Python)."""
+
+    @staticmethod
+    def forward(ctx, x, layers, geos, *params):
+        hs = [x]
+        for m in layers:
+            h = hs[-1]
+            hs.append(_conv_out_layout(m.forward(h), h))  # the layout the layer's own training call returns
+        ctx.layers, ctx.geos = layers, geos
+        weights = params[0::2]
+        ctx.save_for_backward(*hs, *weights)
+        return hs[-1]
+
+    @staticmethod
+    def backward(ctx, gy):
+        layers, geos = ctx.layers, ctx.geos
+        n = len(layers)
+        saved = ctx.saved_tensors
+        hs, weights = saved[:n + 1], saved[n + 1:]
+        need = ctx.needs_input_grad
+        pneed = need[3:]
+        # whether layer i's input needs a gradient: the chain's input does, or a parameter before it
+        up = [need[0]]
+        for i in range(n - 1):
+            up.append(up[-1] or pneed[2 * i] or pneed[2 * i + 1])
+        grads = [None] * (2 * n)
+        for i in reversed(range(n)):
+            m, geo = layers[i], geos[i]
+            x, w, b = hs[i], weights[i], m._parameters.get("bias")
+            act, slope = m.activation, m.negative_slope
+            y = hs[i + 1] if act == "relu" else None
+            need_x, need_w, need_b = up[i], pneed[2 * i], b is not None and pneed[2 * i + 1]
+            out = None
+            if backward.usable(x, w, b, gy):
+                out = backward.conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b)
+            if out is None:
+                g = _conv2d_backward(_LayerCtx(x, w, y, act, slope, geo, b is not None, need_x, need_w, need_b), gy, None)
+                dx, dw, db = g[0], g[1], g[2]
+            else:
+                dx, dw, db = out[0], out[1], out[2]
+            grads[2 * i], grads[2 * i + 1] = (dw if need_w else None), (db if need_b else None)
+            if not need_x:
+                break  # nothing before this layer wants a gradient
+            gy = dx
+        return (gy if need[0] else None, None, None, *grads)
+
+
+def conv_chain(x, layers, geos, params=None):
+    """``layers`` (cudnn_fuse.nn.Conv2d, each with no activation or ReLU and no residual) applied in
+    turn to ``x`` as one autograd node; ``geos``: each layer's (stride, pre, post, dilation, groups)
+    tuples; ``params``: [w0, b0, w1, b1, ...] (the layers' own, b None where a layer has none).
+    For eager training calls (cudnn_fuse.nn.ConvChain decides)."""
+    if params is None:
+        params = []
+        for m in layers:
+            params += (m.weight, m.bias)
+    return _ConvChain.apply(x, layers, geos, *params)
+
+
 # ------------------------------------------------------------------------ linear
 
 
