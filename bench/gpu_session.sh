@@ -72,8 +72,8 @@ for s in $STEPS; do
             CUDNN_FUSE_NODE_SEQUENCES=1 step capture_nodes_probe_sequences 150 python3 bench/capture_nodes_probe.py --out "$OUT/seq" ;;
         seqtests) CUDNN_FUSE_NODE_SEQUENCES=1 step launch_graph_tests_sequences 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
                 tests/test_gpu_launch_graphs.py tests/test_gpu_fastpath.py tests/test_gpu_backward.py ;;
-        chainab) step memory_conv_chain_ab 200 python3 bench/memory.py --out "$OUT" --conv-chain-ab --only conv ${MEMORY_ARGS:-} ;;
-        seqab) CUDNN_FUSE_NODE_SEQUENCES=1 step memory_sequences_ab 200 python3 bench/memory.py --out "$OUT" --kernel-replay-ab --only conv ${MEMORY_ARGS:-} ;;
+        chainab) step memory_conv_chain_ab 200 python3 bench/memory.py --out "$OUT/chain" --conv-chain-ab --only conv ${MEMORY_ARGS:-} ;;
+        seqab) CUDNN_FUSE_NODE_SEQUENCES=1 step memory_sequences_ab 200 python3 bench/memory.py --out "$OUT/seq" --kernel-replay-ab --only conv ${MEMORY_ARGS:-} ;;
         eagerprobe) step eager_host_probe 150 python3 bench/eager_host_probe.py --out "$OUT" --rounds "${ROUNDS:-3}" ;;
         gapprobe) step host_gap_probe 150 python3 bench/host_gap_probe.py --out "$OUT" ;;
         runoffprobe) step runoff_probe 200 python3 bench/runoff_probe.py --out "$OUT" ;;
