@@ -220,6 +220,9 @@ class _MemsetNodeParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
                 ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
 
 
+_MEMSET_VALUE = {1: ctypes.c_ubyte, 2: ctypes.c_ushort, 4: ctypes.c_uint}  # element size -> value type
+
+
 class MemsetStep:
     """A captured memset node, launched as the driver's memset on a stream: cuMemsetD{8,16,32}Async
     (one row) or cuMemsetD2D{8,16,32}Async (``height`` rows ``pitch`` bytes apart), ``width`` elements
@@ -232,11 +235,12 @@ class MemsetStep:
         self.dst, self.value, self.element_size = p.dst, p.value, p.elementSize
         self.width, self.height, self.pitch = p.width, max(1, p.height), p.pitch
         self._fn = fns[(p.elementSize, self.height > 1)]
+        value = _MEMSET_VALUE[p.elementSize](p.value)  # the type the function's prototype takes
         if self.height > 1:
-            self._args = (ctypes.c_uint64(p.dst), ctypes.c_size_t(p.pitch), ctypes.c_uint(p.value),
+            self._args = (ctypes.c_uint64(p.dst), ctypes.c_size_t(p.pitch), value,
                           ctypes.c_size_t(p.width), ctypes.c_size_t(self.height))
         else:
-            self._args = (ctypes.c_uint64(p.dst), ctypes.c_uint(p.value), ctypes.c_size_t(p.width))
+            self._args = (ctypes.c_uint64(p.dst), value, ctypes.c_size_t(p.width))
 
     def launch(self, stream: int) -> int:
         return self._fn(*self._args, ctypes.c_void_p(stream))
@@ -339,7 +343,8 @@ class Driver:
             self._edges = fn("cuGraphGetEdges", vp, vp, vp, P(ctypes.c_size_t))
             self._memset_params = fn("cuGraphMemsetNodeGetParams", vp, P(_MemsetNodeParams))
             u64, sz = ctypes.c_uint64, ctypes.c_size_t
-            for size, suffix, value in ((1, "8", ctypes.c_ubyte), (2, "16", ctypes.c_ushort), (4, "32", ctypes.c_uint)):
+            for size, suffix in ((1, "8"), (2, "16"), (4, "32")):
+                value = _MEMSET_VALUE[size]
                 self._memsets[(size, False)] = fn(f"cuMemsetD{suffix}Async", u64, value, sz, vp)
                 self._memsets[(size, True)] = fn(f"cuMemsetD2D{suffix}Async", u64, sz, value, sz, sz, vp)
         except AttributeError as exc:

@@ -931,3 +931,21 @@ def test_a_failed_sequence_launch_launches_raw_and_drops_the_graphs(monkeypatch,
     rig.plan.launch([1, 2, 3])  # captured, its launch fails: the call runs raw, graphs dropped
     assert rig.raw_calls[-1] == (7, (1, 2, 3), 0) and rig.plan._graphs.off
     assert len(rig.drv.destroyed) == 1 and isinstance(rig.drv.destroyed[0], launch_graphs.SequenceReplay)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("height", [1, 3])
+def test_memset_steps_pass_what_the_bound_prototypes_accept(size, height):
+    """The Driver binds the memsets with prototypes (value c_ubyte / c_ushort / c_uint); a MemsetStep's
+    arguments must pass them (ctypes refuses a c_uint where a c_ubyte is declared: found on the GPU)."""
+    calls = []
+    u64, sz, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+    fns = {}
+    for s in (1, 2, 4):
+        v = launch_graphs._MEMSET_VALUE[s]
+        fns[(s, False)] = ctypes.CFUNCTYPE(ctypes.c_int, u64, v, sz, vp)(lambda *a: calls.append(a) or 0)
+        fns[(s, True)] = ctypes.CFUNCTYPE(ctypes.c_int, u64, sz, v, sz, sz, vp)(lambda *a: calls.append(a) or 0)
+    p = launch_graphs._MemsetNodeParams()
+    p.dst, p.value, p.elementSize, p.width, p.height, p.pitch = 0x1000, 7, size, 16, height, 64
+    assert launch_graphs.MemsetStep(fns, p).launch(5) == 0
+    assert calls[-1] == ((0x1000, 64, 7, 16, 3, 5) if height > 1 else (0x1000, 7, 16, 5))
