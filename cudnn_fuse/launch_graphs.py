@@ -160,10 +160,11 @@ FUNC_CLUSTER_SIZE_MUST_BE_SET = 10  # CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET
 
 KERNEL_REPLAY = os.environ.get("CUDNN_FUSE_KERNEL_REPLAY", "1").strip().lower() not in _OFF_WORDS
 TRIM_ATTRS = os.environ.get("CUDNN_FUSE_KERNEL_ATTRS", "trim").strip().lower() != "all"
-# A capture that is a chain of kernel and memset nodes (a memset before the kernel: SDPA's and AMAX's; a
-# kernel and its reduction) launched as those operations in turn (SequenceReplay). Off by default until it
-# has been run on the GPU: CUDNN_FUSE_NODE_SEQUENCES=1 turns it on.
-NODE_SEQUENCES = os.environ.get("CUDNN_FUSE_NODE_SEQUENCES", "0").strip().lower() not in (*_OFF_WORDS, "")
+# A capture that is a chain of kernel and memset nodes (a memset before the kernel: SDPA's and AMAX's, and on
+# the H200 the 32x128x56x56 conv's forward, dz and dgrad; a kernel and its reduction) launched as those
+# operations in turn (SequenceReplay). On by default since it ran on the GPU (docs/decisions.md);
+# CUDNN_FUSE_NODE_SEQUENCES=0 replays such captures as graphs (and leaves long kernels' raw).
+NODE_SEQUENCES = os.environ.get("CUDNN_FUSE_NODE_SEQUENCES", "1").strip().lower() not in (*_OFF_WORDS, "")
 MAX_SEQUENCE = 8  # nodes in a chain launched one by one; a longer graph replays as a graph
 NODE_TYPE_MEMSET = 2
 

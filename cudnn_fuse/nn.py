@@ -89,7 +89,7 @@ def _autocast() -> bool:
 def _conv_chain_default() -> bool:
     import os
 
-    return os.environ.get("CUDNN_FUSE_CONV_CHAIN", "0").strip().lower() not in ("", "0", "false", "no", "off")
+    return os.environ.get("CUDNN_FUSE_CONV_CHAIN", "1").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class ConvChain(torch.nn.Module):
@@ -106,7 +106,7 @@ class ConvChain(torch.nn.Module):
     The layers are not this module's children: they stay where they were (the model's own
     children, so the state_dict keys, ``.to()`` and optimizers see them as before) and this module
     holds them in a plain list. ``chained=False`` (or ``CUDNN_FUSE_CONV_CHAIN=0`` at
-    construction) makes it run them one by one always."""
+    construction) makes it run them one by one always. On by default since its GPU run."""
 
     def __init__(self, layers, chained=None):
         super().__init__()

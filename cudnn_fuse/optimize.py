@@ -9,7 +9,7 @@ when the whole model does not trace):
 - Linear + GELU-like activation + Linear [+ residual add] (a transformer MLP) ->
   cudnn_fuse.nn.FusedMLP (its backward fuses the activation's backward into the second
   layer's data-gradient GEMM; not with ``recompute``);
-- with ``chain_convs=True`` (``CUDNN_FUSE_CONV_CHAIN=1``): a run of 2+ of those convs with no
+- unless ``chain_convs=False`` (``CUDNN_FUSE_CONV_CHAIN=0``): a run of 2+ of those convs with no
   activation or ReLU and no residual, each the next one's only input -> one
   cudnn_fuse.nn.ConvChain, whose training step is one autograd node (the layers stay
   where they were: state_dict keys unchanged);
@@ -413,7 +413,7 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     Eval mode folds BatchNorm2d into the convs (inference); in train mode BN stays.
     Convs' models are moved to channels_last once. ``autotune`` turns on
     autotuning of new plans; ``recompute`` is given to the Linear modules.
-    ``chain_convs`` (default ``CUDNN_FUSE_CONV_CHAIN``, off): runs of fused convs with no
+    ``chain_convs`` (default ``CUDNN_FUSE_CONV_CHAIN``, on): runs of fused convs with no
     activation or ReLU, each feeding only the next, become one ``cudnn_fuse.nn.ConvChain``
     whose training step is one autograd node (state_dict keys unchanged).
     The original model is left untouched unless ``inplace``.

@@ -71,9 +71,9 @@ def test_optimize_chains_a_conv_relu_stack_and_keeps_the_state_dict_keys():
     m.load_state_dict(base.state_dict())
 
 
-def test_optimize_does_not_chain_by_default():
-    m = cf.optimize(_stack())
-    assert not _chains(m)
+def test_optimize_chains_by_default_and_not_when_asked_not_to():
+    assert _chains(cf.optimize(_stack()))
+    assert not _chains(cf.optimize(_stack(), chain_convs=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -196,7 +196,7 @@ def test_chained_false_and_the_environment():
     assert type(off(x).grad_fn).__name__ != "_ConvChainBackward"
     code = "import cudnn_fuse.nn as n, torch; print(n.ConvChain([n.Conv2d(2, 2, 1)]).chained)"
     env = {k: v for k, v in os.environ.items() if k != "CUDNN_FUSE_CONV_CHAIN"}
-    for value, want in ((None, "False"), ("1", "True"), ("0", "False")):
+    for value, want in ((None, "True"), ("1", "True"), ("0", "False")):
         e = dict(env, **({"CUDNN_FUSE_CONV_CHAIN": value} if value else {}))
         out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
         assert out.stdout.strip().splitlines()[-1] == want, out.stderr

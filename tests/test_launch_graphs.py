@@ -784,12 +784,12 @@ def _plain(args):
     return [getattr(a, "value", a) for a in args]
 
 
-def test_node_sequences_are_off_by_default_and_on_by_environment():
+def test_node_sequences_are_on_by_default_and_off_by_environment():
     import subprocess
     import sys
 
     code = "from cudnn_fuse import launch_graphs as g; print(g.NODE_SEQUENCES)"
-    for env, want in (({}, "False"), ({"CUDNN_FUSE_NODE_SEQUENCES": "1"}, "True"),
+    for env, want in (({}, "True"), ({"CUDNN_FUSE_NODE_SEQUENCES": "1"}, "True"),
                       ({"CUDNN_FUSE_NODE_SEQUENCES": "off"}, "False")):
         import os
 
