@@ -94,7 +94,7 @@ def _conv_chain_default() -> bool:
 
 class ConvChain(torch.nn.Module):
     """Convs applied in turn (``cudnn_fuse.nn.Conv2d``, each with no activation or ReLU and no
-    residual: ``optimize(model, chain_convs=True)`` builds it for such a run of layers) whose
+    residual: ``optimize(model)`` builds it for such a run of layers) whose
     eager training step is ONE autograd node: the layers' forwards run in turn, and the backward
     runs each layer's replayed backward program in turn (``torch_ops._ConvChain``), where each
     layer on its own would be a Python autograd node (its apply, saved-tensor unpacking and the
