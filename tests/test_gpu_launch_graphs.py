@@ -291,6 +291,23 @@ def _long_sets():
     return [p._graphs for p in _raw_plans() if p._graphs is not None and p._graphs.kernel_only]
 
 
+def _replays_match_raw(t, fn, first, again):
+    """``again`` (repeated calls) equals ``first`` bit for bit; new values written into ``t`` are read
+    by the replays, which equal a raw launch of them."""
+    for a, c in zip(first, again):
+        assert torch.equal(a, c)
+    t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
+    for _ in range(6):
+        out = _flat(fn(t))
+    got = [o.clone() for o in out]
+    with raw_only():
+        want = _flat(fn(t))
+    torch.cuda.synchronize()
+    for a, c in zip(got, want):
+        assert torch.equal(a, c)
+    assert not torch.equal(first[0], want[0])
+
+
 @pytest.mark.parametrize("name", ["conv_b32_c128_28", "linear_2048_gelu"])
 def test_long_kernels_replay_as_their_kernel_bit_identical_or_launch_raw(cache_dir, name):
     """A long kernel's plan (estimate over MAX_US) captures its repeated pointer sets too, but keeps a
@@ -316,18 +333,7 @@ def test_long_kernels_replay_as_their_kernel_bit_identical_or_launch_raw(cache_d
             assert all(s.off for s in sets) and s1["graph_replays"] == s0["graph_replays"]
         else:
             assert s1["graph_replays"] > s0["graph_replays"]
-        for a, c in zip(first, again):
-            assert torch.equal(a, c)
-        t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
-        for _ in range(6):
-            out = _flat(fn(t))
-        got = [o.clone() for o in out]
-        with raw_only():
-            want = _flat(fn(t))
-        torch.cuda.synchronize()
-        for a, c in zip(got, want):
-            assert torch.equal(a, c)
-        assert not torch.equal(first[0], want[0])
+        _replays_match_raw(t, fn, first, again)
 
 
 def test_a_training_step_of_long_convs_replays_its_kernels_bit_for_bit(cache_dir):
@@ -411,17 +417,7 @@ def test_long_kernels_with_node_sequences_are_exact(cache_dir, node_sequences, n
         torch.cuda.synchronize()
         assert _long_sets()
         assert all(not isinstance(e, int) for e in _entries())  # never a graph replay for a long kernel
-        for a, c in zip(first, again):
-            assert torch.equal(a, c)
-        t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
-        for _ in range(6):
-            out = _flat(fn(t))
-        got = [o.clone() for o in out]
-        with raw_only():
-            want = _flat(fn(t))
-        torch.cuda.synchronize()
-        for a, c in zip(got, want):
-            assert torch.equal(a, c)
+        _replays_match_raw(t, fn, first, again)
 
 
 def test_a_training_step_of_long_convs_with_node_sequences_matches_raw_launches(cache_dir, node_sequences):
