@@ -27,11 +27,6 @@ from bench.memory import convs, train_step  # noqa: E402
 from cudnn_fuse import launch_graphs, plans  # noqa: E402
 
 
-class _MemsetParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
-    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
-                ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
-
-
 class _Memcpy3D(ctypes.Structure):  # CUDA_MEMCPY3D
     _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcZ", ctypes.c_size_t),
                 ("srcLOD", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
@@ -75,7 +70,7 @@ def _describe(graph: int) -> dict:
             rec["block"] = [p.bx, p.by, p.bz]
             rec["smem"] = p.smem
         elif kind.value == 2:
-            m = _MemsetParams()
+            m = launch_graphs._MemsetNodeParams()
             lib.cuGraphMemsetNodeGetParams(ctypes.c_void_p(nodes[i]), ctypes.byref(m))
             rec.update(bytes=m.width * m.elementSize * max(1, m.height), value=m.value, element_size=m.elementSize)
         elif kind.value == 1:

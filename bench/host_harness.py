@@ -105,7 +105,7 @@ def eager_rows(calls: int = 100000, rounds: int = 5) -> dict:
             self.kernels = kernels
             self.launch = gtod
 
-        def capture(self, stream, work):
+        def capture(self, stream, work, kernel_only=False):
             work()
             if self.kernels:
                 return launch_graphs.KernelReplay(memcmp, 0x100, 0x300, node, hints, stream)

@@ -111,17 +111,22 @@ def case(name, eager, fused, x):
                 LAST_GRAPHS[1] if len(LAST_GRAPHS) > 1 else None)
 
 
-def chain_case(name, eager, fused, chained, x) -> list:
-    """``case`` with a third model in the same rounds: cf with its conv runs chained (one autograd node,
-    cf.optimize(chain_convs=True)). Two rows: cf as it is, and cf chained (name + " [conv chain]")."""
+def variant_case(name, eager, fused, x, other, suffix, setups=None) -> list:
+    """``case`` with a third model in the same rounds (``other``, or ``fused`` itself behind ``setups``:
+    see interleaved_ms). Two rows: cf as it is, and the variant (name + ``suffix``)."""
     ep = peak_bytes(eager, x)
     f0 = cf.plan_stats()["fallbacks"]
     cp = peak_bytes(fused, x)
-    hp = peak_bytes(chained, x)
-    (et, er), (ct, cr), (ht, hr) = interleaved_ms([eager, fused, chained], x, rounds=ROUNDS)
+    op = peak_bytes(other, x) if other is not fused else cp
+    (et, er), (ct, cr), (ot, orr) = interleaved_ms([eager, fused, other], x, rounds=ROUNDS, setups=setups)
     fb = cf.plan_stats()["fallbacks"] - f0
     g = LAST_GRAPHS
-    return [_row(name, ep, cp, et, er, ct, cr, fb, g[1]), _row(name + " [conv chain]", ep, hp, et, er, ht, hr, fb, g[2])]
+    return [_row(name, ep, cp, et, er, ct, cr, fb, g[1]), _row(name + suffix, ep, op, et, er, ot, orr, fb, g[2])]
+
+
+def chain_case(name, eager, fused, chained, x) -> list:
+    """The conv row also with its runs chained (one autograd node, cf.optimize(chain_convs=True))."""
+    return variant_case(name, eager, fused, x, chained, " [conv chain]")
 
 
 def _long_kernel_sets(off: bool):
@@ -148,20 +153,13 @@ _SWITCHED_OFF: set = set()
 
 
 def kernel_replay_case(name, eager, fused, x) -> list:
-    """``case`` with a third variant in the same rounds: the cf model with long kernels' kernel replays
-    switched off (every launch of theirs raw), the same plans otherwise. Two rows: cf as it is, and
-    cf with them off (name + " [long kernels raw]")."""
-    ep = peak_bytes(eager, x)
-    f0 = cf.plan_stats()["fallbacks"]
-    cp = peak_bytes(fused, x)
-    sets = _long_kernel_sets(False)
-    (et, er), (ct, cr), (rt, rr) = interleaved_ms(
-        [eager, fused, fused], x, rounds=ROUNDS,
-        setups=[None, lambda: _long_kernel_sets(False), lambda: _long_kernel_sets(True)])
-    _long_kernel_sets(False)
-    fb = cf.plan_stats()["fallbacks"] - f0
-    g = LAST_GRAPHS
-    rows = [_row(name, ep, cp, et, er, ct, cr, fb, g[1]), _row(name + " [long kernels raw]", ep, cp, et, er, rt, rr, fb, g[2])]
+    """The row also with the cf model's long kernels' kernel replays switched off (every launch of
+    theirs raw), the same plans otherwise (name + " [long kernels raw]")."""
+    try:
+        rows = variant_case(name, eager, fused, x, fused, " [long kernels raw]",
+                            setups=[None, lambda: _long_kernel_sets(False), lambda: _long_kernel_sets(True)])
+    finally:
+        sets = _long_kernel_sets(False)
     rows[0]["long_kernel_sets"] = sets
     return rows
 

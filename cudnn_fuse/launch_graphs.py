@@ -229,22 +229,21 @@ class MemsetStep:
     (one row) or cuMemsetD2D{8,16,32}Async (``height`` rows ``pitch`` bytes apart), ``width`` elements
     of ``elementSize`` bytes set to ``value``."""
 
-    __slots__ = ("_fn", "_args", "dst", "value", "element_size", "width", "height", "pitch")
+    __slots__ = ("_fn", "_args")
 
     def __init__(self, fns: dict, p: _MemsetNodeParams):
         """``fns``: {(element size, 2D?): bound memset function}."""
-        self.dst, self.value, self.element_size = p.dst, p.value, p.elementSize
-        self.width, self.height, self.pitch = p.width, max(1, p.height), p.pitch
-        self._fn = fns[(p.elementSize, self.height > 1)]
+        rows = max(1, p.height)
+        self._fn = fns[(p.elementSize, rows > 1)]
         value = _MEMSET_VALUE[p.elementSize](p.value)  # the type the function's prototype takes
-        if self.height > 1:
-            self._args = (ctypes.c_uint64(p.dst), ctypes.c_size_t(p.pitch), value,
-                          ctypes.c_size_t(p.width), ctypes.c_size_t(self.height))
+        if rows > 1:
+            self._args = (ctypes.c_uint64(p.dst), ctypes.c_size_t(p.pitch), value, ctypes.c_size_t(p.width),
+                          ctypes.c_size_t(rows))
         else:
             self._args = (ctypes.c_uint64(p.dst), value, ctypes.c_size_t(p.width))
 
     def launch(self, stream: int) -> int:
-        return self._fn(*self._args, ctypes.c_void_p(stream))
+        return self._fn(*self._args, stream)  # the prototype's c_void_p takes the int as it is
 
 
 class SequenceReplay:
@@ -252,10 +251,10 @@ class SequenceReplay:
     the chain's order on one stream (what the graph's edges order). Holds the graph, whose kernel nodes
     own their parameter values; ``Driver.destroy`` frees it."""
 
-    __slots__ = ("graph", "steps", "stream")
+    __slots__ = ("graph", "steps")
 
-    def __init__(self, graph, steps, stream: int):
-        self.graph, self.steps, self.stream = graph, tuple(steps), stream
+    def __init__(self, graph, steps):
+        self.graph, self.steps = graph, tuple(steps)
 
     def launch(self, stream: int) -> int:
         """Launch every step on ``stream`` in turn; the first failing step's CUresult, or 0. A step
@@ -264,7 +263,6 @@ class SequenceReplay:
             rc = step.launch(stream)
             if rc:
                 return rc
-        self.stream = stream
         return 0
 
     @property
@@ -509,7 +507,7 @@ class Driver:
             if step is None:
                 return None
             steps.append(step)
-        return SequenceReplay(graph, steps, stream)
+        return SequenceReplay(graph, steps)
 
     def trim_attrs(self, attrs, func, stream: int) -> list:
         """``attrs`` ([(id, value)] of a kernel node captured on ``stream``) less those a plain
@@ -724,12 +722,12 @@ def new_set(spec=None):
     the estimate is within KERNEL_MAX_US; else None."""
     if not ENABLED:
         return None
-    kernel_only = False
-    if spec is not None and not worth_graphs(spec):
-        est = estimated_us(spec)
-        if est is None or not est <= KERNEL_MAX_US:
-            return None
-        kernel_only = True
+    est = estimated_us(spec) if spec is not None else 0.0
+    if est is None:
+        return None
+    kernel_only = est > MAX_US  # not worth_graphs
+    if kernel_only and not est <= KERNEL_MAX_US:
+        return None
     drv = driver()
     if drv is None or kernel_only and not drv.kernels:
         return None

@@ -8,8 +8,10 @@ freely between ``torch.nn.Conv2d`` and ``cudnn_fuse.nn.Conv2d``.
 from __future__ import annotations
 
 import torch
+from torch.nn.modules import module as _torch_module
 
-from . import ops, reference
+from . import manifest, ops, reference
+from .backward import _traced
 from .spec import ACTIVATIONS
 
 # activations whose backward needs their input (ReLU's needs only its output)
@@ -71,12 +73,6 @@ class Conv2d(torch.nn.Conv2d):
 def _functorch_active() -> bool:
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return bool(active()) if active is not None else False
-
-
-def _traced(t) -> bool:
-    from .backward import _traced as traced
-
-    return traced(t)
 
 
 def _autocast() -> bool:
@@ -143,16 +139,11 @@ class ConvChain(torch.nn.Module):
         """The layers' parameters [w0, b0, w1, b1, ...] when this call runs as one node, else None."""
         if not self.chained or not torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() != 4:
             return None
-        if torch.compiler.is_compiling() or _autocast() or _functorch_active() or _traced(x):
+        if torch.compiler.is_compiling() or _autocast() or _functorch_active() or _traced(x) or manifest._active:
             return None
-        from . import manifest
-
-        if manifest._active:
-            return None
-        from torch.nn.modules import module as _mod
-
-        if _mod._global_forward_hooks or _mod._global_forward_pre_hooks or _mod._global_backward_hooks or \
-                getattr(_mod, "_global_backward_pre_hooks", None) or getattr(_mod, "_global_forward_hooks_always_called", None):
+        g = _torch_module
+        if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks or \
+                g._global_backward_pre_hooks:
             return None
         wants = x.requires_grad
         params = []
@@ -171,7 +162,7 @@ class ConvChain(torch.nn.Module):
     def forward(self, x):
         params = self._one_node(x)
         if params is not None:
-            from . import torch_ops
+            from . import torch_ops  # at first use, as ops imports it: it registers the custom ops
 
             return torch_ops.conv_chain(x, self._layers, self._geos(), params)
         for m in self._layers:

@@ -406,8 +406,7 @@ class Plan:
 
         try:
             with torch.cuda.device(self.device):
-                ex = graphs._drv.capture(side, work, kernel_only=True) if graphs.kernel_only else \
-                    graphs._drv.capture(side, work)
+                ex = graphs._drv.capture(side, work, kernel_only=graphs.kernel_only)
         except launch_graphs.NotOneKernel as exc:  # a long kernel's plan replays as its kernel or not at all
             launch_graphs.STATS.declined += 1
             graphs.disable()

@@ -168,8 +168,9 @@ class _Conv2dTrain(torch.autograd.Function):
                 out = _conv2d_program_grads(ctx, x, w, y, gy, n[0], n[1], n[2], n[3])
                 if out is not None:
                     return out + (None, None)
-        g = _conv2d_backward(_OpCtx(ctx, (n[0], n[1], n[2], False, False, False, False, False, False, n[3],
-                                          False, False)), gy, None)
+        g = _conv2d_backward(_OpCtx(ctx.saved_tensors, (n[0], n[1], n[2], False, False, False, False, False, False, n[3],
+                                                        False, False), ctx.act, ctx.slope, ctx.geo, ctx.has_bias,
+                                    ctx.has_residual), gy, None)
         return g[0], g[1], g[2], g[9], None, None
 
 
@@ -184,15 +185,16 @@ def _conv2d_program_grads(ctx, x, w, y, gy, need_x, need_w, need_b, need_r):
 
 
 class _OpCtx:
-    """A lean Function's ctx as the custom op's backward reads it: its saved tensors and
-    attributes, with needs_input_grad in the custom op's argument layout."""
+    """A ctx as the custom op's backward reads it (a lean Function's, or one chained layer's): the
+    saved tensors (x, w, y, bias, residual) as _save keeps them, needs_input_grad in the custom op's
+    argument layout, and the attributes."""
 
     __slots__ = ("saved_tensors", "needs_input_grad", "act", "slope", "geo", "has_bias", "has_residual")
 
-    def __init__(self, ctx, needs):
-        self.saved_tensors, self.needs_input_grad = ctx.saved_tensors, needs
-        self.act, self.slope, self.geo = ctx.act, ctx.slope, ctx.geo
-        self.has_bias, self.has_residual = ctx.has_bias, ctx.has_residual
+    def __init__(self, saved, needs, act, slope, geo, has_bias, has_residual):
+        self.saved_tensors, self.needs_input_grad = saved, needs
+        self.act, self.slope, self.geo = act, slope, geo
+        self.has_bias, self.has_residual = has_bias, has_residual
 
 
 @conv2d_op.register_fake
@@ -306,19 +308,6 @@ def conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, res
 # ------------------------------------------------------------------------ a chain of convs, one node
 
 
-class _LayerCtx:
-    """One chained layer as _conv2d_backward reads a ctx (the general path, for what the layer's
-    program does not take): its saved tensors as _save keeps them for no activation or ReLU, and
-    needs_input_grad in the custom op's argument layout."""
-
-    __slots__ = ("saved_tensors", "needs_input_grad", "act", "slope", "geo", "has_bias", "has_residual")
-
-    def __init__(self, x, w, y, act, slope, geo, has_bias, need_x, need_w, need_b):
-        self.saved_tensors = (x, w, y, None, None)
-        self.needs_input_grad = (need_x, need_w, need_b, False, False, False, False, False, False, False, False, False)
-        self.act, self.slope, self.geo, self.has_bias, self.has_residual = act, slope, geo, has_bias, False
-
-
 class _ConvChain(torch.autograd.Function):
     """A chain of convs (each with no activation or ReLU, no residual) as ONE autograd node
     (cudnn_fuse.nn.ConvChain). The forward runs each layer's own forward, with grad off (its
@@ -362,7 +351,8 @@ class _ConvChain(torch.autograd.Function):
             if backward.usable(x, w, b, gy):
                 out = backward.conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b)
             if out is None:
-                g = _conv2d_backward(_LayerCtx(x, w, y, act, slope, geo, b is not None, need_x, need_w, need_b), gy, None)
+                needs = (need_x, need_w, need_b, False, False, False, False, False, False, False, False, False)
+                g = _conv2d_backward(_OpCtx((x, w, y, None, None), needs, act, slope, geo, b is not None, False), gy, None)
                 dx, dw, db = g[0], g[1], g[2]
             else:
                 dx, dw, db = out[0], out[1], out[2]
@@ -373,15 +363,11 @@ class _ConvChain(torch.autograd.Function):
         return (gy if need[0] else None, None, None, *grads)
 
 
-def conv_chain(x, layers, geos, params=None):
+def conv_chain(x, layers, geos, params):
     """``layers`` (cudnn_fuse.nn.Conv2d, each with no activation or ReLU and no residual) applied in
     turn to ``x`` as one autograd node; ``geos``: each layer's (stride, pre, post, dilation, groups)
     tuples; ``params``: [w0, b0, w1, b1, ...] (the layers' own, b None where a layer has none).
     For eager training calls (cudnn_fuse.nn.ConvChain decides)."""
-    if params is None:
-        params = []
-        for m in layers:
-            params += (m.weight, m.bias)
     return _ConvChain.apply(x, layers, geos, *params)
 
 

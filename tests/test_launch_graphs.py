@@ -651,7 +651,7 @@ def test_a_failed_kernel_launch_launches_raw_and_drops_the_graphs(monkeypatch, a
             return 1
 
     class KernelDriver(FakeDriver):
-        def capture(self, stream, work):
+        def capture(self, stream, work, kernel_only=False):
             work()
             return launch_graphs.Driver(Failing())._kernel_of(NodeLib.GRAPH, stream)
 
