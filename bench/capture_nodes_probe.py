@@ -78,13 +78,34 @@ def _describe(graph: int) -> dict:
             lib.cuGraphMemcpyNodeGetParams(ctypes.c_void_p(nodes[i]), ctypes.byref(m))
             rec.update(src=MEMTYPE.get(m.srcMemoryType, m.srcMemoryType), dst=MEMTYPE.get(m.dstMemoryType, m.dstMemoryType),
                        bytes=m.WidthInBytes * max(1, m.Height) * max(1, m.Depth))
+        if kind.value == 0:  # what the library reads of it: a launch it can replay, or why not
+            drv = launch_graphs.driver()
+            p2 = launch_graphs._KernelNodeParams()
+            rec["params_rc"] = lib.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(nodes[i]), ctypes.byref(p2))
+            rec["kernel_params_null"], rec["extra"] = not p2.kernelParams, bool(p2.extra)
+            rec["attr_rc"] = {}
+            for aid in launch_graphs.NODE_ATTRS + (launch_graphs.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION,):
+                v = launch_graphs._AttrValue()
+                rc = lib.cuGraphKernelNodeGetAttribute(ctypes.c_void_p(nodes[i]), aid, ctypes.byref(v))
+                rec["attr_rc"][aid] = rc if rc else [int(w) for w in v.words[:2]]
+            rec["library_reads_it"] = drv._kernel_node(nodes[i], graph, 0) is not None
         deps = ctypes.c_size_t(0)
         lib.cuGraphNodeGetDependencies(ctypes.c_void_p(nodes[i]), None, ctypes.byref(deps))
         dl = (ctypes.c_void_p * max(1, deps.value))()
         lib.cuGraphNodeGetDependencies(ctypes.c_void_p(nodes[i]), dl, ctypes.byref(deps))
         rec["after"] = [index.get(dl[j], "?") for j in range(deps.value)]
         out.append(rec)
-    return {"nodes": out}
+    m = ctypes.c_size_t(0)
+    edges = {"v1_rc": lib.cuGraphGetEdges(ctypes.c_void_p(graph), None, None, ctypes.byref(m)), "v1_count": m.value}
+    if hasattr(lib, "cuGraphGetEdges_v2"):
+        m = ctypes.c_size_t(0)
+        lib.cuGraphGetEdges_v2(ctypes.c_void_p(graph), None, None, None, ctypes.byref(m))
+        k = max(1, m.value)
+        frm, to, data = (ctypes.c_void_p * k)(), (ctypes.c_void_p * k)(), (launch_graphs._EdgeData * k)()
+        edges["v2_rc"] = lib.cuGraphGetEdges_v2(ctypes.c_void_p(graph), frm, to, data, ctypes.byref(m))
+        edges["v2"] = [{"from": index.get(frm[j], "?"), "to": index.get(to[j], "?"), "from_port": data[j].from_port,
+                        "to_port": data[j].to_port, "type": data[j].type} for j in range(m.value)]
+    return {"nodes": out, "edges": edges}
 
 
 def _kind(ex) -> str:

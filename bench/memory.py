@@ -129,16 +129,27 @@ def chain_case(name, eager, fused, chained, x) -> list:
     return variant_case(name, eager, fused, x, chained, " [conv chain]")
 
 
-def _long_kernel_sets(off: bool):
+def _programmatic(gs) -> bool:
+    """Whether a launch set replays a chain with a programmatic dependent launch (the split-K wgrad)."""
+    from cudnn_fuse import launch_graphs
+
+    pdl = launch_graphs.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    return any(isinstance(e, launch_graphs.SequenceReplay) and
+               any(isinstance(st, launch_graphs.KernelReplay) and pdl in st.attribute_ids for st in e.steps)
+               for e in gs.execs.values())
+
+
+def _long_kernel_sets(off: bool, only=None):
     """Switch the kernel-replay-only launch sets of every plan held (launch_graphs: kernels too long for
-    graph replays) off (launched raw, as before they existed) or back on."""
+    graph replays), or those of them ``only(set)`` picks, off (launched raw, as before they existed) or
+    back on."""
     from cudnn_fuse import launch_graphs, plans
 
     n = 0
     for p in plans.plans_in_memory():
         p = getattr(p, "gemm", p)
         gs = getattr(p, "_graphs", None)
-        if isinstance(gs, launch_graphs.GraphSet) and gs.kernel_only:
+        if isinstance(gs, launch_graphs.GraphSet) and gs.kernel_only and (only is None or only(gs)):
             n += 1
             if off and not gs.off:
                 gs.off = True
@@ -162,6 +173,29 @@ def kernel_replay_case(name, eager, fused, x) -> list:
         sets = _long_kernel_sets(False)
     rows[0]["long_kernel_sets"] = sets
     return rows
+
+
+def programmatic_case(name, eager, fused, x) -> list:
+    """The row also with the launch sets that replay programmatic chains (cuDNN's split-K wgrad:
+    three kernels, each later one a programmatic dependent) switched off, launched raw (name +
+    " [programmatic chains raw]")."""
+    try:  # variant_case's peak_bytes steps capture the sets before the first round's setup
+        rows = variant_case(name, eager, fused, x, fused, " [programmatic chains raw]",
+                            setups=[None, lambda: _long_kernel_sets(False), lambda: _long_kernel_sets(True, _programmatic)])
+    finally:
+        sets = _long_kernel_sets(False)
+    rows[1]["programmatic_sets"] = sum(1 for p in _held_sets() if _programmatic(p))
+    rows[0]["long_kernel_sets"] = sets
+    return rows
+
+
+def _held_sets():
+    from cudnn_fuse import launch_graphs, plans
+
+    for p in plans.plans_in_memory():
+        gs = getattr(getattr(p, "gemm", p), "_graphs", None)
+        if isinstance(gs, launch_graphs.GraphSet):
+            yield gs
 
 
 @contextlib.contextmanager
@@ -190,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-replay-ab", action="store_true",
                     help="every main row also with long kernels' kernel replays off (rows named ' [long kernels raw]'), "
                          "interleaved in the same rounds")
+    ap.add_argument("--programmatic-ab", action="store_true",
+                    help="the conv row also with the launch sets of programmatic chains (split-K wgrad) raw, same rounds")
     ap.add_argument("--conv-chain-ab", action="store_true",
                     help="the conv row also with its layers chained (one autograd node), interleaved in the same rounds")
     ap.add_argument("--only", choices=("mlp", "conv"), help="run only these cases")
@@ -230,6 +266,8 @@ def main(argv=None) -> int:
                            cf.optimize(copy.deepcopy(cbase), chain_convs=True), xc.requires_grad_())
     elif args.kernel_replay_ab:
         rows += kernel_replay_case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_())
+    elif args.programmatic_ab:
+        rows += programmatic_case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_())
     else:
         rows.append(case("conv_bias_relu", cbase, cf.optimize(copy.deepcopy(cbase)), xc.requires_grad_()))
     if args.variants:  # dgrad / wgrad through torch's convolution_backward instead of cuDNN graphs
@@ -243,7 +281,8 @@ def _write(args, rows) -> int:
     suffix = ("_calling_thread" if args.calling_thread else "") + (f"_{args.only}" if args.only else "")
     write_json(os.path.join(args.out, name + suffix + ".json"),
                {"device": device_name(), "autotune": args.autotune, "calling_thread": args.calling_thread,
-                "kernel_replay_ab": args.kernel_replay_ab, "conv_chain_ab": args.conv_chain_ab, "graph_stats": {k: v for k, v in cf.plan_stats().items()
+                "kernel_replay_ab": args.kernel_replay_ab, "conv_chain_ab": args.conv_chain_ab,
+                "programmatic_ab": args.programmatic_ab, "graph_stats": {k: v for k, v in cf.plan_stats().items()
                                                                            if k.startswith("graph_")},
                 "cases": rows})
     return 0

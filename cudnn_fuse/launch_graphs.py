@@ -114,7 +114,8 @@ class NotOneKernel(Exception):
 # graph that is one kernel node is not instantiated: its kernel is launched directly, with the node's
 # function, grid, block, shared memory, parameters (the node's own copy, kept alive with the graph) and
 # launch attributes. That is the launch the capture recorded, as a graph replay is. Graphs of more than
-# one node (a memset before the kernel, several kernels) replay as graphs.
+# one node (a memset before the kernel, several kernels) replay as SequenceReplay where they are a chain,
+# else as graphs.
 
 
 class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
@@ -167,6 +168,23 @@ TRIM_ATTRS = os.environ.get("CUDNN_FUSE_KERNEL_ATTRS", "trim").strip().lower() !
 NODE_SEQUENCES = os.environ.get("CUDNN_FUSE_NODE_SEQUENCES", "1").strip().lower() not in (*_OFF_WORDS, "")
 MAX_SEQUENCE = 8  # nodes in a chain launched one by one; a longer graph replays as a graph
 NODE_TYPE_MEMSET = 2
+# Programmatic dependent launch: a kernel launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+# (6) may start once the kernel before it triggers (griddepcontrol.launch_dependents) and waits for that
+# kernel's results in its own code (cudaGridDependencySynchronize). Captured, that is an edge of type
+# PROGRAMMATIC (1) from the earlier kernel's PROGRAMMATIC port (1), which the plain edge query cannot report
+# (CUDA_ERROR_LOSSY_QUERY): cuDNN's split-K wgrad on the H200 is three kernels chained so. Such an edge is
+# replayed as the launch that made it, the dependent kernel launched with attribute 6 set; an edge from the
+# LAUNCH_ORDER port (2) is replayed as a plain stream dependency, a stronger order whose grid-dependency wait
+# returns at once. Anything else about an edge declines the sequence.
+ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+EDGE_TYPE_PROGRAMMATIC = 1
+PORT_PROGRAMMATIC, PORT_LAUNCH_ORDER = 1, 2
+CUDA_ERROR_LOSSY_QUERY = 402
+
+
+class _EdgeData(ctypes.Structure):  # CUgraphEdgeData
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
 
 
 def _unit_cluster(value) -> bool:
@@ -305,7 +323,7 @@ class Driver:
         self.trim = TRIM_ATTRS
         self._stream_attr = self._func_attr = None  # bound with the kernel entry points (trim_attrs)
         self.sequences = False  # chains of kernels and memsets launched one by one (NODE_SEQUENCES)
-        self._edges = self._memset_params = None
+        self._edges = self._edges_v2 = self._memset_params = None
         self._memsets: dict = {}
         if self.kernels:
             try:
@@ -340,6 +358,10 @@ class Driver:
         vp, P = ctypes.c_void_p, ctypes.POINTER
         try:
             self._edges = fn("cuGraphGetEdges", vp, vp, vp, P(ctypes.c_size_t))
+            try:  # CUDA 12.3+: the edges with their data (programmatic dependencies)
+                self._edges_v2 = fn("cuGraphGetEdges_v2", vp, vp, vp, vp, P(ctypes.c_size_t))
+            except AttributeError:
+                self._edges_v2 = None
             self._memset_params = fn("cuGraphMemsetNodeGetParams", vp, P(_MemsetNodeParams))
             u64, sz = ctypes.c_uint64, ctypes.c_size_t
             for size, suffix in ((1, "8"), (2, "16"), (4, "32")):
@@ -348,7 +370,7 @@ class Driver:
                 self._memsets[(size, True)] = fn(f"cuMemsetD2D{suffix}Async", u64, sz, value, sz, sz, vp)
         except AttributeError as exc:
             log.info("launch graphs: node sequences off, this driver lacks %s", exc)
-            self._edges = self._memset_params = None
+            self._edges = self._edges_v2 = self._memset_params = None
             self._memsets = {}
             return
         self.sequences = True
@@ -429,9 +451,10 @@ class Driver:
             return None
         return self._kernel_node(nodes[0], graph, stream)
 
-    def _kernel_node(self, node_handle, graph, stream: int):
+    def _kernel_node(self, node_handle, graph, stream: int, programmatic: bool = False):
         """The KernelReplay of one kernel node of ``graph`` (which keeps its parameters), or None when
-        its launch cannot be read back whole."""
+        its launch cannot be read back whole; ``programmatic``: launched as a programmatic dependent of
+        the launch before it (attribute 6, see ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)."""
         node = _KernelNodeParams()
         if self._node_params(node_handle, ctypes.byref(node)) or not node.kernelParams:
             return None
@@ -452,13 +475,18 @@ class Driver:
                 attrs.append((aid, value))
         if self.trim:
             attrs = self.trim_attrs(attrs, func, stream)
+        if programmatic:
+            value = _AttrValue()
+            value.words[0] = 1  # programmaticStreamSerializationAllowed
+            attrs = [*attrs, (ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value)]
         return KernelReplay(self._launch_kernel, graph, func, node, attrs, stream)
 
     def _sequence_of(self, graph: int, stream: int):
         """The SequenceReplay of ``graph`` when its 2..MAX_SEQUENCE nodes are kernels (each readable
         whole) and memsets (of 1, 2 or 4-byte elements) in one chain (every node after at most one,
-        before at most one, one first node, all reached from it), else None. An edge the plain
-        query cannot report whole (a programmatic one) fails the query: None."""
+        before at most one, one first node, all reached from it), else None. Edges are plain, or
+        programmatic between two kernels (see ATTR_PROGRAMMATIC_STREAM_SERIALIZATION); any other edge,
+        or one the driver cannot report whole, declines it."""
         if self._edges is None:
             return None
         n = ctypes.c_size_t(0)
@@ -468,18 +496,20 @@ class Driver:
         nodes = (ctypes.c_void_p * count)()
         if self._nodes(graph, nodes, ctypes.byref(n)) or n.value != count:
             return None
-        m = ctypes.c_size_t(0)
-        if self._edges(graph, None, None, ctypes.byref(m)) or m.value != count - 1:
-            return None
-        frm, to = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
-        if self._edges(graph, frm, to, ctypes.byref(m)) or m.value != count - 1:
+        edges = self._edge_list(graph, count - 1)
+        if edges is None:
             return None
         handles = [nodes[i] for i in range(count)]
-        following, preceded = {}, set()
-        for i in range(count - 1):
-            a, b = frm[i], to[i]
+        following, preceded, programmatic = {}, set(), set()
+        for a, b, data in edges:
             if a in following or b in preceded or a not in handles or b not in handles:
                 return None
+            if data is not None and (data.type, data.from_port, data.to_port) != (0, 0, 0):
+                if data.type != EDGE_TYPE_PROGRAMMATIC or data.to_port != 0 or \
+                        data.from_port not in (PORT_PROGRAMMATIC, PORT_LAUNCH_ORDER):
+                    return None
+                if data.from_port == PORT_PROGRAMMATIC:
+                    programmatic.add(b)
             following[a] = b
             preceded.add(b)
         firsts = [h for h in handles if h not in preceded]
@@ -491,12 +521,12 @@ class Driver:
         if len(order) != count:
             return None
         steps = []
-        for h in order:
+        for i, h in enumerate(order):
             kind = ctypes.c_int(-1)
             if self._node_type(h, ctypes.byref(kind)):
                 return None
             if kind.value == NODE_TYPE_KERNEL:
-                step = self._kernel_node(h, graph, stream)
+                step = self._kernel_node(h, graph, stream, programmatic=h in programmatic)
             elif kind.value == NODE_TYPE_MEMSET:
                 p = _MemsetNodeParams()
                 if self._memset_params(h, ctypes.byref(p)) or (p.elementSize, max(1, p.height) > 1) not in self._memsets:
@@ -506,8 +536,29 @@ class Driver:
                 return None
             if step is None:
                 return None
+            if h in programmatic and not (isinstance(step, KernelReplay) and steps and isinstance(steps[-1], KernelReplay)):
+                return None  # a programmatic edge joins two kernels
             steps.append(step)
         return SequenceReplay(graph, steps)
+
+    def _edge_list(self, graph: int, want: int):
+        """``graph``'s edges as [(from, to, CUgraphEdgeData or None)] when there are exactly ``want``;
+        through cuGraphGetEdges_v2 (with each edge's data) where the driver has it, else the plain
+        query, which fails on an edge with data (CUDA_ERROR_LOSSY_QUERY); None on any failure."""
+        m = ctypes.c_size_t(0)
+        frm, to = (ctypes.c_void_p * max(1, want))(), (ctypes.c_void_p * max(1, want))()
+        if self._edges_v2 is not None:
+            if self._edges_v2(graph, None, None, None, ctypes.byref(m)) or m.value != want:
+                return None
+            data = (_EdgeData * max(1, want))()
+            if self._edges_v2(graph, frm, to, data, ctypes.byref(m)) or m.value != want:
+                return None
+            return [(frm[i], to[i], data[i]) for i in range(want)]
+        if self._edges(graph, None, None, ctypes.byref(m)) or m.value != want:
+            return None
+        if self._edges(graph, frm, to, ctypes.byref(m)) or m.value != want:
+            return None
+        return [(frm[i], to[i], None) for i in range(want)]
 
     def trim_attrs(self, attrs, func, stream: int) -> list:
         """``attrs`` ([(id, value)] of a kernel node captured on ``stream``) less those a plain

@@ -339,11 +339,17 @@ def test_long_kernels_replay_as_their_kernel_bit_identical_or_launch_raw(cache_d
 def test_a_training_step_of_long_convs_replays_its_kernels_bit_for_bit(cache_dir):
     """The host-bound training step these exist for: long convs' forward, dgrad and wgrad launches
     replay as their kernels from the third step on, and the gradients equal raw launches' bit for bit."""
+    _long_conv_step_matches_raw(28)
+
+
+def _long_conv_step_matches_raw(hw: int):
+    """Training steps of two 32x128xhwxhw 3x3 conv+ReLU layers: launches replayed from the third step
+    on, gradients equal to raw launches' (bit for bit where raw agrees with itself)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     model = torch.nn.Sequential(cf.nn.Conv2d(128, 128, 3, padding=1, activation="relu"),
                                 cf.nn.Conv2d(128, 128, 3, padding=1, activation="relu"))
     model = model.cuda().half().to(memory_format=torch.channels_last)
-    x = _cl(torch.randn(32, 128, 28, 28, device="cuda", generator=g).half()).requires_grad_()
+    x = _cl(torch.randn(32, 128, hw, hw, device="cuda", generator=g).half()).requires_grad_()
 
     def step():
         x.grad = None
@@ -369,6 +375,7 @@ def test_a_training_step_of_long_convs_replays_its_kernels_bit_for_bit(cache_dir
         else:  # an engine that accumulates in no fixed order (split-K atomics): as close as raw is to raw
             tol = (c.float() - c2.float()).abs().max().item() * 4
             assert (b.float() - c.float()).abs().max().item() <= tol
+    return sets
 
 
 @pytest.fixture
@@ -422,3 +429,19 @@ def test_long_kernels_with_node_sequences_are_exact(cache_dir, node_sequences, n
 
 def test_a_training_step_of_long_convs_with_node_sequences_matches_raw_launches(cache_dir, node_sequences):
     test_a_training_step_of_long_convs_replays_its_kernels_bit_for_bit(cache_dir)
+
+
+def test_the_split_k_wgrad_replays_as_its_programmatic_chain(cache_dir, node_sequences):
+    """memory.py's conv row (32x128x56x56): on the H200 (cuDNN 9.19) its wgrad is three kernels, the later
+    two programmatic dependents of the one before. With node sequences that capture is kept (launched
+    as those three launches, the dependents with attribute 6), no long kernel's capture is declined,
+    and the gradients equal raw launches'."""
+    d0 = launch_graphs.STATS.declined
+    sets = _long_conv_step_matches_raw(56)
+    assert launch_graphs.STATS.declined == d0, [(p.spec.op, p._graphs.off) for p in _raw_plans() if p._graphs]
+    pdl = launch_graphs.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    wgrad = [e for p in _raw_plans() if p.spec.op == "conv_wgrad" and p._graphs is not None for e in p._graphs.execs.values()]
+    assert wgrad and all(not s.off for s in sets)
+    chained = [e for e in wgrad if isinstance(e, launch_graphs.SequenceReplay) and
+               any(isinstance(st, launch_graphs.KernelReplay) and pdl in st.attribute_ids for st in e.steps)]
+    assert chained, [type(e).__name__ for e in wgrad]

@@ -752,20 +752,37 @@ def test_a_kernel_replay_leaves_out_what_a_plain_launch_gets_anyway(monkeypatch,
 
 
 class ChainLib(NodeLib):
-    """NodeLib with edges (``edges``: [(from index, to index)]), memset nodes (index -> params) and the
-    memset launches; ``lossy``: the edge query fails as it does for an edge it cannot report whole."""
+    """NodeLib with edges (``edges``: [(from index, to index)], ``data``: edge index -> (from_port,
+    to_port, type)), memset nodes (index -> params) and the memset launches. Edges are read with
+    cuGraphGetEdges_v2 unless ``v2`` is False (a driver without it); the plain query fails on an edge
+    with data (CUDA_ERROR_LOSSY_QUERY), as the driver's does."""
 
-    def __init__(self, types_, edges, memsets=None, lossy=False, **kw):
+    def __init__(self, types_, edges, memsets=None, data=None, v2=True, **kw):
         super().__init__(types_, **kw)
-        self.edges, self.memsets, self.lossy = list(edges), dict(memsets or {}), lossy
+        self.edges, self.memsets, self.data, self.v2 = list(edges), dict(memsets or {}), dict(data or {}), v2
 
-    def _cuGraphGetEdges(self, graph, frm, to, m):
-        if self.lossy:
-            return 222  # CUDA_ERROR_LOSSY_QUERY
+    def __getattr__(self, name):
+        if name == "cuGraphGetEdges_v2" and not self.v2:
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+    def _fill(self, frm, to, m):
         if frm is not None:
             for i, (a, b) in enumerate(self.edges):
                 frm[i], to[i] = self.NODE + a, self.NODE + b
         m._obj.value = len(self.edges)
+
+    def _cuGraphGetEdges(self, graph, frm, to, m):
+        if any(any(d) for d in self.data.values()):
+            return launch_graphs.CUDA_ERROR_LOSSY_QUERY
+        self._fill(frm, to, m)
+        return 0
+
+    def _cuGraphGetEdges_v2(self, graph, frm, to, data, m):
+        self._fill(frm, to, m)
+        if data is not None:
+            for i, (fp, tp, kind) in self.data.items():
+                data[i].from_port, data[i].to_port, data[i].type = fp, tp, kind
         return 0
 
     def _cuGraphMemsetNodeGetParams(self, node, p):
@@ -842,7 +859,49 @@ def test_a_chain_of_two_kernels_launches_both_in_the_edges_order(sequences):
     assert launched == [0x302, 0x300, 0x301]
 
 
-@pytest.mark.parametrize("case", ["no edges (two first nodes)", "a fork", "an edge not reported whole", "a memcpy",
+@pytest.mark.parametrize("port,dependent", [(launch_graphs.PORT_PROGRAMMATIC, True),
+                                             (launch_graphs.PORT_LAUNCH_ORDER, False)])
+def test_kernels_chained_by_programmatic_edges_launch_as_those_launches(sequences, port, dependent):
+    # the H200's split-K wgrad: a workspace-init kernel, then two kernels each a programmatic dependent
+    # of the one before; nodes listed out of order, edges 2 -> 0 -> 1
+    class Three(ChainLib):
+        def _cuGraphKernelNodeGetParams_v2(self, node, p):
+            super()._cuGraphKernelNodeGetParams_v2(node, p)
+            p._obj.func = 0x300 + (node - self.NODE)
+            return 0
+
+    lib = Three((0, 0, 0), edges=[(2, 0), (0, 1)], data={0: (port, 0, 1), 1: (port, 0, 1)})
+    seq = launch_graphs.Driver(lib).capture(42, lambda: None, kernel_only=True)
+    assert isinstance(seq, launch_graphs.SequenceReplay) and seq.kinds == ["kernel"] * 3
+    assert [st.func for st in seq.steps] == [0x302, 0x300, 0x301]
+    pdl = launch_graphs.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert [pdl in st.attribute_ids for st in seq.steps] == [False, dependent, dependent]
+    for st in seq.steps[1:] if dependent else ():
+        i = st.attribute_ids.index(pdl)
+        assert st.attrs[i].value.words[0] == 1 and st.cfg.numAttrs == len(st.attribute_ids)
+    assert seq.launch(42) == 0
+    launched = [_plain(a)[1] for n, a in lib.calls if n == "cuLaunchKernelEx"]
+    assert launched == [0x302, 0x300, 0x301]
+    assert "cuGraphGetEdges" not in lib.names()  # the v2 query read the edges and their data
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_plain_edges_read_with_either_query(sequences, v2):
+    lib = ChainLib((2, 0), edges=[(0, 1)], memsets={0: (0xD000, 0, 4, 16, 1, 0)}, v2=v2)
+    seq = launch_graphs.Driver(lib).capture(42, lambda: None)
+    assert isinstance(seq, launch_graphs.SequenceReplay) and seq.kinds == ["memset", "kernel"]
+    assert launch_graphs.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION not in seq.steps[1].attribute_ids
+    assert ("cuGraphGetEdges_v2" in lib.names()) is v2 and ("cuGraphGetEdges" in lib.names()) is not v2
+
+
+def test_the_edge_data_struct_is_the_drivers_eight_bytes():
+    assert ctypes.sizeof(launch_graphs._EdgeData) == 8
+    assert [f[0] for f in launch_graphs._EdgeData._fields_[:3]] == ["from_port", "to_port", "type"]
+
+
+@pytest.mark.parametrize("case", ["no edges (two first nodes)", "a fork", "an edge not reported whole",
+                                  "an edge of an unknown type", "a programmatic edge to a port",
+                                  "a programmatic edge from a memset", "a memcpy",
                                   "an 8-byte memset", "an unreadable kernel", "too many nodes", "sequences off"])
 def test_other_graphs_still_replay_as_graphs(monkeypatch, sequences, case):
     types_, edges, memsets, kw = (2, 0), [(0, 1)], {0: (0xD000, 0, 4, 16, 1, 0)}, {}
@@ -850,8 +909,14 @@ def test_other_graphs_still_replay_as_graphs(monkeypatch, sequences, case):
         edges = []
     elif case == "a fork":
         types_, edges = (2, 0, 0), [(0, 1), (0, 2)]
-    elif case == "an edge not reported whole":
-        kw["lossy"] = True
+    elif case == "an edge not reported whole":  # a driver without the v2 query, an edge with data
+        types_, kw = (0, 0), {"v2": False, "data": {0: (1, 0, 1)}}
+    elif case == "an edge of an unknown type":
+        types_, kw = (0, 0), {"data": {0: (0, 0, 7)}}
+    elif case == "a programmatic edge to a port":
+        types_, kw = (0, 0), {"data": {0: (1, 1, 1)}}
+    elif case == "a programmatic edge from a memset":
+        kw["data"] = {0: (1, 0, 1)}
     elif case == "a memcpy":
         types_ = (1, 0)
     elif case == "an 8-byte memset":
@@ -867,7 +932,8 @@ def test_other_graphs_still_replay_as_graphs(monkeypatch, sequences, case):
     d = launch_graphs.Driver(lib)
     ex = d.capture(42, lambda: None)
     assert ex == 0x900 and "cuGraphInstantiateWithFlags" in lib.names(), case
-    assert ("cuGraphGetEdges" in lib.names()) is (case not in ("sequences off", "too many nodes"))
+    edge_query = "cuGraphGetEdges" + ("" if case == "an edge not reported whole" else "_v2")
+    assert (edge_query in lib.names()) is (case not in ("sequences off", "too many nodes"))
     with pytest.raises(launch_graphs.NotOneKernel):  # a long kernel's capture of it: declined
         launch_graphs.Driver(ChainLib(types_, edges, memsets, **kw)).capture(42, lambda: None, kernel_only=True)
 
