@@ -97,6 +97,9 @@ def _describe(graph: int) -> dict:
         out.append(rec)
     m = ctypes.c_size_t(0)
     edges = {"v1_rc": lib.cuGraphGetEdges(ctypes.c_void_p(graph), None, None, ctypes.byref(m)), "v1_count": m.value}
+    k = max(1, m.value)  # the plain query again, filling the arrays: the library's second call
+    edges["v1_fill_rc"] = lib.cuGraphGetEdges(ctypes.c_void_p(graph), (ctypes.c_void_p * k)(), (ctypes.c_void_p * k)(),
+                                              ctypes.byref(m))
     if hasattr(lib, "cuGraphGetEdges_v2"):
         m = ctypes.c_size_t(0)
         lib.cuGraphGetEdges_v2(ctypes.c_void_p(graph), None, None, None, ctypes.byref(m))

@@ -55,6 +55,21 @@ def main(argv=None) -> int:
     def torch_step():
         F.relu(F.conv2d(xg, wg, bg, padding=1)).backward(gy)
 
+    class _PyNode(torch.autograd.Function):  # the least a Python autograd node can be: one copy forward, none back
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def py_node_step():  # a Python autograd node's hand-over to autograd's device thread, without cf
+        _PyNode.apply(xg).backward(gy)
+
+    def cpp_node_step():  # the same graph of one C++ node (CloneBackward)
+        xg.clone().backward(gy)
+
     def on_calling_thread(step):  # the backward run on the calling thread, not autograd's device thread
         def run():
             with torch.autograd.set_multithreading_enabled(False):
@@ -86,6 +101,10 @@ def main(argv=None) -> int:
         "torch_step": torch_step,
         "cf_step_calling_thread": on_calling_thread(cf_step),
         "torch_step_calling_thread": on_calling_thread(torch_step),
+        "py_node_step": py_node_step,
+        "py_node_step_calling_thread": on_calling_thread(py_node_step),
+        "cpp_node_step": cpp_node_step,
+        "cpp_node_step_calling_thread": on_calling_thread(cpp_node_step),
     }
     for op, p in sorted(by_op.items()):
         fns[f"launch_{op}"] = raw(p)

@@ -172,7 +172,8 @@ NODE_TYPE_MEMSET = 2
 # (6) may start once the kernel before it triggers (griddepcontrol.launch_dependents) and waits for that
 # kernel's results in its own code (cudaGridDependencySynchronize). Captured, that is an edge of type
 # PROGRAMMATIC (1) from the earlier kernel's PROGRAMMATIC port (1), which the plain edge query cannot report
-# (CUDA_ERROR_LOSSY_QUERY): cuDNN's split-K wgrad on the H200 is three kernels chained so. Such an edge is
+# (CUDA_ERROR_LOSSY_QUERY when it fills the arrays): cuDNN's split-K wgrad on the H200 is three kernels
+# chained so, declined for that until the edges were read with their data. Such an edge is
 # replayed as the launch that made it, the dependent kernel launched with attribute 6 set; an edge from the
 # LAUNCH_ORDER port (2) is replayed as a plain stream dependency, a stronger order whose grid-dependency wait
 # returns at once. Anything else about an edge declines the sequence.
