@@ -522,7 +522,7 @@ class Driver:
         if len(order) != count:
             return None
         steps = []
-        for i, h in enumerate(order):
+        for h in order:
             kind = ctypes.c_int(-1)
             if self._node_type(h, ctypes.byref(kind)):
                 return None
