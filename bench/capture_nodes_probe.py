@@ -5,9 +5,11 @@ more nodes is declined and the plan launches raw. This probe runs bench/memory.p
 training step (8 layers, 32x128x56x56 fp16 NHWC) through cf.optimize and records, for every declined
 capture, each node: its kind, a kernel's function name (cuFuncGetName), a memset's size and value, a
 memcpy's direction and size, and the graph's edges; and for every plan, its op, engine, estimate and
-launch set. Written to capture_nodes_probe.json.
+launch set; with ``--model mlp``, memory.py's Linear+GELU stack instead (bf16, 8192 rows). Written to
+capture_nodes_probe[_mlp][_autotuned].json. Kernel nodes also carry what the library reads of them, and
+the graph its edges through both edge queries (with their data: programmatic dependencies).
 
-    python3 bench/capture_nodes_probe.py --out bench/results/launch_graphs [--autotune]
+    python3 bench/capture_nodes_probe.py --out bench/results/launch_graphs [--autotune] [--model mlp]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
 from bench.common import device_name, write_json  # noqa: E402
-from bench.memory import convs, train_step  # noqa: E402
+from bench.memory import convs, mlp, train_step  # noqa: E402
 from cudnn_fuse import launch_graphs, plans  # noqa: E402
 
 
@@ -122,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench/results/launch_graphs")
     ap.add_argument("--autotune", action="store_true", help="autotune every graph first ($CUDNN_FUSE_TUNE_BUDGET_S)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--model", choices=("conv", "mlp"), default="conv",
+                    help="memory.py's conv-bias-ReLU stack (default) or its Linear+GELU stack")
     args = ap.parse_args(argv)
     if args.autotune:
         cf.set_autotune(True)
@@ -134,8 +138,12 @@ def main(argv=None) -> int:
 
     type(drv).node_kinds = node_kinds
     torch.manual_seed(0)
-    model = cf.optimize(copy.deepcopy(convs().cuda().half().to(memory_format=torch.channels_last)))
-    x = torch.randn(32, 128, 56, 56, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+    if args.model == "mlp":  # memory.py's Linear+GELU stack, pre-activation kept
+        model = cf.optimize(copy.deepcopy(mlp().cuda().to(torch.bfloat16)))
+        x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    else:
+        model = cf.optimize(copy.deepcopy(convs().cuda().half().to(memory_format=torch.channels_last)))
+        x = torch.randn(32, 128, 56, 56, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
     x.requires_grad_()
     for _ in range(args.steps):
         train_step(model, x)
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
                           "launch_set": None if gs is None else {"kernel_only": gs.kernel_only, "off": gs.off,
                                                                  "execs": len(gs.execs), "reuses": gs.reuses,
                                                                  "kinds": sorted({_kind(e) for e in gs.execs.values()})}})
-    name = "capture_nodes_probe" + ("_autotuned" if args.autotune else "") + ".json"
+    name = "capture_nodes_probe" + ("_mlp" if args.model == "mlp" else "") + ("_autotuned" if args.autotune else "") + ".json"
     write_json(os.path.join(args.out, name), {"device": device_name(), "autotune": args.autotune,
                                               "graph_stats": {k: v for k, v in cf.plan_stats().items() if k.startswith("graph_")},
                                               "plans": plan_rows, "declined": RECORDS})
