@@ -457,7 +457,10 @@ class Driver:
         its launch cannot be read back whole; ``programmatic``: launched as a programmatic dependent of
         the launch before it (attribute 6, see ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)."""
         node = _KernelNodeParams()
-        if self._node_params(node_handle, ctypes.byref(node)) or not node.kernelParams:
+        # its arguments: kernelParams, or extra (one buffer, CU_LAUNCH_PARAM_BUFFER_POINTER: cuBLAS's
+        # kernels inside cuDNN's eng0). Either array, and what it points to, is the node's own until the
+        # node is destroyed (cuGraphKernelNodeGetParams), so the graph kept alive keeps it valid.
+        if self._node_params(node_handle, ctypes.byref(node)) or not (node.kernelParams or node.extra):
             return None
         func = node.func
         if not func:

@@ -281,9 +281,13 @@ def _long_cases():
 
     cx, cw, cb = _cl(r(32, 128, 28, 28)), _cl(r(128, 128, 3, 3, scale=1 / 34)), r(128)
     x, w, b = r(2048, 2048), r(2048, 2048, scale=1 / 45), r(2048)
+    ma, mb = r(1, 8192, 2048).bfloat16(), r(1, 2048, 8192, scale=1 / 45).bfloat16()
     return {
         "conv_b32_c128_28": ((cx,), lambda x: cf.conv2d(x, cw, cb, padding=1, activation="relu")),
         "linear_2048_gelu": ((x,), lambda x: cf.linear(x, w, b, activation="gelu")),
+        # memory.py's MLP backward product: cuDNN's eng0 on the H200, a memset then a cuBLAS kernel whose
+        # arguments come as one buffer (extra)
+        "matmul_8192x2048x8192_bf16": ((ma,), lambda a: cf.matmul(a, mb)),
     }
 
 
@@ -414,16 +418,22 @@ def test_node_sequences_are_exact_and_replace_the_graph_replays(cache_dir, node_
             assert "kernel" in e.kinds and len(e.kinds) >= 2
 
 
-@pytest.mark.parametrize("name", ["conv_b32_c128_28", "linear_2048_gelu"])
+@pytest.mark.parametrize("name", ["conv_b32_c128_28", "linear_2048_gelu", "matmul_8192x2048x8192_bf16"])
 def test_long_kernels_with_node_sequences_are_exact(cache_dir, node_sequences, name):
     (t,), fn = _long_cases()[name]
     with torch.no_grad():
+        d0 = launch_graphs.STATS.declined
         first = _flat(fn(t))
         for _ in range(8):
             again = _flat(fn(t))
         torch.cuda.synchronize()
         assert _long_sets()
         assert all(not isinstance(e, int) for e in _entries())  # never a graph replay for a long kernel
+        if name.startswith("matmul"):  # the extra-style kernel is launched directly, not declined
+            assert launch_graphs.STATS.declined == d0
+            steps = [st for e in _entries() for st in getattr(e, "steps", (e,))]
+            assert any(isinstance(st, launch_graphs.KernelReplay) and st.params is None for st in steps), \
+                [(p.spec.op, p.engine) for p in _raw_plans()]
         _replays_match_raw(t, fn, first, again)
 
 

@@ -513,8 +513,11 @@ class NodeLib:
 
     GRAPH, NODE, FUNC, PARAMS = 0x100, 0x200, 0x300, 0x5000
 
-    def __init__(self, types_=(0,), fail_attr=(), func=FUNC):
+    EXTRA = 0x6000
+
+    def __init__(self, types_=(0,), fail_attr=(), func=FUNC, args="params"):
         self.types, self.fail_attr, self.func = list(types_), set(fail_attr), func
+        self.args = args  # how the kernel's arguments come back: "params", "extra" or "none"
         self.calls = []
 
     def __getattr__(self, name):
@@ -549,7 +552,9 @@ class NodeLib:
 
     def _cuGraphKernelNodeGetParams_v2(self, node, p):
         p = p._obj
-        p.func, p.kernelParams, p.kern = self.func, self.PARAMS, 0x777
+        p.func, p.kern = self.func, 0x777
+        p.kernelParams = self.PARAMS if self.args == "params" else 0
+        p.extra = self.EXTRA if self.args == "extra" else 0
         p.gx, p.gy, p.gz, p.bx, p.by, p.bz, p.smem = 2, 3, 1, 128, 1, 1, 4096
         return 0
 
@@ -587,6 +592,22 @@ def test_a_one_kernel_graph_replays_as_its_kernel():
     assert k.cfg.hStream == 43 and k.stream == 43
     d.destroy(k)
     assert lib.calls[-1] == ("cuGraphDestroy", (NodeLib.GRAPH,))
+
+
+def test_a_kernel_whose_arguments_come_as_one_buffer_replays_with_that_buffer():
+    # cuBLAS's kernels (cuDNN's eng0 on the H200) are launched with extra (CU_LAUNCH_PARAM_BUFFER_POINTER)
+    lib = NodeLib(args="extra")
+    k = launch_graphs.Driver(lib).capture(42, lambda: None)
+    assert isinstance(k, launch_graphs.KernelReplay) and k.params is None
+    assert k.launch(42) == 0
+    name, args = lib.calls[-1]
+    assert name == "cuLaunchKernelEx" and [getattr(a, "value", a) for a in args[1:]] == [NodeLib.FUNC, None, NodeLib.EXTRA]
+
+
+def test_a_kernel_node_with_no_arguments_readable_is_not_launched_directly():
+    lib = NodeLib(args="none")
+    ex = launch_graphs.Driver(lib).capture(42, lambda: None)
+    assert ex == 0x900 and "cuGraphInstantiateWithFlags" in lib.names()
 
 
 @pytest.mark.parametrize("case", ["memset and kernel", "two kernels", "a memset", "cluster unreadable",
