@@ -143,13 +143,9 @@ def _long_kernel_sets(off: bool, only=None):
     """Switch the kernel-replay-only launch sets of every plan held (launch_graphs: kernels too long for
     graph replays), or those of them ``only(set)`` picks, off (launched raw, as before they existed) or
     back on."""
-    from cudnn_fuse import launch_graphs, plans
-
     n = 0
-    for p in plans.plans_in_memory():
-        p = getattr(p, "gemm", p)
-        gs = getattr(p, "_graphs", None)
-        if isinstance(gs, launch_graphs.GraphSet) and gs.kernel_only and (only is None or only(gs)):
+    for gs in _held_sets():
+        if gs.kernel_only and (only is None or only(gs)):
             n += 1
             if off and not gs.off:
                 gs.off = True
@@ -190,6 +186,7 @@ def programmatic_case(name, eager, fused, x) -> list:
 
 
 def _held_sets():
+    """The launch sets of every plan held in memory (a conv run as its GEMM: the GEMM's)."""
     from cudnn_fuse import launch_graphs, plans
 
     for p in plans.plans_in_memory():
