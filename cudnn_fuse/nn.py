@@ -30,6 +30,15 @@ def _broadcast_residual(residual, out_shape, dtype) -> bool:
         return False
 
 
+def _out_dtype(x) -> torch.dtype:
+    """The dtype the layer's op computes and returns for input ``x``: torch.autocast's where it is on
+    for x's device type (float64 stays float64, as autocast leaves it), else x's own."""
+    amp = ops.autocast_dtype(x)
+    if amp is None or not x.is_floating_point() or x.dtype is torch.float64:
+        return x.dtype
+    return amp
+
+
 def _check_activation(activation) -> None:
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
@@ -49,7 +58,7 @@ class Conv2d(torch.nn.Conv2d):
 
     def forward(self, x, residual=None):
         act, r = self.activation, residual
-        odd = residual is not None and (residual.dtype != x.dtype or residual.dim() != x.dim()
+        odd = residual is not None and (residual.dtype != _out_dtype(x) or residual.dim() != x.dim()
                                         or residual.shape[-3] != self.out_channels)
         if odd:  # a broadcast or other-dtype residual: added after the op, as torch adds it
             act, r = None, None
@@ -194,23 +203,33 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x, residual=None):
         act = self.activation
-        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), x.dtype):
+        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), _out_dtype(x)):
             z = ops.linear(x, self.weight, self.bias)
             return reference.activation(z + residual, act, self.negative_slope)
         keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear")
         if keep_z and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            self._check(x, residual)
             from . import torch_ops
 
-            return torch_ops.linear_save_z(x, self.weight, self.bias, act, residual, self.negative_slope)
+            w, b = self.weight, self.bias
+            amp = ops.autocast_dtype(x)
+            if amp is None:
+                self._check(x, residual)
+                return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
+            dev = x.device.type  # the op bypassed casts as autocast would (ops.autocast_dtype)
+            x, w, b, residual = ops.autocast_cast(amp, dev, x, w, b, residual)
+            with ops._autocast_off(dev):
+                self._check(x, residual, w, b)
+                return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
         return ops.linear(x, self.weight, self.bias, activation=act, residual=residual,
                           negative_slope=self.negative_slope)
 
-    def _check(self, x, residual) -> None:
-        """ops.linear's argument checks, for the path that bypasses it."""
+    def _check(self, x, residual, *params) -> None:
+        """ops.linear's argument checks, for the path that bypasses it (``params``: the weight and
+        bias as cast under autocast; the module's own by default)."""
+        weight, bias = params or (self.weight, self.bias)
         ops._check_tensor("x", x, "linear")
         ops._check_floating("linear", "x", x)
-        ops._check_same("linear", "x", x, weight=self.weight, bias=self.bias, residual=residual)
+        ops._check_same("linear", "x", x, weight=weight, bias=bias, residual=residual)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"linear: x has in_features={x.shape[-1] if x.dim() else None} but "
                              f"weight.shape={tuple(self.weight.shape)} expects {self.in_features}")
@@ -255,20 +274,29 @@ class FusedMLP(torch.nn.Module):
 
     def forward(self, x, residual=None):
         fc1, fc2 = self.fc1, self.fc2
-        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (fc2.out_features,), x.dtype):
+        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (fc2.out_features,), _out_dtype(x)):
             return fc2(fc1(x)) + residual
         if self._fused(x, residual):
-            fc1._check(x, None)
-            ops._check_same("linear", "x", x, weight=fc2.weight, bias=fc2.bias, residual=residual)
-            ops._check_epilogue("linear", None, residual, tuple(x.shape[:-1]) + (fc2.out_features,))
-            from . import torch_ops
-
-            return torch_ops.mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1.activation, residual,
-                                 fc1.negative_slope)
+            amp = ops.autocast_dtype(x)
+            if amp is None:
+                return self._mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, residual)
+            dev = x.device.type  # the op bypassed casts as autocast would (ops.autocast_dtype)
+            with ops._autocast_off(dev):
+                return self._mlp(*ops.autocast_cast(amp, dev, x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, residual))
         h = fc1(x)
         if residual is None:
             return fc2(h)
         return ops.linear(h, fc2.weight, fc2.bias, residual=residual)
+
+    def _mlp(self, x, w1, b1, w2, b2, residual):
+        """The fused training block on (cast) operands, after ops.linear's checks."""
+        fc1, fc2 = self.fc1, self.fc2
+        fc1._check(x, None, w1, b1)
+        ops._check_same("linear", "x", x, weight=w2, bias=b2, residual=residual)
+        ops._check_epilogue("linear", None, residual, tuple(x.shape[:-1]) + (fc2.out_features,))
+        from . import torch_ops
+
+        return torch_ops.mlp(x, w1, b1, w2, b2, fc1.activation, residual, fc1.negative_slope)
 
 
 class TransposedLinear(torch.nn.Module):
@@ -283,7 +311,7 @@ class TransposedLinear(torch.nn.Module):
         self.activation, self.negative_slope = activation, negative_slope
 
     def forward(self, x, residual=None):
-        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],), x.dtype):
+        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],), _out_dtype(x)):
             z = ops.linear(x, self.weight.t(), self.bias)
             return reference.activation(z + residual, self.activation, self.negative_slope)
         return ops.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,

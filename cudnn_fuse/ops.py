@@ -128,6 +128,46 @@ def _inline_under_compile(op: str) -> bool:
     return op in compile_inline and torch.compiler.is_compiling()
 
 
+# --------------------------------------------------------------- torch.autocast
+# cf's ops are in autocast's lower-precision list, as F.conv2d, F.linear, torch.matmul and
+# F.scaled_dot_product_attention are: under torch.autocast for the first operand's device type,
+# every floating-point tensor argument on that device type (float64 excepted, as autocast
+# excepts it) is cast to autocast's dtype, and the op runs on the cast tensors with autocast off
+# for that device type (its plans, references and backward then see one dtype). Gradients reach
+# the original tensors through the casts, in their own dtype, as with torch's ops.
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
+
+
+def autocast_dtype(t) -> Optional[torch.dtype]:
+    """torch.autocast's dtype for an op whose first operand is ``t``, or None where autocast is
+    off for t's device type (or t is no tensor). One C call when no autocast is on anywhere."""
+    if not _any_autocast() or not isinstance(t, torch.Tensor):
+        return None
+    dev = t.device.type
+    try:
+        if not torch.is_autocast_enabled(dev):
+            return None
+        return torch.get_autocast_dtype(dev)
+    except (TypeError, AttributeError, RuntimeError):  # a torch without the device-type forms
+        if dev == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+        if dev == "cpu" and torch.is_autocast_cpu_enabled():
+            return torch.get_autocast_cpu_dtype()
+        return None
+
+
+def autocast_cast(dtype: torch.dtype, dev: str, *tensors) -> tuple:
+    """``tensors`` as autocast casts an op's arguments: floating-point tensors on device type
+    ``dev``, other than float64 and ``dtype`` itself, cast to ``dtype``; anything else as it is."""
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == dev
+                 and t.dtype is not dtype and t.dtype is not torch.float64 else t for t in tensors)
+
+
+def _autocast_off(dev: str):
+    return torch.autocast(dev, enabled=False)
+
+
 def _via_custom_op(*tensors) -> bool:
     """Autograd and torch.compile go through the registered torch.library op
     (torch_ops.py); plain inference calls the implementation directly."""
@@ -355,6 +395,14 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
     float32 0-dim tensor.
     """
+    if _any_autocast():
+        amp = autocast_dtype(x)
+        if amp is not None:
+            dev = x.device.type
+            x, weight, bias, residual = autocast_cast(amp, dev, x, weight, bias, residual)
+            with _autocast_off(dev):
+                return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
+                              negative_slope=negative_slope)
     attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
     key, launch = _memo("conv2d", x, weight, bias, residual, attrs)
     if launch is not None:
@@ -539,6 +587,13 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
     residual: the output's shape. Returns y, or (y, amax).
     """
+    if _any_autocast():
+        amp = autocast_dtype(a)
+        if amp is not None:
+            dev = a.device.type
+            a, b, bias, residual = autocast_cast(amp, dev, a, b, bias, residual)
+            with _autocast_off(dev):
+                return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
     key, launch = _memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(a, b, bias, residual)
@@ -640,6 +695,13 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
 
     x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
     """
+    if _any_autocast():
+        amp = autocast_dtype(x)
+        if amp is not None:
+            dev = x.device.type
+            x, weight, bias, residual = autocast_cast(amp, dev, x, weight, bias, residual)
+            with _autocast_off(dev):
+                return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
     key, launch = _memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(x, weight, bias, residual)
@@ -743,6 +805,13 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
     Returns o [B, Hq, Sq, Dv] in q's memory layout.
     """
+    if _any_autocast():
+        amp = autocast_dtype(q)
+        if amp is not None:
+            dev = q.device.type
+            q, k, v, attn_mask = autocast_cast(amp, dev, q, k, v, attn_mask)
+            with _autocast_off(dev):
+                return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     key, launch = _memo("sdpa", q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa))
     if launch is not None:
         return launch(q, k, v, attn_mask)
