@@ -121,3 +121,24 @@ def test_fused_mlp_backward_under_autocast(dtype):
     assert rel(y, t) < tol and rel(xa.grad, xb.grad) < tol
     for p, q in zip(fused.parameters(), mlp.parameters()):
         assert p.grad.dtype == torch.float32 and rel(p.grad, q.grad) < tol
+
+
+def test_gpt2_under_autocast_matches_eager_autocast():
+    """transformers' GPT-2 in fp32 under bf16 autocast, training mode (dropout off): logits and
+    gradients of the optimize()d model against torch's own autocast run."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, n_positions=256, vocab_size=1000,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg).cuda().train()
+    opt = cf.optimize(copy.deepcopy(model))
+    ids = torch.randint(0, 1000, (2, 128), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref, out = model(ids, labels=ids), opt(ids, labels=ids)
+    assert out.logits.dtype == ref.logits.dtype
+    assert rel(out.logits, ref.logits) < 3e-2
+    ref.loss.backward()
+    out.loss.backward()
+    grads = [(p.grad, q.grad) for p, q in zip(opt.parameters(), model.parameters()) if q.grad is not None]
+    assert grads and all(g.dtype == torch.float32 for g, _ in grads)
+    assert max(rel(g, h) for g, h in grads) < 1e-1
