@@ -72,8 +72,12 @@ def usable(*tensors) -> bool:
     tensors: there the formulas must take the torch math (which Inductor compiles), since a
     cuDNN graph launch reads data pointers that a fake tensor does not have. One pass of cheap
     checks: this runs in every backward node (the generator-based version and torch's is_fake
-    took 13 us a call on the H200 host)."""
-    if torch.compiler.is_compiling():
+    took 13 us a call on the H200 host).
+
+    Grad mode on in a backward means ``create_graph=True`` (a double backward to come, e.g. a
+    gradient penalty): a cuDNN launch records no graph, so the formulas take the torch math,
+    which does (torch_ops.py)."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
         return False
     dt = None
     for t in tensors:

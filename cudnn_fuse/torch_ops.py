@@ -17,6 +17,12 @@ forward saves no M x N intermediate), except ``linear_save_z`` (cf.nn.Linear
 with recompute=False), whose one forward graph writes z too and keeps it.
 Anything cuDNN declines, float32, and the CPU run the same math on torch
 kernels. The amax output has no gradient.
+
+Under ``create_graph=True`` (grad mode on inside a backward) every formula takes the torch
+math, written so that the gradients it returns are differentiable in the saved operands and
+the incoming gradient: intermediates saved without a graph (a kept pre-activation, FusedMLP's
+z1 and y1, a conv chain's activations) are recomputed from the saved inputs, and SDPA runs
+torch's math kernel. A kept pre-activation with a residual (the residual is not saved) raises.
 """
 
 from __future__ import annotations
@@ -51,9 +57,22 @@ def _split(out, like: Tensor, return_amax: bool):
     return out if return_amax else (out, _no_amax(like))
 
 
+def _create_graph() -> bool:
+    """Inside a backward formula: whether it runs under ``create_graph=True`` (grad mode is on
+    there only then), so that its gradients must be differentiable themselves."""
+    return torch.is_grad_enabled()
+
+
 def _act_grad(z: Tensor, gy: Tensor, act: str, slope: float) -> Tensor:
-    """d act(z) / dz * gy, computed in float32 at least."""
+    """d act(z) / dz * gy, computed in float32 at least (differentiable in z and gy under
+    create_graph=True)."""
     acc = torch.promote_types(z.dtype, torch.float32)
+    if _create_graph():
+        zz = z.to(acc)
+        if not zz.requires_grad:
+            zz = zz.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(reference.activation(zz, act, slope), zz, gy.to(acc), create_graph=True)
+        return g.to(gy.dtype)
     with torch.enable_grad():
         zz = z.detach().to(acc).requires_grad_(True)
         (g,) = torch.autograd.grad(reference.activation(zz, act, slope), zz, gy.to(acc))
@@ -335,6 +354,8 @@ class _ConvChain(torch.autograd.Function):
         saved = ctx.saved_tensors
         hs, weights = saved[:n + 1], saved[n + 1:]
         need = ctx.needs_input_grad
+        if _create_graph():
+            return _conv_chain_differentiable(layers, hs[0], weights, gy, need)
         pneed = need[3:]
         # whether layer i's input needs a gradient: the chain's input does, or a parameter before it
         up = [need[0]]
@@ -361,6 +382,21 @@ class _ConvChain(torch.autograd.Function):
                 break  # nothing before this layer wants a gradient
             gy = dx
         return (gy if need[0] else None, None, None, *grads)
+
+
+def _conv_chain_differentiable(layers, x, weights, gy, need):
+    """The chain's gradients under create_graph=True: its layers run again on torch's ops from
+    the saved input (the saved activations have no graph), differentiated with create_graph."""
+    h = x
+    for m, w in zip(layers, weights):
+        h = torch.nn.Conv2d._conv_forward(m, h, w, m._parameters.get("bias"))
+        h = F.relu(h) if m.activation == "relu" else h
+    params = [p for m, w in zip(layers, weights) for p in (w, m._parameters.get("bias"))]
+    ins = [x] + params
+    wanted = [t for t, nd in zip(ins, (need[0],) + tuple(need[3:])) if nd and t is not None]
+    grads = iter(torch.autograd.grad(h, wanted, gy, create_graph=True, allow_unused=True))
+    out = [next(grads) if nd and t is not None else None for t, nd in zip(ins, (need[0],) + tuple(need[3:]))]
+    return (out[0], None, None, *out[1:])
 
 
 def conv_chain(x, layers, geos, params):
@@ -479,6 +515,12 @@ def _linear_save_z_backward(ctx, gy, _gz):
         if out is not None:
             dx, dw, db, dr = out
             return dx, dw, db, None, dr, None
+    if _create_graph():  # the kept z has no graph: recompute it from the saved operands
+        if ctx.has_residual:
+            raise RuntimeError("cudnn_fuse: create_graph=True (a double backward) through a Linear that keeps its "
+                               "pre-activation (recompute=False) with a residual is not supported (the residual is "
+                               "not saved): build the layer with recompute=True")
+        z = reference.linear(x, w, b, None, None)
     dz = _act_grad(z, gy, ctx.act, ctx.slope)
     dx, dw, db = _linear_products(dz, x, w, *needs[:3])
     return dx, dw, db, None, (dz if needs[3] else None), None
@@ -535,7 +577,7 @@ class _MlpTrain(torch.autograd.Function):
         ctx.has = (b1 is not None, b2 is not None, residual is not None)
         if _saved_tensor_hooks_active():
             ctx.inter = None
-            ctx.save_for_backward(x, w1, w2, z1, y1)
+            ctx.save_for_backward(x, w1, w2, b1, z1, y1)
         else:
             ctx.inter = [z1, y1]
             ctx.save_for_backward(x, w1, w2, b1)  # b1 only for a recompute (a Parameter: no memory)
@@ -544,13 +586,16 @@ class _MlpTrain(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         saved = ctx.saved_tensors
-        x, w1, w2 = saved[:3]
+        x, w1, w2, b1 = saved[:4]
         if ctx.inter is None:
-            inter = list(saved[3:])
+            inter = list(saved[4:])
         else:
             inter, ctx.inter = ctx.inter, [None, None]
             if inter[0] is None:  # a second backward (retain_graph=True): recompute what the first one dropped
-                inter = list(_linear_save_z_op_impl(x, w1, saved[3], ctx.act, None, ctx.slope))[::-1]
+                inter = list(_linear_save_z_op_impl(x, w1, b1, ctx.act, None, ctx.slope))[::-1]
+        if _create_graph():  # z1 and y1 have no graph: recompute them from the saved operands
+            z1 = reference.linear(x, w1, b1, None, None)
+            inter = [z1, reference.activation(z1, ctx.act, ctx.slope)]
         del saved
         n = ctx.needs_input_grad
         has_b1, has_b2, has_r = ctx.has
@@ -614,7 +659,12 @@ def _matmul_backward(ctx, gy, _gamax):
     dz = _pre_activation_grad(ctx, gy, y, lambda: reference.matmul(a, b, bias, None, r))
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     da = db_ = None
-    if need_a or need_b:  # torch.matmul's own backward handles every broadcast and 1-D case
+    if (need_a or need_b) and _create_graph():  # differentiable in a, b and dz
+        wanted = [t for t, n in ((a, need_a), (b, need_b)) if n]
+        grads = iter(torch.autograd.grad(torch.matmul(a, b), wanted, dz, create_graph=True))
+        da = next(grads) if need_a else None
+        db_ = next(grads) if need_b else None
+    elif need_a or need_b:  # torch.matmul's own backward handles every broadcast and 1-D case
         with torch.enable_grad():
             a_ = a.detach().requires_grad_(need_a)
             b_ = b.detach().requires_grad_(need_b)
@@ -673,6 +723,15 @@ def _sdpa_backward(ctx, go):
     q, k, v, mask = ctx.saved_tensors
     is_causal, scale, gqa = ctx.conf
     needs = ctx.needs_input_grad
+    if _create_graph():  # differentiable in q, k, v, the mask and go: torch's math kernel (its fused
+        ins = (q, k, v, mask)  # kernels' backwards have no derivative of their own)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            out = reference.scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale, gqa)
+        wanted = [t for t, n in zip(ins, needs[:4]) if n and t is not None]
+        grads = iter(torch.autograd.grad(out, wanted, go, create_graph=True)) if wanted else iter(())
+        return tuple(next(grads) if n and t is not None else None for t, n in zip(ins, needs[:4])) + (None, None, None)
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(bool(n)) if t is not None else None for t, n in zip((q, k, v, mask), needs)]
         if leaves[3] is not None and leaves[3].dtype == torch.bool:
@@ -722,7 +781,7 @@ def _sdpa_train_setup(ctx, inputs, output):
 def _sdpa_train_backward(ctx, go, _gstats):
     q, k, v, mask, o, stats = ctx.saved_tensors
     is_causal, scale, _ = ctx.conf
-    if stats.numel() > 0 and not (mask is not None and ctx.needs_input_grad[3]):
+    if stats.numel() > 0 and not (mask is not None and ctx.needs_input_grad[3]) and not _create_graph():
         grads = backward.sdpa_grads(q, k, v, mask, o, stats, go, is_causal, scale)
         if grads is not None:
             return tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])) + (None,) * 4
