@@ -206,7 +206,8 @@ class Linear(torch.nn.Linear):
         if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), _out_dtype(x)):
             z = ops.linear(x, self.weight, self.bias)
             return reference.activation(z + residual, act, self.negative_slope)
-        keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear")
+        keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear") \
+            and not _functorch_active()
         if keep_z and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             from . import torch_ops
 
@@ -267,7 +268,7 @@ class FusedMLP(torch.nn.Module):
         fc1 = self.fc1
         if fc1.activation not in NEEDS_INPUT or fc1.recompute or not torch.is_grad_enabled():
             return False
-        if ops._inline_under_compile("linear") or torch.compiler.is_compiling():
+        if ops._inline_under_compile("linear") or torch.compiler.is_compiling() or _functorch_active():
             return False
         ps = (x, fc1.weight, fc1.bias, self.fc2.weight, self.fc2.bias, residual)
         return any(t is not None and t.requires_grad for t in ps)

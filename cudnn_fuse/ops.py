@@ -168,6 +168,19 @@ def _autocast_off(dev: str):
     return torch.autocast(dev, enabled=False)
 
 
+# torch.func transforms (vmap, grad, jacrev, jvp, ...) wrap tensors whose data a cuDNN launch cannot
+# read, and need autograd.Functions with a setup_context (cf's eager ones take ctx in forward, for
+# speed): under them an op runs its PyTorch reference, which every transform supports.
+_functorch_on = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: False)
+
+
+def _under_functorch(op: str) -> bool:
+    if _functorch_on():
+        _fallback(op, "a torch.func transform is active")
+        return True
+    return False
+
+
 def _via_custom_op(*tensors) -> bool:
     """Autograd and torch.compile go through the registered torch.library op
     (torch_ops.py); plain inference calls the implementation directly."""
@@ -292,7 +305,7 @@ def _memo(name: str, a, b, c, d, attrs: tuple):
     on, an operand requiring grad; its key's name ends in ":grad") must go through autograd,
     but its validation depends only on the operands' metadata and ``attrs``: its entry is the
     validated call of the autograd op (``_remember_call``), attributes only, never tensors."""
-    if type(a) is not torch.Tensor or _active_recorders or _is_compiling():
+    if type(a) is not torch.Tensor or _active_recorders or _is_compiling() or _functorch_on():
         return None, None
     if _grad_enabled() and (a.requires_grad or getattr(b, "requires_grad", False)
                             or getattr(c, "requires_grad", False) or getattr(d, "requires_grad", False)):
@@ -438,6 +451,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
                          f"weight.shape={tuple(weight.shape)}, padding={padding!r}, dilation={dilation}, stride={stride}")
     _check_epilogue(op, activation, residual, out_shape, bias, K)
 
+    if _under_functorch(op):
+        return reference.conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
+                                      return_amax, negative_slope)
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
 
@@ -612,7 +628,7 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
         raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
     _check_epilogue(op, activation, residual, out_shape, bias, N)
 
-    if _inline_under_compile("matmul"):
+    if _inline_under_compile("matmul") or _under_functorch(op):
         return reference.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
     if _via_custom_op(a, b, bias, residual):
         from . import torch_ops
@@ -723,7 +739,7 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     out_shape = tuple(x.shape[:-1]) + (N,)
     _check_epilogue(op, activation, residual, out_shape, bias, N)
 
-    if _inline_under_compile("linear"):
+    if _inline_under_compile("linear") or _under_functorch(op):
         return reference.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
@@ -824,6 +840,11 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if _inline_under_compile("sdpa"):
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    if _under_functorch(op):  # torch's math kernel: its fused ones have no forward AD (jvp) nor double backward
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
     if _via_custom_op(q, k, v, attn_mask):
         from . import torch_ops
 

@@ -162,3 +162,15 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                           scale=scale)
+
+
+def conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, act=None, residual=None,
+                 return_amax=False, negative_slope=0.01):
+    """conv2d_padded as torch's own ops write it, with no layout handling: what runs under a
+    torch.func transform (vmap can neither query nor make a channels_last layout)."""
+    if tuple(pre) != tuple(post):
+        x = F.pad(x, (pre[1], post[1], pre[0], post[0]))
+        pre = (0, 0)
+    z = F.conv2d(x, weight, bias, stride, tuple(pre), dilation, groups)
+    y = activation(z if residual is None else z + residual, act, negative_slope)
+    return (y, amax(y)) if return_amax else y
