@@ -130,9 +130,28 @@ def _function_activation(node: fx.Node):
     return None
 
 
+def _hooked(m: nn.Module):
+    """Why ``m`` must keep running as itself, or None: a hook on it (a fused module would not run
+    it; the user's, or old-style spectral_norm / weight_norm / pruning, whose pre-hook computes the
+    weight), or a weight or bias that is no Parameter (what such a pre-hook leaves there)."""
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        return "it has hooks (a fused module would not run them)"
+    for name in ("weight", "bias"):
+        t = m.__dict__.get(name)
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+            return f"its {name} is no Parameter (a hook computes it: spectral_norm, weight_norm or pruning)"
+    return None
+
+
+def _parametrized(m: nn.Module) -> bool:
+    return isinstance(m, (nn.Conv2d, nn.Linear)) and type(m) not in (nn.Conv2d, nn.Linear) and \
+        bool(getattr(m, "parametrizations", None))
+
+
 def _activation_of(gm, node: fx.Node):
     if node.op == "call_module":
-        return _module_activation(gm.get_submodule(node.target))
+        m = gm.get_submodule(node.target)
+        return None if _hooked(m) else _module_activation(m)
     extra_ok = 2 if node.target is F.leaky_relu else 1  # leaky_relu's slope may be positional
     if len(node.args) > extra_ok:
         return None
@@ -238,6 +257,10 @@ class _Rewriter:
         if bn_node is not None and bn_node.op == "call_module" and isinstance(self.gm.get_submodule(bn_node.target),
                                                                               nn.BatchNorm2d):
             bn = self.gm.get_submodule(bn_node.target)
+            why = _hooked(bn)
+            if why is not None:
+                self.summary.left_alone.append((self.where(bn_node), f"BatchNorm2d not folded: {why}"))
+                return
             if bn.training or not bn.track_running_stats:
                 self.summary.left_alone.append((self.where(bn_node), "BatchNorm2d in training mode (folded only in eval)"))
                 return
@@ -286,7 +309,7 @@ class _Rewriter:
         if nxt is None or nxt.op != "call_module" or nxt.args != (act_node,) or nxt.kwargs:
             return False
         lin2 = self.gm.get_submodule(nxt.target)
-        if type(lin2) is not nn.Linear:
+        if type(lin2) is not nn.Linear or _hooked(lin2):
             return False
         more, residual, act2 = self.epilogue(nxt)
         if act2 is not None:
@@ -320,6 +343,14 @@ class _Rewriter:
                 if calls > 1 and (type(m) in (nn.Conv2d, nn.Linear) or _is_hf_conv1d(m)):
                     self.summary.left_alone.append((self.where(node), f"called from {calls} places (shared weights: "
                                                     "a fused copy would put its parameters in the state_dict twice)"))
+                    continue
+                if _parametrized(m):
+                    self.summary.left_alone.append((self.where(node), "parametrized (torch.nn.utils.parametrize: "
+                                                    "its weight is computed at each call)"))
+                    continue
+                why = _hooked(m) if type(m) in (nn.Conv2d, nn.Linear) or _is_hf_conv1d(m) else None
+                if why is not None:
+                    self.summary.left_alone.append((self.where(node), why))
                     continue
                 if type(m) is nn.Conv2d:
                     self.conv(node)
@@ -427,7 +458,11 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
 
         set_autotune(True)
     if not inplace:
-        model = copy.deepcopy(model)
+        try:
+            model = copy.deepcopy(model)
+        except RuntimeError as exc:  # e.g. old-style torch.nn.utils.weight_norm after a forward
+            raise RuntimeError(f"optimize: the model cannot be copied ({exc}); pass inplace=True to rewrite it "
+                               "in place") from exc
     summary = Summary()
     from .hf import use_cudnn_fuse_attention
 
