@@ -79,9 +79,7 @@ class Conv2d(torch.nn.Conv2d):
         return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")
 
 
-def _functorch_active() -> bool:
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active()) if active is not None else False
+_functorch_active = ops._functorch_on  # whether a torch.func transform is active
 
 
 def _autocast() -> bool:
@@ -212,12 +210,11 @@ class Linear(torch.nn.Linear):
             from . import torch_ops
 
             w, b = self.weight, self.bias
-            amp = ops.autocast_dtype(x)
-            if amp is None:
+            cast = ops.autocast_args(x, x, w, b, residual)  # the op bypassed casts as autocast would
+            if cast is None:
                 self._check(x, residual)
                 return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
-            dev = x.device.type  # the op bypassed casts as autocast would (ops.autocast_dtype)
-            x, w, b, residual = ops.autocast_cast(amp, dev, x, w, b, residual)
+            dev, (x, w, b, residual) = cast
             with ops._autocast_off(dev):
                 self._check(x, residual, w, b)
                 return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
@@ -278,12 +275,12 @@ class FusedMLP(torch.nn.Module):
         if _broadcast_residual(residual, tuple(x.shape[:-1]) + (fc2.out_features,), _out_dtype(x)):
             return fc2(fc1(x)) + residual
         if self._fused(x, residual):
-            amp = ops.autocast_dtype(x)
-            if amp is None:
-                return self._mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, residual)
-            dev = x.device.type  # the op bypassed casts as autocast would (ops.autocast_dtype)
-            with ops._autocast_off(dev):
-                return self._mlp(*ops.autocast_cast(amp, dev, x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, residual))
+            operands = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, residual)
+            cast = ops.autocast_args(x, *operands)  # the op bypassed casts as autocast would
+            if cast is None:
+                return self._mlp(*operands)
+            with ops._autocast_off(cast[0]):
+                return self._mlp(*cast[1])
         h = fc1(x)
         if residual is None:
             return fc2(h)

@@ -168,6 +168,17 @@ def _autocast_off(dev: str):
     return torch.autocast(dev, enabled=False)
 
 
+def autocast_args(first, *tensors):
+    """Under torch.autocast for ``first``'s device type: (that device type, ``tensors`` cast as
+    autocast casts them); else None. Callers run their op on the cast tensors under
+    ``_autocast_off(device type)``."""
+    amp = autocast_dtype(first)
+    if amp is None:
+        return None
+    dev = first.device.type
+    return dev, autocast_cast(amp, dev, *tensors)
+
+
 # torch.func transforms (vmap, grad, jacrev, jvp, ...) wrap tensors whose data a cuDNN launch cannot
 # read, and need autograd.Functions with a setup_context (cf's eager ones take ctx in forward, for
 # speed): under them an op runs its PyTorch reference, which every transform supports.
@@ -408,13 +419,10 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
     float32 0-dim tensor.
     """
-    if _any_autocast():
-        amp = autocast_dtype(x)
-        if amp is not None:
-            dev = x.device.type
-            x, weight, bias, residual = autocast_cast(amp, dev, x, weight, bias, residual)
-            with _autocast_off(dev):
-                return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
+    if _any_autocast() and (cast := autocast_args(x, x, weight, bias, residual)) is not None:
+        dev, (x, weight, bias, residual) = cast
+        with _autocast_off(dev):
+            return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
                               negative_slope=negative_slope)
     attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
     key, launch = _memo("conv2d", x, weight, bias, residual, attrs)
@@ -603,13 +611,10 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
     residual: the output's shape. Returns y, or (y, amax).
     """
-    if _any_autocast():
-        amp = autocast_dtype(a)
-        if amp is not None:
-            dev = a.device.type
-            a, b, bias, residual = autocast_cast(amp, dev, a, b, bias, residual)
-            with _autocast_off(dev):
-                return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
+    if _any_autocast() and (cast := autocast_args(a, a, b, bias, residual)) is not None:
+        dev, (a, b, bias, residual) = cast
+        with _autocast_off(dev):
+            return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
     key, launch = _memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(a, b, bias, residual)
@@ -711,13 +716,10 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
 
     x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
     """
-    if _any_autocast():
-        amp = autocast_dtype(x)
-        if amp is not None:
-            dev = x.device.type
-            x, weight, bias, residual = autocast_cast(amp, dev, x, weight, bias, residual)
-            with _autocast_off(dev):
-                return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
+    if _any_autocast() and (cast := autocast_args(x, x, weight, bias, residual)) is not None:
+        dev, (x, weight, bias, residual) = cast
+        with _autocast_off(dev):
+            return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
     key, launch = _memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope))
     if launch is not None:
         return launch(x, weight, bias, residual)
@@ -821,13 +823,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
     Returns o [B, Hq, Sq, Dv] in q's memory layout.
     """
-    if _any_autocast():
-        amp = autocast_dtype(q)
-        if amp is not None:
-            dev = q.device.type
-            q, k, v, attn_mask = autocast_cast(amp, dev, q, k, v, attn_mask)
-            with _autocast_off(dev):
-                return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if _any_autocast() and (cast := autocast_args(q, q, k, v, attn_mask)) is not None:
+        dev, (q, k, v, attn_mask) = cast
+        with _autocast_off(dev):
+            return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     key, launch = _memo("sdpa", q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa))
     if launch is not None:
         return launch(q, k, v, attn_mask)
@@ -840,11 +839,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if _inline_under_compile("sdpa"):
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
-    if _under_functorch(op):  # torch's math kernel: its fused ones have no forward AD (jvp) nor double backward
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.MATH):
-            return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    if _under_functorch(op):
+        return reference.scaled_dot_product_attention_math(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if _via_custom_op(q, k, v, attn_mask):
         from . import torch_ops
 

@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import nn as cfnn
 from .ops import scaled_dot_product_attention
@@ -144,8 +145,7 @@ def _hooked(m: nn.Module):
 
 
 def _parametrized(m: nn.Module) -> bool:
-    return isinstance(m, (nn.Conv2d, nn.Linear)) and type(m) not in (nn.Conv2d, nn.Linear) and \
-        bool(getattr(m, "parametrizations", None))
+    return isinstance(m, (nn.Conv2d, nn.Linear)) and parametrize.is_parametrized(m)
 
 
 def _activation_of(gm, node: fx.Node):

@@ -164,6 +164,15 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                                           scale=scale)
 
 
+def scaled_dot_product_attention_math(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    """scaled_dot_product_attention (no dropout) on torch's math kernel: torch's fused kernels have
+    neither forward AD (jvp) nor a derivative of their backward (double backward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
+
+
 def conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, act=None, residual=None,
                  return_amax=False, negative_slope=0.01):
     """conv2d_padded as torch's own ops write it, with no layout handling: what runs under a

@@ -391,11 +391,11 @@ def _conv_chain_differentiable(layers, x, weights, gy, need):
     for m, w in zip(layers, weights):
         h = torch.nn.Conv2d._conv_forward(m, h, w, m._parameters.get("bias"))
         h = F.relu(h) if m.activation == "relu" else h
-    params = [p for m, w in zip(layers, weights) for p in (w, m._parameters.get("bias"))]
-    ins = [x] + params
-    wanted = [t for t, nd in zip(ins, (need[0],) + tuple(need[3:])) if nd and t is not None]
+    ins = [x] + [p for m, w in zip(layers, weights) for p in (w, m._parameters.get("bias"))]
+    needs = (need[0],) + tuple(need[3:])  # x, then the parameters (the Function's layers/geos need none)
+    wanted = [t for t, nd in zip(ins, needs) if nd and t is not None]
     grads = iter(torch.autograd.grad(h, wanted, gy, create_graph=True, allow_unused=True))
-    out = [next(grads) if nd and t is not None else None for t, nd in zip(ins, (need[0],) + tuple(need[3:]))]
+    out = [next(grads) if nd and t is not None else None for t, nd in zip(ins, needs)]
     return (out[0], None, None, *out[1:])
 
 
@@ -725,10 +725,7 @@ def _sdpa_backward(ctx, go):
     needs = ctx.needs_input_grad
     if _create_graph():  # differentiable in q, k, v, the mask and go: torch's math kernel (its fused
         ins = (q, k, v, mask)  # kernels' backwards have no derivative of their own)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.MATH):
-            out = reference.scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale, gqa)
+        out = reference.scaled_dot_product_attention_math(q, k, v, mask, is_causal, scale, gqa)
         wanted = [t for t, n in zip(ins, needs[:4]) if n and t is not None]
         grads = iter(torch.autograd.grad(out, wanted, go, create_graph=True)) if wanted else iter(())
         return tuple(next(grads) if n and t is not None else None for t, n in zip(ins, needs[:4])) + (None, None, None)
