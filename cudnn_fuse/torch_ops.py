@@ -575,20 +575,24 @@ class _MlpTrain(torch.autograd.Function):
             out = _linear_op_impl(y1, w2, b2, None, residual, False, slope)[0]
         ctx.act, ctx.slope = act, slope
         ctx.has = (b1 is not None, b2 is not None, residual is not None)
+        # b1 only for a recompute (a second backward, or create_graph): held by reference, not saved,
+        # so that the saved tensors are exactly eager's (x, w1, w2, z1, y1) and hooks never pack it
+        ctx.b1 = b1
         if _saved_tensor_hooks_active():
             ctx.inter = None
-            ctx.save_for_backward(x, w1, w2, b1, z1, y1)
+            ctx.save_for_backward(x, w1, w2, z1, y1)
         else:
             ctx.inter = [z1, y1]
-            ctx.save_for_backward(x, w1, w2, b1)  # b1 only for a recompute (a Parameter: no memory)
+            ctx.save_for_backward(x, w1, w2)
         return out
 
     @staticmethod
     def backward(ctx, gy):
         saved = ctx.saved_tensors
-        x, w1, w2, b1 = saved[:4]
+        x, w1, w2 = saved[:3]
+        b1 = ctx.b1
         if ctx.inter is None:
-            inter = list(saved[4:])
+            inter = list(saved[3:])
         else:
             inter, ctx.inter = ctx.inter, [None, None]
             if inter[0] is None:  # a second backward (retain_graph=True): recompute what the first one dropped
