@@ -10,7 +10,8 @@ row), through a real ``plans.Plan`` whose launches go to libc stand-ins of the d
 (gettimeofday for cuGraphLaunch's two pointers, memcmp of zero bytes for cuLaunchKernelEx's
 four): its launch-graph replays, its kernel replays (``KernelReplay``) and its raw launches, so
 that the Python each path adds can be compared on any machine (bench/eager_host_probe.py is the
-GPU's count).
+GPU's count). Where ``cudnn_fuse._native`` is built, the rows run the C memo, and
+``kernel_replays_python`` is the kernel replays' row on the Python path.
 
 Numbers from a CPU host are not H200 host numbers; use it to compare changes, and
 bench/host_breakdown.py on the GPU to quote.
@@ -140,8 +141,12 @@ def eager_rows(calls: int = 100000, rounds: int = 5) -> dict:
 
         stack.enter_context(mock.patch.object(cudnn, "set_stream", lambda **k: None, create=True))
         with torch.no_grad():
-            for path, drv in (("graph_replays", StandIn(False)), ("kernel_replays", StandIn(True)), ("raw", None)):
-                ops._FAST.clear()
+            native = ops.native_enabled()
+            for path, drv, c in (("graph_replays", StandIn(False), native), ("kernel_replays", StandIn(True), native),
+                                 ("kernel_replays_python", StandIn(True), False), ("raw", None, native)):
+                if path.endswith("_python") and not native:
+                    continue  # the Python path is every row already
+                ops.set_native(c)
                 key, _ = ops._memo("linear", x, w, b, None, attrs)
                 p = plan(drv)
                 ops._FAST[key] = ops._Launch(p, torch.empty(64, 256).half(), False, x)
@@ -155,7 +160,7 @@ def eager_rows(calls: int = 100000, rounds: int = 5) -> dict:
                 entries = list(p._graphs.execs.values()) if p._graphs is not None else []
                 out[path] = (us, type(entries[0]).__name__ if entries else None,
                              launch_graphs.STATS.replays - replays)
-        ops._FAST.clear()
+        ops.set_native(native)
     return out
 
 

@@ -2,7 +2,8 @@
 
 `cf.linear(x, w, b, activation="relu")` at 64x256x256 fp16, where the host is the
 bottleneck: the memoized fast path (what users get by default: a repeated pointer set replays
-as its captured kernel), the same replayed as a one-kernel graph (``eager_graph_replays``) and as
+as its captured kernel, the call in C where cudnn_fuse._native is built), the same on the Python
+path (``eager_python``, ``cf.ops.set_native(False)``), the same replayed as a one-kernel graph (``eager_graph_replays``) and as
 its kernel with every attribute the captured node had (``eager_node_attrs``, before
 launch_graphs.Driver.trim_attrs), the same with launch graphs off (each call a raw cuDNN execute), the
 first-call path with the memo off, the same with the public cuDNN execute instead of raw
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         captured = cf.capture(chain_fn, x)
         single = cf.capture(cf_op)
-        rows = {k: [] for k in ("eager", "eager_graph_replays", "eager_node_attrs", "eager_no_launch_graphs", "eager_no_memo", "eager_public_execute", "captured",
+        native = ops.native_enabled()
+        rows = {k: [] for k in ("eager", "eager_python", "eager_graph_replays", "eager_node_attrs", "eager_no_launch_graphs", "eager_no_memo", "eager_public_execute", "captured",
                                 "captured_single_op", "torch_eager")}
         dev = {"graphs": [], "no_graphs": []}
         graphs_default = launch_graphs.ENABLED
@@ -75,6 +77,12 @@ def main(argv=None) -> int:
             cf.set_launch_graphs(True)
             plans.clear()  # plans built from now on get launch graphs (the default)
             rows["eager"].append(host_us(cf_op, args.calls))
+            if native:  # the same calls on the Python path (set_native clears the memo)
+                ops.set_native(False)
+                plans.clear()
+                rows["eager_python"].append(host_us(cf_op, args.calls))
+                ops.set_native(True)
+                plans.clear()
             drv = launch_graphs.driver()
             if drv is not None:  # the same with one-kernel captures replayed as graphs (before KernelReplay)
                 drv.kernels = False
@@ -92,6 +100,7 @@ def main(argv=None) -> int:
             rows["eager_no_launch_graphs"].append(host_us(cf_op, args.calls))
             dev["no_graphs"].append(device_us())
             plans.clear()  # the memo-off and public-execute rows: raw launches, as before graphs
+            ops.set_native(False)  # the C memo would serve them otherwise
             ops._memo = no_memo
             rows["eager_no_memo"].append(host_us(cf_op, args.calls))
             plans.RAW_EXECUTE = False
@@ -100,6 +109,7 @@ def main(argv=None) -> int:
             plans.RAW_EXECUTE = True
             plans.clear()
             ops._memo = memo
+            ops.set_native(native)
             cf.set_launch_graphs(graphs_default)
             cf_op()
             rows["captured"].append(host_us(captured.replay, max(1, args.calls // chain)) / chain)
@@ -110,6 +120,8 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "op": "cf.linear(x[64,256], w[256,256], b, activation='relu') fp16",
+        "native": native,
+        "native_stats": ops._native.stats() if ops._native is not None else None,
         "calls_per_round": args.calls,
         "rounds": args.rounds,
         "host_us_per_call": med,

@@ -137,13 +137,24 @@ def _cache_rows() -> tuple[list, list]:
     return rows, []
 
 
+def _native_row() -> str:
+    """Which path the ops' memoized calls take in this process (ops.set_native)."""
+    from . import launch_graphs, ops
+
+    if ops.native_enabled():
+        return "C (cudnn_fuse._native)"
+    if launch_graphs._native is None:
+        return "Python (cudnn_fuse._native is not built: reinstall with a C compiler for the C path)"
+    return "Python (CUDNN_FUSE_NATIVE=0 or set_native(False))"
+
+
 def _doctor(args: argparse.Namespace) -> int:
     fp = env.fingerprint()
     found = env.problems(fp)
     cache_rows, cache_problems = _cache_rows()
     found += cache_problems
     print(f"cudnn-fuse {__version__} doctor\n")
-    print(format_table(("item", "value"), list(env.describe(fp)) + cache_rows))
+    print(format_table(("item", "value"), list(env.describe(fp)) + [("memoized calls", _native_row())] + cache_rows))
     print("\nproblems:")
     for problem in found or ["none"]:
         print(f"  {problem}")

@@ -194,9 +194,22 @@ def _unit_cluster(value) -> bool:
     return (w0 & 0xFFFFFFFF, w0 >> 32, w1 & 0xFFFFFFFF) == (1, 1, 1)
 
 
-class KernelReplay:
+# The memoized op call in C (cudnn_fuse/_native.c, built by setup.py where a C compiler is): it launches a
+# KernelReplay's kernel itself. Optional: without it, or with CUDNN_FUSE_NATIVE=0, everything runs in Python.
+try:
+    from . import _native
+except ImportError as exc:  # not built (no compiler at install time), or built for another Python
+    _native = None
+    log.debug("cudnn_fuse._native is not available (%s): the ops' memoized calls run in Python", exc)
+NATIVE = _native is not None and os.environ.get("CUDNN_FUSE_NATIVE", "1").strip().lower() not in _OFF_WORDS
+_KernelBase = _native.KernelLaunch if _native is not None else object
+
+
+class KernelReplay(_KernelBase):
     """A captured one-kernel graph's kernel, launched directly (cuLaunchKernelEx). Holds the graph,
-    whose node owns the kernel's parameter values; ``Driver.destroy`` frees it."""
+    whose node owns the kernel's parameter values; ``Driver.destroy`` frees it. Where the native
+    module is built, the same launch is bound for C too (``_native.KernelLaunch``): the ops' memoized
+    calls launch it from there, with a copy of this config on their stream."""
 
     __slots__ = ("graph", "attrs", "cfg", "cfg_ref", "stream", "_launch", "_func", "_params", "_extra")
 
@@ -214,6 +227,10 @@ class KernelReplay:
                                  self.attrs, len(attrs))
         self.cfg_ref = ctypes.byref(self.cfg)
         self.stream = stream
+        if _native is not None and isinstance(launch, ctypes._CFuncPtr):  # a stand-in in Python stays unbound
+            self._bind(ctypes.cast(launch, ctypes.c_void_p).value, ctypes.addressof(self.cfg),
+                       ctypes.sizeof(_LaunchConfig), _LaunchConfig.hStream.offset, func, node.kernelParams or 0,
+                       node.extra or 0)
 
     def launch(self, stream: int) -> int:
         """Launch the kernel on ``stream``; the CUresult."""
@@ -320,6 +337,11 @@ class Driver:
         self._exec_destroy = fn("cuGraphExecDestroy", vp)
         self._graph_destroy = fn("cuGraphDestroy", vp)
         self._name = getattr(lib, "cuGetErrorName", None)
+        if _native is not None and isinstance(lib, ctypes.CDLL):  # the C memo's capture test (a real driver only)
+            try:
+                _native.set_driver(ctypes.cast(lib.cuStreamIsCapturing, ctypes.c_void_p).value)
+            except AttributeError:
+                pass
         self.kernels = KERNEL_REPLAY
         self.trim = TRIM_ATTRS
         self._stream_attr = self._func_attr = None  # bound with the kernel entry points (trim_attrs)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import manifest, plans, reference
+from . import launch_graphs, manifest, plans, reference
 from .errors import UnsupportedError
 from .spec import (
     ACTIVATIONS,
@@ -343,9 +343,10 @@ def _remember_call(key, call) -> None:
 _active_recorders = manifest._active  # the live list: non-empty while cf.record runs
 
 
-class _Launch:
+class _PyLaunch:
     """A remembered signature: the plan and the outputs' geometry. Called with the op's four
-    operands (None where absent: which ones are is part of the memo key, so fixed per entry)."""
+    operands (None where absent: which ones are is part of the memo key, so fixed per entry).
+    The Python twin of ``_native.Launch`` (``_Launch`` makes whichever the process uses)."""
 
     __slots__ = ("plan", "size", "stride", "dtype", "device", "amax", "_like_a")
 
@@ -374,6 +375,49 @@ class _Launch:
         ptrs.append(am.data_ptr())
         self.plan.launch(ptrs)
         return y, am
+
+
+def _native_launch(plan, y: torch.Tensor, amax: bool, a: Optional[torch.Tensor] = None):
+    """``_PyLaunch``'s arguments, made a ``_native.Launch``: the same steps in C, which also replays the
+    plan's kernel captures itself (it is given the plan's launch graphs only for a ``plans.Plan``;
+    any other plan, and anything the C path does not handle, goes through ``plan.launch``)."""
+    graphs = plan._graphs if type(plan) is plans.Plan else None
+    return _native.Launch(plan, tuple(y.shape), tuple(y.stride()), y.dtype, y.device, amax,
+                          a is not None and a.dtype == y.dtype and a.device == y.device, graphs,
+                          plan.device if graphs is not None else -1, plan.workspace_size if graphs is not None else 0)
+
+
+# The memoized call in C (cudnn_fuse/_native.c): ops._memo's checks and key, and _PyLaunch's allocation and
+# launch, for every op (the ops test torch.compiler.is_compiling first, in Python, so that dynamo never meets
+# the C call: it traces the Python path, which declines the memo while compiling); the Python path below stays for misses, for processes without the module, and with
+# CUDNN_FUSE_NATIVE=0. bench/host_overhead.py compares the two on the GPU machine (docs/decisions.md).
+_native = launch_graphs._native
+if _native is not None:
+    _native.configure(ops=globals(), plans=vars(plans), launch_graphs=vars(launch_graphs), tensor=torch.Tensor,
+                      empty_strided=torch.empty_strided, empty=torch.empty, float32=torch.float32)
+_native_call = None
+_Launch = _PyLaunch
+
+
+def set_native(enabled: bool) -> bool:
+    """Whether memoized calls run in C (``cudnn_fuse._native``; default on where it is built, off with
+    ``CUDNN_FUSE_NATIVE=0``). Returns whether they do now: False when asked for C without the module.
+    Clears the memo, so remembered calls are made again by the chosen path."""
+    global _native_call, _Launch
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_native: enabled must be a bool, got {enabled!r}")
+    on = enabled and _native is not None
+    _native_call, _Launch = (_native.call, _native_launch) if on else (None, _PyLaunch)
+    _FAST.clear()
+    return on
+
+
+def native_enabled() -> bool:
+    """Whether memoized calls run in C now (``set_native``)."""
+    return _native_call is not None
+
+
+set_native(launch_graphs.NATIVE)
 
 
 def _remember(key, originals, plan, buffers, out) -> None:
@@ -425,6 +469,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
             return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
                               negative_slope=negative_slope)
     attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
+    if _native_call is not None and not _is_compiling() and (out := _native_call("conv2d", "conv2d:grad", x, weight, bias, residual,
+                                                         attrs)) is not None:
+        return out
     key, launch = _memo("conv2d", x, weight, bias, residual, attrs)
     if launch is not None:
         return launch(x, weight, bias, residual)
@@ -615,7 +662,10 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
         dev, (a, b, bias, residual) = cast
         with _autocast_off(dev):
             return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
-    key, launch = _memo("matmul", a, b, bias, residual, (activation, return_amax, negative_slope))
+    attrs = (activation, return_amax, negative_slope)
+    if _native_call is not None and not _is_compiling() and (out := _native_call("matmul", "matmul:grad", a, b, bias, residual, attrs)) is not None:
+        return out
+    key, launch = _memo("matmul", a, b, bias, residual, attrs)
     if launch is not None:
         return launch(a, b, bias, residual)
     if _is_cupy(a):
@@ -720,7 +770,11 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
         dev, (x, weight, bias, residual) = cast
         with _autocast_off(dev):
             return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
-    key, launch = _memo("linear", x, weight, bias, residual, (activation, return_amax, negative_slope))
+    attrs = (activation, return_amax, negative_slope)
+    if _native_call is not None and not _is_compiling() and (out := _native_call("linear", "linear:grad", x, weight, bias, residual,
+                                                         attrs)) is not None:
+        return out
+    key, launch = _memo("linear", x, weight, bias, residual, attrs)
     if launch is not None:
         return launch(x, weight, bias, residual)
     if _is_cupy(x):
@@ -827,7 +881,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         dev, (q, k, v, attn_mask) = cast
         with _autocast_off(dev):
             return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    key, launch = _memo("sdpa", q, k, v, attn_mask, (dropout_p, is_causal, scale, enable_gqa))
+    attrs = (dropout_p, is_causal, scale, enable_gqa)
+    if _native_call is not None and not _is_compiling() and (out := _native_call("sdpa", "sdpa:grad", q, k, v, attn_mask, attrs)) is not None:
+        return out
+    key, launch = _memo("sdpa", q, k, v, attn_mask, attrs)
     if launch is not None:
         return launch(q, k, v, attn_mask)
     if _is_cupy(q):

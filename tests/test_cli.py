@@ -60,6 +60,21 @@ def test_doctor_without_gpu_is_healthy(capsys, cache_dir):
     assert problems.split()[0] == "none"
 
 
+def test_doctor_says_which_path_the_memoized_calls_take(capsys, cache_dir):
+    from cudnn_fuse import ops
+
+    on = ops.native_enabled()
+    try:
+        for enabled in (True, False):
+            ops.set_native(enabled)
+            assert cli.main(["doctor"]) == 0
+            row = next(line for line in capsys.readouterr().out.splitlines() if "memoized calls" in line)
+            assert ("C (cudnn_fuse._native)" in row) is (enabled and ops._native is not None), row
+            assert ("Python" in row) is not (enabled and ops._native is not None), row
+    finally:
+        ops.set_native(on)
+
+
 def test_doctor_fails_on_unsupported_frontend(capsys, monkeypatch):
     import cudnn
 

@@ -1,0 +1,751 @@
+/* cudnn_fuse._native: the memoized op call in C (ops._memo + ops._Launch + Plan.launch's replay).
+ *
+ * Why C: a memoized cf.linear spends most of its host time in Python around two unavoidable
+ * costs, torch's allocation of the output and the driver's kernel launch (docs/decisions.md,
+ * "The eager call's host time"). This module does the same steps with the same objects, so the
+ * two paths cannot disagree:
+ *
+ *   call(name, grad_name, a, b, c, d, attrs)  ops._memo's checks and key, looked up in ops._FAST;
+ *                                             a hit is called with (a, b, c, d), a miss returns
+ *                                             None and the Python path runs as before. The caller
+ *                                             has checked torch.compiler.is_compiling() (in Python,
+ *                                             where dynamo reads it) and autocast.
+ *   Launch(...)                               ops._Launch: allocate the output (and amax), read
+ *                                             the operands' pointers, launch the plan.
+ *   KernelLaunch                              the base of launch_graphs.KernelReplay: its kernel
+ *                                             launched by cuLaunchKernelEx from C.
+ *
+ * Every module-level name is read from the Python modules' dicts on each call (ops, plans,
+ * launch_graphs), exactly as the Python functions read their globals, so switches
+ * (set_launch_graphs), monkeypatched stand-ins and cleared memos behave the same on both paths.
+ * Anything this path does not handle (a capture, a sighting, a failed launch, torch's own
+ * capture, another device, a graph replay or node sequence) goes to the plan's Python launch.
+ *
+ * No torch headers: only the CPython API and one function pointer (cuLaunchKernelEx, taken from
+ * the ctypes binding launch_graphs already made), so it builds wherever a C compiler is, and an
+ * install without one keeps the Python path (the extension is optional in setup.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*launch_fn_t)(void *cfg, void *func, void *params, void *extra);
+
+#define CFG_MAX 256 /* CUlaunchConfig is 56 bytes on 64-bit hosts; room to spare */
+
+/* configure()'s objects (strong references, set once at import of cudnn_fuse.ops) */
+static PyObject *ops_dict, *plans_dict, *lg_dict; /* module __dict__s */
+static PyTypeObject *tensor_type;                  /* torch.Tensor (exact type, as ops._memo checks) */
+static PyObject *torch_empty_strided, *torch_empty, *float32, *empty_tuple, *alloc_kwnames, *zero, *one;
+
+/* interned names */
+static PyObject *s_active_recorders, *s_functorch_on, *s_grad_enabled, *s_det_algorithms,
+    *s_det_cudnn, *s_FAST, *s_current_stream, *s_capturing, *s_current_device, *s_workspace_ptr, *s_ENABLED,
+    *s_STATS, *s_shape, *s_stride, *s_dtype, *s_device, *s_requires_grad, *s_data_ptr, *s_new_empty_strided,
+    *s_launch, *s_execs, *s_off, *s_reuses, *s_replays;
+
+static unsigned long long n_fast, n_slow; /* launches served here / handed to the plan's Python launch */
+
+/* cuStreamIsCapturing, where set_driver gave it: the capture test of a stream without torch's Python call
+   (plans._capturing, torch._C._cuda_isCurrentStreamCapturing, asks the same of the same stream) */
+typedef int (*capturing_fn_t)(void *stream, int *status);
+static capturing_fn_t stream_capturing;
+
+static PyObject *
+global(PyObject *dict, PyObject *name) /* borrowed; NULL with an exception when missing */
+{
+    PyObject *v = PyDict_GetItemWithError(dict, name);
+    if (v == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_AttributeError, "cudnn_fuse._native: module global %U is missing", name);
+    return v;
+}
+
+static int
+call_truth(PyObject *dict, PyObject *name) /* bool(dict[name]()); -1 on error */
+{
+    PyObject *f = global(dict, name), *r;
+    int t;
+    if (f == NULL)
+        return -1;
+    r = PyObject_CallNoArgs(f);
+    if (r == NULL)
+        return -1;
+    t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+/* ------------------------------------------------------------------------- KernelLaunch */
+
+typedef struct {
+    PyObject_HEAD
+    launch_fn_t fn; /* NULL: not bound (a stand-in launch that is no C function): the Python launch serves */
+    char *cfg;      /* the subclass's ctypes CUlaunchConfig, alive as long as the object */
+    Py_ssize_t cfg_size, stream_off;
+    void *func, *params, *extra;
+} KernelLaunch;
+
+static int
+kl_launch(KernelLaunch *k, unsigned long long stream)
+{
+    /* a copy per launch: the shared config is never written here, so a launch on this path and one
+       on the Python path (which sets hStream, then releases the GIL in ctypes) cannot race */
+    char cfg[CFG_MAX];
+    void *s = (void *)(uintptr_t)stream;
+    memcpy(cfg, k->cfg, (size_t)k->cfg_size);
+    memcpy(cfg + k->stream_off, &s, sizeof s);
+    return k->fn(cfg, k->func, k->params, k->extra);
+}
+
+static PyObject *
+KernelLaunch_bind(KernelLaunch *self, PyObject *args)
+{
+    unsigned long long fn, cfg, func, params, extra;
+    Py_ssize_t size, off;
+    if (!PyArg_ParseTuple(args, "KKnnKKK:_bind", &fn, &cfg, &size, &off, &func, &params, &extra))
+        return NULL;
+    if (size <= 0 || size > CFG_MAX || off < 0 || off + (Py_ssize_t)sizeof(void *) > size) {
+        PyErr_Format(PyExc_ValueError, "_bind: launch config of %zd bytes with its stream at %zd", size, off);
+        return NULL;
+    }
+    if (fn == 0 || cfg == 0) {
+        PyErr_SetString(PyExc_ValueError, "_bind: the launch function and the config need addresses");
+        return NULL;
+    }
+    self->fn = (launch_fn_t)(uintptr_t)fn;
+    self->cfg = (char *)(uintptr_t)cfg;
+    self->cfg_size = size;
+    self->stream_off = off;
+    self->func = (void *)(uintptr_t)func;
+    self->params = (void *)(uintptr_t)params;
+    self->extra = (void *)(uintptr_t)extra;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+KernelLaunch_native_launch(KernelLaunch *self, PyObject *arg)
+{
+    unsigned long long stream = PyLong_AsUnsignedLongLong(arg);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (self->fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "native_launch: not bound");
+        return NULL;
+    }
+    return PyLong_FromLong(kl_launch(self, stream));
+}
+
+static PyObject *
+KernelLaunch_bound(KernelLaunch *self, void *closure)
+{
+    return PyBool_FromLong(self->fn != NULL);
+}
+
+static PyMethodDef KernelLaunch_methods[] = {
+    {"_bind", (PyCFunction)KernelLaunch_bind, METH_VARARGS,
+     "_bind(fn, cfg, cfg_size, stream_offset, func, params, extra): addresses of cuLaunchKernelEx, of the "
+     "CUlaunchConfig (kept alive by the caller), the config's size and hStream's offset, and the kernel's "
+     "function, parameter array and extra buffer (0 for none)."},
+    {"native_launch", (PyCFunction)KernelLaunch_native_launch, METH_O,
+     "native_launch(stream) -> CUresult: the kernel launched from C on stream (a copy of the config)."},
+    {NULL}};
+
+static PyGetSetDef KernelLaunch_getset[] = {
+    {"native_bound", (getter)KernelLaunch_bound, NULL, "whether _bind gave this launch a C function", NULL},
+    {NULL}};
+
+static PyTypeObject KernelLaunchType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "cudnn_fuse._native.KernelLaunch",
+    .tp_basicsize = sizeof(KernelLaunch),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "A captured kernel's launch from C (the base of launch_graphs.KernelReplay).",
+    .tp_new = PyType_GenericNew,
+    .tp_methods = KernelLaunch_methods,
+    .tp_getset = KernelLaunch_getset,
+};
+
+/* ------------------------------------------------------------------------------- Launch */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *plan, *size, *stride, *dtype, *device, *graphs, *dev_obj, *ws_obj;
+    int amax, like_a;
+    long dev_index;
+    Py_ssize_t ws_size;
+} Launch;
+
+static int
+Launch_traverse(Launch *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->plan);
+    Py_VISIT(self->size);
+    Py_VISIT(self->stride);
+    Py_VISIT(self->dtype);
+    Py_VISIT(self->device);
+    Py_VISIT(self->graphs);
+    Py_VISIT(self->dev_obj);
+    Py_VISIT(self->ws_obj);
+    return 0;
+}
+
+static int
+Launch_clear(Launch *self)
+{
+    Py_CLEAR(self->plan);
+    Py_CLEAR(self->size);
+    Py_CLEAR(self->stride);
+    Py_CLEAR(self->dtype);
+    Py_CLEAR(self->device);
+    Py_CLEAR(self->graphs);
+    Py_CLEAR(self->dev_obj);
+    Py_CLEAR(self->ws_obj);
+    return 0;
+}
+
+static void
+Launch_dealloc(Launch *self)
+{
+    PyObject_GC_UnTrack(self);
+    Launch_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+Launch_init(Launch *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"plan", "size", "stride", "dtype", "device", "amax", "like_a", "graphs", "device_index",
+                         "workspace_size", NULL};
+    PyObject *plan, *size, *stride, *dtype, *device, *graphs = Py_None;
+    int amax, like_a;
+    long dev_index = -1;
+    Py_ssize_t ws = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OOpp|Oln:Launch", kw, &plan, &PyTuple_Type, &size,
+                                     &PyTuple_Type, &stride, &dtype, &device, &amax, &like_a, &graphs, &dev_index,
+                                     &ws))
+        return -1;
+    if (ws < 0) {
+        PyErr_Format(PyExc_ValueError, "Launch: workspace_size must be >= 0, got %zd", ws);
+        return -1;
+    }
+    Launch_clear(self);
+    Py_INCREF(plan);
+    self->plan = plan;
+    Py_INCREF(size);
+    self->size = size;
+    Py_INCREF(stride);
+    self->stride = stride;
+    Py_INCREF(dtype);
+    self->dtype = dtype;
+    Py_INCREF(device);
+    self->device = device;
+    Py_INCREF(graphs);
+    self->graphs = graphs;
+    self->amax = amax;
+    self->like_a = like_a;
+    self->dev_index = dev_index;
+    self->ws_size = ws;
+    self->dev_obj = PyLong_FromLong(dev_index);
+    self->ws_obj = PyLong_FromSsize_t(ws);
+    if (self->dev_obj == NULL || self->ws_obj == NULL)
+        return -1;
+    return 0;
+}
+
+static PyObject *
+data_ptr(PyObject *t) /* t.data_ptr(), a new reference */
+{
+    PyObject *argv[1] = {t};
+    return PyObject_VectorcallMethod(s_data_ptr, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static int
+bump(PyObject *obj, PyObject *name) /* obj.name += 1 */
+{
+    PyObject *v = PyObject_GetAttr(obj, name), *w;
+    int rc;
+    if (v == NULL)
+        return -1;
+    w = PyNumber_Add(v, one);
+    Py_DECREF(v);
+    if (w == NULL)
+        return -1;
+    rc = PyObject_SetAttr(obj, name, w);
+    Py_DECREF(w);
+    return rc;
+}
+
+/* The plan's replay launched from here, when every condition of Plan.launch's replay holds and the
+   pointer set's capture is a bound KernelLaunch: 1 launched, 0 not served (nothing launched), -1 error. */
+static int
+fast_replay(Launch *L, PyObject **ptrs, Py_ssize_t n)
+{
+    PyObject *f, *r = NULL, *stream_obj = NULL, *ws_obj = NULL, *keep = NULL, *key = NULL, *execs = NULL, *ex;
+    unsigned long long stream;
+    long cur;
+    int t, result = -1;
+    Py_ssize_t i;
+
+    if (!(f = global(plans_dict, s_current_stream)) || !(stream_obj = PyObject_CallOneArg(f, L->dev_obj)))
+        goto out;
+    stream = PyLong_AsUnsignedLongLong(stream_obj);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred())
+        goto out;
+    if (stream != 0) { /* the legacy default stream (0) is never captured */
+        int status = 0;
+        if (stream_capturing != NULL && stream_capturing((void *)(uintptr_t)stream, &status) == 0)
+            t = status != 0; /* CU_STREAM_CAPTURE_STATUS_ACTIVE or _INVALIDATED: capturing, as torch counts it */
+        else
+            t = call_truth(plans_dict, s_capturing);
+        if (t != 0) {
+            result = t < 0 ? -1 : 0; /* torch captures: the plan's own launch joins torch's graph */
+            goto out;
+        }
+    }
+    if (L->ws_size) {
+        PyObject *argv[4] = {L->dev_obj, stream_obj, L->ws_obj, Py_False};
+        if (!(f = global(plans_dict, s_workspace_ptr)) || !(r = PyObject_Vectorcall(f, argv, 4, NULL)))
+            goto out;
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
+            PyErr_SetString(PyExc_TypeError, "plans._workspace_ptr must return (pointer, keep-alive)");
+            goto out;
+        }
+        ws_obj = PyTuple_GET_ITEM(r, 0);
+        keep = PyTuple_GET_ITEM(r, 1);
+        Py_INCREF(ws_obj);
+        Py_INCREF(keep);
+        Py_CLEAR(r);
+    } else {
+        ws_obj = zero;
+        Py_INCREF(ws_obj);
+    }
+    /* graphs.off, launch_graphs.ENABLED, the current device: as Plan.launch tests them */
+    if (!(r = PyObject_GetAttr(L->graphs, s_off)) || (t = PyObject_IsTrue(r)) < 0)
+        goto out;
+    Py_CLEAR(r);
+    if (t) {
+        result = 0;
+        goto out;
+    }
+    if (!(f = global(lg_dict, s_ENABLED)) || (t = PyObject_IsTrue(f)) < 0)
+        goto out;
+    if (!t) {
+        result = 0;
+        goto out;
+    }
+    if (!(f = global(plans_dict, s_current_device)) || !(r = PyObject_CallNoArgs(f)))
+        goto out;
+    cur = PyLong_AsLong(r);
+    Py_CLEAR(r);
+    if (cur == -1 && PyErr_Occurred())
+        goto out;
+    if (cur != L->dev_index) {
+        result = 0;
+        goto out;
+    }
+    if (!(key = PyTuple_New(n + 1)))
+        goto out;
+    Py_INCREF(ws_obj);
+    PyTuple_SET_ITEM(key, 0, ws_obj);
+    for (i = 0; i < n; i++) {
+        Py_INCREF(ptrs[i]);
+        PyTuple_SET_ITEM(key, i + 1, ptrs[i]);
+    }
+    if (!(execs = PyObject_GetAttr(L->graphs, s_execs))) /* read each call: release() swaps the dict */
+        goto out;
+    ex = PyDict_Check(execs) ? PyDict_GetItemWithError(execs, key) : NULL;
+    if (ex == NULL || !PyObject_TypeCheck(ex, &KernelLaunchType) || ((KernelLaunch *)ex)->fn == NULL) {
+        /* not captured yet (the plan's launch sights or captures it), or a graph executable or a node
+           sequence (the plan's launch replays it) */
+        result = PyErr_Occurred() ? -1 : 0;
+        goto out;
+    }
+    Py_INCREF(ex);
+    t = kl_launch((KernelLaunch *)ex, stream);
+    Py_DECREF(ex);
+    if (t != 0) {
+        result = 0; /* nothing launched: the plan's launch tries again, and fails over to raw */
+        goto out;
+    }
+    {
+        PyObject *stats = global(lg_dict, s_STATS);
+        if (stats == NULL || bump(L->graphs, s_reuses) < 0 || bump(stats, s_replays) < 0)
+            goto out; /* launched, but the counters failed: an error (never launched twice) */
+    }
+    result = 1;
+out:
+    Py_XDECREF(r);
+    Py_XDECREF(execs);
+    Py_XDECREF(key);
+    Py_XDECREF(keep);
+    Py_XDECREF(ws_obj);
+    Py_XDECREF(stream_obj);
+    return result;
+}
+
+static int
+plan_launch(Launch *L, PyObject **ptrs, Py_ssize_t n)
+{
+    PyObject *list, *r;
+    Py_ssize_t i;
+    if (L->graphs != Py_None) {
+        int served = fast_replay(L, ptrs, n);
+        if (served != 0) {
+            n_fast += served > 0;
+            return served > 0 ? 0 : -1;
+        }
+    }
+    n_slow++;
+    if (!(list = PyList_New(n)))
+        return -1;
+    for (i = 0; i < n; i++) {
+        Py_INCREF(ptrs[i]);
+        PyList_SET_ITEM(list, i, ptrs[i]);
+    }
+    r = PyObject_CallMethodOneArg(L->plan, s_launch, list);
+    Py_DECREF(list);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static PyObject *
+launch_call(Launch *L, PyObject *a, PyObject *b, PyObject *c, PyObject *d)
+{
+    PyObject *y = NULL, *am = NULL, *ptrs[7], *ins[4] = {a, b, c, d}, *out = NULL;
+    Py_ssize_t n = 0, i;
+
+    if (L->like_a) {
+        PyObject *argv[3] = {a, L->size, L->stride};
+        y = PyObject_VectorcallMethod(s_new_empty_strided, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    } else {
+        PyObject *argv[4] = {L->size, L->stride, L->dtype, L->device};
+        y = PyObject_Vectorcall(torch_empty_strided, argv, 2, alloc_kwnames);
+    }
+    if (y == NULL)
+        return NULL;
+    for (i = 0; i < 4; i++) {
+        if (ins[i] == Py_None)
+            continue;
+        if (!(ptrs[n] = data_ptr(ins[i])))
+            goto done;
+        n++;
+    }
+    if (!(ptrs[n] = data_ptr(y)))
+        goto done;
+    n++;
+    if (L->amax) {
+        PyObject *argv[3] = {empty_tuple, float32, L->device};
+        if (!(am = PyObject_Vectorcall(torch_empty, argv, 1, alloc_kwnames)))
+            goto done;
+        if (!(ptrs[n] = data_ptr(am)))
+            goto done;
+        n++;
+    }
+    if (plan_launch(L, ptrs, n) < 0)
+        goto done;
+    if (am != NULL)
+        out = PyTuple_Pack(2, y, am);
+    else {
+        out = y;
+        Py_INCREF(out);
+    }
+done:
+    for (i = 0; i < n; i++)
+        Py_DECREF(ptrs[i]);
+    Py_XDECREF(am);
+    Py_DECREF(y);
+    return out;
+}
+
+static PyObject *
+Launch_call(Launch *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *a, *b, *c, *d;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Launch takes its four operands positionally");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "Launch", 4, 4, &a, &b, &c, &d))
+        return NULL;
+    return launch_call(self, a, b, c, d);
+}
+
+static PyObject *
+Launch_get_amax(Launch *self, void *closure)
+{
+    return PyBool_FromLong(self->amax);
+}
+
+static PyObject *
+Launch_get_like_a(Launch *self, void *closure)
+{
+    return PyBool_FromLong(self->like_a);
+}
+
+static PyObject *
+Launch_get(Launch *self, void *closure)
+{
+    PyObject *v = *(PyObject **)((char *)self + (Py_ssize_t)closure);
+    Py_INCREF(v);
+    return v;
+}
+
+#define FIELD(name, doc) {#name, (getter)Launch_get, NULL, doc, (void *)offsetof(Launch, name)}
+static PyGetSetDef Launch_getset[] = {
+    FIELD(plan, "the plan launched"),
+    FIELD(size, "the output's size"),
+    FIELD(stride, "the output's stride"),
+    FIELD(dtype, "the output's dtype"),
+    FIELD(device, "the output's device"),
+    FIELD(graphs, "the plan's launch graphs (None: every launch goes to plan.launch)"),
+    {"amax", (getter)Launch_get_amax, NULL, "whether an amax output follows y", NULL},
+    {"like_a", (getter)Launch_get_like_a, NULL, "whether y is allocated as a.new_empty_strided", NULL},
+    {NULL}};
+
+static PyTypeObject LaunchType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "cudnn_fuse._native.Launch",
+    .tp_basicsize = sizeof(Launch),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A remembered signature (ops._Launch): called with the op's four operands (None where absent).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Launch_init,
+    .tp_dealloc = (destructor)Launch_dealloc,
+    .tp_traverse = (traverseproc)Launch_traverse,
+    .tp_clear = (inquiry)Launch_clear,
+    .tp_call = (ternaryfunc)Launch_call,
+    .tp_getset = Launch_getset,
+};
+
+/* --------------------------------------------------------------------------- the memo */
+
+static PyObject *
+meta(PyObject *t) /* (t.shape, t.stride(), t.dtype, t.device), or None for None; NULL with an exception */
+{
+    PyObject *shape, *stride = NULL, *dtype = NULL, *device = NULL, *r = NULL, *argv[1] = {t};
+    if (t == Py_None) {
+        Py_INCREF(Py_None);
+        return Py_None;
+    }
+    if (!(shape = PyObject_GetAttr(t, s_shape)))
+        return NULL;
+    if (!(stride = PyObject_VectorcallMethod(s_stride, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)))
+        goto done;
+    if (!(dtype = PyObject_GetAttr(t, s_dtype)))
+        goto done;
+    if (!(device = PyObject_GetAttr(t, s_device)))
+        goto done;
+    r = PyTuple_Pack(4, shape, stride, dtype, device);
+done:
+    Py_DECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    return r;
+}
+
+static int
+requires_grad(PyObject *t) /* getattr(t, "requires_grad", False) as a truth value; -1 on error */
+{
+    PyObject *v;
+    int r;
+    if (t == Py_None)
+        return 0;
+    if (!(v = PyObject_GetAttr(t, s_requires_grad))) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* ops._memo's key for these operands, or NULL: NULL with no exception where the memo may not serve
+   the call, NULL with an exception where the arguments cannot be keyed. */
+static PyObject *
+memo_key(PyObject *const *args)
+{
+    PyObject *name = args[0], *a = args[2], *m[4] = {NULL, NULL, NULL, NULL}, *det = NULL, *key = NULL, *f, *v;
+    int t, i, grad = 0;
+
+    if (Py_TYPE(a) != tensor_type)
+        return NULL;
+    if (!(v = global(ops_dict, s_active_recorders)))
+        return NULL;
+    if ((t = PyObject_IsTrue(v)) != 0)
+        return NULL;
+    if ((t = call_truth(ops_dict, s_functorch_on)) != 0)
+        return NULL;
+    if ((t = call_truth(ops_dict, s_grad_enabled)) < 0)
+        return NULL;
+    if (t) {
+        for (i = 2; i < 6 && !grad; i++) {
+            if ((grad = requires_grad(args[i])) < 0)
+                return NULL;
+        }
+    }
+    if (grad)
+        name = args[1];
+    for (i = 0; i < 4; i++) {
+        if (!(m[i] = meta(args[2 + i])))
+            goto done;
+    }
+    if (!(f = global(ops_dict, s_det_algorithms)) || !(det = PyObject_CallNoArgs(f)))
+        goto done;
+    if ((t = PyObject_IsTrue(det)) < 0)
+        goto done;
+    if (!t) { /* _det_algorithms() or _det_cudnn() */
+        Py_DECREF(det);
+        if (!(f = global(ops_dict, s_det_cudnn)) || !(det = PyObject_CallNoArgs(f)))
+            goto done;
+    }
+    key = PyTuple_Pack(7, name, m[0], m[1], m[2], m[3], args[6], det);
+done:
+    for (i = 0; i < 4; i++)
+        Py_XDECREF(m[i]);
+    Py_XDECREF(det);
+    return key;
+}
+
+static PyObject *
+native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *key, *memo, *entry, *out;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "call(name, grad_name, a, b, c, d, attrs) takes 7 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (ops_dict == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "cudnn_fuse._native: configure() was not called");
+        return NULL;
+    }
+    key = memo_key(args);
+    if (key == NULL) {
+        PyErr_Clear(); /* unkeyable, or not for the memo: the Python path decides and names bad arguments */
+        Py_RETURN_NONE;
+    }
+    memo = global(ops_dict, s_FAST);
+    entry = memo != NULL && PyDict_Check(memo) ? PyDict_GetItemWithError(memo, key) : NULL;
+    Py_DECREF(key);
+    if (entry == NULL) {
+        PyErr_Clear(); /* a miss, or an unhashable attribute: the Python path */
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(entry); /* the call may clear the memo */
+    if (Py_TYPE(entry) == &LaunchType)
+        out = launch_call((Launch *)entry, args[2], args[3], args[4], args[5]);
+    else
+        out = PyObject_Vectorcall(entry, args + 2, 4, NULL);
+    Py_DECREF(entry);
+    return out;
+}
+
+/* ---------------------------------------------------------------------------- module */
+
+static PyObject *
+native_configure(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"ops", "plans", "launch_graphs", "tensor", "empty_strided", "empty", "float32", NULL};
+    PyObject *o, *p, *l, *t, *es, *e, *f32;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!OOO:configure", kw, &PyDict_Type, &o, &PyDict_Type, &p,
+                                     &PyDict_Type, &l, &PyType_Type, &t, &es, &e, &f32))
+        return NULL;
+#define SET(var, val) do { Py_INCREF(val); Py_XSETREF(var, val); } while (0)
+    SET(ops_dict, o);
+    SET(plans_dict, p);
+    SET(lg_dict, l);
+    Py_INCREF(t);
+    Py_XSETREF(tensor_type, (PyTypeObject *)t);
+    SET(torch_empty_strided, es);
+    SET(torch_empty, e);
+    SET(float32, f32);
+#undef SET
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+native_set_driver(PyObject *module, PyObject *arg)
+{
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (addr == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    stream_capturing = (capturing_fn_t)(uintptr_t)addr;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+native_stats(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("{sKsK}", "native_replays", n_fast, "native_plan_launches", n_slow);
+}
+
+static PyMethodDef native_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))native_call, METH_FASTCALL,
+     "call(name, grad_name, a, b, c, d, attrs): ops._memo's lookup and the remembered call, or None on a miss "
+     "(or where the memo may not serve: the Python path then runs)."},
+    {"configure", (PyCFunction)(void (*)(void))native_configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(ops=, plans=, launch_graphs=, tensor=, empty_strided=, empty=, float32=): the "
+     "modules' dicts and torch objects the calls use."},
+    {"set_driver", native_set_driver, METH_O,
+     "set_driver(address of cuStreamIsCapturing, or 0): how a launch tests its stream for capture (0: through "
+     "plans._capturing)."},
+    {"stats", native_stats, METH_NOARGS, "{native_replays, native_plan_launches}: launches served here and handed "
+                                         "to plan.launch."},
+    {NULL}};
+
+static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "cudnn_fuse._native",
+                                           "The memoized op call in C (see the source's header).", -1,
+                                           native_methods};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    PyObject *m;
+#define INTERN(var, s) if (!(var = PyUnicode_InternFromString(s))) return NULL
+    INTERN(s_active_recorders, "_active_recorders");
+    INTERN(s_functorch_on, "_functorch_on");
+    INTERN(s_grad_enabled, "_grad_enabled");
+    INTERN(s_det_algorithms, "_det_algorithms");
+    INTERN(s_det_cudnn, "_det_cudnn");
+    INTERN(s_FAST, "_FAST");
+    INTERN(s_current_stream, "_current_stream");
+    INTERN(s_capturing, "_capturing");
+    INTERN(s_current_device, "_current_device");
+    INTERN(s_workspace_ptr, "_workspace_ptr");
+    INTERN(s_ENABLED, "ENABLED");
+    INTERN(s_STATS, "STATS");
+    INTERN(s_shape, "shape");
+    INTERN(s_stride, "stride");
+    INTERN(s_dtype, "dtype");
+    INTERN(s_device, "device");
+    INTERN(s_requires_grad, "requires_grad");
+    INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_new_empty_strided, "new_empty_strided");
+    INTERN(s_launch, "launch");
+    INTERN(s_execs, "execs");
+    INTERN(s_off, "off");
+    INTERN(s_reuses, "reuses");
+    INTERN(s_replays, "replays");
+#undef INTERN
+    if (!(empty_tuple = PyTuple_New(0)) || !(alloc_kwnames = Py_BuildValue("(ss)", "dtype", "device")) ||
+        !(zero = PyLong_FromLong(0)) || !(one = PyLong_FromLong(1)))
+        return NULL;
+    if (PyType_Ready(&KernelLaunchType) < 0 || PyType_Ready(&LaunchType) < 0)
+        return NULL;
+    if (!(m = PyModule_Create(&native_module)))
+        return NULL;
+    Py_INCREF(&KernelLaunchType);
+    if (PyModule_AddObject(m, "KernelLaunch", (PyObject *)&KernelLaunchType) < 0)
+        goto fail;
+    Py_INCREF(&LaunchType);
+    if (PyModule_AddObject(m, "Launch", (PyObject *)&LaunchType) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

@@ -1,0 +1,407 @@
+"""cudnn_fuse._native, the memoized op call in C: it must serve exactly the calls ops._memo serves,
+with the same keys, allocate and launch as ops._PyLaunch does, replay a plan's kernel captures as
+Plan.launch does, and hand everything else to the plan's Python launch. The driver is a ctypes
+stand-in here (a C-callable function recording each launch); the H200 runs are
+tests/test_gpu_native.py."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import types
+
+import pytest
+import torch
+
+import cudnn_fuse as cf
+from cudnn_fuse import launch_graphs, ops, plans
+
+native = ops._native
+needs_native = pytest.mark.skipif(native is None, reason="cudnn_fuse._native is not built")
+ATTRS = ("relu", False, 0.01)
+
+
+def test_the_module_is_built_wherever_a_c_compiler_is():
+    """setup.py's extension is optional (an install without a compiler keeps the Python path), so a
+    broken build would pass silently: where this machine has a compiler, it must have been built."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine")
+    assert native is not None
+    assert ops.native_enabled() is (os.environ.get("CUDNN_FUSE_NATIVE", "1") not in ("0", "off", "false", "no"))
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    on = ops.native_enabled()
+    plans.FAST.clear()
+    yield
+    ops.set_native(on)
+    plans.FAST.clear()
+
+
+LAUNCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class FakeLaunch:
+    """cuLaunchKernelEx's stand-in, callable from C: records what each launch was given."""
+
+    def __init__(self, rc=0):
+        self.calls, self.rc = [], rc
+        self.fn = LAUNCH_FN(self._launch)
+
+    def _launch(self, cfg, func, params, extra):
+        c = launch_graphs._LaunchConfig.from_address(cfg)
+        self.calls.append({"cfg": cfg, "grid": (c.gx, c.gy, c.gz), "block": (c.bx, c.by, c.bz), "smem": c.smem,
+                           "stream": c.hStream or 0, "attrs": [c.attrs[i].id for i in range(c.numAttrs)],
+                           "func": func, "params": params, "extra": extra})
+        return self.rc
+
+
+def kernel_replay(fake, stream=7, params=0x5000, extra=0):
+    node = launch_graphs._KernelNodeParams()
+    node.gx, node.gy, node.gz, node.bx, node.by, node.bz, node.smem = 2, 3, 1, 128, 1, 1, 4096
+    node.kernelParams, node.extra = params, extra
+    value = launch_graphs._AttrValue()
+    value.words[0] = 2 | (1 << 32)
+    value.words[1] = 1
+    return launch_graphs.KernelReplay(fake.fn, 0x100, 0x300, node, [(4, value)], stream)
+
+
+# ------------------------------------------------------------------------------ KernelLaunch
+
+
+@needs_native
+def test_a_kernel_replay_launches_from_c_with_its_own_copy_of_the_config():
+    fake = FakeLaunch()
+    k = kernel_replay(fake)
+    assert k.native_bound
+    assert k.native_launch(55) == 0
+    call = fake.calls[-1]
+    assert call["stream"] == 55 and call["grid"] == (2, 3, 1) and call["block"] == (128, 1, 1)
+    assert call["smem"] == 4096 and call["attrs"] == [4]
+    assert (call["func"], call["params"], call["extra"]) == (0x300, 0x5000, None)
+    # a copy: the shared config (which the Python path retargets under the handle lock) is untouched
+    assert call["cfg"] != ctypes.addressof(k.cfg) and k.cfg.hStream == 7 and k.stream == 7
+    k2 = kernel_replay(fake, params=0, extra=0x6000)  # cuBLAS's kernels: one argument buffer
+    assert k2.native_launch(7) == 0 and (fake.calls[-1]["params"], fake.calls[-1]["extra"]) == (None, 0x6000)
+    failing = FakeLaunch(rc=719)
+    assert kernel_replay(failing).native_launch(7) == 719  # the CUresult comes back as it is
+
+
+@needs_native
+def test_a_stand_in_launch_in_python_stays_unbound_and_bad_layouts_are_refused():
+    node = launch_graphs._KernelNodeParams()
+    k = launch_graphs.KernelReplay(lambda *a: 0, 0x100, 0x300, node, [], 7)
+    assert not k.native_bound
+    with pytest.raises(RuntimeError, match="not bound"):
+        k.native_launch(7)
+    for size, off in ((0, 0), (4096, 0), (56, 52)):
+        with pytest.raises(ValueError):
+            k._bind(0x1000, 0x2000, size, off, 0x300, 0, 0)
+    with pytest.raises(ValueError):
+        k._bind(0, 0x2000, 56, 32, 0x300, 0, 0)
+
+
+# ---------------------------------------------------------------------------------- the memo
+
+
+def _operands(dtype=torch.float16):
+    torch.manual_seed(0)
+    return (torch.randn(4, 8, dtype=dtype), torch.randn(6, 8, dtype=dtype), torch.randn(6, dtype=dtype),
+            torch.randn(4, 6, dtype=dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["plain", "no bias", "residual", "training", "grad off", "deterministic"])
+def test_the_c_memo_serves_exactly_the_keys_ops_memo_makes(case, monkeypatch):
+    x, w, b, r = _operands()
+    ops_args = {"plain": (x, w, b, None), "no bias": (x, w, None, None), "residual": (x, w, b, r),
+                "training": (x, w.clone().requires_grad_(), b, None), "grad off": (x, w.clone().requires_grad_(), b, None),
+                "deterministic": (x, w, b, None)}[case]
+    ctx = torch.no_grad() if case == "grad off" else contextlib.nullcontext()
+    if case == "deterministic":
+        monkeypatch.setattr(ops, "_det_cudnn", lambda: True)
+    seen = []
+    with ctx:
+        key, _ = ops._memo("linear", *ops_args, ATTRS)
+        assert key[0] == ("linear:grad" if case == "training" else "linear")
+        plans.FAST[key] = lambda *a: seen.append(a) or "served"
+        assert native.call("linear", "linear:grad", *ops_args, ATTRS) == "served"
+        assert len(seen) == 1 and all(s is o for s, o in zip(seen[0], ops_args))
+        other = ("gelu", False, 0.01)  # another attribute: another key, a miss
+        assert native.call("linear", "linear:grad", *ops_args, other) is None
+        assert native.call("matmul", "matmul:grad", *ops_args, ATTRS) is None
+    if case == "deterministic":  # the mode is in the key: the other mode's call misses
+        monkeypatch.setattr(ops, "_det_cudnn", lambda: False)
+        assert native.call("linear", "linear:grad", *ops_args, ATTRS) is None
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["parameter first", "not a tensor", "unhashable", "recording", "functorch"])
+def test_the_c_memo_declines_where_ops_memo_declines(case, monkeypatch, tmp_path):
+    x, w, b, _ = _operands()
+    served = []
+    first, bias, attrs = x, b, ATTRS
+    if case == "parameter first":  # type(a) is not torch.Tensor: the memo never serves it
+        first = torch.nn.Parameter(x, requires_grad=False)
+    elif case == "not a tensor":
+        bias = [0.0] * 6
+    elif case == "unhashable":
+        attrs = (["relu"], False, 0.01)
+    elif case == "functorch":
+        monkeypatch.setattr(ops, "_functorch_on", lambda: True)
+    with contextlib.ExitStack() as stack:
+        if case == "recording":
+            stack.enter_context(cf.record(str(tmp_path / "m.json")))
+        assert ops._memo("linear", first, w, bias, None, attrs) == (None, None)
+        # an entry under the key a plain call would have: never reached
+        key, _ = ops._memo("linear", x, w, b, None, ATTRS) if case != "recording" else (("linear",), None)
+        plans.FAST[key] = lambda *a: served.append(a) or "served"
+        assert native.call("linear", "linear:grad", first, w, bias, None, attrs) is None
+    assert served == []
+
+
+@needs_native
+def test_the_public_ops_take_the_c_memo_and_the_python_path_on_a_miss(monkeypatch):
+    x, w, b, _ = _operands(torch.float32)
+    calls = []
+    real = native.call
+    monkeypatch.setattr(ops, "_native_call", lambda *a: calls.append(a[0]) or real(*a))
+    with torch.no_grad():
+        want = cf.linear(x, w, b, activation="relu")  # CPU: no plan, so no entry; the reference runs
+        key, _ = ops._memo("linear", x, w, b, None, ATTRS)
+        plans.FAST[key] = lambda *a: "from the memo"
+        assert cf.linear(x, w, b, activation="relu") == "from the memo"
+        plans.FAST.clear()
+        torch.testing.assert_close(cf.linear(x, w, b, activation="relu"), want)
+    assert calls == ["linear"] * 3
+    ops.set_native(False)
+    assert ops._native_call is None and ops._Launch is ops._PyLaunch and not ops.native_enabled()
+    with torch.no_grad():
+        torch.testing.assert_close(cf.linear(x, w, b, activation="relu"), want)
+
+
+def test_set_native_switches_the_entries_and_clears_the_memo():
+    plans.FAST["k"] = 1
+    assert ops.set_native(False) is False and plans.FAST == {} and ops._Launch is ops._PyLaunch
+    assert ops.set_native(True) is (native is not None)
+    assert ops._Launch is (ops._native_launch if native is not None else ops._PyLaunch)
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        ops.set_native(1)
+
+
+def test_cudnn_fuse_native_0_starts_a_process_on_the_python_path():
+    code = "from cudnn_fuse import ops; print(ops.native_enabled(), ops._Launch.__name__)"
+    env = {**os.environ, "CUDNN_FUSE_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "_PyLaunch"]
+
+
+# ------------------------------------------------------------------ Launch: allocation, pointers
+
+
+class RecordingPlan:
+    raw = True
+
+    def __init__(self):
+        self.launched = []
+
+    def launch(self, ptrs):
+        self.launched.append(list(ptrs))
+
+
+@pytest.mark.parametrize("path", ["python", "native"])
+@pytest.mark.parametrize("amax", [False, True])
+def test_both_launch_types_allocate_and_pass_pointers_alike(path, amax):
+    if path == "native" and native is None:
+        pytest.skip("cudnn_fuse._native is not built")
+    make = ops._PyLaunch if path == "python" else ops._native_launch
+    x, w, b, r = _operands(torch.bfloat16)
+    y = torch.empty(6, 4, dtype=torch.bfloat16).t()  # a transposed output: its strides are kept
+    plan = RecordingPlan()
+    launch = make(plan, y, amax, x)
+    out = launch(x, w, None, r)
+    y2, am = out if amax else (out, None)
+    assert y2.shape == (4, 6) and y2.stride() == (1, 4) and y2.dtype == torch.bfloat16
+    want = [x.data_ptr(), w.data_ptr(), r.data_ptr(), y2.data_ptr()]
+    if amax:
+        assert am.shape == () and am.dtype == torch.float32
+        want.append(am.data_ptr())
+    assert plan.launched == [want]
+    other = make(plan, torch.empty(4, 6, dtype=torch.float32), False, x)(x, w, b, None)  # not x's dtype
+    assert other.dtype == torch.float32 and other.shape == (4, 6)
+
+
+@needs_native
+def test_a_native_launch_hands_errors_on():
+    class Broken:
+        def launch(self, ptrs):
+            raise RuntimeError("the plan's own error")
+
+    x, w, _, _ = _operands()
+    with pytest.raises(RuntimeError, match="the plan's own error"):
+        ops._native_launch(Broken(), torch.empty(4, 6, dtype=torch.float16), False, x)(x, w, None, None)
+    with pytest.raises(TypeError):
+        ops._native_launch(Broken(), torch.empty(4, 6, dtype=torch.float16), False, x)(x, w, None)
+
+
+# -------------------------------------------------------------- the replay, on a stand-in plan
+
+
+class Rig:
+    """A plans.Plan whose raw entry point records, whose captures are KernelReplays bound to a
+    FakeLaunch, behind a memo entry for cf.linear(x, w, b, activation="relu") on CPU tensors."""
+
+    def __init__(self, monkeypatch, workspace=0):
+        import cudnn
+
+        self.fake = FakeLaunch()
+        self.raw_calls, self.stream, self.device, self.capturing, self.ws = [], 7, 0, False, 0x7000
+        array = (ctypes.c_uint64 * 4)()
+        handle = plans._Handle(handle=object())
+
+        def entry(address, n, ws, raw_handle, index):
+            self.raw_calls.append((handle.stream, tuple(array), ws))
+
+        rig = self
+
+        class Drv:
+            kernels = True
+
+            def capture(self, stream, work, kernel_only=False):
+                work()
+                return kernel_replay(rig.fake, stream)
+
+            def destroy(self, ex):
+                pass
+
+            def error_name(self, rc):
+                return f"CUresult {rc}"
+
+        p = object.__new__(plans.Plan)
+        p.spec = types.SimpleNamespace(op="linear")
+        p.engine, p.device, p.workspace_size, p.graph, p.uids, p._ordered = "stand-in", 0, workspace, None, (1, 2, 3, 4), True
+        p._handle = handle
+        p._raw = (entry, (0, 1, 2, 3), array, ctypes.addressof(array), 4, -1, 0)
+        p._graphs = launch_graphs.GraphSet(Drv())
+        self.plan = p
+        monkeypatch.setattr(launch_graphs, "ENABLED", True)
+        monkeypatch.setattr(launch_graphs, "AFTER", 2)
+        monkeypatch.setattr(launch_graphs, "clear_runtime_error", lambda: None)
+        monkeypatch.setattr(plans, "_current_stream", lambda d: self.stream)
+        monkeypatch.setattr(plans, "_capturing", lambda: self.capturing)
+        monkeypatch.setattr(plans, "_current_device", lambda: self.device)
+        monkeypatch.setattr(plans, "_side_stream", lambda d: 99)
+        self.keep = torch.empty(1)
+        monkeypatch.setattr(plans, "_workspace_ptr", lambda d, s, size, capturing=None: (self.ws, self.keep))
+        monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+        monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: setattr(p._handle, "stream", stream),
+                            raising=False)
+        self.x, self.w, self.b, _ = _operands()
+        key, _ = ops._memo("linear", self.x, self.w, self.b, None, ATTRS)
+        plans.FAST[key] = ops._Launch(p, torch.empty(4, 6, dtype=torch.float16), False, self.x)
+        # CUDA's caching allocator hands a call's output the address the last one freed; CPU malloc may
+        # not: every output of the stand-in takes one buffer, so that pointer sets repeat as on the GPU
+        self.out = torch.empty(4, 6, dtype=torch.float16)
+        monkeypatch.setattr(torch.Tensor, "new_empty_strided", lambda t, size, stride: self.out)
+
+    def call(self) -> int:
+        """One call; the output's address."""
+        with torch.no_grad():
+            y = cf.linear(self.x, self.w, self.b, activation="relu")
+        assert y.shape == (4, 6) and y.dtype == torch.float16
+        return y.data_ptr()
+
+
+def _counters(graphs):
+    return graphs.reuses, launch_graphs.STATS.replays, native.stats()["native_replays"]
+
+
+@needs_native
+def test_the_c_path_replays_a_kernel_capture_itself(monkeypatch):
+    rig = Rig(monkeypatch)
+    graphs = rig.plan._graphs
+    ys = [rig.call() for _ in range(2)]  # a sighting, then the capture (both through plan.launch)
+    assert ys[0] == ys[1]
+    assert len(rig.raw_calls) == 2 and len(graphs.execs) == 1 and len(rig.fake.calls) == 1
+    before = _counters(graphs)
+    for _ in range(3):
+        rig.call()
+    assert len(rig.raw_calls) == 2 and len(rig.fake.calls) == 4  # three more launches, all from C
+    assert [c["stream"] for c in rig.fake.calls[1:]] == [7, 7, 7]
+    after = _counters(graphs)
+    assert [a - b for a, b in zip(after, before)] == [3, 3, 3]
+    rig.stream = 8  # another stream: the copy of the config carries it, the shared one is untouched
+    rig.call()
+    ex = next(iter(graphs.execs.values()))
+    assert rig.fake.calls[-1]["stream"] == 8 and ex.cfg.hStream == 7
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["graphs off", "launch graphs disabled", "another device", "torch captures",
+                                  "launch fails"])
+def test_the_c_path_hands_the_launch_to_the_plan(monkeypatch, case):
+    rig = Rig(monkeypatch)
+    ys = [rig.call() for _ in range(2)]
+    assert ys[0] == ys[1]
+    graphs = rig.plan._graphs
+    served = native.stats()["native_replays"]
+    if case == "graphs off":
+        graphs.off = True
+    elif case == "launch graphs disabled":
+        monkeypatch.setattr(launch_graphs, "ENABLED", False)
+    elif case == "another device":
+        rig.device = 1
+    elif case == "torch captures":
+        rig.capturing = True
+    elif case == "launch fails":
+        rig.fake.rc = 700  # CUDA_ERROR_LAUNCH_FAILED, from now on
+    raw = len(rig.raw_calls)
+    rig.call()
+    assert native.stats()["native_replays"] == served  # nothing launched from C
+    assert len(rig.raw_calls) == raw + 1  # the plan's own launch ran it raw
+    if case == "launch fails":  # C's launch failed, the plan's tried once more, then raw, with graphs off
+        assert len(rig.fake.calls) == 3 and graphs.off and graphs.execs == {}
+
+
+@needs_native
+def test_the_workspace_pointer_is_part_of_the_c_key(monkeypatch):
+    rig = Rig(monkeypatch, workspace=256)
+    ys = [rig.call() for _ in range(2)]
+    assert ys[0] == ys[1]
+    key = next(iter(rig.plan._graphs.execs))
+    assert key[0] == 0x7000 and rig.raw_calls[-1][2] == 0x7000
+    served = native.stats()["native_replays"]
+    rig.call()
+    assert native.stats()["native_replays"] == served + 1
+    rig.ws = 0x8000  # another workspace buffer: another pointer set, not replayed
+    rig.call()
+    assert native.stats()["native_replays"] == served + 1 and rig.raw_calls[-1][2] == 0x8000
+
+
+@needs_native
+def test_threads_share_the_c_path(monkeypatch):
+    rig = Rig(monkeypatch)
+    ys = [rig.call() for _ in range(2)]
+    assert ys[0] == ys[1]
+    errors = []
+
+    def work():
+        try:
+            for _ in range(200):
+                rig.call()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(rig.fake.calls) + len(rig.raw_calls) >= 800 + 2  # every call launched once, one way or the other
