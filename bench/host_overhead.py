@@ -122,6 +122,8 @@ def main(argv=None) -> int:
         "op": "cf.linear(x[64,256], w[256,256], b, activation='relu') fp16",
         "native": native,
         "native_stats": ops._native.stats() if ops._native is not None else None,
+        "native_torch_helpers": {"tensor_guards": ops._tensor_guards is not None, "alloc_cuda": ops._alloc_cuda is not None,
+                                 "data_ptr_fn": bool(ops._data_ptr_fn)},
         "calls_per_round": args.calls,
         "rounds": args.rounds,
         "host_us_per_call": med,

@@ -38,15 +38,26 @@ typedef int (*launch_fn_t)(void *cfg, void *func, void *params, void *extra);
 /* configure()'s objects (strong references, set once at import of cudnn_fuse.ops) */
 static PyObject *ops_dict, *plans_dict, *lg_dict; /* module __dict__s */
 static PyTypeObject *tensor_type;                  /* torch.Tensor (exact type, as ops._memo checks) */
+static PyTypeObject *parameter_type;               /* torch.nn.Parameter */
 static PyObject *torch_empty_strided, *torch_empty, *float32, *empty_tuple, *alloc_kwnames, *zero, *one;
+/* torch's own compiled helpers, where this torch has them (torch._C._dynamo.guards, what Inductor's generated
+   code calls; NULL / None otherwise, and the Python getters serve):
+   - TensorGuards(*tensors).check(*tensors): dtype, device, dispatch keys, requires_grad, sizes and strides of
+     tensors against the ones it was made from, in C++ (what dynamo guards compiled frames with);
+   - _torchinductor_pyobject_tensor_data_ptr: a tensor's data pointer, a C function (its address). */
+static PyObject *tensor_guards, *guard_kwargs, *index_mark;
+typedef void *(*data_ptr_fn_t)(PyObject *);
+static data_ptr_fn_t data_ptr_fn;
+#define GUARDS_PER_KEY 8
 
 /* interned names */
 static PyObject *s_active_recorders, *s_functorch_on, *s_grad_enabled, *s_det_algorithms,
     *s_det_cudnn, *s_FAST, *s_current_stream, *s_capturing, *s_current_device, *s_workspace_ptr, *s_ENABLED,
-    *s_STATS, *s_shape, *s_stride, *s_dtype, *s_device, *s_requires_grad, *s_data_ptr, *s_new_empty_strided,
+    *s_STATS, *s_alloc_cuda, *s_alloc_cpu, *s_FAST_CAPACITY, *s_check, *s_type, *s_cuda, *s_cpu, *s_shape, *s_stride, *s_dtype, *s_device, *s_requires_grad, *s_data_ptr, *s_new_empty_strided,
     *s_launch, *s_execs, *s_off, *s_reuses, *s_replays;
 
 static unsigned long long n_fast, n_slow; /* launches served here / handed to the plan's Python launch */
+static unsigned long long n_guarded, n_keyed; /* memo hits through a guard / through the exact key */
 
 /* cuStreamIsCapturing, where set_driver gave it: the capture test of a stream without torch's Python call
    (plans._capturing, torch._C._cuda_isCurrentStreamCapturing, asks the same of the same stream) */
@@ -171,8 +182,8 @@ static PyTypeObject KernelLaunchType = {
 typedef struct {
     PyObject_HEAD
     PyObject *plan, *size, *stride, *dtype, *device, *graphs, *dev_obj, *ws_obj;
-    int amax, like_a;
-    long dev_index;
+    int amax, like_a, kind; /* kind: the output's device, 1 CUDA, 2 CPU, 0 another */
+    long dev_index;         /* the output's device index (-1 for none); a plan's launches run on it */
     Py_ssize_t ws_size;
 } Launch;
 
@@ -250,6 +261,20 @@ Launch_init(Launch *self, PyObject *args, PyObject *kwds)
     self->ws_obj = PyLong_FromSsize_t(ws);
     if (self->dev_obj == NULL || self->ws_obj == NULL)
         return -1;
+    {
+        PyObject *t = PyObject_GetAttr(device, s_type);
+        if (t == NULL) {
+            PyErr_Clear(); /* not a torch.device: allocations take the generic calls */
+            self->kind = 0;
+        } else {
+            int cuda = PyUnicode_Check(t) && PyUnicode_Compare(t, s_cuda) == 0;
+            int cpu = PyUnicode_Check(t) && PyUnicode_Compare(t, s_cpu) == 0;
+            Py_DECREF(t);
+            if (PyErr_Occurred())
+                PyErr_Clear();
+            self->kind = cuda ? 1 : cpu ? 2 : 0;
+        }
+    }
     return 0;
 }
 
@@ -258,6 +283,17 @@ data_ptr(PyObject *t) /* t.data_ptr(), a new reference */
 {
     PyObject *argv[1] = {t};
     return PyObject_VectorcallMethod(s_data_ptr, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static PyObject *
+tensor_ptr(PyObject *t, int guarded) /* t's data pointer as an int, a new reference */
+{
+    /* torch's C function only for tensors that passed a TensorGuards check against operands that launched
+       before (the same dispatch keys, dtype, sizes and strides: dense, with storage) and are torch's own
+       types: it throws a C++ exception for anything without storage, which no C caller may meet */
+    if (guarded && data_ptr_fn != NULL && (Py_TYPE(t) == tensor_type || Py_TYPE(t) == parameter_type))
+        return PyLong_FromVoidPtr(data_ptr_fn(t));
+    return data_ptr(t);
 }
 
 static int
@@ -279,11 +315,10 @@ bump(PyObject *obj, PyObject *name) /* obj.name += 1 */
 /* The plan's replay launched from here, when every condition of Plan.launch's replay holds and the
    pointer set's capture is a bound KernelLaunch: 1 launched, 0 not served (nothing launched), -1 error. */
 static int
-fast_replay(Launch *L, PyObject **ptrs, Py_ssize_t n)
+fast_replay(Launch *L, PyObject **ptrs, Py_ssize_t n, long cur)
 {
     PyObject *f, *r = NULL, *stream_obj = NULL, *ws_obj = NULL, *keep = NULL, *key = NULL, *execs = NULL, *ex;
     unsigned long long stream;
-    long cur;
     int t, result = -1;
     Py_ssize_t i;
 
@@ -334,12 +369,6 @@ fast_replay(Launch *L, PyObject **ptrs, Py_ssize_t n)
         result = 0;
         goto out;
     }
-    if (!(f = global(plans_dict, s_current_device)) || !(r = PyObject_CallNoArgs(f)))
-        goto out;
-    cur = PyLong_AsLong(r);
-    Py_CLEAR(r);
-    if (cur == -1 && PyErr_Occurred())
-        goto out;
     if (cur != L->dev_index) {
         result = 0;
         goto out;
@@ -385,12 +414,12 @@ out:
 }
 
 static int
-plan_launch(Launch *L, PyObject **ptrs, Py_ssize_t n)
+plan_launch(Launch *L, PyObject **ptrs, Py_ssize_t n, long cur)
 {
     PyObject *list, *r;
     Py_ssize_t i;
     if (L->graphs != Py_None) {
-        int served = fast_replay(L, ptrs, n);
+        int served = fast_replay(L, ptrs, n, cur);
         if (served != 0) {
             n_fast += served > 0;
             return served > 0 ? 0 : -1;
@@ -411,40 +440,81 @@ plan_launch(Launch *L, PyObject **ptrs, Py_ssize_t n)
     return 0;
 }
 
+static long
+current_device(void) /* plans._current_device(), or -2 with an exception */
+{
+    PyObject *f = global(plans_dict, s_current_device), *r;
+    long cur;
+    if (f == NULL || !(r = PyObject_CallNoArgs(f)))
+        return -2;
+    cur = PyLong_AsLong(r);
+    Py_DECREF(r);
+    return cur == -1 && PyErr_Occurred() ? -2 : cur;
+}
+
+/* torch's allocation helper for this output's device, borrowed, or NULL: _empty_strided_cuda allocates on
+   the current device, so it serves only where that is the output's */
 static PyObject *
-launch_call(Launch *L, PyObject *a, PyObject *b, PyObject *c, PyObject *d)
+fast_alloc(Launch *L, long cur)
+{
+    PyObject *f;
+    if (L->kind == 1 && cur == L->dev_index)
+        f = PyDict_GetItemWithError(ops_dict, s_alloc_cuda);
+    else if (L->kind == 2)
+        f = PyDict_GetItemWithError(ops_dict, s_alloc_cpu);
+    else
+        return NULL;
+    return f == Py_None ? NULL : f;
+}
+
+static PyObject *
+alloc(Launch *L, PyObject *a, PyObject *size, PyObject *stride, PyObject *dtype, long cur)
+{
+    PyObject *f = fast_alloc(L, cur);
+    if (f != NULL) {
+        PyObject *argv[3] = {size, stride, dtype};
+        return PyObject_Vectorcall(f, argv, 3, NULL);
+    }
+    if (PyErr_Occurred())
+        return NULL;
+    if (L->like_a && size == L->size) {
+        PyObject *argv[3] = {a, size, stride};
+        return PyObject_VectorcallMethod(s_new_empty_strided, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    } else {
+        PyObject *argv[4] = {size, stride, dtype, L->device};
+        return PyObject_Vectorcall(torch_empty_strided, argv, 2, alloc_kwnames);
+    }
+}
+
+static PyObject *
+launch_call(Launch *L, PyObject *a, PyObject *b, PyObject *c, PyObject *d, int guarded)
 {
     PyObject *y = NULL, *am = NULL, *ptrs[7], *ins[4] = {a, b, c, d}, *out = NULL;
     Py_ssize_t n = 0, i;
+    long cur = -1;
 
-    if (L->like_a) {
-        PyObject *argv[3] = {a, L->size, L->stride};
-        y = PyObject_VectorcallMethod(s_new_empty_strided, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    } else {
-        PyObject *argv[4] = {L->size, L->stride, L->dtype, L->device};
-        y = PyObject_Vectorcall(torch_empty_strided, argv, 2, alloc_kwnames);
-    }
-    if (y == NULL)
+    if ((L->kind == 1 || L->graphs != Py_None) && (cur = current_device()) == -2)
+        return NULL; /* the current device: where torch's helper allocates, and a replay's condition */
+    if (!(y = alloc(L, a, L->size, L->stride, L->dtype, cur)))
         return NULL;
     for (i = 0; i < 4; i++) {
         if (ins[i] == Py_None)
             continue;
-        if (!(ptrs[n] = data_ptr(ins[i])))
+        if (!(ptrs[n] = tensor_ptr(ins[i], guarded)))
             goto done;
         n++;
     }
-    if (!(ptrs[n] = data_ptr(y)))
+    if (!(ptrs[n] = tensor_ptr(y, guarded)))
         goto done;
     n++;
     if (L->amax) {
-        PyObject *argv[3] = {empty_tuple, float32, L->device};
-        if (!(am = PyObject_Vectorcall(torch_empty, argv, 1, alloc_kwnames)))
+        if (!(am = alloc(L, a, empty_tuple, empty_tuple, float32, cur)))
             goto done;
-        if (!(ptrs[n] = data_ptr(am)))
+        if (!(ptrs[n] = tensor_ptr(am, guarded)))
             goto done;
         n++;
     }
-    if (plan_launch(L, ptrs, n) < 0)
+    if (plan_launch(L, ptrs, n, cur) < 0)
         goto done;
     if (am != NULL)
         out = PyTuple_Pack(2, y, am);
@@ -470,7 +540,7 @@ Launch_call(Launch *self, PyObject *args, PyObject *kwds)
     }
     if (!PyArg_UnpackTuple(args, "Launch", 4, 4, &a, &b, &c, &d))
         return NULL;
-    return launch_call(self, a, b, c, d);
+    return launch_call(self, a, b, c, d, 0);
 }
 
 static PyObject *
@@ -564,25 +634,15 @@ requires_grad(PyObject *t) /* getattr(t, "requires_grad", False) as a truth valu
     return r;
 }
 
-/* ops._memo's key for these operands, or NULL: NULL with no exception where the memo may not serve
-   the call, NULL with an exception where the arguments cannot be keyed. */
+/* ops._memo's key for these operands, given the grad mode and the deterministic flag, or NULL with an
+   exception where the arguments cannot be keyed */
 static PyObject *
-memo_key(PyObject *const *args)
+memo_key(PyObject *const *args, int grad_on, PyObject *det)
 {
-    PyObject *name = args[0], *a = args[2], *m[4] = {NULL, NULL, NULL, NULL}, *det = NULL, *key = NULL, *f, *v;
-    int t, i, grad = 0;
+    PyObject *name = args[0], *m[4] = {NULL, NULL, NULL, NULL}, *key = NULL;
+    int i, grad = 0;
 
-    if (Py_TYPE(a) != tensor_type)
-        return NULL;
-    if (!(v = global(ops_dict, s_active_recorders)))
-        return NULL;
-    if ((t = PyObject_IsTrue(v)) != 0)
-        return NULL;
-    if ((t = call_truth(ops_dict, s_functorch_on)) != 0)
-        return NULL;
-    if ((t = call_truth(ops_dict, s_grad_enabled)) < 0)
-        return NULL;
-    if (t) {
+    if (grad_on) {
         for (i = 2; i < 6 && !grad; i++) {
             if ((grad = requires_grad(args[i])) < 0)
                 return NULL;
@@ -594,27 +654,141 @@ memo_key(PyObject *const *args)
         if (!(m[i] = meta(args[2 + i])))
             goto done;
     }
-    if (!(f = global(ops_dict, s_det_algorithms)) || !(det = PyObject_CallNoArgs(f)))
-        goto done;
-    if ((t = PyObject_IsTrue(det)) < 0)
-        goto done;
-    if (!t) { /* _det_algorithms() or _det_cudnn() */
-        Py_DECREF(det);
-        if (!(f = global(ops_dict, s_det_cudnn)) || !(det = PyObject_CallNoArgs(f)))
-            goto done;
-    }
     key = PyTuple_Pack(7, name, m[0], m[1], m[2], m[3], args[6], det);
 done:
     for (i = 0; i < 4; i++)
         Py_XDECREF(m[i]);
-    Py_XDECREF(det);
     return key;
+}
+
+/* The guarded index: in ops._FAST too (so that whatever clears the memo clears it), under
+   (index mark, name, which of b/c/d are present, attrs, deterministic, grad mode, a.shape) -> a list of
+   (TensorGuards(...).check, entry), most recently registered first. An entry is registered the first time
+   the exact key (memo_key) finds it; after that a call costs one C++ guard check instead of reading
+   shape, stride, dtype and device of every operand in Python and hashing them. The guard checks each
+   operand's type, dispatch keys, dtype, device index, requires_grad, sizes and strides against those the
+   entry was found for: everything the exact key holds, and more (a miss there only takes the exact key). */
+static PyObject *
+index_key(PyObject *const *args, PyObject *det, int grad_on)
+{
+    PyObject *shape = PyObject_GetAttr(args[2], s_shape), *mask, *key;
+    if (shape == NULL)
+        return NULL;
+    mask = PyLong_FromLong((args[3] != Py_None) | (args[4] != Py_None) << 1 | (args[5] != Py_None) << 2);
+    if (mask == NULL) {
+        Py_DECREF(shape);
+        return NULL;
+    }
+    key = PyTuple_Pack(7, index_mark, args[0], mask, args[6], det, grad_on ? Py_True : Py_False, shape);
+    Py_DECREF(shape);
+    Py_DECREF(mask);
+    return key;
+}
+
+static PyObject *
+present(PyObject *const *args) /* the operands a, b, c, d that are not None, as a tuple */
+{
+    PyObject *t;
+    Py_ssize_t n = 0, i;
+    for (i = 2; i < 6; i++)
+        n += args[i] != Py_None;
+    if (!(t = PyTuple_New(n)))
+        return NULL;
+    for (i = 2, n = 0; i < 6; i++) {
+        if (args[i] != Py_None) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(t, n++, args[i]);
+        }
+    }
+    return t;
+}
+
+static PyObject * /* the entry whose guard passes, borrowed from its list (moved to its front), or NULL */
+guarded_entry(PyObject *lst, PyObject *targs)
+{
+    Py_ssize_t i, n = PyList_GET_SIZE(lst);
+    for (i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(lst, i), *r;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2)
+            continue;
+        r = PyObject_Call(PyTuple_GET_ITEM(pair, 0), targs, NULL);
+        if (r == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        Py_DECREF(r);
+        if (r != Py_True)
+            continue;
+        if (i > 0) { /* the front is checked first: models call a few signatures in turn */
+            Py_INCREF(pair);
+            if (PyList_SetSlice(lst, i, i + 1, NULL) < 0 || PyList_Insert(lst, 0, pair) < 0) {
+                Py_DECREF(pair);
+                PyErr_Clear();
+                return NULL;
+            }
+            Py_DECREF(pair);
+        }
+        return PyTuple_GET_ITEM(pair, 1);
+    }
+    return NULL;
+}
+
+static void /* best effort: leaves no exception set */
+guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry)
+{
+    PyObject *tg = NULL, *check = NULL, *pair = NULL, *lst, *cap;
+    Py_ssize_t i, j, n = PyTuple_GET_SIZE(targs);
+    for (i = 0; i < n; i++) /* TensorGuards refuses operands passed twice (aliasing): such calls keep the key */
+        for (j = i + 1; j < n; j++)
+            if (PyTuple_GET_ITEM(targs, i) == PyTuple_GET_ITEM(targs, j))
+                return;
+    cap = PyDict_GetItemWithError(plans_dict, s_FAST_CAPACITY);
+    if (cap != NULL && PyLong_Check(cap) && PyDict_GET_SIZE(memo) >= PyLong_AsSsize_t(cap))
+        goto out; /* full: the Python path clears the memo when it next remembers */
+    if (!(tg = PyObject_Call(tensor_guards, targs, guard_kwargs)) || !(check = PyObject_GetAttr(tg, s_check)) ||
+        !(pair = PyTuple_Pack(2, check, entry)))
+        goto out;
+    lst = PyDict_GetItemWithError(memo, ikey);
+    if (lst == NULL) {
+        if (PyErr_Occurred() || !(lst = PyList_New(0)))
+            goto out;
+        if (PyDict_SetItem(memo, ikey, lst) < 0) {
+            Py_DECREF(lst);
+            goto out;
+        }
+        Py_DECREF(lst); /* the memo holds it */
+    }
+    if (!PyList_Check(lst))
+        goto out;
+    if (PyList_GET_SIZE(lst) >= GUARDS_PER_KEY && PyList_SetSlice(lst, GUARDS_PER_KEY - 1, PyList_GET_SIZE(lst), NULL) < 0)
+        goto out;
+    PyList_Insert(lst, 0, pair);
+out:
+    Py_XDECREF(pair);
+    Py_XDECREF(check);
+    Py_XDECREF(tg);
+    PyErr_Clear();
+}
+
+static PyObject *
+call_entry(PyObject *entry, PyObject *const *args, int guarded)
+{
+    PyObject *out;
+    Py_INCREF(entry); /* the call may clear the memo */
+    if (Py_TYPE(entry) == &LaunchType)
+        out = launch_call((Launch *)entry, args[2], args[3], args[4], args[5], guarded);
+    else
+        out = PyObject_Vectorcall(entry, args + 2, 4, NULL);
+    Py_DECREF(entry);
+    return out;
 }
 
 static PyObject *
 native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *key, *memo, *entry, *out;
+    PyObject *memo, *entry, *det = NULL, *ikey = NULL, *targs = NULL, *key = NULL, *lst, *f, *v, *out = NULL;
+    int t, grad_on;
+
     if (nargs != 7) {
         PyErr_Format(PyExc_TypeError, "call(name, grad_name, a, b, c, d, attrs) takes 7 arguments, got %zd", nargs);
         return NULL;
@@ -623,24 +797,54 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_RuntimeError, "cudnn_fuse._native: configure() was not called");
         return NULL;
     }
-    key = memo_key(args);
-    if (key == NULL) {
-        PyErr_Clear(); /* unkeyable, or not for the memo: the Python path decides and names bad arguments */
-        Py_RETURN_NONE;
+    /* ops._memo's conditions: a plain tensor first, no recording, no torch.func transform */
+    if (Py_TYPE(args[2]) != tensor_type)
+        goto none;
+    if (!(v = global(ops_dict, s_active_recorders)) || PyObject_IsTrue(v) != 0)
+        goto none;
+    if (call_truth(ops_dict, s_functorch_on) != 0)
+        goto none;
+    if ((grad_on = call_truth(ops_dict, s_grad_enabled)) < 0)
+        goto none;
+    if (!(f = global(ops_dict, s_det_algorithms)) || !(det = PyObject_CallNoArgs(f)) || (t = PyObject_IsTrue(det)) < 0)
+        goto none;
+    if (!t) { /* _det_algorithms() or _det_cudnn() */
+        Py_CLEAR(det);
+        if (!(f = global(ops_dict, s_det_cudnn)) || !(det = PyObject_CallNoArgs(f)))
+            goto none;
     }
-    memo = global(ops_dict, s_FAST);
-    entry = memo != NULL && PyDict_Check(memo) ? PyDict_GetItemWithError(memo, key) : NULL;
-    Py_DECREF(key);
-    if (entry == NULL) {
-        PyErr_Clear(); /* a miss, or an unhashable attribute: the Python path */
-        Py_RETURN_NONE;
+    if (!(memo = global(ops_dict, s_FAST)) || !PyDict_Check(memo))
+        goto none;
+    if (tensor_guards != NULL && (ikey = index_key(args, det, grad_on)) != NULL && (targs = present(args)) != NULL) {
+        lst = PyDict_GetItemWithError(memo, ikey);
+        if (lst != NULL && PyList_Check(lst) && (entry = guarded_entry(lst, targs)) != NULL) {
+            n_guarded++;
+            out = call_entry(entry, args, 1);
+            goto done;
+        }
     }
-    Py_INCREF(entry); /* the call may clear the memo */
-    if (Py_TYPE(entry) == &LaunchType)
-        out = launch_call((Launch *)entry, args[2], args[3], args[4], args[5]);
-    else
-        out = PyObject_Vectorcall(entry, args + 2, 4, NULL);
+    PyErr_Clear(); /* an unhashable attribute fails the exact key as well */
+    if (!(key = memo_key(args, grad_on, det)))
+        goto none;
+    entry = PyDict_GetItemWithError(memo, key);
+    if (entry == NULL)
+        goto none; /* a miss: the Python path validates, builds and remembers */
+    Py_INCREF(entry);
+    n_keyed++;
+    if (targs != NULL)
+        guard_register(memo, ikey, targs, entry);
+    out = call_entry(entry, args, 0);
     Py_DECREF(entry);
+    goto done;
+none:
+    PyErr_Clear(); /* unkeyable, or not for the memo: the Python path decides and names bad arguments */
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(targs);
+    Py_XDECREF(ikey);
+    Py_XDECREF(det);
     return out;
 }
 
@@ -649,10 +853,13 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 native_configure(PyObject *module, PyObject *args, PyObject *kwds)
 {
-    static char *kw[] = {"ops", "plans", "launch_graphs", "tensor", "empty_strided", "empty", "float32", NULL};
-    PyObject *o, *p, *l, *t, *es, *e, *f32;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!OOO:configure", kw, &PyDict_Type, &o, &PyDict_Type, &p,
-                                     &PyDict_Type, &l, &PyType_Type, &t, &es, &e, &f32))
+    static char *kw[] = {"ops", "plans", "launch_graphs", "tensor", "parameter", "empty_strided", "empty", "float32",
+                         "tensor_guards", "data_ptr", NULL};
+    PyObject *o, *p, *l, *t, *pt, *es, *e, *f32, *tg = Py_None;
+    unsigned long long dp = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OOO|OK:configure", kw, &PyDict_Type, &o, &PyDict_Type,
+                                     &p, &PyDict_Type, &l, &PyType_Type, &t, &PyType_Type, &pt, &es, &e, &f32, &tg,
+                                     &dp))
         return NULL;
 #define SET(var, val) do { Py_INCREF(val); Py_XSETREF(var, val); } while (0)
     SET(ops_dict, o);
@@ -660,6 +867,13 @@ native_configure(PyObject *module, PyObject *args, PyObject *kwds)
     SET(lg_dict, l);
     Py_INCREF(t);
     Py_XSETREF(tensor_type, (PyTypeObject *)t);
+    Py_INCREF(pt);
+    Py_XSETREF(parameter_type, (PyTypeObject *)pt);
+    if (tg == Py_None)
+        Py_CLEAR(tensor_guards);
+    else
+        SET(tensor_guards, tg);
+    data_ptr_fn = (data_ptr_fn_t)(uintptr_t)dp;
     SET(torch_empty_strided, es);
     SET(torch_empty, e);
     SET(float32, f32);
@@ -680,7 +894,8 @@ native_set_driver(PyObject *module, PyObject *arg)
 static PyObject *
 native_stats(PyObject *module, PyObject *unused)
 {
-    return Py_BuildValue("{sKsK}", "native_replays", n_fast, "native_plan_launches", n_slow);
+    return Py_BuildValue("{sKsKsKsK}", "native_replays", n_fast, "native_plan_launches", n_slow, "guarded_hits",
+                         n_guarded, "keyed_hits", n_keyed);
 }
 
 static PyMethodDef native_methods[] = {
@@ -688,13 +903,14 @@ static PyMethodDef native_methods[] = {
      "call(name, grad_name, a, b, c, d, attrs): ops._memo's lookup and the remembered call, or None on a miss "
      "(or where the memo may not serve: the Python path then runs)."},
     {"configure", (PyCFunction)(void (*)(void))native_configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(ops=, plans=, launch_graphs=, tensor=, empty_strided=, empty=, float32=): the "
-     "modules' dicts and torch objects the calls use."},
+     "configure(ops=, plans=, launch_graphs=, tensor=, parameter=, empty_strided=, empty=, float32=, "
+     "tensor_guards=None, data_ptr=0): the modules' dicts and torch objects the calls use."},
     {"set_driver", native_set_driver, METH_O,
      "set_driver(address of cuStreamIsCapturing, or 0): how a launch tests its stream for capture (0: through "
      "plans._capturing)."},
-    {"stats", native_stats, METH_NOARGS, "{native_replays, native_plan_launches}: launches served here and handed "
-                                         "to plan.launch."},
+    {"stats", native_stats, METH_NOARGS,
+     "{native_replays, native_plan_launches, guarded_hits, keyed_hits}: launches served here and handed to "
+     "plan.launch; memo hits through a TensorGuards check and through the exact key."},
     {NULL}};
 
 static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "cudnn_fuse._native",
@@ -718,6 +934,13 @@ PyInit__native(void)
     INTERN(s_workspace_ptr, "_workspace_ptr");
     INTERN(s_ENABLED, "ENABLED");
     INTERN(s_STATS, "STATS");
+    INTERN(s_alloc_cuda, "_alloc_cuda");
+    INTERN(s_alloc_cpu, "_alloc_cpu");
+    INTERN(s_FAST_CAPACITY, "FAST_CAPACITY");
+    INTERN(s_check, "check");
+    INTERN(s_type, "type");
+    INTERN(s_cuda, "cuda");
+    INTERN(s_cpu, "cpu");
     INTERN(s_shape, "shape");
     INTERN(s_stride, "stride");
     INTERN(s_dtype, "dtype");
@@ -731,6 +954,9 @@ PyInit__native(void)
     INTERN(s_reuses, "reuses");
     INTERN(s_replays, "replays");
 #undef INTERN
+    if (!(index_mark = PyUnicode_InternFromString("cudnn_fuse._native guarded index")) ||
+        !(guard_kwargs = Py_BuildValue("{sOsO}", "dynamic_dims_sizes", Py_None, "dynamic_dims_strides", Py_None)))
+        return NULL;
     if (!(empty_tuple = PyTuple_New(0)) || !(alloc_kwnames = Py_BuildValue("(ss)", "dtype", "device")) ||
         !(zero = PyLong_FromLong(0)) || !(one = PyLong_FromLong(1)))
         return NULL;

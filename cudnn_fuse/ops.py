@@ -392,9 +392,27 @@ def _native_launch(plan, y: torch.Tensor, amax: bool, a: Optional[torch.Tensor] 
 # the C call: it traces the Python path, which declines the memo while compiling); the Python path below stays for misses, for processes without the module, and with
 # CUDNN_FUSE_NATIVE=0. bench/host_overhead.py compares the two on the GPU machine (docs/decisions.md).
 _native = launch_graphs._native
+
+
+def _torch_helpers():
+    """torch's compiled helpers the C path uses where this torch has them (torch._C._dynamo.guards, what
+    Inductor's generated code calls; private, so each is optional and the C path has a fallback): the
+    tensor-metadata guard, the output allocations without the Python argument parser (on this host
+    1.1 against 2.3 us for new_empty_strided), and a tensor's data pointer as a C function."""
+    try:
+        from torch._C._dynamo import guards
+    except ImportError:
+        return None, None, None, 0
+    ptr = getattr(guards, "_torchinductor_pyobject_tensor_data_ptr", 0)
+    return (getattr(guards, "TensorGuards", None), getattr(guards, "_empty_strided_cuda", None),
+            getattr(guards, "_empty_strided_cpu", None), ptr if isinstance(ptr, int) else 0)
+
+
+_tensor_guards, _alloc_cuda, _alloc_cpu, _data_ptr_fn = _torch_helpers()
 if _native is not None:
     _native.configure(ops=globals(), plans=vars(plans), launch_graphs=vars(launch_graphs), tensor=torch.Tensor,
-                      empty_strided=torch.empty_strided, empty=torch.empty, float32=torch.float32)
+                      parameter=torch.nn.Parameter, empty_strided=torch.empty_strided, empty=torch.empty,
+                      float32=torch.float32, tensor_guards=_tensor_guards, data_ptr=_data_ptr_fn)
 _native_call = None
 _Launch = _PyLaunch
 

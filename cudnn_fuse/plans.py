@@ -307,10 +307,12 @@ def _side_stream(device: int) -> int:
     return s.cuda_stream
 
 
-def _current_stream(device: int) -> int:
-    if _raw_stream is not None:
-        return _raw_stream(device)
+def _stream_of(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
+
+
+# torch's C getter itself where it has one: no Python frame per launch (the C memo calls it too)
+_current_stream = _raw_stream if _raw_stream is not None else _stream_of
 
 
 class Plan:

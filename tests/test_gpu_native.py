@@ -88,6 +88,8 @@ def test_the_c_path_equals_the_python_path_bit_for_bit_and_replays_from_c(both_p
         assert not torch.equal(nat[name][0][0], nat[name][-1][0]), name  # new values were read
     served = after["native_replays"] - before["native_replays"]
     assert served >= 8, (before, after)  # replays launched from C (each case past its captures)
+    if ops._tensor_guards is not None:  # past each signature's first keyed hit, its guard serves
+        assert after["guarded_hits"] - before["guarded_hits"] >= 3 * len(py), (before, after)
 
 
 def test_torch_capture_is_left_to_the_plan_and_replays_right(both_paths):

@@ -202,6 +202,118 @@ def test_cudnn_fuse_native_0_starts_a_process_on_the_python_path():
     assert out.split() == ["False", "_PyLaunch"]
 
 
+# ------------------------------------------------------------------------- the guarded index
+
+needs_guards = pytest.mark.skipif(native is None or ops._tensor_guards is None,
+                                  reason="cudnn_fuse._native or torch's TensorGuards is missing")
+
+
+def _hits():
+    st = native.stats()
+    return st["guarded_hits"], st["keyed_hits"]
+
+
+def _index_lists():
+    return [v for k, v in plans.FAST.items() if isinstance(k, tuple) and k and k[0] == "cudnn_fuse._native guarded index"]
+
+
+@needs_guards
+def test_a_keyed_hit_registers_a_guard_that_serves_the_next_calls():
+    x, w, b, _ = _operands()
+    key, _ = ops._memo("linear", x, w, b, None, ATTRS)
+    seen = []
+    plans.FAST[key] = lambda *a: seen.append(a) or "served"
+    g0, k0 = _hits()
+    assert native.call("linear", "linear:grad", x, w, b, None, ATTRS) == "served"
+    assert _hits() == (g0, k0 + 1) and len(_index_lists()) == 1 and len(_index_lists()[0]) == 1
+    x2 = torch.randn(4, 8, dtype=torch.float16)  # another tensor, the same metadata
+    for _ in range(3):
+        assert native.call("linear", "linear:grad", x2, w, b, None, ATTRS) == "served"
+    assert _hits() == (g0 + 3, k0 + 1) and len(_index_lists()[0]) == 1
+    assert seen[-1][0] is x2
+    plans.FAST.clear()  # whatever clears the memo clears the index
+    assert native.call("linear", "linear:grad", x2, w, b, None, ATTRS) is None and _index_lists() == []
+
+
+@needs_guards
+@pytest.mark.parametrize("change", ["stride", "dtype", "requires_grad", "inference_mode", "another shape"])
+def test_a_guard_that_fails_takes_the_exact_key(change):
+    """Whatever the guard rejects goes to the exact key: a call that key would serve is served (and gets
+    its own guard), one it would not is a miss for the Python path."""
+    x, w, b, _ = _operands()
+    key, _ = ops._memo("linear", x, w, b, None, ATTRS)
+    plans.FAST[key] = lambda *a: "first"
+    assert native.call("linear", "linear:grad", x, w, b, None, ATTRS) == "first"
+    ctx = contextlib.nullcontext()
+    if change == "stride":  # the same shape, transposed memory
+        x = torch.randn(8, 4, dtype=torch.float16).t()
+    elif change == "dtype":
+        x = x.float()
+    elif change == "requires_grad":
+        w = w.clone().requires_grad_()
+    elif change == "inference_mode":
+        ctx = torch.inference_mode()
+    elif change == "another shape":
+        x = torch.randn(5, 8, dtype=torch.float16)
+    g0, k0 = _hits()
+    with ctx:
+        out = native.call("linear", "linear:grad", x, w, b, None, ATTRS)
+        if change == "inference_mode":  # the exact key holds no dispatch state: it serves, with a new guard
+            assert out == "first" and _hits() == (g0, k0 + 1)
+            assert native.call("linear", "linear:grad", x, w, b, None, ATTRS) == "first"
+            assert _hits() == (g0 + 1, k0 + 1)
+        else:
+            assert out is None and _hits() == (g0, k0)
+            other, _ = ops._memo("linear", x, w, b, None, ATTRS)
+            assert other != key and other is not None
+            plans.FAST[other] = lambda *a: "second"
+            assert native.call("linear", "linear:grad", x, w, b, None, ATTRS) == "second"
+            assert native.call("linear", "linear:grad", x, w, b, None, ATTRS) == "second"
+            assert _hits() == (g0 + 1, k0 + 1)
+    x0, w0, b0, _ = _operands()
+    assert native.call("linear", "linear:grad", x0, w0, b0, None, ATTRS) == "first"  # the first still guarded
+
+
+@needs_guards
+def test_operands_passed_twice_keep_the_exact_key():
+    """TensorGuards refuses aliased operands, so such a call registers no guard (it would never pass)."""
+    a = torch.randn(6, 6, dtype=torch.float16)
+    key, _ = ops._memo("matmul", a, a, None, None, ATTRS)
+    plans.FAST[key] = lambda *args: "served"
+    g0, k0 = _hits()
+    for _ in range(3):
+        assert native.call("matmul", "matmul:grad", a, a, None, None, ATTRS) == "served"
+    assert _hits() == (g0, k0 + 3) and _index_lists() == []
+
+
+@needs_guards
+def test_a_full_memo_takes_no_new_guards(monkeypatch):
+    monkeypatch.setattr(plans, "FAST_CAPACITY", 1)
+    x, w, b, _ = _operands()
+    key, _ = ops._memo("linear", x, w, b, None, ATTRS)
+    plans.FAST[key] = lambda *a: "served"
+    assert native.call("linear", "linear:grad", x, w, b, None, ATTRS) == "served"
+    assert _index_lists() == [] and len(plans.FAST) == 1
+
+
+@needs_guards
+def test_each_index_list_keeps_the_latest_guards_first():
+    """Different operands with the same input shape and attributes share one list (the weight differs):
+    each is found, the one found moves to the front, and the list keeps at most GUARDS_PER_KEY."""
+    x = torch.randn(4, 8, dtype=torch.float16)
+    ws = [torch.randn(n, 8, dtype=torch.float16) for n in range(2, 12)]
+    for i, w in enumerate(ws):
+        key, _ = ops._memo("linear", x, w, None, None, ATTRS)
+        plans.FAST[key] = lambda *a, i=i: i
+        assert native.call("linear", "linear:grad", x, w, None, None, ATTRS) == i
+    lists = _index_lists()
+    assert len(lists) == 1 and len(lists[0]) == 8
+    g0, _ = _hits()
+    assert native.call("linear", "linear:grad", x, ws[-3], None, None, ATTRS) == len(ws) - 3
+    assert _hits()[0] == g0 + 1 and lists[0][0][1](None) == len(ws) - 3  # moved to the front
+    assert native.call("linear", "linear:grad", x, ws[0], None, None, ATTRS) == 0  # dropped: the exact key
+
+
 # ------------------------------------------------------------------ Launch: allocation, pointers
 
 
@@ -309,6 +421,7 @@ class Rig:
         # not: every output of the stand-in takes one buffer, so that pointer sets repeat as on the GPU
         self.out = torch.empty(4, 6, dtype=torch.float16)
         monkeypatch.setattr(torch.Tensor, "new_empty_strided", lambda t, size, stride: self.out)
+        monkeypatch.setattr(ops, "_alloc_cpu", lambda size, stride, dtype: self.out)  # torch's helper, where it has it
 
     def call(self) -> int:
         """One call; the output's address."""
