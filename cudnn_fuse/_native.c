@@ -970,6 +970,9 @@ PyInit__native(void)
     Py_INCREF(&LaunchType);
     if (PyModule_AddObject(m, "Launch", (PyObject *)&LaunchType) < 0)
         goto fail;
+    Py_INCREF(index_mark); /* the first item of the guarded index's keys in ops._FAST */
+    if (PyModule_AddObject(m, "INDEX_MARK", index_mark) < 0)
+        goto fail;
     return m;
 fail:
     Py_DECREF(m);

@@ -430,6 +430,13 @@ def set_native(enabled: bool) -> bool:
     return on
 
 
+def memo_keys() -> list:
+    """The memo's own keys (ops._FAST; plans.FAST): its entries without the C path's guarded index, which
+    shares the dict (so that whatever clears the memo clears the index too)."""
+    mark = getattr(_native, "INDEX_MARK", None)
+    return [k for k in _FAST if not (type(k) is tuple and k and k[0] is mark and mark is not None)]
+
+
 def native_enabled() -> bool:
     """Whether memoized calls run in C now (``set_native``)."""
     return _native_call is not None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import plans
+from cudnn_fuse import ops, plans
 
 pytestmark = pytest.mark.gpu
 
@@ -100,7 +100,7 @@ def test_memo_serves_repeat_calls_and_only_those(cache_dir):
     plans.clear()
     with torch.no_grad():
         y0 = cf.linear(x, w, b, activation="relu")
-        assert len(plans.FAST) == 1
+        assert len(ops.memo_keys()) == 1
         hits = cf.plan_stats()["hits"]
         y1 = cf.linear(x, w, b, activation="relu")
         assert cf.plan_stats()["hits"] == hits, "a memo hit must not reach the plan LRU"
@@ -109,21 +109,21 @@ def test_memo_serves_repeat_calls_and_only_those(cache_dir):
         x2 = rnd(64, 256)
         y_memo = cf.linear(x2, w, b, activation="relu")
         plans.clear()  # forgets the memo too: the next call takes the slow path
-        assert len(plans.FAST) == 0
+        assert len(ops.memo_keys()) == 0
         assert torch.equal(y_memo, cf.linear(x2, w, b, activation="relu"))
-        assert len(plans.FAST) == 1
+        assert len(ops.memo_keys()) == 1
         # another attribute is another signature
         cf.linear(x, w, b, activation="gelu")
-        assert len(plans.FAST) == 2
+        assert len(ops.memo_keys()) == 2
         # a column-major x is a view the plan reads as is: memoized under its own strides
         xt = rnd(256, 64).t()
         yt = cf.linear(xt, w, b, activation="relu")
-        assert len(plans.FAST) == 3
+        assert len(ops.memo_keys()) == 3
         assert torch.equal(cf.linear(xt, w, b, activation="relu"), yt)
         # x [4, 64, 256] with batch dims that do not merge: reshape copies it, never memoized
         xc = rnd(64, 4, 256).transpose(0, 1)
         yc = cf.linear(xc, w, b, activation="relu")
-        assert len(plans.FAST) == 3
+        assert len(ops.memo_keys()) == 3
         assert (yc.float() - torch.relu(xc.float() @ w.float().t() + b.float())).abs().max() < 2e-2
     # autograd goes through the custom op, not the memo
     xg = x.clone().requires_grad_(True)
@@ -141,10 +141,10 @@ def test_memo_skips_nchw_conv_and_record_sees_memoized_calls(cache_dir, tmp_path
     with torch.no_grad():
         y = cf.conv2d(x, w, b, padding=1, activation="relu")
         cf.conv2d(x, w, b, padding=1, activation="relu")
-        assert len(plans.FAST) == 0
+        assert len(ops.memo_keys()) == 0
         xc = x.contiguous(memory_format=torch.channels_last)
         assert torch.equal(cf.conv2d(xc, w, b, padding=1, activation="relu"), y)
-        assert len(plans.FAST) == 1
+        assert len(ops.memo_keys()) == 1
         out = tmp_path / "m.json"
         with cf.record(str(out)):
             cf.conv2d(xc, w, b, padding=1, activation="relu")
@@ -182,13 +182,13 @@ def test_memo_serves_attention_and_skips_bool_masks(cache_dir):
     with torch.no_grad():
         o1 = cf.scaled_dot_product_attention(q, k, v, is_causal=True)
         o2 = cf.scaled_dot_product_attention(q, k, v, is_causal=True)
-        assert len(plans.FAST) == 1 and torch.equal(o1, o2)
+        assert len(ops.memo_keys()) == 1 and torch.equal(o1, o2)
         b1 = cf.scaled_dot_product_attention(qs, k, v)
         b2 = cf.scaled_dot_product_attention(qs, k, v)
-        assert len(plans.FAST) == 2 and b2.stride() == b1.stride() and torch.equal(b1, b2)
+        assert len(ops.memo_keys()) == 2 and b2.stride() == b1.stride() and torch.equal(b1, b2)
         m1 = cf.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         m2 = cf.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        assert len(plans.FAST) == 2 and torch.equal(m1, m2)  # the bool mask became a new bias: no memo
+        assert len(ops.memo_keys()) == 2 and torch.equal(m1, m2)  # the bool mask became a new bias: no memo
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
         assert (m1.float() - ref).abs().max() < 2e-2
 

@@ -214,7 +214,7 @@ def _hits():
 
 
 def _index_lists():
-    return [v for k, v in plans.FAST.items() if isinstance(k, tuple) and k and k[0] == "cudnn_fuse._native guarded index"]
+    return [v for k, v in plans.FAST.items() if isinstance(k, tuple) and k and k[0] is native.INDEX_MARK]
 
 
 @needs_guards
@@ -226,6 +226,7 @@ def test_a_keyed_hit_registers_a_guard_that_serves_the_next_calls():
     g0, k0 = _hits()
     assert native.call("linear", "linear:grad", x, w, b, None, ATTRS) == "served"
     assert _hits() == (g0, k0 + 1) and len(_index_lists()) == 1 and len(_index_lists()[0]) == 1
+    assert ops.memo_keys() == [key]  # the index shares the dict, not the memo's keys
     x2 = torch.randn(4, 8, dtype=torch.float16)  # another tensor, the same metadata
     for _ in range(3):
         assert native.call("linear", "linear:grad", x2, w, b, None, ATTRS) == "served"
