@@ -73,6 +73,13 @@ SEEN_CAP = 256  # pointer sets counted per plan before the counts start over
 # not an off switch: captures resume once the reuses catch up.
 CHURN_CAPTURES = 32
 CHURN_REUSES_PER_CAPTURE = 4
+# The gate judges a window of the plan's life, not all of it: a phase of churn (cf.capture's warm-up of a chain
+# of 100 calls, each its own pointer set) would otherwise shut captures off for good, and a steady loop after
+# it would launch raw forever (its sightings never become reuses). After CHURN_WAIT gated sightings (each one
+# a capture the gate refused) a new window opens; each window that does not pay for itself doubles the next
+# wait, up to CHURN_MAX_BACKOFF, so a plan whose pointer sets never recur captures ever more rarely.
+CHURN_WAIT = 2 * CHURN_CAPTURES
+CHURN_MAX_BACKOFF = 1024
 
 CAPTURE_MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' CUDA calls are unaffected
 
@@ -637,7 +644,8 @@ class GraphSet:
     """One plan's captured graphs, keyed by pointer set, and the sightings of pointer sets not
     captured yet. Used under the plan's handle lock (one launch at a time per device)."""
 
-    __slots__ = ("execs", "seen", "off", "captures", "replays", "reuses", "kernel_only", "_drv")
+    __slots__ = ("execs", "seen", "off", "captures", "replays", "reuses", "kernel_only", "gated", "backoff", "_base",
+                 "_drv")
 
     def __init__(self, drv, kernel_only: bool = False):
         self.execs: OrderedDict = OrderedDict()
@@ -645,19 +653,37 @@ class GraphSet:
         self.off = False
         self.kernel_only = kernel_only  # a long kernel's plan: its captures replay as their kernel or not at all
         self.captures = self.reuses = 0  # reuses: graph launches other than a capture's own
+        self.gated, self.backoff, self._base = 0, 1, (0, 0)  # the churn gate's window (CHURN_WAIT)
         self._drv = drv
 
     def sighted(self, key) -> bool:
         """Count a sighting of ``key`` (not captured yet); True when it is due for a capture and the
-        plan's captures pay for themselves (CHURN_CAPTURES, CHURN_REUSES_PER_CAPTURE)."""
+        plan's captures pay for themselves (CHURN_CAPTURES, CHURN_REUSES_PER_CAPTURE, CHURN_WAIT)."""
         n = self.seen.get(key, 0) + 1
         if n >= AFTER:
             self.seen.pop(key, None)
-            return self.captures < CHURN_CAPTURES or self.reuses >= CHURN_REUSES_PER_CAPTURE * self.captures
+            return self._gate_open()
         if len(self.seen) >= SEEN_CAP:
             self.seen.clear()
         self.seen[key] = n
         return False
+
+    def _gate_open(self) -> bool:
+        """Whether a due capture may go ahead: the window's captures pay for themselves (or are few yet), or
+        the gate has refused CHURN_WAIT x backoff of them since the window opened (then a new window opens)."""
+        captures, reuses = self.captures - self._base[0], self.reuses - self._base[1]
+        if captures < CHURN_CAPTURES or reuses >= CHURN_REUSES_PER_CAPTURE * captures:
+            if captures >= CHURN_CAPTURES:
+                self.backoff = 1  # this window pays: the next gated phase waits the least again
+            return True
+        self.gated += 1
+        if self.gated < CHURN_WAIT * self.backoff:
+            return False
+        self.gated, self._base = 0, (self.captures, self.reuses)
+        self.backoff = min(2 * self.backoff, CHURN_MAX_BACKOFF)
+        log.debug("launch graphs: a new capture window for one plan after %d captures and %d reuses", self.captures,
+                  self.reuses)
+        return True
 
     def add(self, key, ex) -> None:
         self.execs[key] = ex
@@ -672,7 +698,8 @@ class GraphSet:
             _, old = self.execs.popitem(last=False)
             self._drv.destroy(old)
             STATS.live -= 1
-        if self.captures == CHURN_CAPTURES and self.reuses < CHURN_REUSES_PER_CAPTURE * self.captures:
+        if self.captures - self._base[0] == CHURN_CAPTURES and \
+                self.reuses - self._base[1] < CHURN_REUSES_PER_CAPTURE * CHURN_CAPTURES:
             log.debug("launch graphs: %d captures but %d reuses for one plan; it captures again once they catch up",
                       self.captures, self.reuses)
 

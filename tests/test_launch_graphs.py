@@ -206,6 +206,41 @@ def test_a_plan_whose_graphs_are_not_reused_stops_capturing_until_they_are(monke
     assert kept.plan._graphs.captures == 8 and len(kept.plan._graphs.execs) == 8
 
 
+def test_a_steady_pointer_set_after_a_phase_of_churn_gets_captured(monkeypatch):
+    """cf.capture's warm-up of a 100-call chain shows a plan 100 pointer sets that never recur: the gate
+    shuts after CHURN_CAPTURES of them. A steady loop afterwards (one pointer set, forever) must not
+    launch raw for good: after CHURN_WAIT refused captures a new window opens and it is captured (on
+    the H200, 2 of 3 rounds of the suite's host row ran 14.9-15.6 us a call against 7.6 for that reason,
+    bench/results/native/suite_host_overhead.json)."""
+    gs = launch_graphs.GraphSet(FakeDriver())
+    for _ in range(3):  # the chain's warm-up: 100 pointer sets, 3 sightings each
+        for i in range(100):
+            key = (0, i)
+            if key not in gs.execs and gs.sighted(key):
+                gs.execs[key] = i
+                gs.captures += 1
+    assert launch_graphs.CHURN_CAPTURES <= gs.captures < 100 and gs.reuses == 0  # the gate shut during it
+    wait = launch_graphs.CHURN_WAIT * gs.backoff - gs.gated  # the refusals left before the next window
+    for n in range(1, 10_000):  # then one pointer set, call after call
+        if gs.sighted((0, "steady")):
+            break
+    assert n <= launch_graphs.AFTER * wait, (n, wait)
+
+
+def test_a_plan_whose_pointer_sets_never_recur_captures_ever_more_rarely():
+    gs = launch_graphs.GraphSet(FakeDriver())
+    due = 0
+    for i in range(30_000):  # every pointer set due once (AFTER sightings), never reused
+        due += 1
+        if gs._gate_open():
+            gs.captures += 1
+    # windows of CHURN_CAPTURES captures, each after twice the last wait: a few hundred captures, not 30000
+    assert launch_graphs.CHURN_CAPTURES * 5 <= gs.captures <= launch_graphs.CHURN_CAPTURES * 12, gs.captures
+    assert gs.backoff >= 2 ** 8
+    gs.reuses += launch_graphs.CHURN_REUSES_PER_CAPTURE * gs.captures  # the window pays after all: the wait resets
+    assert gs._gate_open() and gs.backoff == 1
+
+
 @pytest.mark.parametrize("after", [1, 3])
 def test_after_is_the_sightings_before_a_capture(monkeypatch, after):
     monkeypatch.setattr(launch_graphs, "AFTER", after)
