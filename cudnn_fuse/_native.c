@@ -736,7 +736,7 @@ guarded_entry(PyObject *lst, PyObject *targs)
 static void /* best effort: leaves no exception set */
 guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry)
 {
-    PyObject *tg = NULL, *check = NULL, *pair = NULL, *lst, *cap;
+    PyObject *tg = NULL, *check = NULL, *pair = NULL, *lst = NULL, *cap;
     Py_ssize_t i, j, n = PyTuple_GET_SIZE(targs);
     for (i = 0; i < n; i++) /* TensorGuards refuses operands passed twice (aliasing): such calls keep the key */
         for (j = i + 1; j < n; j++)
@@ -752,18 +752,16 @@ guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry)
     if (lst == NULL) {
         if (PyErr_Occurred() || !(lst = PyList_New(0)))
             goto out;
-        if (PyDict_SetItem(memo, ikey, lst) < 0) {
-            Py_DECREF(lst);
+        if (PyDict_SetItem(memo, ikey, lst) < 0)
             goto out;
-        }
-        Py_DECREF(lst); /* the memo holds it */
+    } else {
+        Py_INCREF(lst); /* dropping the list's last guard below may run code (an entry's plan freed) */
     }
-    if (!PyList_Check(lst))
-        goto out;
-    if (PyList_GET_SIZE(lst) >= GUARDS_PER_KEY && PyList_SetSlice(lst, GUARDS_PER_KEY - 1, PyList_GET_SIZE(lst), NULL) < 0)
-        goto out;
-    PyList_Insert(lst, 0, pair);
+    if (PyList_Check(lst) &&
+        (PyList_GET_SIZE(lst) < GUARDS_PER_KEY || PyList_SetSlice(lst, GUARDS_PER_KEY - 1, PyList_GET_SIZE(lst), NULL) == 0))
+        PyList_Insert(lst, 0, pair);
 out:
+    Py_XDECREF(lst);
     Py_XDECREF(pair);
     Py_XDECREF(check);
     Py_XDECREF(tg);
@@ -817,10 +815,18 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto none;
     if (tensor_guards != NULL && (ikey = index_key(args, det, grad_on)) != NULL && (targs = present(args)) != NULL) {
         lst = PyDict_GetItemWithError(memo, ikey);
-        if (lst != NULL && PyList_Check(lst) && (entry = guarded_entry(lst, targs)) != NULL) {
-            n_guarded++;
-            out = call_entry(entry, args, 1);
-            goto done;
+        if (lst != NULL && PyList_Check(lst)) {
+            Py_INCREF(lst);
+            entry = guarded_entry(lst, targs);
+            if (entry != NULL) {
+                n_guarded++;
+                Py_INCREF(entry); /* borrowed from a pair the list holds */
+                Py_DECREF(lst);
+                out = call_entry(entry, args, 1);
+                Py_DECREF(entry);
+                goto done;
+            }
+            Py_DECREF(lst);
         }
     }
     PyErr_Clear(); /* an unhashable attribute fails the exact key as well */

@@ -51,10 +51,13 @@ class FakeLaunch:
     """cuLaunchKernelEx's stand-in, callable from C: records what each launch was given."""
 
     def __init__(self, rc=0):
-        self.calls, self.rc = [], rc
+        self.calls, self.rc, self.record, self.count = [], rc, True, 0
         self.fn = LAUNCH_FN(self._launch)
 
     def _launch(self, cfg, func, params, extra):
+        self.count += 1
+        if not self.record:
+            return self.rc
         c = launch_graphs._LaunchConfig.from_address(cfg)
         self.calls.append({"cfg": cfg, "grid": (c.gx, c.gy, c.gz), "block": (c.bx, c.by, c.bz), "smem": c.smem,
                            "stream": c.hStream or 0, "attrs": [c.attrs[i].id for i in range(c.numAttrs)],
@@ -519,3 +522,32 @@ def test_threads_share_the_c_path(monkeypatch):
         t.join()
     assert errors == []
     assert len(rig.fake.calls) + len(rig.raw_calls) >= 800 + 2  # every call launched once, one way or the other
+
+
+@needs_native
+def test_the_c_path_leaks_no_references(monkeypatch):
+    """Every path through the C call (guarded hit, keyed hit, miss, a replay from C, the plan's launch)
+    gives back every reference it takes: the operands', the entry's and the plan's counts are the same
+    after a thousand calls, and no objects pile up."""
+    import gc
+
+    rig = Rig(monkeypatch)
+    for _ in range(5):  # sighted, captured, replayed; the guard registered
+        rig.call()
+    launch = next(v for k, v in plans.FAST.items() if k in ops.memo_keys())
+    x2 = torch.randn(5, 8, dtype=torch.float16)  # a miss every call (another shape)
+    watched = (rig.x, rig.w, rig.b, rig.out, launch, rig.plan, rig.plan._graphs, x2)
+    rig.fake.record = False  # the stand-in's own records would pile up
+    launches = rig.fake.count
+    gc.collect()
+    before = [sys.getrefcount(o) for o in watched]
+    objects = len(gc.get_objects())
+    for _ in range(1000):
+        rig.call()
+        with torch.no_grad():
+            assert native.call("linear", "linear:grad", x2, rig.w, rig.b, None, ATTRS) is None
+    gc.collect()
+    assert [sys.getrefcount(o) for o in watched] == before
+    assert len(gc.get_objects()) - objects < 50
+    st = native.stats()
+    assert rig.fake.count - launches == 1000 and st["native_replays"] >= 1000 and st["guarded_hits"] >= 1000
