@@ -388,9 +388,10 @@ def _native_launch(plan, y: torch.Tensor, amax: bool, a: Optional[torch.Tensor] 
 
 
 # The memoized call in C (cudnn_fuse/_native.c): ops._memo's checks and key, and _PyLaunch's allocation and
-# launch, for every op (the ops test torch.compiler.is_compiling first, in Python, so that dynamo never meets
-# the C call: it traces the Python path, which declines the memo while compiling); the Python path below stays for misses, for processes without the module, and with
-# CUDNN_FUSE_NATIVE=0. bench/host_overhead.py compares the two on the GPU machine (docs/decisions.md).
+# launch, for every op. The ops test torch.compiler.is_compiling first, in Python, so that dynamo never meets
+# the C call: it traces the Python path, which declines the memo while compiling. The Python path stays for
+# misses, for processes without the module, and with CUDNN_FUSE_NATIVE=0; bench/host_overhead.py compares the
+# two on the GPU machine (docs/decisions.md, "The memoized call in C").
 _native = launch_graphs._native
 
 
@@ -494,8 +495,8 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
             return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
                               negative_slope=negative_slope)
     attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
-    if _native_call is not None and not _is_compiling() and (out := _native_call("conv2d", "conv2d:grad", x, weight, bias, residual,
-                                                         attrs)) is not None:
+    if _native_call is not None and not _is_compiling() and \
+            (out := _native_call("conv2d", "conv2d:grad", x, weight, bias, residual, attrs)) is not None:
         return out
     key, launch = _memo("conv2d", x, weight, bias, residual, attrs)
     if launch is not None:
@@ -688,7 +689,8 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
         with _autocast_off(dev):
             return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
     attrs = (activation, return_amax, negative_slope)
-    if _native_call is not None and not _is_compiling() and (out := _native_call("matmul", "matmul:grad", a, b, bias, residual, attrs)) is not None:
+    if _native_call is not None and not _is_compiling() and \
+            (out := _native_call("matmul", "matmul:grad", a, b, bias, residual, attrs)) is not None:
         return out
     key, launch = _memo("matmul", a, b, bias, residual, attrs)
     if launch is not None:
@@ -796,8 +798,8 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
         with _autocast_off(dev):
             return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
     attrs = (activation, return_amax, negative_slope)
-    if _native_call is not None and not _is_compiling() and (out := _native_call("linear", "linear:grad", x, weight, bias, residual,
-                                                         attrs)) is not None:
+    if _native_call is not None and not _is_compiling() and \
+            (out := _native_call("linear", "linear:grad", x, weight, bias, residual, attrs)) is not None:
         return out
     key, launch = _memo("linear", x, weight, bias, residual, attrs)
     if launch is not None:
@@ -907,7 +909,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         with _autocast_off(dev):
             return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     attrs = (dropout_p, is_causal, scale, enable_gqa)
-    if _native_call is not None and not _is_compiling() and (out := _native_call("sdpa", "sdpa:grad", q, k, v, attn_mask, attrs)) is not None:
+    if _native_call is not None and not _is_compiling() and \
+            (out := _native_call("sdpa", "sdpa:grad", q, k, v, attn_mask, attrs)) is not None:
         return out
     key, launch = _memo("sdpa", q, k, v, attn_mask, attrs)
     if launch is not None:
