@@ -117,7 +117,7 @@ KernelLaunch_bind(KernelLaunch *self, PyObject *args)
     Py_ssize_t size, off;
     if (!PyArg_ParseTuple(args, "KKnnKKK:_bind", &fn, &cfg, &size, &off, &func, &params, &extra))
         return NULL;
-    if (size <= 0 || size > CFG_MAX || off < 0 || off + (Py_ssize_t)sizeof(void *) > size) {
+    if (size <= 0 || size > CFG_MAX || off < 0 || off > size - (Py_ssize_t)sizeof(void *)) {
         PyErr_Format(PyExc_ValueError, "_bind: launch config of %zd bytes with its stream at %zd", size, off);
         return NULL;
     }
@@ -468,7 +468,7 @@ fast_alloc(Launch *L, long cur)
 }
 
 static PyObject *
-alloc(Launch *L, PyObject *a, PyObject *size, PyObject *stride, PyObject *dtype, long cur)
+alloc(Launch *L, PyObject *a, PyObject *size, PyObject *stride, PyObject *dtype, long cur, int is_y)
 {
     PyObject *f = fast_alloc(L, cur);
     if (f != NULL) {
@@ -477,7 +477,7 @@ alloc(Launch *L, PyObject *a, PyObject *size, PyObject *stride, PyObject *dtype,
     }
     if (PyErr_Occurred())
         return NULL;
-    if (L->like_a && size == L->size) {
+    if (L->like_a && is_y) {
         PyObject *argv[3] = {a, size, stride};
         return PyObject_VectorcallMethod(s_new_empty_strided, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     } else {
@@ -493,9 +493,13 @@ launch_call(Launch *L, PyObject *a, PyObject *b, PyObject *c, PyObject *d, int g
     Py_ssize_t n = 0, i;
     long cur = -1;
 
+    if (L->ws_obj == NULL || L->dev_obj == NULL) { /* never initialised (Launch.__new__), or its __init__ failed part-way */
+        PyErr_SetString(PyExc_RuntimeError, "Launch: not initialised");
+        return NULL;
+    }
     if ((L->kind == 1 || L->graphs != Py_None) && (cur = current_device()) == -2)
         return NULL; /* the current device: where torch's helper allocates, and a replay's condition */
-    if (!(y = alloc(L, a, L->size, L->stride, L->dtype, cur)))
+    if (!(y = alloc(L, a, L->size, L->stride, L->dtype, cur, 1)))
         return NULL;
     for (i = 0; i < 4; i++) {
         if (ins[i] == Py_None)
@@ -508,7 +512,7 @@ launch_call(Launch *L, PyObject *a, PyObject *b, PyObject *c, PyObject *d, int g
         goto done;
     n++;
     if (L->amax) {
-        if (!(am = alloc(L, a, empty_tuple, empty_tuple, float32, cur)))
+        if (!(am = alloc(L, a, empty_tuple, empty_tuple, float32, cur, 0)))
             goto done;
         if (!(ptrs[n] = tensor_ptr(am, guarded)))
             goto done;
@@ -559,6 +563,10 @@ static PyObject *
 Launch_get(Launch *self, void *closure)
 {
     PyObject *v = *(PyObject **)((char *)self + (Py_ssize_t)closure);
+    if (v == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Launch: not initialised");
+        return NULL;
+    }
     Py_INCREF(v);
     return v;
 }
@@ -703,32 +711,35 @@ present(PyObject *const *args) /* the operands a, b, c, d that are not None, as 
     return t;
 }
 
-static PyObject * /* the entry whose guard passes, borrowed from its list (moved to its front), or NULL */
+static PyObject * /* the entry whose guard passes, a new reference (moved to its list's front), or NULL */
 guarded_entry(PyObject *lst, PyObject *targs)
 {
-    Py_ssize_t i, n = PyList_GET_SIZE(lst);
-    for (i = 0; i < n; i++) {
-        PyObject *pair = PyList_GET_ITEM(lst, i), *r;
+    Py_ssize_t i, j;
+    for (i = 0; i < PyList_GET_SIZE(lst); i++) { /* a check may run Python (or let a thread in): re-read */
+        PyObject *pair = PyList_GET_ITEM(lst, i), *r, *entry;
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2)
             continue;
+        Py_INCREF(pair);
         r = PyObject_Call(PyTuple_GET_ITEM(pair, 0), targs, NULL);
         if (r == NULL) {
             PyErr_Clear();
+            Py_DECREF(pair);
             continue;
         }
         Py_DECREF(r);
-        if (r != Py_True)
-            continue;
-        if (i > 0) { /* the front is checked first: models call a few signatures in turn */
-            Py_INCREF(pair);
-            if (PyList_SetSlice(lst, i, i + 1, NULL) < 0 || PyList_Insert(lst, 0, pair) < 0) {
-                Py_DECREF(pair);
-                PyErr_Clear();
-                return NULL;
-            }
+        if (r != Py_True) {
             Py_DECREF(pair);
+            continue;
         }
-        return PyTuple_GET_ITEM(pair, 1);
+        entry = PyTuple_GET_ITEM(pair, 1);
+        Py_INCREF(entry);
+        for (j = 0; j < PyList_GET_SIZE(lst) && PyList_GET_ITEM(lst, j) != pair; j++)
+            ;
+        if (j > 0 && j < PyList_GET_SIZE(lst) &&
+            (PyList_SetSlice(lst, j, j + 1, NULL) < 0 || PyList_Insert(lst, 0, pair) < 0))
+            PyErr_Clear();
+        Py_DECREF(pair);
+        return entry;
     }
     return NULL;
 }
@@ -743,6 +754,8 @@ guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry)
             if (PyTuple_GET_ITEM(targs, i) == PyTuple_GET_ITEM(targs, j))
                 return;
     cap = PyDict_GetItemWithError(plans_dict, s_FAST_CAPACITY);
+    if (cap == NULL && PyErr_Occurred())
+        goto out;
     if (cap != NULL && PyLong_Check(cap) && PyDict_GET_SIZE(memo) >= PyLong_AsSsize_t(cap))
         goto out; /* full: the Python path clears the memo when it next remembers */
     if (!(tg = PyObject_Call(tensor_guards, targs, guard_kwargs)) || !(check = PyObject_GetAttr(tg, s_check)) ||
@@ -820,7 +833,6 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             entry = guarded_entry(lst, targs);
             if (entry != NULL) {
                 n_guarded++;
-                Py_INCREF(entry); /* borrowed from a pair the list holds */
                 Py_DECREF(lst);
                 out = call_entry(entry, args, 1);
                 Py_DECREF(entry);

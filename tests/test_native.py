@@ -103,7 +103,7 @@ def test_a_stand_in_launch_in_python_stays_unbound_and_bad_layouts_are_refused()
     assert not k.native_bound
     with pytest.raises(RuntimeError, match="not bound"):
         k.native_launch(7)
-    for size, off in ((0, 0), (4096, 0), (56, 52)):
+    for size, off in ((0, 0), (4096, 0), (56, 52), (56, sys.maxsize)):  # the last once overflowed the bound
         with pytest.raises(ValueError):
             k._bind(0x1000, 0x2000, size, off, 0x300, 0, 0)
     with pytest.raises(ValueError):
@@ -318,6 +318,66 @@ def test_each_index_list_keeps_the_latest_guards_first():
     assert native.call("linear", "linear:grad", x, ws[0], None, None, ATTRS) == 0  # dropped: the exact key
 
 
+_REENTRY_CHILD = """
+import sys, torch
+from cudnn_fuse import ops, plans
+native = ops._native
+HOOK = [None]
+
+
+class S(torch.Tensor):  # sizes and strides answered by Python: a guard's check runs this code
+    @staticmethod
+    def __new__(cls, elem):
+        r = torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(), dtype=elem.dtype,
+                                                 device=elem.device, dispatch_sizes_strides_policy="strides")
+        r.elem = elem
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if HOOK[0] is not None:
+            h, HOOK[0] = HOOK[0], None
+            h()
+        e = args[0].elem
+        table = {torch.ops.aten.sym_size.default: lambda: e.shape, torch.ops.aten.sym_stride.default: e.stride,
+                 torch.ops.aten.sym_numel.default: e.numel, torch.ops.aten.dim.default: e.dim,
+                 torch.ops.aten.sym_storage_offset.default: e.storage_offset}
+        if func in table:
+            return table[func]()
+        raise NotImplementedError(func)
+
+
+ATTRS = ("relu", False, 0.01)
+x = torch.randn(4, 8, dtype=torch.float16)
+wa, wb = torch.randn(6, 8, dtype=torch.float16), torch.randn(7, 8, dtype=torch.float16)
+for w in (wa, wb):
+    key, _ = ops._memo("linear", x, w, None, None, ATTRS)
+    plans.FAST[key] = lambda *a: "served"
+with torch.no_grad():
+    for w in (wa, wb):
+        native.call("linear", "linear:grad", x, S(w), None, None, ATTRS)
+    lists = [v for k, v in plans.FAST.items() if isinstance(k, tuple) and k and k[0] is native.INDEX_MARK]
+    assert len(lists) == 1 and len(lists[0]) == 2, lists
+    lst, saved = lists[0], []
+    if sys.argv[1] == "shrink":  # the pairs stay alive elsewhere, the list empties mid-loop
+        HOOK[0] = lambda: (saved.extend(lst), lst.clear())
+    else:  # the pair being checked, and its TensorGuards, lose their last reference mid-check
+        HOOK[0] = lambda: lst.clear()
+    print(native.call("linear", "linear:grad", x, S(wa), None, None, ATTRS))
+"""
+
+
+@needs_guards
+@pytest.mark.parametrize("mode", ["shrink", "free"])
+def test_a_guard_check_that_changes_its_list_is_survived(mode):
+    """A guard's check can run Python (an operand whose sizes come from __torch_dispatch__), which can
+    change the index list being walked, or drop the guard being checked. The C walk once kept the
+    list's length and a borrowed pair across the check: a read past the list, or of freed memory
+    (a segfault). Run in a child, so a regression is a failed test, not a dead run."""
+    p = subprocess.run([sys.executable, "-c", _REENTRY_CHILD, mode], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "served", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+
+
 # ------------------------------------------------------------------ Launch: allocation, pointers
 
 
@@ -351,6 +411,45 @@ def test_both_launch_types_allocate_and_pass_pointers_alike(path, amax):
     assert plan.launched == [want]
     other = make(plan, torch.empty(4, 6, dtype=torch.float32), False, x)(x, w, b, None)  # not x's dtype
     assert other.dtype == torch.float32 and other.shape == (4, 6)
+
+
+@pytest.mark.parametrize("path", ["python", "native"])
+@pytest.mark.parametrize("helper", [True, False])
+def test_a_0_dim_output_with_amax_gets_a_float32_amax(path, helper, monkeypatch):
+    """A matmul of two 1-D operands has a 0-dim y, whose size is the empty tuple as amax's is: the
+    amax buffer is still float32, with torch's allocation helper or without it (a plan with no
+    launch graphs on CUDA, or a torch without the helper: the generic calls). The C path once told
+    the two allocations apart by their size tuple and gave amax a's dtype."""
+    if path == "native" and native is None:
+        pytest.skip("cudnn_fuse._native is not built")
+    if not helper:
+        monkeypatch.setattr(ops, "_alloc_cpu", None)
+    make = ops._PyLaunch if path == "python" else ops._native_launch
+    a, b = torch.randn(8, dtype=torch.float16), torch.randn(8, dtype=torch.float16)
+    plan = RecordingPlan()
+    y, am = make(plan, torch.empty((), dtype=torch.float16), True, a)(a, b, None, None)
+    assert y.shape == () and y.dtype == torch.float16
+    assert am.shape == () and am.dtype == torch.float32
+    assert plan.launched == [[a.data_ptr(), b.data_ptr(), y.data_ptr(), am.data_ptr()]]
+
+
+@needs_native
+def test_an_uninitialised_launch_raises_instead_of_crashing():
+    """Launch.__new__ without __init__ leaves every field empty: reading one or calling it must raise
+    (it crashed the process). Run in a child, so a regression is a failed test, not a dead run."""
+    code = ("import torch\n"
+            "from cudnn_fuse import _native\n"
+            "L = _native.Launch.__new__(_native.Launch)\n"
+            "for f in (lambda: L.plan, lambda: L(torch.zeros(2), None, None, None)):\n"
+            "    try:\n"
+            "        f()\n"
+            "    except RuntimeError as e:\n"
+            "        assert 'not initialised' in str(e), e\n"
+            "    else:\n"
+            "        raise SystemExit('no error')\n"
+            "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])
 
 
 @needs_native
