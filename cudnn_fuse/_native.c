@@ -103,7 +103,7 @@ kl_launch(KernelLaunch *k, unsigned long long stream)
 {
     /* a copy per launch: the shared config is never written here, so a launch on this path and one
        on the Python path (which sets hStream, then releases the GIL in ctypes) cannot race */
-    char cfg[CFG_MAX];
+    _Alignas(16) char cfg[CFG_MAX]; /* read by the driver as its CUlaunchConfig */
     void *s = (void *)(uintptr_t)stream;
     memcpy(cfg, k->cfg, (size_t)k->cfg_size);
     memcpy(cfg + k->stream_off, &s, sizeof s);
@@ -797,7 +797,7 @@ call_entry(PyObject *entry, PyObject *const *args, int guarded)
 static PyObject *
 native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *memo, *entry, *det = NULL, *ikey = NULL, *targs = NULL, *key = NULL, *lst, *f, *v, *out = NULL;
+    PyObject *memo = NULL, *entry, *det = NULL, *ikey = NULL, *targs = NULL, *key = NULL, *lst, *f, *v, *out = NULL;
     int t, grad_on;
 
     if (nargs != 7) {
@@ -824,8 +824,11 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (!(f = global(ops_dict, s_det_cudnn)) || !(det = PyObject_CallNoArgs(f)))
             goto none;
     }
-    if (!(memo = global(ops_dict, s_FAST)) || !PyDict_Check(memo))
+    if (!(memo = global(ops_dict, s_FAST)) || !PyDict_Check(memo)) {
+        memo = NULL;
         goto none;
+    }
+    Py_INCREF(memo); /* held: keys, guards and calls below may run Python that rebinds ops' FAST */
     if (tensor_guards != NULL && (ikey = index_key(args, det, grad_on)) != NULL && (targs = present(args)) != NULL) {
         lst = PyDict_GetItemWithError(memo, ikey);
         if (lst != NULL && PyList_Check(lst)) {
@@ -863,6 +866,7 @@ done:
     Py_XDECREF(targs);
     Py_XDECREF(ikey);
     Py_XDECREF(det);
+    Py_XDECREF(memo);
     return out;
 }
 
