@@ -1,11 +1,11 @@
-"""Can the kept-pre-activation MLP step beat eager (issue 4)? Pieces and whole steps of two
-variants of nn.FusedMLP that the in-step profile (step_profile_mlp_20261201/) points at:
+"""Can the kept-pre-activation MLP step beat eager (issue 4)? Pieces and whole steps of nn.FusedMLP
+variants that the in-step profile (step_profile_mlp_20261201/) points at:
 
-  fwd_torch   the first layer's forward on torch (cuBLAS addmm + GELU, keeping z), where the
-              fused cuDNN graph ran 0.493 ms a layer against 0.334 + 0.090 in the same profile
-  dz_dbias    fwd_torch, and the bias gradient db1 as a reduction inside the dz graph
-              (dz = gelu'(z1) * (dY @ W2)), so torch's separate sum over dz (16 sums, 0.56 ms a
-              step) loses one of its two per block
+  cf          the library's default: db1 (the first layer's bias gradient) a reduction inside the
+              dz graph (dz = gelu'(z1) * (dY @ W2)), CUDNN_FUSE_BWD_MLP_DBIAS=fused
+  cf_sum      db1 a torch sum over dz (the default before; CUDNN_FUSE_BWD_MLP_DBIAS=torch)
+  fwd_torch   cf with the first layer's forward on torch (cuBLAS addmm + GELU, keeping z), where
+              the fused cuDNN graph ran 0.493 ms a layer against 0.334 + 0.090 in that profile
 
 Pieces (device ms, CUDA events, median of 50 after warm-up): the dz graph with and without the
 dbias output, torch's product + gelu_backward + sum, the forward on cuDNN and on torch. Steps:
@@ -31,9 +31,8 @@ import cudnn_fuse as cf  # noqa: E402
 from bench.common import device_name, write_json  # noqa: E402
 from bench.memory import interleaved_ms, mlp, peak_bytes  # noqa: E402
 from cudnn_fuse import backward, reference, torch_ops  # noqa: E402
-from cudnn_fuse.spec import Epilogue, MatmulActGradSpec, MatmulSpec  # noqa: E402
 
-ORIGINAL = {"save_z": torch_ops._linear_save_z_op_impl, "mlp_grads": backward.mlp_grads}
+ORIGINAL = {"save_z": torch_ops._linear_save_z_op_impl}
 
 
 def save_z_torch(x, weight, bias, activation, residual, negative_slope):
@@ -44,50 +43,14 @@ def save_z_torch(x, weight, bias, activation, residual, negative_slope):
 
 
 def dz_dbias(dy3, w2_3, z3, act, slope):
-    """(dz, db f32 [1, 1, H]) from one graph, or None when cuDNN declines it."""
-    dz = torch.empty_like(z3)
-    db = torch.empty((1, 1, z3.shape[-1]), dtype=torch.float32, device=z3.device)
-    bufs = [dy3, w2_3, z3, dz, db]
-
-    def make():
-        prod = MatmulSpec(backward._spec(dy3), backward._spec(w2_3), backward._spec(dz), Epilogue())
-        return MatmulActGradSpec(prod, backward._spec(z3), backward._spec(dz), act, slope, dbias=backward._spec(db))
-
-    spec = backward._cached_spec("matmul_act_grad+dbias", (act, slope), bufs, make)
-    return (dz, db) if backward._try("mlp_backward", spec, bufs, quiet=True) else None
-
-
-def mlp_grads_dbias(x, w1, inter, w2, gy, act, slope, needs):
-    """backward.mlp_grads with db1 from the dz graph (falls back to the library's when declined)."""
-    z1, y1 = inter
-    N2, H = w2.shape
-    rows = z1.numel() // H
-    dy3 = gy.contiguous().reshape(1, rows, N2)
-    z3 = z1.reshape(1, rows, H)
-    if not (needs[0] or needs[1] or needs[2]) or not z3.is_contiguous():
-        return ORIGINAL["mlp_grads"](x, w1, inter, w2, gy, act, slope, needs)
-    inter.clear()
-    dw2 = backward.mm(dy3.transpose(1, 2), y1.reshape(1, rows, H)).view(N2, H) if needs[3] else None
-    db2 = dy3.view(rows, N2).sum(0) if needs[4] else None
-    out = dz_dbias(dy3, w2.unsqueeze(0), z3, act, slope)
-    if out is None:
-        inter += [z1, y1]
-        return ORIGINAL["mlp_grads"](x, w1, inter, w2, gy, act, slope, needs)
-    dz, db = out
-    del y1, z1, z3
-    db1 = db.view(H).to(gy.dtype) if needs[2] else None
-    dx = dw1 = None
-    if needs[0] or needs[1]:
-        _, K, _, a3, b3 = backward._linear_operands(x, w1)
-        dx, dw1 = backward.gemm_products(a3, b3, dz, needs[0], needs[1], weight_layout=True)
-        dx = dx.view(x.shape) if dx is not None else None
-        dw1 = dw1.view(H, K) if dw1 is not None else None
-    return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
+    """(dz, db f32 [1, 1, H]) from one graph, or None when cuDNN declines the reduction."""
+    out = backward.matmul_act_grad(dy3, w2_3, z3, act, slope, dbias=True)
+    return out if out is not None and out[1] is not None else None
 
 
 def use(variant: str):
-    torch_ops._linear_save_z_op_impl = ORIGINAL["save_z"] if variant == "cf" else save_z_torch
-    backward.mlp_grads = mlp_grads_dbias if variant == "dz_dbias" else ORIGINAL["mlp_grads"]
+    torch_ops._linear_save_z_op_impl = save_z_torch if variant == "fwd_torch" else ORIGINAL["save_z"]
+    backward.MLP_DBIAS = "torch" if variant == "cf_sum" else "fused"
 
 
 def device_ms(fn, warmup=10, iters=50) -> float:
@@ -143,7 +106,7 @@ def main(argv=None) -> int:
     bf = torch.bfloat16
     base = mlp().cuda().to(bf)
     x = torch.randn(8192, 2048, device="cuda", dtype=bf, requires_grad=True)
-    variants = ["cf", "fwd_torch", "dz_dbias"]
+    variants = ["cf", "cf_sum", "fwd_torch"]
     models = [base] + [cf.optimize(copy.deepcopy(base)) for _ in variants]
     setups = [lambda: use("cf")] + [lambda v=v: use(v) for v in variants]
     peaks = []

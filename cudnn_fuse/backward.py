@@ -63,6 +63,11 @@ GEMM_DBIAS = os.environ.get("CUDNN_FUSE_BWD_GEMM_DBIAS", "torch")
 # matmul_act_grad graph), or the product, then the act-grad graph ("split", what a pair of
 # cf.nn.Linear modules runs).
 MLP_DZ = os.environ.get("CUDNN_FUSE_BWD_MLP_DZ", "fused")
+# That block's first-layer bias gradient db1: a reduction in the same matmul_act_grad graph
+# ("fused", float32 column sums of dz) or a torch sum over dz ("torch"). Measured on the H200
+# (bench/mlp_variants_probe.py, dY 8192x2048 @ W2 2048x8192, bf16): the dz graph 0.531 ms, with the
+# reduction 0.535 ms, the graph then torch's sum 0.556 ms; a declined reduction falls back to the sum.
+MLP_DBIAS = os.environ.get("CUDNN_FUSE_BWD_MLP_DBIAS", "fused")
 
 
 def usable(*tensors) -> bool:
@@ -357,20 +362,30 @@ def matmul_grads(a, b, bias, residual, gy, act, slope, src, needs):
             dz.view(gy.shape) if needs[3] else None)
 
 
-def matmul_act_grad(a3, b3, src3, act, slope) -> Optional[torch.Tensor]:
+def matmul_act_grad(a3, b3, src3, act, slope, dbias: bool = False):
     """dz = act'(src3) * (a3 @ b3) in one graph (the product is never stored); None when cuDNN
-    declines it (DEBUG: the caller runs the product and the act-grad graph instead)."""
+    declines it (DEBUG: the caller runs the product and the act-grad graph instead). With
+    ``dbias``: (dz, db), db the float32 column sums of dz ([1, 1, N]) as a reduction in the same
+    graph, or None in db's place when cuDNN declines the reduction (the caller sums dz)."""
     if MLP_DZ != "fused":  # (MM="torch" moves the plain products only; this is a fusion)
         return None
     dz = torch.empty_like(src3)
-    bufs = [a3, b3, src3, dz]
 
-    def make():
+    def make(db):
         prod = MatmulSpec(_spec(a3), _spec(b3), _spec(dz), Epilogue())
-        return MatmulActGradSpec(prod, _spec(src3), _spec(dz), act, slope)
+        return MatmulActGradSpec(prod, _spec(src3), _spec(dz), act, slope, db)
 
-    spec = _cached_spec("matmul_act_grad", (act, slope), bufs, make)
-    return dz if _try("mlp_backward", spec, bufs, quiet=True) else None
+    if dbias:
+        db = torch.empty((1, 1, src3.shape[-1]), dtype=torch.float32, device=src3.device)
+        bufs = [a3, b3, src3, dz, db]
+        spec = _cached_spec("matmul_act_grad+dbias", (act, slope), bufs, lambda: make(_spec(db)))
+        if _try("mlp_backward", spec, bufs, quiet=True):
+            return dz, db
+    bufs = [a3, b3, src3, dz]
+    spec = _cached_spec("matmul_act_grad", (act, slope), bufs, lambda: make(None))
+    if not _try("mlp_backward", spec, bufs, quiet=True):
+        return None
+    return (dz, None) if dbias else dz
 
 
 def mlp_grads(x, w1, inter, w2, gy, act, slope, needs):
@@ -379,7 +394,8 @@ def mlp_grads(x, w1, inter, w2, gy, act, slope, needs):
     that order) asks for it. ``inter`` is the list [z1, y1]; it is emptied here and each tensor
     dropped once read (y1 after dW2, z1 after dz), as eager autograd frees them between its
     nodes. The first layer's dz comes from ``matmul_act_grad`` (dY @ W2 with act's backward in
-    the epilogue); the bias gradients are column sums in gy's dtype (as torch's addmm backward).
+    the epilogue) and, with MLP_DBIAS "fused", db1 from a reduction in that graph; the other bias
+    gradients are column sums. Each comes back in gy's dtype (as torch's addmm backward).
     None when cuDNN declined the act-grad graph as well: ``inter`` is then refilled for the
     caller's torch math."""
     z1, y1 = inter
@@ -390,18 +406,23 @@ def mlp_grads(x, w1, inter, w2, gy, act, slope, needs):
     z3 = z1.reshape(1, rows, H)
     dw2 = mm(dy3.transpose(1, 2), y1.reshape(1, rows, H)).view(N2, H) if needs[3] else None
     db2 = dy3.view(rows, N2).sum(0) if needs[4] else None
-    dz = None
+    dz = db = None
     if needs[0] or needs[1] or needs[2]:
         w2_3 = w2.unsqueeze(0)  # [1, N2, H]: dY @ W2 reads the weight in its own layout
-        dz = matmul_act_grad(dy3, w2_3, z3, act, slope) if z3.is_contiguous() else None
-        if dz is None:
+        want_db = needs[2] and MLP_DBIAS == "fused"
+        out = matmul_act_grad(dy3, w2_3, z3, act, slope, dbias=want_db) if z3.is_contiguous() else None
+        if out is not None:
+            dz, db = out if want_db else (out, None)
+        else:
             out = _saved_dz(mm(dy3, w2_3), z3, act, slope, False)
             if out is None:
                 inter += [z1, y1]
                 return None
             dz = out[0]
     del y1, z1, z3
-    db1 = dz.reshape(rows, H).sum(0) if needs[2] else None
+    db1 = None
+    if needs[2]:
+        db1 = db.view(H).to(gy.dtype) if db is not None else dz.reshape(rows, H).sum(0)
     dx = dw1 = None
     if needs[0] or needs[1]:
         _, K, _, a3, b3 = _linear_operands(x, w1)

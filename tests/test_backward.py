@@ -383,7 +383,7 @@ def test_mlp_backward_declined_fused_graph_runs_the_product_then_act_grad(cudnn_
     cudnn_on_cpu.decline = lambda spec: isinstance(spec, MatmulActGradSpec)
     x, w1, b1, w2, b2, _ = _mlp_inputs()
     compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
-    assert cudnn_on_cpu.declined == ["matmul_act_grad"]
+    assert cudnn_on_cpu.declined == ["matmul_act_grad", "matmul_act_grad"]  # with db1's reduction, then without
     assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul", "act_grad", "matmul", "matmul"]
 
 
@@ -405,6 +405,65 @@ def test_mlp_backward_computes_only_the_gradients_asked_for(cudnn_on_cpu):
     x.requires_grad_()
     torch_ops.mlp(x, w1, b1, w2, b2, "gelu", None, 0.01).sum().backward()
     assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul_act_grad", "matmul"]  # dX, no dW1
+
+
+def _spy_dz_specs(monkeypatch, runner):
+    """The matmul_act_grad specs backward._try is asked to run, in order."""
+    seen = []
+
+    def spy(op, spec, buffers, quiet=False):
+        if spec.op == "matmul_act_grad":
+            seen.append(spec)
+        return runner(op, spec, buffers, quiet)
+
+    monkeypatch.setattr(backward, "_try", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mlp_dbias", ["fused", "torch"])
+def test_mlp_first_bias_gradient_from_the_dz_graph_or_a_sum(cudnn_on_cpu, monkeypatch, mlp_dbias):
+    """db1 of a FusedMLP block: a float32 reduction in the dz graph itself (default), or a torch sum
+    over dz; the same gradients either way, and no reduction asked for when b1 needs none."""
+    monkeypatch.setattr(backward, "MLP_DBIAS", mlp_dbias)
+    seen = _spy_dz_specs(monkeypatch, cudnn_on_cpu)
+    x, w1, b1, w2, b2, _ = _mlp_inputs()
+    compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
+    assert [s.dbias is not None for s in seen] == [mlp_dbias == "fused"]
+    if mlp_dbias == "fused":
+        assert seen[0].dbias.shape == (1, 1, w1.shape[0]) and seen[0].dbias.dtype == "float32"
+    seen.clear()
+    bf = [t.to(torch.bfloat16) for t in (x, w1, b1, w2, b2)]
+    x2 = bf[0].requires_grad_()  # b1 frozen: dz for dX only, no reduction
+    torch_ops.mlp(x2, *bf[1:], "gelu", None, 0.01).sum().backward()
+    assert [s.dbias is not None for s in seen] == [False] and x2.grad is not None
+
+
+def test_mlp_declined_bias_reduction_keeps_the_fused_dz_and_sums(cudnn_on_cpu, monkeypatch):
+    """cuDNN declining the dz graph WITH the reduction (e.g. only nondeterministic engines under
+    torch.use_deterministic_algorithms) leaves the fused dz graph without it, and db1 a sum."""
+    cudnn_on_cpu.decline = lambda spec: isinstance(spec, MatmulActGradSpec) and spec.dbias is not None
+    x, w1, b1, w2, b2, _ = _mlp_inputs()
+    compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
+    assert cudnn_on_cpu.declined == ["matmul_act_grad"]
+    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul_act_grad", "matmul", "matmul"]
+
+
+def test_mlp_first_bias_gradient_is_the_dz_graphs_reduction(cudnn_on_cpu, monkeypatch):
+    """The db1 that comes back is the graph's own reduction, cast to the gradient's dtype (a
+    stand-in that writes a marker into it shows where db1 comes from)."""
+    real = cudnn_on_cpu.__call__
+
+    def marked(op, spec, buffers, quiet=False):
+        ok = real(op, spec, buffers, quiet)
+        if ok and spec.op == "matmul_act_grad" and spec.dbias is not None:
+            buffers[-1].fill_(7.0)
+        return ok
+
+    monkeypatch.setattr(backward, "_try", marked)
+    x, w1, b1, w2, b2 = (t.to(torch.bfloat16) for t in _mlp_inputs()[:5])
+    b1.requires_grad_()
+    torch_ops.mlp(x, w1, b1, w2, b2, "gelu", None, 0.01).sum().backward()
+    assert b1.grad.dtype == torch.bfloat16 and torch.equal(b1.grad, torch.full_like(b1.grad, 7.0))
 
 
 def test_mlp_dz_split_switch_measures_the_unfused_backward(cudnn_on_cpu, monkeypatch):
