@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
 
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import device_name, write_json  # noqa: E402
+from bench.common import device_name, synced_ms, write_json  # noqa: E402
 from bench.memory import interleaved_ms, mlp, peak_bytes  # noqa: E402
 from cudnn_fuse import backward, reference, torch_ops  # noqa: E402
 
@@ -56,15 +55,7 @@ def use(variant: str):
 def device_ms(fn, warmup=10, iters=50) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return round(statistics.median(times), 4)
+    return round(synced_ms(fn, iters), 4)
 
 
 def pieces(rows=8192, d=2048, h=8192) -> dict:
