@@ -65,8 +65,9 @@ GEMM_DBIAS = os.environ.get("CUDNN_FUSE_BWD_GEMM_DBIAS", "torch")
 MLP_DZ = os.environ.get("CUDNN_FUSE_BWD_MLP_DZ", "fused")
 # That block's first-layer bias gradient db1: a reduction in the same matmul_act_grad graph
 # ("fused", float32 column sums of dz) or a torch sum over dz ("torch"). Measured on the H200
-# (bench/mlp_variants_probe.py, dY 8192x2048 @ W2 2048x8192, bf16): the dz graph 0.531 ms, with the
-# reduction 0.535 ms, the graph then torch's sum 0.556 ms; a declined reduction falls back to the sum.
+# (bench/mlp_variants_probe.py, dY 8192x2048 @ W2 2048x8192, bf16, two runs): the dz graph 0.531 / 0.502
+# ms, with the reduction 0.535 / 0.541, the graph then torch's sum 0.556 / 0.558; a declined reduction
+# falls back to the sum.
 MLP_DBIAS = os.environ.get("CUDNN_FUSE_BWD_MLP_DBIAS", "fused")
 
 
