@@ -355,6 +355,10 @@ class Driver:
         self.sequences = False  # chains of kernels and memsets launched one by one (NODE_SEQUENCES)
         self._edges = self._edges_v2 = self._memset_params = None
         self._memsets: dict = {}
+        try:  # every capture's node count is checked (an empty capture is refused), replays or not
+            self._nodes = fn("cuGraphGetNodes", vp, vp, P(ctypes.c_size_t))
+        except AttributeError:
+            self._nodes = None
         if self.kernels:
             try:
                 self._nodes = fn("cuGraphGetNodes", vp, vp, P(ctypes.c_size_t))
@@ -433,6 +437,8 @@ class Driver:
         kept = None
         try:
             self.check(rc, "cuStreamEndCapture")
+            if graph.value and self.node_count(graph.value) == 0:  # the launch went to another stream
+                raise DriverError("the capture holds no node: the launch did not reach the capture stream")
             if self.kernels and graph.value:
                 kept = self._kernel_of(graph.value, stream)
                 if kept is None and self.sequences:
@@ -449,6 +455,16 @@ class Driver:
         finally:
             if graph.value and kept is None:
                 self._graph_destroy(graph)
+
+    def node_count(self, graph: int):
+        """The number of ``graph``'s nodes, or None where unreadable."""
+        if self._nodes is None:
+            return None
+        try:
+            n = ctypes.c_size_t(0)
+            return None if self._nodes(graph, None, ctypes.byref(n)) else n.value
+        except Exception:  # noqa: BLE001 - unreadable: the caller's other checks decide
+            return None
 
     def node_kinds(self, graph: int) -> str:
         """The kinds of ``graph``'s nodes, comma-separated ("kernel, memset"), for logs; "?" where unreadable."""
