@@ -285,6 +285,8 @@ data_ptr(PyObject *t) /* t.data_ptr(), a new reference */
     return PyObject_VectorcallMethod(s_data_ptr, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
+#define ALIGNMENT 16 /* ops.ALIGNMENT: the operand alignment the graphs declare */
+
 static PyObject *
 tensor_ptr(PyObject *t, int guarded) /* t's data pointer as an int, a new reference */
 {
@@ -507,6 +509,11 @@ launch_call(Launch *L, PyObject *a, PyObject *b, PyObject *c, PyObject *d, int g
         if (!(ptrs[n] = tensor_ptr(ins[i], guarded)))
             goto done;
         n++;
+        if (PyLong_AsUnsignedLongLongMask(ptrs[n - 1]) % ALIGNMENT) { /* ops._misaligned: the Python path falls back */
+            out = Py_None;
+            Py_INCREF(out);
+            goto done;
+        }
     }
     if (!(ptrs[n] = tensor_ptr(y, guarded)))
         goto done;

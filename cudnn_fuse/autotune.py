@@ -440,6 +440,15 @@ def _working_set_bytes(bufs) -> int:
     return sum(t.untyped_storage().nbytes() for t in bufs)
 
 
+def _shared_handle(device: int, handle):
+    """plans' record of ``handle`` (its lock and the stream it is bound to) when it is ``device``'s
+    shared handle, else None (a handle of the caller's own)."""
+    from . import plans
+
+    state = plans._handles.get(device)
+    return state if state is not None and state.handle == handle else None
+
+
 def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None) -> tuple[int, Timing, list[Timing]]:
     """Build and time the candidate plans of the operation graph ``g``.
 
@@ -482,7 +491,11 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
         sets += random_buffers(spec, roles, device, min(7, (2 * l2) // max(ws_bytes, 1)))
     h = handle
     stream = torch.cuda.current_stream(device).cuda_stream
-    cudnn.set_stream(handle=h, stream=stream)
+    # The handle is the device's one handle, shared with every thread's launches: each timed launch
+    # binds it to this stream under the handle's lock, as Plan.launch does, so that neither a launch
+    # of another thread nor this tuning runs on the other's stream.
+    state = _shared_handle(device, h)
+    lock = state.lock if state is not None else contextlib.nullcontext()
     workspaces = {}
 
     def build(c: Candidate) -> None:
@@ -500,7 +513,12 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
         ws = workspaces.get(c.index)
         if ws is None and c.workspace:
             ws = workspaces[c.index] = torch.empty(c.workspace, dtype=torch.uint8, device=torch.device("cuda", device))
-        g.execute_plan_at_index(sets[k % len(sets)], ws, index=c.index, handle=h, tensor_uids=uids)
+        with lock:
+            if state is None or state.stream != stream:
+                cudnn.set_stream(handle=h, stream=stream)
+                if state is not None:
+                    state.stream = stream
+            g.execute_plan_at_index(sets[k % len(sets)], ws, index=c.index, handle=h, tensor_uids=uids)
 
     def run_once(c: Candidate) -> float:
         build(c)

@@ -27,7 +27,7 @@ import torch
 from . import autotune
 from .builders import build_graph, roles_of, uids_of
 from .errors import UnsupportedError
-from .plans import STATS, Plan, barred_engines, finalize, handle_for, prepare
+from .plans import STATS, Plan, _side_stream, barred_engines, finalize, handle_for, prepare
 from .plans import deterministic as plans_deterministic
 
 log = logging.getLogger(__name__)
@@ -227,8 +227,19 @@ def _deserialize(spec, entry, device):
     h = handle_for(device)
     t0 = time.perf_counter()
     try:
-        g = cudnn.pygraph(handle=h.handle)
-        g.deserialize(h.handle, entry.blob)
+        # The frontend's deserialize "warms up" the plan: a throwaway CUDA graph capture of one execute
+        # on the handle's stream. The handle is shared by every thread's launches and stays bound to
+        # the last one's stream, where another thread may be launching: work of that thread would be
+        # captured into the throwaway graph and never run. So it runs under the handle's lock, bound
+        # to the device's side stream (launch graphs capture there, under the same lock; nothing is
+        # ever launched there).
+        with h.lock:
+            side = _side_stream(device)
+            if h.stream != side:
+                cudnn.set_stream(handle=h.handle, stream=side)
+                h.stream = side
+            g = cudnn.pygraph(handle=h.handle)
+            g.deserialize(h.handle, entry.blob)
         plan = Plan(spec, g, device, engine=entry.meta.get("engine_name", "?"))
         STATS.deserialize_seconds += time.perf_counter() - t0
     except Exception as exc:  # noqa: BLE001 - a verified blob can still be nonsense to cuDNN

@@ -253,8 +253,19 @@ def _amax_buffer(ref: torch.Tensor, rank: int) -> torch.Tensor:
     return torch.empty((1,) * rank, dtype=torch.float32, device=ref.device)
 
 
+ALIGNMENT = 16  # bytes: the operand alignment the graphs declare (the frontend's default)
+MISALIGNED = f"an operand's data is not {ALIGNMENT}-byte aligned (a view at an odd offset)"
+
+
+def _misaligned(buffers) -> bool:
+    """Whether a buffer's data pointer is off the graphs' declared alignment: cuDNN refuses such a
+    launch (CUDNN_STATUS_BAD_PARAM_MISALIGNED_POINTER), so the op runs torch's instead."""
+    return any(t is not None and t.data_ptr() % ALIGNMENT for t in buffers)
+
+
 def _run(op: str, spec, buffers, ref_fn):
-    """Run ``spec``'s plan on ``buffers``; on UnsupportedError run ``ref_fn``.
+    """Run ``spec``'s plan on ``buffers``; on UnsupportedError, or operands cuDNN cannot take at
+    their addresses, run ``ref_fn``.
 
     An active ``cf.record`` notes the spec; meta tensors stop here (shapes only)."""
     rec = manifest.active()
@@ -262,6 +273,9 @@ def _run(op: str, spec, buffers, ref_fn):
         rec.add(spec)
     if buffers[0].is_meta:
         return None, None
+    if _misaligned(buffers):
+        _fallback(op, MISALIGNED)
+        return None, ref_fn()
     try:
         plan = plans.get_plan(spec, buffers[0].device.index)
     except UnsupportedError as exc:
@@ -327,8 +341,12 @@ def _memo(name: str, a, b, c, d, attrs: tuple):
                None if c is None else (c.shape, c.stride(), c.dtype, c.device),
                None if d is None else (d.shape, d.stride(), d.dtype, d.device),
                attrs, _det_algorithms() or _det_cudnn())
-        return key, _FAST.get(key)
-    except (AttributeError, TypeError):
+        entry = _FAST.get(key)
+        if entry is not None and (a.data_ptr() | (0 if b is None else b.data_ptr()) | (0 if c is None else c.data_ptr())
+                                  | (0 if d is None else d.data_ptr())) % ALIGNMENT:
+            return key, None  # the key holds no address: a misaligned view of a remembered signature (_run)
+        return key, entry
+    except (AttributeError, TypeError, RuntimeError):
         return None, None
 
 

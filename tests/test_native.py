@@ -452,6 +452,53 @@ def test_an_uninitialised_launch_raises_instead_of_crashing():
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])
 
 
+def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
+    """A view with t's shape and strides (so the same memo key) whose data starts 2 bytes off."""
+    flat = torch.randn(t.numel() + 8, dtype=t.dtype)
+    v = flat[1:1 + t.numel()].view(t.shape)
+    assert v.stride() == t.stride() and v.data_ptr() % 16 and t.data_ptr() % 16 == 0
+    return v
+
+
+@pytest.mark.parametrize("path", ["python", "native"])
+def test_a_misaligned_view_of_a_remembered_signature_is_not_launched(path):
+    """The memo key holds shapes and strides, not addresses: a view at an odd offset has the key of an
+    aligned tensor that was remembered. cuDNN refuses such pointers, so neither memo path launches
+    them; the call goes to the slow path, whose _run falls back to torch."""
+    if path == "native" and native is None:
+        pytest.skip("cudnn_fuse._native is not built")
+    if path == "python":
+        ops.set_native(False)
+    x, w, _, _ = _operands()
+    plan = RecordingPlan()
+    key, _ = ops._memo("linear", x, w, None, None, ATTRS)
+    plans.FAST[key] = ops._Launch(plan, torch.empty(4, 6, dtype=torch.float16), False, x)
+    xm = _misaligned_like(x)
+    with torch.no_grad():
+        if path == "native":
+            assert native.call("linear", "linear:grad", xm, w, None, None, ATTRS) is None
+            assert isinstance(native.call("linear", "linear:grad", x, w, None, None, ATTRS), torch.Tensor)
+        assert ops._memo("linear", xm, w, None, None, ATTRS) == (key, None)
+        assert ops._memo("linear", x, w, None, None, ATTRS)[1] is plans.FAST[key]
+    assert [p[0] for p in plan.launched] == ([x.data_ptr()] if path == "native" else [])
+
+
+def test_a_misaligned_operand_runs_torchs_op_not_the_plan(monkeypatch):
+    """_run (the first call's launch) and backward._try (every training graph) decline operands off
+    the graphs' alignment before asking for a plan: cuDNN would refuse the launch."""
+    from cudnn_fuse import backward
+
+    monkeypatch.setattr(plans, "get_plan", lambda *a: pytest.fail("a plan was asked for misaligned operands"))
+    x = torch.randn(4, 8, dtype=torch.float16)
+    xm = _misaligned_like(x)
+    before = plans.STATS.fallbacks
+    plan, out = ops._run("linear", object(), [xm, torch.empty(4, 8, dtype=torch.float16)], lambda: "torch's")
+    assert (plan, out) == (None, "torch's") and plans.STATS.fallbacks == before + 1
+    assert backward._try("linear_backward", object(), [x, xm], quiet=True) is False
+    assert backward._try("linear_backward", object(), [xm], quiet=False) is False
+    assert plans.STATS.fallbacks == before + 2
+
+
 @needs_native
 def test_a_native_launch_hands_errors_on():
     class Broken:
