@@ -440,15 +440,6 @@ def _working_set_bytes(bufs) -> int:
     return sum(t.untyped_storage().nbytes() for t in bufs)
 
 
-def _shared_handle(device: int, handle):
-    """plans' record of ``handle`` (its lock and the stream it is bound to) when it is ``device``'s
-    shared handle, else None (a handle of the caller's own)."""
-    from . import plans
-
-    state = plans._handles.get(device)
-    return state if state is not None and state.handle == handle else None
-
-
 def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None) -> tuple[int, Timing, list[Timing]]:
     """Build and time the candidate plans of the operation graph ``g``.
 
@@ -489,12 +480,13 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     if ws_bytes < 2 * l2:  # small working set: rotate input sets so timings don't measure L2
         sets += random_buffers(spec, roles, device, min(7, (2 * l2) // max(ws_bytes, 1)))
-    h = handle
     stream = torch.cuda.current_stream(device).cuda_stream
-    # The handle is the device's one handle, shared with every thread's launches: each timed launch
-    # binds it to this stream under the handle's lock, as Plan.launch does, so that neither a launch
-    # of another thread nor this tuning runs on the other's stream.
-    state = _shared_handle(device, h)
+    # ``handle``: the device's shared handle (plans' record of it: its lock and the stream it is bound
+    # to), or a raw handle of the caller's own. The shared one serves every thread's launches: each timed
+    # launch binds it to this stream under its lock, as Plan.launch does, so that neither a launch of
+    # another thread nor this tuning runs on the other's stream.
+    state = handle if hasattr(handle, "lock") else None
+    h = state.handle if state is not None else handle
     lock = state.lock if state is not None else contextlib.nullcontext()
     workspaces = {}
 

@@ -361,7 +361,8 @@ class Driver:
             self._nodes = None
         if self.kernels:
             try:
-                self._nodes = fn("cuGraphGetNodes", vp, vp, P(ctypes.c_size_t))
+                if self._nodes is None:  # bound above for every capture's node count
+                    raise AttributeError("cuGraphGetNodes")
                 self._node_type = fn("cuGraphNodeGetType", vp, P(ctypes.c_int))
                 try:
                     self._node_params = fn("cuGraphKernelNodeGetParams_v2", vp, P(_KernelNodeParams))

@@ -275,7 +275,7 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
             prepare(g, spec)
             tt = time.perf_counter()
             try:
-                _, winner, timings = autotune.tune(g, spec, h.handle, device, uids_of(spec), roles_of(spec))
+                _, winner, timings = autotune.tune(g, spec, h, device, uids_of(spec), roles_of(spec))
             except UnsupportedError:
                 raise
             except Exception as exc:  # noqa: BLE001

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from cudnn_fuse import autotune, loader, plans
+from cudnn_fuse import loader, plans
 
 
 class FakeGraph:
@@ -70,14 +70,3 @@ def test_deserialize_waits_for_a_launch_holding_the_handle(shared, monkeypatch):
         assert not done.wait(0.3) and shared.log == []
     t.join(10)
     assert done.is_set() and [a[0] for a in shared.log] == ["set_stream", "deserialize"]
-
-
-def test_the_tuner_finds_the_shared_handles_record():
-    h = plans._Handle(handle=0x77)
-    plans._handles[5] = h
-    try:
-        assert autotune._shared_handle(5, 0x77) is h
-        assert autotune._shared_handle(5, 0x78) is None  # a handle of the caller's own
-        assert autotune._shared_handle(6, 0x77) is None
-    finally:
-        plans._handles.pop(5, None)
