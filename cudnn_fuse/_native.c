@@ -53,7 +53,7 @@ static data_ptr_fn_t data_ptr_fn;
 /* interned names */
 static PyObject *s_active_recorders, *s_functorch_on, *s_grad_enabled, *s_det_algorithms,
     *s_det_cudnn, *s_FAST, *s_current_stream, *s_capturing, *s_current_device, *s_workspace_ptr, *s_ENABLED,
-    *s_STATS, *s_alloc_cuda, *s_alloc_cpu, *s_FAST_CAPACITY, *s_check, *s_type, *s_cuda, *s_cpu, *s_shape, *s_stride, *s_dtype, *s_device, *s_requires_grad, *s_data_ptr, *s_new_empty_strided,
+    *s_STATS, *s_alloc_cuda, *s_alloc_cpu, *s_FAST_CAPACITY, *s_check, *s_type, *s_cuda, *s_cpu, *s_shape, *s_stride, *s_dtype, *s_device, *s_requires_grad, *s_data_ptr, *s_is_neg, *s_new_empty_strided,
     *s_launch, *s_execs, *s_off, *s_reuses, *s_replays;
 
 static unsigned long long n_fast, n_slow; /* launches served here / handed to the plan's Python launch */
@@ -788,6 +788,29 @@ out:
     PyErr_Clear();
 }
 
+/* Whether an operand a, b, c, d is a negated view (t.is_neg()): 1, 0, or -1 with an exception. The exact key
+   holds no neg bit, so a negated view has the key of a plain tensor and must not be served by its entry
+   (a raw pointer hands cuDNN the values unnegated; ops._memo refuses it too). A guard tells them apart (the
+   Negative dispatch key), so only the exact key's hits ask. */
+static int
+negated(PyObject *const *args)
+{
+    Py_ssize_t i;
+    for (i = 2; i < 6; i++) {
+        PyObject *argv[1] = {args[i]}, *r;
+        int t;
+        if (args[i] == Py_None)
+            continue;
+        if (!(r = PyObject_VectorcallMethod(s_is_neg, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)))
+            return -1;
+        t = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (t != 0)
+            return t;
+    }
+    return 0;
+}
+
 static PyObject *
 call_entry(PyObject *entry, PyObject *const *args, int guarded)
 {
@@ -857,6 +880,8 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     entry = PyDict_GetItemWithError(memo, key);
     if (entry == NULL)
         goto none; /* a miss: the Python path validates, builds and remembers */
+    if (negated(args) != 0)
+        goto none; /* a negated view of a remembered signature: the Python path falls back (ops._unlaunchable) */
     Py_INCREF(entry);
     n_keyed++;
     if (targs != NULL)
@@ -976,6 +1001,7 @@ PyInit__native(void)
     INTERN(s_device, "device");
     INTERN(s_requires_grad, "requires_grad");
     INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_is_neg, "is_neg");
     INTERN(s_new_empty_strided, "new_empty_strided");
     INTERN(s_launch, "launch");
     INTERN(s_execs, "execs");

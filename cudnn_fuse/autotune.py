@@ -454,22 +454,37 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     from .plans import deterministic as torch_deterministic
 
     deterministic = cfg.deterministic if cfg.deterministic is not None else torch_deterministic()
-    if deterministic:
-        g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
+    # ``handle``: the device's shared handle (plans' record of it: its lock and the stream it is bound
+    # to), or a raw handle of the caller's own. The shared one serves every thread's launches: each timed
+    # launch binds it to this stream under its lock, as Plan.launch does, so that neither a launch of
+    # another thread nor this tuning runs on the other's stream; each build (and the candidates' notes,
+    # which may place a plan in the backend) holds it as plans.held does, on the side stream.
+    state = handle if hasattr(handle, "lock") else None
+    h = state.handle if state is not None else handle
+    lock = state.lock if state is not None else contextlib.nullcontext()
+    if state is not None:
+        from .plans import held
+
+        holding = lambda: held(state, device)  # noqa: E731
+    else:
+        holding = contextlib.nullcontext
     # Candidates are built lazily inside the budget: building all of them up front
     # took 11 s for one matmul (CUDNN_NOTES).
     candidates = []
-    for i in range(g.get_execution_plan_count()):
-        c = Candidate(index=i, deterministic=not _has_note(g, i, "NONDETERMINISTIC"),
-                      runtime_compiled=_has_note(g, i, "RUNTIME_COMPILATION", kind="behavior", unknown=None))
-        try:
-            c.name = str(g.get_plan_name_at_index(i))
-            eid, knobs = g.get_engine_and_knobs_at_index(i)
-            c.engine_id, c.knobs = int(eid), knobs_to_json(knobs)
-        except Exception as exc:  # noqa: BLE001 - a candidate we cannot describe is still timed
-            c.name = c.name or f"plan{i}"
-            log.debug("autotune: candidate %d has no engine record: %s", i, exc)
-        candidates.append(c)
+    with holding():
+        if deterministic:
+            g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
+        for i in range(g.get_execution_plan_count()):
+            c = Candidate(index=i, deterministic=not _has_note(g, i, "NONDETERMINISTIC"),
+                          runtime_compiled=_has_note(g, i, "RUNTIME_COMPILATION", kind="behavior", unknown=None))
+            try:
+                c.name = str(g.get_plan_name_at_index(i))
+                eid, knobs = g.get_engine_and_knobs_at_index(i)
+                c.engine_id, c.knobs = int(eid), knobs_to_json(knobs)
+            except Exception as exc:  # noqa: BLE001 - a candidate we cannot describe is still timed
+                c.name = c.name or f"plan{i}"
+                log.debug("autotune: candidate %d has no engine record: %s", i, exc)
+            candidates.append(c)
     built: set = set()
     from .plans import barred_engines
 
@@ -481,13 +496,6 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     if ws_bytes < 2 * l2:  # small working set: rotate input sets so timings don't measure L2
         sets += random_buffers(spec, roles, device, min(7, (2 * l2) // max(ws_bytes, 1)))
     stream = torch.cuda.current_stream(device).cuda_stream
-    # ``handle``: the device's shared handle (plans' record of it: its lock and the stream it is bound
-    # to), or a raw handle of the caller's own. The shared one serves every thread's launches: each timed
-    # launch binds it to this stream under its lock, as Plan.launch does, so that neither a launch of
-    # another thread nor this tuning runs on the other's stream.
-    state = handle if hasattr(handle, "lock") else None
-    h = state.handle if state is not None else handle
-    lock = state.lock if state is not None else contextlib.nullcontext()
     workspaces = {}
 
     def build(c: Candidate) -> None:
@@ -495,8 +503,9 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
             return
         if c.engine_id in barred:
             raise SkipCandidate(f"engine {c.engine_id} computes this graph wrongly (plans.barred_engines)")
-        g.build_plan_at_index(c.index)
-        c.workspace = int(g.get_workspace_size_plan_at_index(c.index))
+        with holding():
+            g.build_plan_at_index(c.index)
+            c.workspace = int(g.get_workspace_size_plan_at_index(c.index))
         built.add(c.index)
         if c.workspace > cfg.workspace_cap:
             raise SkipCandidate(f"workspace {c.workspace} > cap {cfg.workspace_cap}")
@@ -532,7 +541,8 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
         winner, timings = select(candidates, run_once, time_candidate, cfg, deterministic, heat=heat)
     finally:
         workspaces.clear()
-    g.build_plan_at_index(winner.index)
+    with holding():
+        g.build_plan_at_index(winner.index)
     log.info("autotune %s: %d candidates, winner %s %.4f ms", spec.op, len(candidates), winner.name, winner.median_ms)
     if cfg.torch_candidate and not deterministic:
         from . import torch_engine

@@ -127,12 +127,13 @@ def _try(op: str, spec, buffers, quiet: bool = False) -> bool:
     An active ``cf.record`` notes each graph that runs, so a recorded training step pre-warms
     its backward too. A spec from ``_cached_spec`` keeps its plan beside it, so a repeat
     skips hashing the spec and the plan LRU. Operands off the graphs' alignment (a view at an odd
-    offset) are a decline: cuDNN would refuse the launch."""
-    if ops._misaligned(buffers):
+    offset) or negated views are a decline (ops._unlaunchable)."""
+    why = ops._unlaunchable(buffers)
+    if why is not None:
         if quiet:
-            log.debug("%s: %s; trying another way", op, ops.MISALIGNED)
+            log.debug("%s: %s; trying another way", op, why)
         else:
-            ops._fallback(op, ops.MISALIGNED)
+            ops._fallback(op, why)
         return False
     slot = plans.FAST.get(("plan", id(spec)))
     if slot is not None and slot[0] is spec and slot[1] is not None:

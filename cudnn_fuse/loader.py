@@ -27,7 +27,7 @@ import torch
 from . import autotune
 from .builders import build_graph, roles_of, uids_of
 from .errors import UnsupportedError
-from .plans import STATS, Plan, _side_stream, barred_engines, finalize, handle_for, prepare
+from .plans import STATS, Plan, barred_engines, finalize, handle_for, held, prepare
 from .plans import deterministic as plans_deterministic
 
 log = logging.getLogger(__name__)
@@ -233,11 +233,7 @@ def _deserialize(spec, entry, device):
         # captured into the throwaway graph and never run. So it runs under the handle's lock, bound
         # to the device's side stream (launch graphs capture there, under the same lock; nothing is
         # ever launched there).
-        with h.lock:
-            side = _side_stream(device)
-            if h.stream != side:
-                cudnn.set_stream(handle=h.handle, stream=side)
-                h.stream = side
+        with held(h, device):
             g = cudnn.pygraph(handle=h.handle)
             g.deserialize(h.handle, entry.blob)
         plan = Plan(spec, g, device, engine=entry.meta.get("engine_name", "?"))
@@ -254,11 +250,12 @@ def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
     if int(engine_id) in barred_engines(spec):
         raise UnsupportedError(f"engine {engine_id} computes {spec.op} wrongly (plans.barred_engines)")
     h = handle_for(device)
-    g = build_graph(spec, h.handle)
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plan(int(engine_id), autotune.knobs_from_json(knobs))
-    g.build_plan_at_index(g.get_execution_plan_count() - 1)
+    with held(h, device):  # builds use the shared handle: one thread at a time, off callers' streams
+        g = build_graph(spec, h.handle)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plan(int(engine_id), autotune.knobs_from_json(knobs))
+        g.build_plan_at_index(g.get_execution_plan_count() - 1)
     STATS.rebuilds += 1
     return Plan(spec, g, device)
 
@@ -268,11 +265,12 @@ def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
 
 def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     h = handle_for(device)
-    g = build_graph(spec, h.handle)
     candidates, winner_index, use_torch, use_gemm = [], None, False, False
     try:
         if tuning:
-            prepare(g, spec)
+            with held(h, device):  # builds use the shared handle: one thread at a time, off callers' streams
+                g = build_graph(spec, h.handle)
+                prepare(g, spec)
             tt = time.perf_counter()
             try:
                 _, winner, timings = autotune.tune(g, spec, h, device, uids_of(spec), roles_of(spec))
@@ -281,13 +279,14 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
             except Exception as exc:  # noqa: BLE001
                 raise UnsupportedError(f"autotune of {spec.op} failed: {type(exc).__name__}: {exc}") from exc
             STATS.autotune_seconds += time.perf_counter() - tt
-            h.stream = None  # tune() bound the handle to the current stream itself
             candidates = [t.to_dict() for t in timings]
             winner_index = winner.index
             use_torch = autotune.torch_wins(winner, timings)
             use_gemm = autotune.gemm_wins(winner, timings)
         else:
-            finalize(g, spec)
+            with held(h, device):
+                g = build_graph(spec, h.handle)
+                finalize(g, spec)
         plan = Plan(spec, g, device)
     except UnsupportedError:
         STATS.build_failures += 1

@@ -257,10 +257,26 @@ ALIGNMENT = 16  # bytes: the operand alignment the graphs declare (the frontend'
 MISALIGNED = f"an operand's data is not {ALIGNMENT}-byte aligned (a view at an odd offset)"
 
 
-def _misaligned(buffers) -> bool:
-    """Whether a buffer's data pointer is off the graphs' declared alignment: cuDNN refuses such a
-    launch (CUDNN_STATUS_BAD_PARAM_MISALIGNED_POINTER), so the op runs torch's instead."""
-    return any(t is not None and t.data_ptr() % ALIGNMENT for t in buffers)
+NEGATED = "an operand is a negated view (its neg bit set: the .imag of a .conj(), torch._neg_view), " \
+          "whose memory holds the values unnegated"
+
+
+def _unlaunchable(buffers) -> Optional[str]:
+    """Why cuDNN cannot be given these buffers' memory as they are, or None:
+
+    - a data pointer off the graphs' declared alignment: cuDNN refuses such a launch
+      (CUDNN_STATUS_BAD_PARAM_MISALIGNED_POINTER);
+    - a negated view: torch negates its values lazily, on read, and a raw pointer hands cuDNN the
+      memory unnegated (a wrong answer, not an error).
+
+    The op runs torch's implementation instead, which honours both."""
+    for t in buffers:
+        if t is not None:
+            if t.data_ptr() % ALIGNMENT:
+                return MISALIGNED
+            if t.is_neg():
+                return NEGATED
+    return None
 
 
 def _run(op: str, spec, buffers, ref_fn):
@@ -273,8 +289,9 @@ def _run(op: str, spec, buffers, ref_fn):
         rec.add(spec)
     if buffers[0].is_meta:
         return None, None
-    if _misaligned(buffers):
-        _fallback(op, MISALIGNED)
+    why = _unlaunchable(buffers)
+    if why is not None:
+        _fallback(op, why)
         return None, ref_fn()
     try:
         plan = plans.get_plan(spec, buffers[0].device.index)
@@ -342,9 +359,13 @@ def _memo(name: str, a, b, c, d, attrs: tuple):
                None if d is None else (d.shape, d.stride(), d.dtype, d.device),
                attrs, _det_algorithms() or _det_cudnn())
         entry = _FAST.get(key)
-        if entry is not None and (a.data_ptr() | (0 if b is None else b.data_ptr()) | (0 if c is None else c.data_ptr())
-                                  | (0 if d is None else d.data_ptr())) % ALIGNMENT:
-            return key, None  # the key holds no address: a misaligned view of a remembered signature (_run)
+        if entry is not None and ((a.data_ptr() | (0 if b is None else b.data_ptr()) | (0 if c is None else c.data_ptr())
+                                   | (0 if d is None else d.data_ptr())) % ALIGNMENT
+                                  or a.is_neg() or (b is not None and b.is_neg()) or (c is not None and c.is_neg())
+                                  or (d is not None and d.is_neg())):
+            # the key holds neither addresses nor neg bits: a misaligned or negated view of a remembered
+            # signature goes to the slow path, whose _run falls back (_unlaunchable)
+            return key, None
         return key, entry
     except (AttributeError, TypeError, RuntimeError):
         return None, None

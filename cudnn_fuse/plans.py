@@ -124,6 +124,25 @@ def handle_for(device: int) -> _Handle:
     return h
 
 
+@contextlib.contextmanager
+def held(h: _Handle, device: int):
+    """``h`` (a device's shared handle) locked and bound to the device's side stream, for work that
+    uses the handle without launching a caller's kernels: building a plan (validate, heuristics,
+    check_support, finalize), the frontend's deserialize (whose warm-up captures one execute on the
+    handle's stream) and rebuilding a recorded engine. cuDNN asks that a handle not be used by two
+    threads at once, and the handle stays bound to the stream of the last launch, which may be
+    another thread's, even one that is capturing: the side stream is launched to by no one (launch
+    graphs capture there, under this same lock). Not reentrant: nothing under it takes the lock."""
+    import cudnn
+
+    with h.lock:
+        side = _side_stream(device)
+        if h.stream != side:
+            cudnn.set_stream(handle=h.handle, stream=side)
+            h.stream = side
+        yield h
+
+
 # ---------------------------------------------------------------- build
 
 
@@ -325,13 +344,14 @@ class Plan:
         self.spec = spec
         self.graph = graph
         self.uids = uids_of(spec)
-        self.workspace_size = int(graph.get_workspace_size())
         self.device = device
         # a deserialized graph has no IR of its operands: it is fed {uid: tensor}
         self._ordered = engine is None
-        self.engine = engine if engine is not None else _engine_name(graph)
-        self._handle = handle_for(device)
-        self._raw = _raw_launcher(graph, self.uids, self._handle.handle)
+        self._handle = h = handle_for(device)
+        with h.lock:  # the frontend may still place the chosen plan in the backend (a handle call)
+            self.workspace_size = int(graph.get_workspace_size())
+            self.engine = engine if engine is not None else _engine_name(graph)
+            self._raw = _raw_launcher(graph, self.uids, h.handle)
         # repeated pointer sets replay as CUDA graphs (launch_graphs.py); None: always raw
         self._graphs = launch_graphs.new_set(spec) if self._raw is not None else None
 

@@ -159,15 +159,16 @@ class _Conv2dTrain(torch.autograd.Function):
         stride, pre, post, dilation, groups, act, slope = attrs
         geo = (stride, pre, post, dilation, groups)
         launch = slot[0] if slot is not None else None
-        if launch is not None:
-            y = launch(x, weight, bias, residual)
-        else:
+        # a native launch answers None for operands it may not take (misaligned: a guard does not read
+        # addresses): the memo and the op's own path decide then, and fall back
+        y = launch(x, weight, bias, residual) if launch is not None else None
+        if y is None:
             # _conv2d_op_impl without its amax placeholder (one CUDA allocation a layer); attrs'
             # values are tuples already (conv2d_train below), so the memo key is the custom op's own
             key, launch = ops._memo("conv2d:train", x, weight, bias, residual, geo + (act, False, slope))
             if launch is not None:
                 y = launch(x, weight, bias, residual)
-            else:
+            if y is None:
                 y = ops._conv2d_fwd(x, weight, bias, *geo, act, residual, False, slope, memo=key)
                 launch = ops._FAST.get(key) if key is not None else None
             if slot is not None and launch is not None:

@@ -114,10 +114,10 @@ def test_autotuned_pick_is_within_3_percent_of_the_best_candidate():
     cf.conv2d(x, w, b, padding=1, activation="relu")
     spec = plans.plans_in_memory()[-1].spec
     hd = plans.handle_for(0)
-    g = build_graph(spec, hd.handle)
-    plans.prepare(g, spec)
-    _, winner, timings = autotune.tune(g, spec, hd.handle, 0, uids_of(spec), roles_of(spec), autotune.Config(budget_s=60))
-    hd.stream = None
+    with plans.held(hd, 0):
+        g = build_graph(spec, hd.handle)
+        plans.prepare(g, spec)
+    _, winner, timings = autotune.tune(g, spec, hd, 0, uids_of(spec), roles_of(spec), autotune.Config(budget_s=60))
     y = torch.empty(64, 128, 56, 56, device="cuda", dtype=h).to(memory_format=torch.channels_last)
     bufs = [x, w, b.view(1, -1, 1, 1), y]
     independent = {}

@@ -217,3 +217,126 @@ def test_training_forward_uses_the_memo_and_backward_specs_are_reused(cache_dir)
     xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
     torch.relu(torch.nn.functional.conv2d(xr, wr, br, padding=1)).square().mean().backward()
     assert (grads[0][1].float() - xr.grad).norm() / xr.grad.norm() < 2e-2
+
+
+def _offset_view(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """t's values at t's shape and strides (so t's memo key), its data ``elements`` past a 16-byte boundary."""
+    flat = torch.empty(t.untyped_storage().nbytes() // t.element_size() + 16, dtype=t.dtype, device=t.device)
+    v = flat.as_strided(t.shape, t.stride(), storage_offset=elements)
+    v.copy_(t)
+    assert v.stride() == t.stride() and v.data_ptr() % 16
+    return v
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_unlaunchable_views_of_remembered_signatures_get_torchs_answer(cache_dir, native_on):
+    """A misaligned view (cuDNN refuses the pointer) and a negated view (its memory holds the values
+    unnegated) have the memo key of the plain tensors a call remembered: each gets torch's answer, as
+    a logged fallback, in inference and in the conv training call's remembered forward; the plain call
+    still launches."""
+    was = ops.native_enabled()
+    if native_on and not ops.set_native(True):
+        pytest.skip("cudnn_fuse._native is not built")
+    ops.set_native(native_on)
+    try:
+        plans.clear()
+        xl, wl, bl = rnd(64, 256, dtype=torch.bfloat16), rnd(512, 256, dtype=torch.bfloat16, scale=0.05), \
+            rnd(512, dtype=torch.bfloat16)
+        x = rnd(4, 32, 16, 16, cl=True)
+        w = rnd(32, 32, 3, 3, scale=0.1, cl=True)
+        b = rnd(32)
+
+        def lin(xx, ww):
+            return cf.linear(xx, ww, bl, activation="relu")
+
+        def conv(xx, ww):
+            return cf.conv2d(xx, ww, b, padding=1, activation="relu")
+
+        with torch.no_grad():
+            for fn, a_, w_ in ((lin, xl, wl), (conv, x, w)):
+                ref = fn(a_, w_)
+                for _ in range(3):
+                    assert torch.equal(fn(a_, w_), ref)  # remembered: the memo serves it
+                for args, want in (((_offset_view(a_), w_), ref), ((a_, _offset_view(w_)), ref),
+                                   ((torch._neg_view(a_), w_), None), ((a_, torch._neg_view(w_)), None)):
+                    before = plans.STATS.fallbacks
+                    got = fn(*args)
+                    if want is None:  # torch's own op on the negated values
+                        want = fn(*(t.resolve_neg().clone() if t.is_neg() else t for t in args))
+                    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+                    assert plans.STATS.fallbacks > before, args  # torch's op ran, not the plan
+                assert torch.equal(fn(a_, w_), ref)
+        # training: the conv's remembered forward (its slot launch) meets a misaligned input
+        xt = x.detach().clone().requires_grad_()
+        for _ in range(3):
+            y = conv(xt, w)
+            y.float().sum().backward()
+        xm = _offset_view(x.detach()).requires_grad_()
+        ym = conv(xm, w)
+        ym.float().sum().backward()
+        torch.testing.assert_close(ym.float(), y.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(xm.grad.float(), xt.grad.float() / 3, rtol=2e-2, atol=2e-2)
+    finally:
+        ops.set_native(was)
+
+
+def test_builds_on_threads_beside_launches_and_a_capture(cache_dir):
+    """Plan builds (heuristics, finalize) hold the shared handle's lock on the side stream: three threads
+    building new signatures while a fourth launches a remembered one on its own stream and captures it
+    into a CUDA graph (thread-local capture mode) all get right answers, none deadlocks, and the capture
+    replays what it captured."""
+    import threading
+
+    plans.clear()
+    torch.manual_seed(1)
+    w, b = rnd(256, 256, scale=0.05), rnd(256)
+    x0 = rnd(64, 256)
+    cf.linear(x0, w, b, activation="relu")  # remembered before the threads start
+    torch.cuda.synchronize()
+    errors = []
+
+    def right(y, x):
+        want = torch.relu(x.float() @ w.float().t() + b.float())
+        err = ((y.float() - want).norm() / want.norm()).item()
+        assert err < 1e-2, err
+
+    def builder(k):
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s), torch.no_grad():
+                for i in range(6):  # six new row counts each: six builds a thread
+                    x = rnd(16 * (1 + 3 * i + k) + 8, 256)
+                    y = cf.linear(x, w, b, activation="relu")
+                    s.synchronize()
+                    right(y, x)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def launcher():
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s), torch.no_grad():
+                x = x0.clone()
+                for _ in range(3):
+                    for _ in range(20):
+                        y = cf.linear(x, w, b, activation="relu")
+                    s.synchronize()
+                    right(y, x)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+                        yg = cf.linear(x, w, b, activation="relu")
+                    x.copy_(torch.randn_like(x))
+                    g.replay()
+                    s.synchronize()
+                    right(yg, x)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=builder, args=(k,)) for k in range(3)] + [threading.Thread(target=launcher)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert errors == []
+    assert not plans.handle_for(0).lock.locked()

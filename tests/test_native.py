@@ -499,6 +499,69 @@ def test_a_misaligned_operand_runs_torchs_op_not_the_plan(monkeypatch):
     assert plans.STATS.fallbacks == before + 2
 
 
+@pytest.mark.parametrize("path", ["python", "native"])
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_a_negated_view_of_a_remembered_signature_is_not_launched(path, which):
+    """A negated view (the .imag of a .conj(), torch._neg_view) has a plain tensor's shape, strides and
+    key, and memory holding the values unnegated: a raw pointer would compute with the wrong sign.
+    Neither memo path serves it; the slow path's _run falls back to torch, which negates on read."""
+    if path == "native" and native is None:
+        pytest.skip("cudnn_fuse._native is not built")
+    if path == "python":
+        ops.set_native(False)
+    x, w, _, _ = _operands()
+    plan = RecordingPlan()
+    key, _ = ops._memo("linear", x, w, None, None, ATTRS)
+    plans.FAST[key] = ops._Launch(plan, torch.empty(4, 6, dtype=torch.float16), False, x)
+    xn, wn = (torch._neg_view(x), w) if which == "a" else (x, torch._neg_view(w))
+    assert (xn.is_neg() or wn.is_neg()) and ops._memo("linear", xn, wn, None, None, ATTRS)[0] == key
+    with torch.no_grad():
+        if path == "native":
+            for _ in range(2):  # the plain call registers a guard; the negated one still gets nothing
+                assert native.call("linear", "linear:grad", xn, wn, None, None, ATTRS) is None
+                assert isinstance(native.call("linear", "linear:grad", x, w, None, None, ATTRS), torch.Tensor)
+        assert ops._memo("linear", xn, wn, None, None, ATTRS) == (key, None)
+        assert ops._memo("linear", x, w, None, None, ATTRS)[1] is plans.FAST[key]
+    assert [p[0] for p in plan.launched] == ([x.data_ptr()] * 2 if path == "native" else [])
+
+
+def test_a_negated_operand_runs_torchs_op_not_the_plan(monkeypatch):
+    """_run and backward._try decline a negated view before asking for a plan, and the op's answer is
+    torch's, with the sign the view reads as (CPU: the op's own reference path)."""
+    from cudnn_fuse import backward
+
+    monkeypatch.setattr(plans, "get_plan", lambda *a: pytest.fail("a plan was asked for a negated view"))
+    x = torch.randn(4, 8, dtype=torch.float16)
+    xn = torch._neg_view(x)
+    assert ops._unlaunchable([x, None]) is None
+    assert ops._unlaunchable([None, xn]) == ops.NEGATED
+    before = plans.STATS.fallbacks
+    plan, out = ops._run("linear", object(), [xn, torch.empty(4, 8, dtype=torch.float16)], lambda: "torch's")
+    assert (plan, out) == (None, "torch's") and plans.STATS.fallbacks == before + 1
+    assert backward._try("linear_backward", object(), [x, xn], quiet=True) is False
+    z = torch.randn(4, 8, dtype=torch.complex64)
+    w = torch.randn(6, 8)
+    assert z.conj().imag.is_neg()
+    torch.testing.assert_close(cf.linear(z.conj().imag, w), torch.nn.functional.linear(-z.imag, w))
+
+
+@needs_native
+def test_a_remembered_training_launch_that_declines_takes_the_ops_path(monkeypatch):
+    """A conv training call keeps its forward's launch in a slot; a native launch answers None for
+    operands it may not take (a guard reads no address, so a misaligned view reaches it): the forward
+    then asks the memo and the op's own path, never returns None."""
+    from cudnn_fuse import torch_ops
+
+    calls = []
+    monkeypatch.setattr(ops, "_memo", lambda *a: (None, None))
+    monkeypatch.setattr(ops, "_conv2d_fwd", lambda x, *a, **k: calls.append(k) or torch.ones(1, 2, 3, 3))
+    x = torch.randn(1, 2, 3, 3, requires_grad=True)
+    w = torch.randn(2, 2, 1, 1, requires_grad=True)
+    slot = [lambda *a: None]
+    y = torch_ops.conv2d_train(x, w, None, None, ((1, 1), (0, 0), (0, 0), (1, 1), 1, None, 0.01), slot)
+    assert isinstance(y, torch.Tensor) and y.shape == (1, 2, 3, 3) and calls == [{"memo": None}]
+
+
 @needs_native
 def test_a_native_launch_hands_errors_on():
     class Broken:
