@@ -461,10 +461,17 @@ def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("path", ["python", "native"])
-def test_a_misaligned_view_of_a_remembered_signature_is_not_launched(path):
-    """The memo key holds shapes and strides, not addresses: a view at an odd offset has the key of an
-    aligned tensor that was remembered. cuDNN refuses such pointers, so neither memo path launches
-    them; the call goes to the slow path, whose _run falls back to torch."""
+@pytest.mark.parametrize("view", ["misaligned a", "negated a", "negated b"])
+def test_an_unlaunchable_view_of_a_remembered_signature_is_not_launched(path, view):
+    """The memo key holds shapes, strides, dtypes and devices, not addresses nor neg bits:
+
+    - a view at an odd offset has the key of an aligned tensor that was remembered, and cuDNN refuses
+      its pointer;
+    - a negated view (the .imag of a .conj(), torch._neg_view) has a plain tensor's key, and memory
+      holding the values unnegated: a raw pointer would compute with the wrong sign.
+
+    Neither memo path launches them (twice: the plain call in between registers a C guard); the call
+    goes to the slow path, whose _run falls back to torch."""
     if path == "native" and native is None:
         pytest.skip("cudnn_fuse._native is not built")
     if path == "python":
@@ -473,14 +480,17 @@ def test_a_misaligned_view_of_a_remembered_signature_is_not_launched(path):
     plan = RecordingPlan()
     key, _ = ops._memo("linear", x, w, None, None, ATTRS)
     plans.FAST[key] = ops._Launch(plan, torch.empty(4, 6, dtype=torch.float16), False, x)
-    xm = _misaligned_like(x)
+    odd = {"misaligned a": (_misaligned_like(x), w), "negated a": (torch._neg_view(x), w),
+           "negated b": (x, torch._neg_view(w))}[view]
+    assert ops._memo("linear", *odd, None, None, ATTRS)[0] == key
     with torch.no_grad():
         if path == "native":
-            assert native.call("linear", "linear:grad", xm, w, None, None, ATTRS) is None
-            assert isinstance(native.call("linear", "linear:grad", x, w, None, None, ATTRS), torch.Tensor)
-        assert ops._memo("linear", xm, w, None, None, ATTRS) == (key, None)
+            for _ in range(2):
+                assert native.call("linear", "linear:grad", *odd, None, None, ATTRS) is None
+                assert isinstance(native.call("linear", "linear:grad", x, w, None, None, ATTRS), torch.Tensor)
+        assert ops._memo("linear", *odd, None, None, ATTRS) == (key, None)
         assert ops._memo("linear", x, w, None, None, ATTRS)[1] is plans.FAST[key]
-    assert [p[0] for p in plan.launched] == ([x.data_ptr()] if path == "native" else [])
+    assert [p[0] for p in plan.launched] == ([x.data_ptr()] * 2 if path == "native" else [])
 
 
 def test_a_misaligned_operand_runs_torchs_op_not_the_plan(monkeypatch):
@@ -497,32 +507,6 @@ def test_a_misaligned_operand_runs_torchs_op_not_the_plan(monkeypatch):
     assert backward._try("linear_backward", object(), [x, xm], quiet=True) is False
     assert backward._try("linear_backward", object(), [xm], quiet=False) is False
     assert plans.STATS.fallbacks == before + 2
-
-
-@pytest.mark.parametrize("path", ["python", "native"])
-@pytest.mark.parametrize("which", ["a", "b"])
-def test_a_negated_view_of_a_remembered_signature_is_not_launched(path, which):
-    """A negated view (the .imag of a .conj(), torch._neg_view) has a plain tensor's shape, strides and
-    key, and memory holding the values unnegated: a raw pointer would compute with the wrong sign.
-    Neither memo path serves it; the slow path's _run falls back to torch, which negates on read."""
-    if path == "native" and native is None:
-        pytest.skip("cudnn_fuse._native is not built")
-    if path == "python":
-        ops.set_native(False)
-    x, w, _, _ = _operands()
-    plan = RecordingPlan()
-    key, _ = ops._memo("linear", x, w, None, None, ATTRS)
-    plans.FAST[key] = ops._Launch(plan, torch.empty(4, 6, dtype=torch.float16), False, x)
-    xn, wn = (torch._neg_view(x), w) if which == "a" else (x, torch._neg_view(w))
-    assert (xn.is_neg() or wn.is_neg()) and ops._memo("linear", xn, wn, None, None, ATTRS)[0] == key
-    with torch.no_grad():
-        if path == "native":
-            for _ in range(2):  # the plain call registers a guard; the negated one still gets nothing
-                assert native.call("linear", "linear:grad", xn, wn, None, None, ATTRS) is None
-                assert isinstance(native.call("linear", "linear:grad", x, w, None, None, ATTRS), torch.Tensor)
-        assert ops._memo("linear", xn, wn, None, None, ATTRS) == (key, None)
-        assert ops._memo("linear", x, w, None, None, ATTRS)[1] is plans.FAST[key]
-    assert [p[0] for p in plan.launched] == ([x.data_ptr()] * 2 if path == "native" else [])
 
 
 def test_a_negated_operand_runs_torchs_op_not_the_plan(monkeypatch):
