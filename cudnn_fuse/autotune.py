@@ -373,10 +373,19 @@ def _behind_spin(call, iters: int, spin_us: float, before=None) -> tuple[list, l
     return [s.elapsed_time(e) for s, e in events], queued, [b.elapsed_time(s) for s, _ in events], a.elapsed_time(b)
 
 
-def random_buffers(spec, roles, device: int, sets: int = 1):
-    """Fresh random operands for ``spec`` (never zeros), ``sets`` copies for L2 rotation."""
+def random_buffers(spec, roles, device, sets: int = 1):
+    """Fresh random operands for ``spec`` (never zeros), ``sets`` copies for L2 rotation, on CUDA
+    device ``device`` (an index) or on ``device`` (a torch.device).
+
+    Drawn from the tuner's own generator (``_generator``), never torch's default one: a tuning runs
+    inside the user's first call, so drawing from torch's generator would shift every random number
+    the program draws after it (dropout masks, initialisations) by whether the cache was warm; and a
+    CUDA graph capture under way in another thread marks torch's default CUDA generator, which then
+    refuses draws outside that capture ("Offset increment outside graph capture")."""
     import torch
 
+    dev = device if isinstance(device, torch.device) else torch.device("cuda", device)
+    gen = _generator(dev)
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     geo = _geometry(spec)
     out = []
@@ -384,12 +393,28 @@ def random_buffers(spec, roles, device: int, sets: int = 1):
         bufs = []
         for r in roles:
             shape, stride, dtype = geo[r]
-            t = torch.empty_strided(shape, stride, dtype=dt[dtype], device=torch.device("cuda", device))
+            t = torch.empty_strided(shape, stride, dtype=dt[dtype], device=dev)
             if r not in _OUTPUT_ROLES:
-                t.normal_(0, 0.5 if r != "bias" else 1.0)
+                t.normal_(0, 0.5 if r != "bias" else 1.0, generator=gen)
             bufs.append(t)
         out.append(bufs)
     return out
+
+
+_generators: dict = {}  # torch.device -> the tuner's generator there
+
+
+def _generator(device):
+    """The tuner's own generator on ``device``, seeded once per process (so the operands a tuning
+    times are the same from run to run). Two threads racing to make it each get a working one."""
+    import torch
+
+    g = _generators.get(device)
+    if g is None:
+        g = torch.Generator(device=device)
+        g.manual_seed(0x5EED)
+        _generators[device] = g
+    return g
 
 
 _OUTPUT_ROLES = ("y", "o", "amax", "z", "dz", "dbias", "dx", "dw", "dq", "dk", "dv")

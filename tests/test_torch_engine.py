@@ -268,3 +268,21 @@ def test_matmul_act_grad_matches_autograd(act, dbias):
     # torch has no one-kernel backward of tanh / sigmoid from z: those stay cuDNN's
     for other in ("tanh", "sigmoid"):
         assert not torch_engine.supports(MatmulActGradSpec(spec.fwd, y, y, other))
+
+
+def test_the_tuners_operands_leave_torchs_generator_alone():
+    """The tuner draws its operands from a generator of its own: a tuning inside the user's first call
+    must not shift the random numbers the program draws after it (run on CPU tensors here; the GPU
+    tuner's device is a CUDA index)."""
+    spec = _matmul_spec(2, 8, 16, 12, dtype="float32", residual=True)
+    roles = roles_of(spec)
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    sets = autotune.random_buffers(spec, roles, torch.device("cpu"), 2)
+    assert torch.equal(torch.rand(4), want)  # the default generator did not move
+    assert len(sets) == 2 and all(len(b) == len(roles) for b in sets)
+    inputs = [i for i, r in enumerate(roles) if r not in autotune._OUTPUT_ROLES]
+    assert inputs and all(sets[0][i].abs().sum() > 0 for i in inputs)
+    assert not torch.equal(sets[0][inputs[0]], sets[1][inputs[0]])  # two sets: two draws (L2 rotation)
+    assert autotune._generator(torch.device("cpu")) is autotune._generator(torch.device("cpu"))
