@@ -487,12 +487,10 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     state = handle if hasattr(handle, "lock") else None
     h = state.handle if state is not None else handle
     lock = state.lock if state is not None else contextlib.nullcontext()
-    if state is not None:
-        from .plans import held
+    from .plans import held
 
-        holding = lambda: held(state, device)  # noqa: E731
-    else:
-        holding = contextlib.nullcontext
+    def holding():
+        return held(state, device) if state is not None else contextlib.nullcontext()
     # Candidates are built lazily inside the budget: building all of them up front
     # took 11 s for one matmul (CUDNN_NOTES).
     candidates = []

@@ -267,10 +267,13 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     h = handle_for(device)
     candidates, winner_index, use_torch, use_gemm = [], None, False, False
     try:
+        with held(h, device):  # builds use the shared handle: one thread at a time, off callers' streams
+            g = build_graph(spec, h.handle)
+            if tuning:
+                prepare(g, spec)  # the tuner builds its candidates, each under held() itself
+            else:
+                finalize(g, spec)
         if tuning:
-            with held(h, device):  # builds use the shared handle: one thread at a time, off callers' streams
-                g = build_graph(spec, h.handle)
-                prepare(g, spec)
             tt = time.perf_counter()
             try:
                 _, winner, timings = autotune.tune(g, spec, h, device, uids_of(spec), roles_of(spec))
@@ -283,10 +286,6 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
             winner_index = winner.index
             use_torch = autotune.torch_wins(winner, timings)
             use_gemm = autotune.gemm_wins(winner, timings)
-        else:
-            with held(h, device):
-                g = build_graph(spec, h.handle)
-                finalize(g, spec)
         plan = Plan(spec, g, device)
     except UnsupportedError:
         STATS.build_failures += 1

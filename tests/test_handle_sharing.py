@@ -127,6 +127,28 @@ def test_a_heuristic_build_holds_the_handle_on_the_side_stream(shared, monkeypat
     assert not shared.h.lock.locked() and shared.h.stream == 99
 
 
+def test_a_tuned_build_prepares_under_the_handle_and_tunes_outside_it(shared, monkeypatch):
+    """The candidates are listed under held(); the tuner then runs without the lock (it takes it for
+    each build and each timed launch itself: holding it across the budget would block every launch)."""
+    seen = []
+
+    def tune(g, spec, h, device, uids, roles):
+        seen.append((h is shared.h, shared.h.lock.locked()))
+        return 0, types.SimpleNamespace(index=0), []
+
+    monkeypatch.setattr(loader, "build_graph", lambda spec, handle: BuildGraph(shared))
+    monkeypatch.setattr(loader, "prepare", lambda g, spec: g.create_execution_plans())
+    monkeypatch.setattr(loader, "uids_of", lambda spec: [1])
+    monkeypatch.setattr(loader, "roles_of", lambda spec: ["x"])
+    monkeypatch.setattr(autotune, "tune", tune)
+    monkeypatch.setattr(autotune, "torch_wins", lambda w, t: False)
+    monkeypatch.setattr(autotune, "gemm_wins", lambda w, t: False)
+    monkeypatch.setattr(loader, "Plan", _fake_plan(shared))
+    loader._build_and_store(None, SPEC, "d" * 64, 0, True, 0.0)
+    assert shared.log == [("set_stream", 0x1234, 99), ("create_execution_plans", True, 99)]
+    assert seen == [(True, False)] and not shared.h.lock.locked()
+
+
 def test_a_rebuild_holds_the_handle_on_the_side_stream(shared, monkeypatch):
     monkeypatch.setattr(loader, "build_graph", lambda spec, handle: BuildGraph(shared, 1))
     monkeypatch.setattr(loader, "barred_engines", lambda spec: frozenset())
