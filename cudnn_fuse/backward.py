@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from . import manifest, ops, plans
+from . import cublaslt, manifest, ops, plans
 from .errors import UnsupportedError
 from .spec import (
     ActGradSpec,
@@ -69,6 +69,21 @@ MLP_DZ = os.environ.get("CUDNN_FUSE_BWD_MLP_DZ", "fused")
 # ms, with the reduction 0.535 / 0.541, the graph then torch's sum 0.556 / 0.558; a declined reduction
 # falls back to the sum.
 MLP_DBIAS = os.environ.get("CUDNN_FUSE_BWD_MLP_DBIAS", "fused")
+# A linear layer's weight and bias gradients together: ONE cuBLASLt GEMM whose epilogue sums dz
+# over the rows ("cublaslt", cudnn_fuse.cublaslt), or the GEMM and torch's column sum ("torch").
+# Measured on the H200 (bench/wgrad_probe.py, bf16, 8192 rows, two runs): dW2/db2 of a 8192 -> 2048
+# layer 0.473 / 0.446 ms against torch's 0.489 / 0.464, dW1/db1 of a 2048 -> 8192 layer 0.552 / 0.552
+# against 0.529 / 0.512 (the epilogue cost more than the sum it saves); the MLP step moved within its
+# rounds' spread either way. So "torch" stays the default.
+WGRAD = os.environ.get("CUDNN_FUSE_BWD_WGRAD", "torch")
+
+
+def wgrad(dz2: torch.Tensor, x2: torch.Tensor, need_w: bool, need_b: bool):
+    """(dW [N, K] = dz2^T @ x2, db [N] = dz2.sum(0)) of one linear layer from one cuBLASLt GEMM
+    when WGRAD is "cublaslt" and both are wanted; None otherwise (the caller's GEMM and sum run)."""
+    if WGRAD != "cublaslt" or not (need_w and need_b) or not usable(dz2, x2):
+        return None
+    return cublaslt.wgrad_bgrad(dz2, x2)
 
 
 def usable(*tensors) -> bool:
@@ -413,12 +428,19 @@ def mlp_grads(x, w1, inter, w2, gy, act, slope, needs):
     rows = math.prod(gy.shape[:-1])
     dy3 = gy.contiguous().reshape(1, rows, N2)
     z3 = z1.reshape(1, rows, H)
-    dw2 = mm(dy3.transpose(1, 2), y1.reshape(1, rows, H)).view(N2, H) if needs[3] else None
-    db2 = dy3.view(rows, N2).sum(0) if needs[4] else None
+    lt = wgrad(dy3.view(rows, N2), y1.reshape(rows, H), needs[3], needs[4])
+    if lt is not None:
+        dw2, db2 = lt
+    else:
+        dw2 = mm(dy3.transpose(1, 2), y1.reshape(1, rows, H)).view(N2, H) if needs[3] else None
+        db2 = dy3.view(rows, N2).sum(0) if needs[4] else None
+    x2 = x.reshape(rows, x.shape[-1])
+    # db1 with dW1 from one cuBLASLt GEMM (then not as a reduction in the dz graph)
+    lt1 = WGRAD == "cublaslt" and needs[1] and needs[2] and cublaslt.usable(x2, x2)
     dz = db = None
     if needs[0] or needs[1] or needs[2]:
         w2_3 = w2.unsqueeze(0)  # [1, N2, H]: dY @ W2 reads the weight in its own layout
-        want_db = needs[2] and MLP_DBIAS == "fused"
+        want_db = needs[2] and MLP_DBIAS == "fused" and not lt1
         out = matmul_act_grad(dy3, w2_3, z3, act, slope, dbias=want_db) if z3.is_contiguous() else None
         if out is not None:
             dz, db = out if want_db else (out, None)
@@ -429,15 +451,18 @@ def mlp_grads(x, w1, inter, w2, gy, act, slope, needs):
                 return None
             dz = out[0]
     del y1, z1, z3
-    db1 = None
-    if needs[2]:
+    dw1 = db1 = None
+    lt = wgrad(dz.reshape(rows, H), x2, True, True) if lt1 else None
+    if lt is not None:
+        dw1, db1 = lt
+    elif needs[2]:
         db1 = db.view(H).to(gy.dtype) if db is not None else dz.reshape(rows, H).sum(0)
-    dx = dw1 = None
-    if needs[0] or needs[1]:
+    dx = None
+    if needs[0] or (needs[1] and dw1 is None):
         _, K, _, a3, b3 = _linear_operands(x, w1)
-        dx, dw1 = gemm_products(a3, b3, dz, needs[0], needs[1], weight_layout=True)
+        dx, dw = gemm_products(a3, b3, dz, needs[0], needs[1] and dw1 is None, weight_layout=True)
         dx = dx.view(x.shape) if dx is not None else None
-        dw1 = dw1.view(H, K) if dw1 is not None else None
+        dw1 = dw.view(H, K) if dw is not None else dw1
     return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
 
 

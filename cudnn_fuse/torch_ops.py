@@ -63,9 +63,29 @@ def _create_graph() -> bool:
     return torch.is_grad_enabled()
 
 
+# The activations whose backward aten computes from z alone, in one kernel (in float32 at least:
+# half and bfloat16 go through float opmath and are rounded once), as eager autograd runs it.
+_NATIVE_ACT_GRAD = {
+    "gelu": lambda gy, z, slope: torch.ops.aten.gelu_backward(gy, z),
+    "gelu_tanh": lambda gy, z, slope: torch.ops.aten.gelu_backward(gy, z, approximate="tanh"),
+    "silu": lambda gy, z, slope: torch.ops.aten.silu_backward(gy, z),
+    "leaky_relu": lambda gy, z, slope: torch.ops.aten.leaky_relu_backward(gy, z, slope, False),
+}
+
+
 def _act_grad(z: Tensor, gy: Tensor, act: str, slope: float) -> Tensor:
     """d act(z) / dz * gy, computed in float32 at least (differentiable in z and gy under
-    create_graph=True)."""
+    create_graph=True).
+
+    Without create_graph, on CUDA (any dtype) or in float32/float64 on the CPU, GELU, SiLU and
+    leaky ReLU take aten's backward kernel, eager's own: the float32 autograd below cost an fp32
+    copy of z and of gy, a recomputed forward and a cast back, and made a FusedMLP whose cuDNN
+    graphs were declined (every float32 model) 15% slower than eager on the H200
+    (bench/results/wgrad_probe.json, the "torch" row)."""
+    native = _NATIVE_ACT_GRAD.get(act)
+    if (native is not None and gy.dtype == z.dtype and gy.shape == z.shape and not _create_graph()
+            and (z.is_cuda or z.dtype in (torch.float32, torch.float64))):
+        return native(gy, z, slope)
     acc = torch.promote_types(z.dtype, torch.float32)
     if _create_graph():
         zz = z.to(acc)
@@ -92,6 +112,9 @@ def _linear_products(dz: Tensor, x: Tensor, w: Tensor, need_x: bool, need_w: boo
     """(dx, dw, db) of z = x @ w.T + b from dz on torch kernels, None where not needed."""
     N, K = w.shape
     dz2 = dz.reshape(-1, N)
+    lt = backward.wgrad(dz2, x.reshape(-1, K), need_w, need_b)  # dW and db from one cuBLASLt GEMM
+    if lt is not None:
+        return (dz @ w) if need_x else None, lt[0], lt[1]
     return ((dz @ w) if need_x else None, (dz2.t() @ x.reshape(-1, K)) if need_w else None,
             dz2.sum(0) if need_b else None)
 

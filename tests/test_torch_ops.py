@@ -372,3 +372,42 @@ def test_set_compile_inline_takes_names_or_a_comma_separated_string():
     finally:
         cf.set_compile_inline(prev)
     assert ops.compile_inline == prev
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "leaky_relu"])
+def test_act_grad_takes_atens_backward_kernel_without_create_graph(monkeypatch, act):
+    """GELU, SiLU and leaky ReLU's backward (a FusedMLP or linear whose cuDNN graphs were
+    declined, every float32 model) is aten's kernel, what eager autograd runs, and not a float32
+    autograd replay of the forward: same gradient, no autograd.grad call."""
+    z, gy = torch.randn(64, 48), torch.randn(64, 48)
+    zz = z.clone().requires_grad_()
+    (want,) = torch.autograd.grad(reference.activation(zz, act, 0.2), zz, gy)
+
+    def refuse(*a, **k):
+        raise AssertionError("autograd.grad called")
+
+    monkeypatch.setattr(torch.autograd, "grad", refuse)
+    with torch.no_grad():
+        got = torch_ops._act_grad(z, gy, act, 0.2)
+    assert torch.equal(got, want)
+
+
+def test_act_grad_under_create_graph_stays_differentiable():
+    z = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        g = torch_ops._act_grad(z, gy, "gelu", 0.01)
+    assert g.requires_grad  # the double backward (a gradient penalty) needs its graph
+    torch.testing.assert_close(g, torch.ops.aten.gelu_backward(gy, z))
+
+
+def test_act_grad_keeps_float32_math_for_16_bit_cpu_tensors(monkeypatch):
+    """On the CPU (the tests' oracle), 16-bit operands still go through float32 autograd."""
+    calls = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    z, gy = torch.randn(16, 8, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = torch_ops._act_grad(z, gy, "gelu", 0.01)
+    assert calls == [1] and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), torch.ops.aten.gelu_backward(gy.float(), z.float()), atol=1e-2, rtol=1e-2)

@@ -1,0 +1,72 @@
+"""CPU tests of cudnn_fuse.cublaslt's gates and of how the backward paths use it (the GEMM itself
+runs in tests/test_gpu_cublaslt.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cudnn_fuse import backward, cublaslt, torch_ops
+
+
+def test_declines_on_the_cpu_and_for_float32():
+    dz, x = torch.randn(64, 80, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)
+    assert not cublaslt.usable(dz, x)
+    assert cublaslt.wgrad_bgrad(dz, x) is None
+    assert cublaslt.wgrad_bgrad(dz.float(), x.float()) is None
+
+
+def test_a_missing_library_is_logged_once_and_declines(monkeypatch, caplog):
+    monkeypatch.setattr(cublaslt, "_SONAMES", ("libcudnn_fuse_no_such_cublaslt.so.99",))
+    monkeypatch.setattr(cublaslt, "_lib", None)
+    monkeypatch.setattr(cublaslt, "_lib_state", "unloaded")
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.cublaslt"):
+        assert cublaslt._load() is None
+        assert cublaslt._load() is None
+    assert cublaslt._lib_state == "missing"
+    assert sum("cuBLASLt not found" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("mode,need_w,need_b,expect_call", [
+    ("cublaslt", True, True, True), ("torch", True, True, False),
+    ("cublaslt", True, False, False), ("cublaslt", False, True, False)])
+def test_wgrad_asks_cublaslt_only_for_both_gradients(monkeypatch, mode, need_w, need_b, expect_call):
+    calls = []
+    monkeypatch.setattr(backward, "WGRAD", mode)
+    monkeypatch.setattr(backward, "usable", lambda *ts: True)
+    monkeypatch.setattr(cublaslt, "wgrad_bgrad", lambda dz2, x2: calls.append((dz2.shape, x2.shape)) or ("dw", "db"))
+    dz2, x2 = torch.randn(8, 4), torch.randn(8, 3)
+    out = backward.wgrad(dz2, x2, need_w, need_b)
+    assert (out == ("dw", "db")) == expect_call
+    assert calls == ([(torch.Size([8, 4]), torch.Size([8, 3]))] if expect_call else [])
+
+
+def test_wgrad_refuses_operands_the_backward_cannot_take(monkeypatch):
+    """backward.usable's gate (CPU, float32, grad mode on for a double backward, fake tensors)
+    comes first: cuBLASLt never sees them."""
+    monkeypatch.setattr(backward, "WGRAD", "cublaslt")
+    monkeypatch.setattr(cublaslt, "wgrad_bgrad", lambda *a: pytest.fail("called"))
+    assert backward.wgrad(torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8, 3, dtype=torch.bfloat16),
+                          True, True) is None
+
+
+@pytest.mark.parametrize("answer", ["stand-in", None])
+def test_linear_products_take_the_one_gemm_or_fall_back(monkeypatch, answer):
+    """torch_ops' linear backward takes dW and db from backward.wgrad when it answers, and
+    torch's GEMM and column sum when it declines; dx is torch's product either way."""
+    torch.manual_seed(0)
+    dz, x, w = torch.randn(2, 5, 4), torch.randn(2, 5, 3), torch.randn(4, 3)
+    sentinel = (torch.full((4, 3), 7.0), torch.full((4,), 9.0))
+    seen = []
+    monkeypatch.setattr(backward, "wgrad", lambda dz2, x2, nw, nb: seen.append((dz2.shape, x2.shape, nw, nb))
+                        or (sentinel if answer else None))
+    dx, dw, db = torch_ops._linear_products(dz, x, w, True, True, True)
+    assert seen == [(torch.Size([10, 4]), torch.Size([10, 3]), True, True)]
+    torch.testing.assert_close(dx, dz @ w)
+    if answer:
+        assert dw is sentinel[0] and db is sentinel[1]
+    else:
+        torch.testing.assert_close(dw, dz.reshape(10, 4).t() @ x.reshape(10, 3))
+        torch.testing.assert_close(db, dz.reshape(10, 4).sum(0))
