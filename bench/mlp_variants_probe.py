@@ -86,6 +86,23 @@ def pieces(rows=8192, d=2048, h=8192) -> dict:
     return out
 
 
+def variant_steps(models, names, setups, x, rounds) -> list:
+    """Each model's peak bytes and median step ms (alternating rounds, memory.interleaved_ms; the
+    first model is the baseline of ``vs_eager``), printed and returned as rows. ``setups[i]()``
+    selects model i's variant before each of its steps."""
+    peaks = []
+    for m, s in zip(models, setups):
+        s()
+        peaks.append(peak_bytes(m, x))
+    res = interleaved_ms(models, x, rounds=rounds, steps=4, setups=setups)
+    rows = [{"name": n, "step_ms": round(med, 3), "round_ms": [round(r, 3) for r in per], "peak_bytes": p,
+             "vs_eager": round(med / res[0][0], 4)} for n, (med, per), p in zip(names, res, peaks)]
+    for r in rows:
+        print(f"{r['name']:10s} {r['step_ms']:8.3f} ms  {r['vs_eager']:.4f}x  peak {r['peak_bytes'] / 2**20:.0f} MiB  "
+              f"rounds {min(r['round_ms']):.3f}-{max(r['round_ms']):.3f}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -100,19 +117,9 @@ def main(argv=None) -> int:
     variants = ["cf", "cf_sum", "fwd_torch"]
     models = [base] + [cf.optimize(copy.deepcopy(base)) for _ in variants]
     setups = [lambda: use("cf")] + [lambda v=v: use(v) for v in variants]
-    peaks = []
-    for m, s in zip(models, setups):
-        s()
-        peaks.append(peak_bytes(m, x))
-    res = interleaved_ms(models, x, rounds=args.rounds, steps=4, setups=setups)
+    result["steps"] = variant_steps(models, ["eager"] + variants, setups, x, args.rounds)
     use("cf")
-    names = ["eager"] + variants
-    result["steps"] = [{"name": n, "step_ms": round(med, 3), "round_ms": [round(r, 3) for r in per], "peak_bytes": p,
-                        "vs_eager": round(med / res[0][0], 4)} for n, (med, per), p in zip(names, res, peaks)]
     result["rounds"] = args.rounds
-    for r in result["steps"]:
-        print(f"{r['name']:10s} {r['step_ms']:8.3f} ms  {r['vs_eager']:.4f}x  peak {r['peak_bytes'] / 2**20:.0f} MiB  "
-              f"rounds {min(r['round_ms']):.3f}-{max(r['round_ms']):.3f}", flush=True)
     result["fallbacks"] = cf.plan_stats().get("fallbacks")
     write_json(os.path.join(args.out, "mlp_variants_probe.json"), result)
     return 0

@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
 from bench.common import device_name, synced_ms, write_json  # noqa: E402
-from bench.memory import interleaved_ms, mlp, peak_bytes  # noqa: E402
-from bench.mlp_variants_probe import save_z_torch  # noqa: E402
+from bench.memory import mlp  # noqa: E402
+from bench.mlp_variants_probe import save_z_torch, variant_steps  # noqa: E402
 from cudnn_fuse import backward, cublaslt, torch_ops  # noqa: E402
 
 ORIGINAL = {"save_z": torch_ops._linear_save_z_op_impl, "mlp_grads": backward.mlp_grads}
@@ -115,20 +115,10 @@ def main(argv=None) -> int:
         v: max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()) for a, b in zip(g, grads[0]))
         for v, g in zip(variants, grads[1:])}
     print("grads vs eager", result["grad_max_rel_err_vs_eager"], flush=True)
-    peaks = []
-    for m, s in zip(models, setups):
-        s()
-        peaks.append(peak_bytes(m, x))
     heat()
-    res = interleaved_ms(models, x, rounds=args.rounds, steps=4, setups=setups)
+    result["steps"] = variant_steps(models, ["eager"] + variants, setups, x, args.rounds)
     use("cf")
-    names = ["eager"] + variants
-    result["steps"] = [{"name": n, "step_ms": round(med, 3), "round_ms": [round(r, 3) for r in per], "peak_bytes": p,
-                        "vs_eager": round(med / res[0][0], 4)} for n, (med, per), p in zip(names, res, peaks)]
     result["rounds"] = args.rounds
-    for r in result["steps"]:
-        print(f"{r['name']:10s} {r['step_ms']:8.3f} ms  {r['vs_eager']:.4f}x  peak {r['peak_bytes'] / 2**20:.0f} MiB  "
-              f"rounds {min(r['round_ms']):.3f}-{max(r['round_ms']):.3f}", flush=True)
     result["fallbacks"] = cf.plan_stats().get("fallbacks")
     write_json(os.path.join(args.out, "wgrad_probe.json"), result)
     return 0
