@@ -149,6 +149,8 @@ def wgrad_bgrad(dz2: torch.Tensor, x2: torch.Tensor, with_bias: bool = True
     [rows, K] contiguous fp16/bf16 CUDA tensors. None where cuBLASLt cannot take it."""
     if not usable(dz2, x2):
         return None
+    if torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic:
+        return None  # cuBLASLt's algorithm pick is not checked for run-to-run determinism: torch's GEMM and sum
     lib = _load()
     if lib is None:
         return None
@@ -181,10 +183,8 @@ def wgrad_bgrad(dz2: torch.Tensor, x2: torch.Tensor, with_bias: bool = True
                    "cublasLtMatmulDescSetAttribute")
         ws = torch.empty((plan.workspace,), dtype=torch.uint8, device=dev) if plan.workspace else None
         stream = torch.cuda.current_stream(dev).cuda_stream
-        _check(lib.cublasLtMatmul(handle, plan.desc, ctypes.byref(plan.alpha), x2.data_ptr(), plan.a, dz2.data_ptr(),
-                                  plan.b, ctypes.byref(plan.beta), dw.data_ptr(), plan.d, dw.data_ptr(), plan.d,
-                                  ctypes.byref(plan.algo), ws.data_ptr() if ws is not None else None, plan.workspace,
-                                  stream), "cublasLtMatmul")
+        with torch.cuda.device(dev):  # the launch goes to the current device's context: the operands' own
+            _launch(lib, handle, plan, x2, dz2, dw, ws, stream)
         return dw, db
     except CublasLtError as e:
         plans.pop(key, None)
@@ -192,3 +192,10 @@ def wgrad_bgrad(dz2: torch.Tensor, x2: torch.Tensor, with_bias: bool = True
         log.warning("cuBLASLt weight gradient declined for dz %s, x %s (%s): torch's GEMM and sum run instead",
                     tuple(dz2.shape), tuple(x2.shape), e)
         return None
+
+
+def _launch(lib, handle, plan: _Plan, x2, dz2, dw, ws, stream) -> None:
+    _check(lib.cublasLtMatmul(handle, plan.desc, ctypes.byref(plan.alpha), x2.data_ptr(), plan.a, dz2.data_ptr(),
+                              plan.b, ctypes.byref(plan.beta), dw.data_ptr(), plan.d, dw.data_ptr(), plan.d,
+                              ctypes.byref(plan.algo), ws.data_ptr() if ws is not None else None, plan.workspace,
+                              stream), "cublasLtMatmul")

@@ -70,3 +70,42 @@ def test_linear_products_take_the_one_gemm_or_fall_back(monkeypatch, answer):
     else:
         torch.testing.assert_close(dw, dz.reshape(10, 4).t() @ x.reshape(10, 3))
         torch.testing.assert_close(db, dz.reshape(10, 4).sum(0))
+
+
+@pytest.mark.parametrize("switch", ["torch", "cudnn"])
+def test_deterministic_mode_declines_before_loading_anything(monkeypatch, switch):
+    """torch.use_deterministic_algorithms / cudnn.deterministic: the GEMM and sum stay torch's
+    (cuBLASLt's pick is not checked for run-to-run determinism)."""
+    monkeypatch.setattr(cublaslt, "usable", lambda dz2, x2: True)
+    monkeypatch.setattr(cublaslt, "_load", lambda: pytest.fail("cuBLASLt loaded in deterministic mode"))
+    dz, x = torch.randn(64, 80, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)
+    if switch == "torch":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    else:
+        monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    assert cublaslt.wgrad_bgrad(dz, x) is None
+
+
+def test_a_refused_plan_is_logged_once_and_remembered(monkeypatch, caplog):
+    """A cuBLAS error while planning a shape: None (the caller's torch math), one warning, and the
+    shape is not planned again."""
+    class Lib:
+        calls = 0
+
+        def __getattr__(self, name):
+            def refuse(*a):
+                Lib.calls += 1
+                return 15  # CUBLAS_STATUS_NOT_SUPPORTED
+            return refuse
+
+    monkeypatch.setattr(cublaslt, "usable", lambda dz2, x2: True)
+    monkeypatch.setattr(cublaslt, "_load", lambda: Lib())
+    monkeypatch.setattr(cublaslt, "_failed", set())
+    monkeypatch.setattr(cublaslt.torch.cuda, "device", lambda dev: __import__("contextlib").nullcontext())
+    dz, x = torch.randn(64, 80, dtype=torch.bfloat16), torch.randn(64, 96, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="cudnn_fuse.cublaslt"):
+        assert cublaslt.wgrad_bgrad(dz, x) is None
+        n = Lib.calls
+        assert cublaslt.wgrad_bgrad(dz, x) is None
+    assert n >= 1 and Lib.calls == n  # the second call planned nothing
+    assert sum("declined" in r.getMessage() for r in caplog.records) == 1
