@@ -23,6 +23,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 
 import torch
 
@@ -46,7 +47,6 @@ def use(variant: str):
 def heat(s=0.5):
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
-    import time
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < s:
         for _ in range(4):

@@ -434,9 +434,10 @@ def mlp_grads(x, w1, inter, w2, gy, act, slope, needs):
     else:
         dw2 = mm(dy3.transpose(1, 2), y1.reshape(1, rows, H)).view(N2, H) if needs[3] else None
         db2 = dy3.view(rows, N2).sum(0) if needs[4] else None
-    x2 = x.reshape(rows, x.shape[-1])
     # db1 with dW1 from one cuBLASLt GEMM (then not as a reduction in the dz graph)
-    lt1 = WGRAD == "cublaslt" and needs[1] and needs[2] and cublaslt.usable(x2, x2)
+    lt1 = WGRAD == "cublaslt" and needs[1] and needs[2]
+    x2 = x.reshape(rows, x.shape[-1]) if lt1 else None
+    lt1 = lt1 and cublaslt.usable(x2, x2)
     dz = db = None
     if needs[0] or needs[1] or needs[2]:
         w2_3 = w2.unsqueeze(0)  # [1, N2, H]: dY @ W2 reads the weight in its own layout

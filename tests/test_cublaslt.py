@@ -109,3 +109,42 @@ def test_a_refused_plan_is_logged_once_and_remembered(monkeypatch, caplog):
         assert cublaslt.wgrad_bgrad(dz, x) is None
     assert n >= 1 and Lib.calls == n  # the second call planned nothing
     assert sum("declined" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("mode", ["torch", "cublaslt"])
+def test_mlp_grads_wiring(monkeypatch, mode):
+    """backward.mlp_grads with its cuDNN graphs stood in by torch math (float32, CPU): the six
+    gradients equal autograd's in both modes; with WGRAD=cublaslt, dW2+db2 and dW1+db1 come from
+    one wgrad_bgrad call each and db1 is not asked of the dz graph, else the dz graph sums db1."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    w1, b1 = torch.randn(16, 8, requires_grad=True), torch.randn(16, requires_grad=True)
+    w2, b2 = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
+    z1 = x @ w1.t() + b1
+    y1 = torch.nn.functional.gelu(z1)
+    out = y1 @ w2.t() + b2
+    gy = torch.randn_like(out)
+    want = torch.autograd.grad(out, (x, w1, b1, w2, b2), gy)
+    asked, calls = [], []
+
+    def act_grad_graph(dy3, w2_3, z3, act, slope, dbias=False):
+        asked.append(dbias)
+        dz = torch.ops.aten.gelu_backward(dy3 @ w2_3, z3)
+        return (dz, dz.sum((0, 1)).float()) if dbias else dz
+
+    monkeypatch.setattr(backward, "matmul_act_grad", act_grad_graph)
+    monkeypatch.setattr(backward, "mm", torch.matmul)
+    monkeypatch.setattr(backward, "WGRAD", mode)
+    monkeypatch.setattr(backward, "usable", lambda *ts: True)
+    monkeypatch.setattr(cublaslt, "usable", lambda dz2, x2: True)
+    monkeypatch.setattr(cublaslt, "wgrad_bgrad", lambda dz2, x2: calls.append(tuple(dz2.shape)) or (dz2.t() @ x2, dz2.sum(0)))
+    with torch.no_grad():
+        got = backward.mlp_grads(x.detach(), w1.detach(), [z1.detach(), y1.detach()], w2.detach(), gy, "gelu", 0.01,
+                                 (True,) * 5 + (False,))
+    for g, w in zip(got[:5], want):
+        torch.testing.assert_close(g, w)
+    assert got[5] is None
+    if mode == "cublaslt":
+        assert calls == [(12, 8), (12, 16)] and asked == [False]
+    else:
+        assert calls == [] and asked == [backward.MLP_DBIAS == "fused"]
