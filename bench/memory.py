@@ -197,7 +197,7 @@ def _held_sets():
 
 @contextlib.contextmanager
 def _engines(**kw):
-    """Switch cudnn_fuse.backward's engine choices (MM, DBIAS, CONV, MLP_DZ) inside the block."""
+    """Switch cudnn_fuse.backward's engine choices (MM, DBIAS, CONV, MLP, MLP_DZ) inside the block."""
     from cudnn_fuse import backward
 
     old = {k: getattr(backward, k) for k in kw}
@@ -248,7 +248,9 @@ def main(argv=None) -> int:
             rows += [case("mlp_linear_gelu", base, cf.optimize(copy.deepcopy(base)), x),
                      case("mlp_linear_gelu_recompute", base, cf.optimize(copy.deepcopy(base), recompute=True), x)]
     if args.variants and args.only != "conv":  # the same cases with torch (cuBLAS) for the backward's dX / dW products
-        with _engines(MLP_DZ="split"):  # the MLP's dz as a product then an act-grad graph, not one graph
+        with _engines(MLP="cudnn"):  # FusedMLP on cuDNN's save-z and fused dz graphs (the default before 2026-12-03)
+            rows.append(case("mlp_linear_gelu [mlp kernels: cudnn]", base, cf.optimize(copy.deepcopy(base)), x))
+        with _engines(MLP="cudnn", MLP_DZ="split"):  # the MLP's dz as a product then an act-grad graph, not one graph
             rows.append(case("mlp_linear_gelu [mlp dz: split]", base, cf.optimize(copy.deepcopy(base)), x))
         with _engines(MM="torch"):
             rows += [case("mlp_linear_gelu [bwd mm: torch]", base, cf.optimize(copy.deepcopy(base)), x),

@@ -48,6 +48,7 @@ def dz_dbias(dy3, w2_3, z3, act, slope):
 
 
 def use(variant: str):
+    backward.MLP = "cudnn"  # every variant here is a cuDNN FusedMLP (fwd_torch swaps its forward below)
     torch_ops._linear_save_z_op_impl = save_z_torch if variant == "fwd_torch" else ORIGINAL["save_z"]
     backward.MLP_DBIAS = "torch" if variant == "cf_sum" else "fused"
 

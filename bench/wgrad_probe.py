@@ -8,10 +8,11 @@ torch's GEMM + column sum (eager's kernels), the GEMM alone, and the one cuBLASL
 largest error of each against float32 math.
 
 Steps: memory.py's 8-block MLP (bf16), eager and nn.FusedMLP variants in alternating rounds:
-  cf         the library's default (cuDNN's save-z forward, the fused dz graph with db1, torch sums for db2)
+  cf         nn.FusedMLP on cuDNN (CUDNN_FUSE_MLP_KERNELS=cudnn, the default before 2026-12-03: cuDNN's
+             save-z forward, the fused dz graph with db1, torch sums for db2)
   cf_lt      the same with dW and db from one cuBLASLt GEMM each (CUDNN_FUSE_BWD_WGRAD=cublaslt)
   torch      the block's one autograd node with eager's kernels (forward addmm + GELU, dz product +
-             gelu_backward, GEMMs and sums): what the node itself costs
+             gelu_backward, GEMMs and sums): the default since 2026-12-03
   torch_lt   that, with dW and db from one cuBLASLt GEMM each
 
     python3 bench/wgrad_probe.py --out bench/results
@@ -31,16 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
 from bench.common import device_name, synced_ms, write_json  # noqa: E402
 from bench.memory import mlp  # noqa: E402
-from bench.mlp_variants_probe import save_z_torch, variant_steps  # noqa: E402
-from cudnn_fuse import backward, cublaslt, torch_ops  # noqa: E402
+from bench.mlp_variants_probe import variant_steps  # noqa: E402
+from cudnn_fuse import backward, cublaslt  # noqa: E402
 
-ORIGINAL = {"save_z": torch_ops._linear_save_z_op_impl, "mlp_grads": backward.mlp_grads}
 
 
 def use(variant: str):
-    on_torch = variant.startswith("torch")
-    torch_ops._linear_save_z_op_impl = save_z_torch if on_torch else ORIGINAL["save_z"]
-    backward.mlp_grads = (lambda *a, **k: None) if on_torch else ORIGINAL["mlp_grads"]
+    backward.MLP = "torch" if variant.startswith("torch") else "cudnn"
     backward.WGRAD = "cublaslt" if variant.endswith("_lt") else "torch"
 
 

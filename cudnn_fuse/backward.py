@@ -76,6 +76,15 @@ MLP_DBIAS = os.environ.get("CUDNN_FUSE_BWD_MLP_DBIAS", "fused")
 # against 0.529 / 0.512 (the epilogue cost more than the sum it saves); the MLP step moved within its
 # rounds' spread either way. So "torch" stays the default.
 WGRAD = os.environ.get("CUDNN_FUSE_BWD_WGRAD", "torch")
+# Which kernels nn.FusedMLP's one autograd node runs: "torch" (cuBLAS's addmm + the activation
+# forward; the product, aten's activation backward, the GEMMs and sums backward: eager's kernels in
+# one node) or "cudnn" (the save-z graph forward, the fused matmul_act_grad dz graph with db1 as its
+# reduction). Measured on the H200 (memory.py's MLP, 8 blocks 8192 x 2048 -> 8192 bf16, eager and
+# both in alternating rounds in one process, bench/wgrad_probe.py): cudnn 1.039x eager's step in two
+# runs, the same node on torch 0.997x and 0.986x (bench/results/wgrad_probe_runs/wgrad_probe_ebdd0ee.json,
+# wgrad_probe.json); stop 29's mlp_variants_probe.json read the forward alone on torch 1.021x against
+# cudnn's 1.053x. cuDNN's fused GEMMs lose to cuBLAS's more than the fusion saves at that shape.
+MLP = os.environ.get("CUDNN_FUSE_MLP_KERNELS", "torch")
 
 
 def wgrad(dz2: torch.Tensor, x2: torch.Tensor, need_w: bool, need_b: bool):

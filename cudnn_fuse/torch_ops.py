@@ -82,7 +82,7 @@ def _act_grad(z: Tensor, gy: Tensor, act: str, slope: float) -> Tensor:
     copy of z and of gy, a recomputed forward and a cast back, and made a FusedMLP whose cuDNN
     graphs were declined (every float32 model) 15% slower than eager on the H200
     (bench/results/wgrad_probe_runs/wgrad_probe_before_act_grad_fix.json, the "torch" row: 1.155x; 0.997x
-    after, bench/results/wgrad_probe.json)."""
+    after, bench/results/wgrad_probe_runs/wgrad_probe_ebdd0ee.json)."""
     native = _NATIVE_ACT_GRAD.get(act)
     if (native is not None and gy.dtype == z.dtype and gy.shape == z.shape and not _create_graph()
             and (z.is_cuda or z.dtype in (torch.float32, torch.float64))):
@@ -575,13 +575,23 @@ def _saved_tensor_hooks_active() -> bool:
         return True
 
 
+def _mlp_save_z(x, w1, b1, act, slope):
+    """(y1, z1) of a FusedMLP block's first layer: cuDNN's save-z graph when backward.MLP is
+    "cudnn", else eager's kernels (the GEMM with its bias, then the activation)."""
+    if backward.MLP == "cudnn":
+        return _linear_save_z_op_impl(x, w1, b1, act, None, slope)
+    z = reference.linear(x, w1, b1, None, None).contiguous()
+    return reference.activation(z, act, slope), z
+
+
 class _MlpTrain(torch.autograd.Function):
     """out = y1 @ w2.T + b2 [+ residual], y1 = act(z1), z1 = x @ w1.T + b1, for training
-    (cf.nn.FusedMLP). Forward: linear_save_z's one graph writes y1 and z1, then the second
-    layer runs torch's addmm (cuDNN's matmul + residual epilogue when there is a residual);
-    it keeps what eager torch keeps (x, z1, y1). Backward (backward.mlp_grads): the first
-    layer's dz is dY @ W2 with act's backward in the product's epilogue, one graph. Anything
-    cuDNN cannot take (CPU, float32, a declined graph) runs the same math on torch kernels.
+    (cf.nn.FusedMLP). Its kernels follow backward.MLP: "torch" (the default) runs eager's
+    kernels in this one node; with "cudnn", linear_save_z's one graph writes y1 and z1, and the
+    backward (backward.mlp_grads) computes the first layer's dz as dY @ W2 with act's backward in
+    the product's epilogue, one graph. The second layer runs torch's addmm (cuDNN's matmul +
+    residual epilogue when there is a residual); it keeps what eager torch keeps (x, z1, y1).
+    Anything cuDNN cannot take (CPU, float32, a declined graph) runs the torch kernels.
 
     Memory: eager autograd frees y1 after the second layer's backward and z1 after the
     activation's, before the first layer's gradients exist; one node would hold both to its
@@ -593,7 +603,7 @@ class _MlpTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, residual, attrs):
         act, slope = attrs
-        y1, z1 = _linear_save_z_op_impl(x, w1, b1, act, None, slope)
+        y1, z1 = _mlp_save_z(x, w1, b1, act, slope)
         if residual is None:
             out = F.linear(y1, w2, b2)
         else:
@@ -621,7 +631,7 @@ class _MlpTrain(torch.autograd.Function):
         else:
             inter, ctx.inter = ctx.inter, [None, None]
             if inter[0] is None:  # a second backward (retain_graph=True): recompute what the first one dropped
-                inter = list(_linear_save_z_op_impl(x, w1, b1, ctx.act, None, ctx.slope))[::-1]
+                inter = list(_mlp_save_z(x, w1, b1, ctx.act, ctx.slope))[::-1]
         if _create_graph():  # z1 and y1 have no graph: recompute them from the saved operands
             z1 = reference.linear(x, w1, b1, None, None)
             inter = [z1, reference.activation(z1, ctx.act, ctx.slope)]
@@ -629,7 +639,7 @@ class _MlpTrain(torch.autograd.Function):
         n = ctx.needs_input_grad
         has_b1, has_b2, has_r = ctx.has
         needs = (n[0], n[1], has_b1 and n[2], n[3], has_b2 and n[4], has_r and n[5])
-        if backward.usable(x, w1, w2, gy, *inter):
+        if backward.MLP == "cudnn" and backward.usable(x, w1, w2, gy, *inter):
             out = backward.mlp_grads(x, w1, inter, w2, gy, ctx.act, ctx.slope, needs)
             if out is not None:
                 return out + (None,)

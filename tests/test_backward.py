@@ -5,6 +5,7 @@ declines) run against an executor that interprets each spec with torch."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -291,6 +292,7 @@ def cudnn_on_cpu(monkeypatch):
     monkeypatch.setattr(plans, "get_plan", get_plan)
     monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
     monkeypatch.setattr(backward, "sdpa_train_usable", lambda *ts: True)
+    monkeypatch.setattr(backward, "MLP", "cudnn")  # nn.FusedMLP's cuDNN kernels (opt-in since 2026-12-03)
     yield runner
     plans.clear()
 
@@ -377,6 +379,28 @@ def test_mlp_backward_fuses_the_activation_into_the_second_layers_dgrad(cudnn_on
     # forward: the save_z graph (the second layer is torch's addmm); backward: dW2, then the
     # first layer's dz as ONE graph from dY @ W2, then dX and dW1
     assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul_act_grad", "matmul", "matmul"]
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu", "leaky_relu"])
+def test_mlp_on_torch_kernels_by_default_runs_no_cudnn_graph(cudnn_on_cpu, monkeypatch, act):
+    """backward.MLP "torch" (the default): the block's one node runs eager's kernels, forward and
+    backward, even where cuDNN would take every graph; the gradients are still autograd's."""
+    monkeypatch.setattr(backward, "MLP", "torch")
+    x, w1, b1, w2, b2, _ = _mlp_inputs()
+    compare(lambda *t: torch_ops.mlp(*t, act, None, 0.01), _mlp_ref(act), (x, w1, b1, w2, b2))
+    assert cudnn_on_cpu.ran == [] and cudnn_on_cpu.asked == []
+
+
+def test_mlp_kernels_default_is_torch_and_the_env_picks_cudnn():
+    import subprocess
+    import sys
+    code = "from cudnn_fuse import backward; print(backward.MLP)"
+    env = {k: v for k, v in os.environ.items() if k != "CUDNN_FUSE_MLP_KERNELS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "torch"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "CUDNN_FUSE_MLP_KERNELS": "cudnn"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "cudnn"
 
 
 def test_mlp_backward_declined_fused_graph_runs_the_product_then_act_grad(cudnn_on_cpu):

@@ -173,9 +173,11 @@ def test_training_100_steps_bf16_tracks_eager_loss():
 @pytest.mark.parametrize("residual", [False, True])
 def test_fused_mlp_gradients_through_one_matmul_act_grad_graph(dtype, act, residual, monkeypatch):
     """Linear -> act -> Linear (cf.nn.FusedMLP): every gradient against fp32 autograd, with the
-    first layer's dz from ONE graph (dY @ W2 with act's backward in its epilogue)."""
+    first layer's dz from ONE graph (dY @ W2 with act's backward in its epilogue), on cuDNN's
+    kernels (CUDNN_FUSE_MLP_KERNELS=cudnn; the default is eager's kernels, the test below)."""
     from cudnn_fuse import backward
 
+    monkeypatch.setattr(backward, "MLP", "cudnn")
     ran, real = [], backward._try
 
     def spy(op, spec, bufs, quiet=False):
@@ -199,6 +201,31 @@ def test_fused_mlp_gradients_through_one_matmul_act_grad_graph(dtype, act, resid
     check_grads(ours, ref, (x, w1, b1, w2, b2) + ((r,) if residual else ()), dtype)
     # dz and db1 from ONE graph (the bias gradient a reduction in it), no separate act-grad graph
     assert ("matmul_act_grad", True, True) in ran and all(r[0] != "act_grad" for r in ran), ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_fused_mlp_on_torch_kernels_by_default(dtype, act, monkeypatch):
+    """The default FusedMLP node runs eager's kernels (no cuDNN graph, forward or backward), and
+    every gradient matches fp32 autograd."""
+    from cudnn_fuse import backward
+
+    assert backward.MLP == "torch"
+    ran = []
+    monkeypatch.setattr(backward, "_try", lambda op, spec, *a, **k: ran.append(spec.op))
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 96, device="cuda")
+    w1, b1 = torch.randn(256, 96, device="cuda") / 10, torch.randn(256, device="cuda")
+    w2, b2 = torch.randn(96, 256, device="cuda") / 16, torch.randn(96, device="cuda")
+
+    def ours(x, w1, b1, w2, b2):
+        return cf.torch_ops.mlp(x, w1, b1, w2, b2, act, None, 0.01)
+
+    def ref(x, w1, b1, w2, b2):
+        return F.linear(reference.activation(F.linear(x, w1, b1), act), w2, b2)
+
+    check_grads(ours, ref, (x, w1, b1, w2, b2), dtype)
+    assert ran == []
 
 
 def test_optimized_mlp_training_step_matches_eager_and_saves_no_more():
