@@ -76,6 +76,7 @@ def _load():
                          ("cublasLtMatmulPreferenceCreate", [ctypes.POINTER(vp)]),
                          ("cublasLtMatmulPreferenceSetAttribute", [vp, i32, vp, sz]),
                          ("cublasLtMatmulAlgoGetHeuristic", [vp, vp, vp, vp, vp, vp, vp, i32, vp, ctypes.POINTER(i32)]),
+                         ("cublasLtMatmulAlgoCheck", [vp, vp, vp, vp, vp, vp, vp, vp]),
                          ("cublasLtMatmul", [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp])):
             f = getattr(lib, fn)
             f.argtypes, f.restype = args, i32
@@ -126,6 +127,21 @@ class _Plan:
         # descriptors live as long as the thread's plan table (never destroyed: a handful per shape)
 
 
+def thread_handle(lib, dev: torch.device):
+    """This thread's cuBLASLt handle for ``dev`` (created on first use; handles are not shared
+    between threads)."""
+    handles = getattr(_local, "handles", None)
+    if handles is None:
+        handles = _local.handles = {}
+    handle = handles.get(dev.index)
+    if handle is None:
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(dev):
+            _check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+        handles[dev.index] = handle
+    return handle
+
+
 def _aligned(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % ALIGN == 0 for t in ts)
 
@@ -163,18 +179,12 @@ def wgrad_bgrad(dz2: torch.Tensor, x2: torch.Tensor, with_bias: bool = True
     plans = getattr(_local, "plans", None)
     if plans is None:
         plans = _local.plans = {}
-        _local.handles = {}
     try:
+        handle = thread_handle(lib, dev)
         plan = plans.get(key)
         if plan is None:
             with torch.cuda.device(dev):
-                handle = _local.handles.get(dev.index)
-                if handle is None:
-                    handle = ctypes.c_void_p()
-                    _check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
-                    _local.handles[dev.index] = handle
                 plan = plans[key] = _Plan(lib, handle, _DTYPES[dz2.dtype], rows, n, k, with_bias)
-        handle = _local.handles[dev.index]
         dw = torch.empty((n, k), dtype=dz2.dtype, device=dev)
         db = torch.empty((n,), dtype=dz2.dtype, device=dev) if with_bias else None
         if with_bias:

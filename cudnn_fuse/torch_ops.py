@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backward, ops, reference
+from . import backward, ops, reference, tuned_gemm
 
 # ------------------------------------------------------------------------ helpers
 
@@ -115,9 +115,9 @@ def _linear_products(dz: Tensor, x: Tensor, w: Tensor, need_x: bool, need_w: boo
     dz2 = dz.reshape(-1, N)
     lt = backward.wgrad(dz2, x.reshape(-1, K), need_w, need_b)  # dW and db from one cuBLASLt GEMM
     if lt is not None:
-        return (dz @ w) if need_x else None, lt[0], lt[1]
-    return ((dz @ w) if need_x else None, (dz2.t() @ x.reshape(-1, K)) if need_w else None,
-            dz2.sum(0) if need_b else None)
+        return tuned_gemm.matmul(dz, w) if need_x else None, lt[0], lt[1]
+    return (tuned_gemm.matmul(dz, w) if need_x else None,  # cuBLASLt's tuned algorithm where one is recorded
+            tuned_gemm.matmul(dz2.t(), x.reshape(-1, K)) if need_w else None, dz2.sum(0) if need_b else None)
 
 
 def _save(ctx, main: tuple, y: Tensor, bias, residual) -> None:
@@ -580,7 +580,7 @@ def _mlp_save_z(x, w1, b1, act, slope):
     "cudnn", else eager's kernels (the GEMM with its bias, then the activation)."""
     if backward.MLP == "cudnn":
         return _linear_save_z_op_impl(x, w1, b1, act, None, slope)
-    z = reference.linear(x, w1, b1, None, None).contiguous()
+    z = (tuned_gemm.linear(x, w1, b1) if x.is_cuda else reference.linear(x, w1, b1, None, None)).contiguous()
     return reference.activation(z, act, slope), z
 
 
@@ -605,7 +605,7 @@ class _MlpTrain(torch.autograd.Function):
         act, slope = attrs
         y1, z1 = _mlp_save_z(x, w1, b1, act, slope)
         if residual is None:
-            out = F.linear(y1, w2, b2)
+            out = tuned_gemm.linear(y1, w2, b2)
         else:
             out = _linear_op_impl(y1, w2, b2, None, residual, False, slope)[0]
         ctx.act, ctx.slope = act, slope
@@ -655,7 +655,7 @@ def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
     del y1
     dx = dw1 = db1 = None
     if needs[0] or needs[1] or needs[2]:
-        dz = _act_grad(z1, gy @ w2, act, slope)
+        dz = _act_grad(z1, tuned_gemm.matmul(gy, w2), act, slope)
         del z1
         dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
     return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
