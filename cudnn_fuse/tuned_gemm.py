@@ -402,7 +402,6 @@ def tune(sig, a, b, bias, budget_s: float = None):
     stats["tuned"] += 1
     meta = {"format": FORMAT, "op": "cublaslt_gemm", "spec": _spec(sig),
             "engine": f"cublaslt algo {winner}" if winner != TORCH else "torch",
-            "use_torch": winner == TORCH,
             "workspace_bytes": pick.workspace if isinstance(pick, _Pick) else 0,
             "candidates": [{"name": "torch" if k == TORCH else f"cublaslt algo {k}", "median_ms": round(medians[k], 5),
                             "max_rel_err": None if k == TORCH else errors.get(k)} for k in names]
