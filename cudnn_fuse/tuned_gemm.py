@@ -11,7 +11,8 @@ signature (device, dtype, M, N, K, each operand's layout, a bias or not), or ans
 caller runs torch's own call. A signature is tuned when autotuning is on (``cf.set_autotune`` /
 CUDNN_FUSE_AUTOTUNE=1): torch's call and every algorithm cuBLASLt's heuristic offers (up to 16,
 workspace up to 32 MiB) whose result matches torch's are timed in alternating rounds (CUDA events;
-a steady drift weighs on all alike), within CUDNN_FUSE_GEMM_TUNE_BUDGET_S (1 s); an algorithm
+a steady drift weighs on all alike), after a heat for a GEMM of 0.25 ms or more (the clocks of a
+sustained run), within CUDNN_FUSE_GEMM_TUNE_BUDGET_S (1 s); an algorithm
 replaces torch's call only when it is faster by more than MARGIN (1%). The pick, torch included,
 is stored in the plan cache (one entry, op ``cublaslt_gemm``: the 64-byte cublasLtMatmulAlgo_t,
 every candidate's time in its metadata), so later processes, tuning or not, find it there; a
@@ -19,8 +20,9 @@ stored algorithm is checked with cublasLtMatmulAlgoCheck before its first use, a
 with an entry is a miss and one warning. Declined (None): CPU or float32 operands, a dimension
 under MIN_DIM (launch-bound: torch's call), layouts cuBLASLt cannot read as they are, pointers not
 256-byte aligned, deterministic algorithms (the pick is not checked for run-to-run determinism),
-CUDA graph capture of a signature not yet resolved, grad mode (a create_graph backward needs torch's
-differentiable call), traced tensors (torch.compile, torch.func), CUDNN_FUSE_GEMM_TUNE=0.
+CUDA graph capture of a signature not yet resolved, an operand requiring grad in grad mode (a
+create_graph backward needs torch's differentiable call), traced tensors (torch.compile,
+torch.func), CUDNN_FUSE_GEMM_TUNE=0.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ MAX_ALGOS = 16
 MARGIN = float(os.environ.get("CUDNN_FUSE_GEMM_TUNE_MARGIN", "0.01"))
 BUDGET_S = float(os.environ.get("CUDNN_FUSE_GEMM_TUNE_BUDGET_S", "1.0"))
 ENABLED = os.environ.get("CUDNN_FUSE_GEMM_TUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+# a GEMM whose first run takes at least HEAT_MIN_MS runs back to back HEAT_S (at most a quarter of
+# the budget) before the candidates are timed, as autotune.py heats a graph (CUDNN_FUSE_TUNE_HEAT_S)
+HEAT_S = float(os.environ.get("CUDNN_FUSE_TUNE_HEAT_S", "0.5"))
+HEAT_MIN_MS = 0.25
 TOLERANCE = 1e-2  # an algorithm's result against torch's, relative to max |torch's|
 FORMAT = "cublaslt_gemm/1"
 
@@ -95,6 +101,15 @@ def signature(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]):
     if oa is None or ob is None:
         return None
     return (a.device.index, lt._DTYPES[a.dtype], m, n, k, oa[0], oa[1], ob[0], ob[1], bias is not None)
+
+
+def _takes(a, b, bias) -> bool:
+    """Not traced (torch.compile, torch.func), not a product autograd must record (grad mode with an
+    operand that requires grad: a create_graph backward needs torch's differentiable call)."""
+    if torch.compiler.is_compiling() or backward.tracing((a, b) if bias is None else (a, b, bias)):
+        return False
+    return not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad
+                                             or (bias is not None and bias.requires_grad)))
 
 
 def _deterministic() -> bool:
@@ -189,7 +204,7 @@ def torch_call(a, b, bias):
 def mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """``a @ b (+ bias)`` [M, N] (contiguous, a's dtype) on the current stream with the algorithm
     recorded or tuned for this signature; None where torch's own call should run (see the module)."""
-    if not ENABLED or not backward.usable(a, b, bias):  # traced, grad mode (create_graph), not 16-bit CUDA
+    if not ENABLED or not _takes(a, b, bias):
         return None
     sig = signature(a, b, bias)
     if sig is None:
@@ -346,11 +361,11 @@ def choose(medians: dict, margin: float = None):
 
 def plan_rounds(n_candidates: int, est_ms: float, budget_s: float) -> tuple:
     """(rounds, launches a sample, candidates kept) so that timing fits ``budget_s``: samples of
-    about 1 ms (3 to 20 launches), 5 rounds, fewer (3 at least) and then fewer candidates (torch and
+    about 2 ms (3 to 20 launches), 7 rounds, fewer (3 at least) and then fewer candidates (torch and
     the heuristic's first ones) when a GEMM is long."""
     est_ms = max(est_ms, 1e-3)
-    launches = int(min(20, max(3, 1.0 / est_ms)))
-    rounds = 5
+    launches = int(min(20, max(3, 2.0 / est_ms)))
+    rounds = 7
 
     def cost(r, n):
         return r * n * (launches + 1) * est_ms / 1000.0
@@ -389,6 +404,10 @@ def tune(sig, a, b, bias, budget_s: float = None):
         if err <= TOLERANCE:
             fns[i] = (lambda p=pick: plan.run(lib, handle, p, a, b, bias, out, stream))
     est = _sample_ms(fns[TORCH], 1)
+    heat_s = min(HEAT_S, budget_s / 4)
+    if est >= HEAT_MIN_MS and heat_s > 0:  # time at the clocks a sustained run holds, not the idle boost
+        autotune.heat_gpu(fns[TORCH], heat_s, sync=torch.cuda.current_stream(a.device).synchronize)
+        est = _sample_ms(fns[TORCH], 3)
     rounds, launches, keep = plan_rounds(len(fns), est, budget_s)
     names = list(fns)[:keep]
     samples = {k: [] for k in names}

@@ -44,11 +44,14 @@ def test_choose(medians, margin, winner):
 
 
 def test_plan_rounds_fits_the_budget():
-    rounds, launches, keep = tg.plan_rounds(17, 0.4, 1.0)  # the MLP's GEMMs: all 17 fit at 3 rounds
-    assert (launches, keep) == (3, 17) and rounds >= 3
+    rounds, launches, keep = tg.plan_rounds(17, 0.4, 1.0)  # the MLP's GEMMs: all 17, every round
+    assert (rounds, launches, keep) == (7, 5, 17)
     assert rounds * keep * (launches + 1) * 0.4 / 1000 <= 1.0
-    rounds, launches, keep = tg.plan_rounds(17, 0.01, 1.0)  # short GEMMs: ~1 ms samples, all rounds
-    assert (rounds, launches, keep) == (5, 20, 17)
+    rounds, launches, keep = tg.plan_rounds(17, 0.01, 1.0)  # short GEMMs: 20 launches a sample
+    assert (rounds, launches, keep) == (7, 20, 17)
+    assert tg.plan_rounds(17, 2.0, 1.0) == (7, 3, 17)  # 2 ms: 0.95 s, still every round
+    rounds, launches, keep = tg.plan_rounds(17, 5.0, 1.0)  # 5 ms: 3 rounds, one candidate left out
+    assert (rounds, launches, keep) == (3, 3, 16) and rounds * keep * (launches + 1) * 5.0 / 1000 <= 1.0
     rounds, launches, keep = tg.plan_rounds(17, 20.0, 1.0)  # a 20 ms GEMM: torch and the first three
     assert (rounds, launches, keep) == (3, 3, 4)
     assert tg.plan_rounds(17, 100.0, 1.0) == (3, 3, 2)  # torch and one algorithm at least
@@ -142,3 +145,12 @@ def test_a_read_only_cache_stores_nothing_and_fails_nothing(tmp_path, monkeypatc
     tg._store(SIG, tg.TORCH, _meta())  # no exception
     assert pc.get(tg.cache_key(SIG)) is None
     pc.close()
+
+
+def test_products_autograd_must_record_are_left_to_torch():
+    a, b = torch.ones(128, 64, requires_grad=True), torch.ones(64, 128)
+    assert tg._takes(a.detach(), b, None)  # inside a Function's forward/backward: grad mode off or no grad
+    with torch.no_grad():
+        assert tg._takes(a, b, None)
+    assert not tg._takes(a, b, None)  # grad mode with an operand requiring grad (a create_graph backward)
+    assert not tg._takes(b, b, torch.zeros(128, requires_grad=True))
