@@ -5,6 +5,9 @@ alternating rounds in one process (bench.mlp_variants_probe.variant_steps):
   torch   the FusedMLP node on eager's kernels (the default, CUDNN_FUSE_MLP_KERNELS=torch), torch's GEMMs
   tuned   the same node with each GEMM signature tuned once (autotuning on for its first step, then
           off: the picks come from the process's table, as a later process finds them in the cache)
+  side    the torch node with the bias gradients' column sums on a side stream, beside the layer's
+          GEMMs (CUDNN_FUSE_BWD_BIAS_SUM=side)
+  tuned_side  both
   cudnn   the node on cuDNN's save-z and fused dz graphs (CUDNN_FUSE_MLP_KERNELS=cudnn)
 with every variant's gradients against eager's, and each signature's tuning record.
 
@@ -32,7 +35,8 @@ from cudnn_fuse.cache import open_default_cache  # noqa: E402
 
 def use(variant: str):
     backward.MLP = "cudnn" if variant == "cudnn" else "torch"
-    tuned_gemm.ENABLED = variant == "tuned"
+    tuned_gemm.ENABLED = variant.startswith("tuned")
+    backward.BIAS_SUM = "side" if variant.endswith("side") else "inline"
 
 
 def main(argv=None) -> int:
@@ -44,14 +48,14 @@ def main(argv=None) -> int:
     bf = torch.bfloat16
     base = mlp().cuda().to(bf)
     x = torch.randn(8192, 2048, device="cuda", dtype=bf, requires_grad=True)
-    variants = ["torch", "tuned", "cudnn"]
+    variants = ["torch", "tuned", "side", "tuned_side", "cudnn"]
     models = [base] + [cf.optimize(copy.deepcopy(base)) for _ in variants]
     setups = [lambda: use("torch")] + [lambda v=v: use(v) for v in variants]
     result = {"device": device_name(), "rounds": args.rounds}
     grads = []
     for name, m, s in zip(["eager"] + variants, models, setups):
         s()
-        if name == "tuned":
+        if name == "tuned":  # the first tuned variant tunes; tuned_side finds the picks made
             cf.set_autotune(True)
             t0 = time.perf_counter()
         x.grad = None

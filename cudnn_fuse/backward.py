@@ -85,6 +85,37 @@ WGRAD = os.environ.get("CUDNN_FUSE_BWD_WGRAD", "torch")
 # wgrad_probe.json); stop 29's mlp_variants_probe.json read the forward alone on torch 1.021x against
 # cudnn's 1.053x. cuDNN's fused GEMMs lose to cuBLAS's more than the fusion saves at that shape.
 MLP = os.environ.get("CUDNN_FUSE_MLP_KERNELS", "torch")
+# A linear layer's bias gradient on torch kernels (a column sum of dz, off the step's critical path:
+# only the optimizer reads it) on a side stream ("side"), so that it can run beside the layer's
+# weight and data gradient GEMMs, or in order on the current stream ("inline").
+BIAS_SUM = os.environ.get("CUDNN_FUSE_BWD_BIAS_SUM", "inline")
+_sum_streams: dict = {}  # device index -> the side stream of bias sums
+
+
+def bias_sum_begin(dz2: torch.Tensor):
+    """Start ``dz2.sum(0)`` on the side stream when BIAS_SUM is "side" (CUDA, no capture, no
+    create_graph); (db, stream) to pass to ``bias_sum_end`` after the GEMMs it may overlap are
+    queued, or (None, None): the caller sums inline."""
+    if BIAS_SUM != "side" or not dz2.is_cuda or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+        return None, None
+    dev = dz2.device
+    side = _sum_streams.get(dev.index)
+    if side is None:
+        side = _sum_streams[dev.index] = torch.cuda.Stream(dev)
+    main = torch.cuda.current_stream(dev)
+    side.wait_stream(main)  # dz2 is written on the main stream
+    with torch.cuda.stream(side):
+        db = dz2.sum(0)
+    dz2.record_stream(side)  # freed by the main stream's owner: not reused before the sum has read it
+    return db, side
+
+
+def bias_sum_end(db: torch.Tensor, side) -> torch.Tensor:
+    """The main stream waits for the sum; db is then the main stream's like any gradient."""
+    main = torch.cuda.current_stream(db.device)
+    main.wait_stream(side)
+    db.record_stream(main)
+    return db
 
 
 def wgrad(dz2: torch.Tensor, x2: torch.Tensor, need_w: bool, need_b: bool):

@@ -116,8 +116,14 @@ def _linear_products(dz: Tensor, x: Tensor, w: Tensor, need_x: bool, need_w: boo
     lt = backward.wgrad(dz2, x.reshape(-1, K), need_w, need_b)  # dW and db from one cuBLASLt GEMM
     if lt is not None:
         return tuned_gemm.matmul(dz, w) if need_x else None, lt[0], lt[1]
-    return (tuned_gemm.matmul(dz, w) if need_x else None,  # cuBLASLt's tuned algorithm where one is recorded
-            tuned_gemm.matmul(dz2.t(), x.reshape(-1, K)) if need_w else None, dz2.sum(0) if need_b else None)
+    db, side = backward.bias_sum_begin(dz2) if need_b else (None, None)  # beside the GEMMs, when BIAS_SUM asks
+    dx = tuned_gemm.matmul(dz, w) if need_x else None  # cuBLASLt's tuned algorithm where one is recorded
+    dw = tuned_gemm.matmul(dz2.t(), x.reshape(-1, K)) if need_w else None
+    if side is not None:
+        db = backward.bias_sum_end(db, side)
+    elif need_b:
+        db = dz2.sum(0)
+    return dx, dw, db
 
 
 def _save(ctx, main: tuple, y: Tensor, bias, residual) -> None:

@@ -391,6 +391,17 @@ def test_mlp_on_torch_kernels_by_default_runs_no_cudnn_graph(cudnn_on_cpu, monke
     assert cudnn_on_cpu.ran == [] and cudnn_on_cpu.asked == []
 
 
+def test_side_stream_bias_sums_stay_inline_off_cuda(monkeypatch):
+    """BIAS_SUM "side" only changes where a CUDA sum runs: on the CPU (and under create_graph) the
+    sum is inline, and the gradients are autograd's."""
+    monkeypatch.setattr(backward, "BIAS_SUM", "side")
+    dz = torch.randn(64, 32)
+    assert backward.bias_sum_begin(dz) == (None, None)
+    x, w, b = torch.randn(64, 16), torch.randn(32, 16), torch.randn(32)
+    dx, dw, db = torch_ops._linear_products(dz, x, w, True, True, True)
+    assert torch.allclose(db, dz.sum(0)) and torch.allclose(dw, dz.t() @ x) and torch.allclose(dx, dz @ w)
+
+
 def test_mlp_kernels_default_is_torch_and_the_env_picks_cudnn():
     import subprocess
     import sys

@@ -228,6 +228,30 @@ def test_fused_mlp_on_torch_kernels_by_default(dtype, act, monkeypatch):
     assert ran == []
 
 
+def test_bias_sums_on_a_side_stream_give_the_same_gradients(monkeypatch):
+    """CUDNN_FUSE_BWD_BIAS_SUM=side: the FusedMLP node's bias gradients summed on a side stream,
+    beside its GEMMs, equal the inline sums bit for bit, also when the caller works on a stream of
+    its own."""
+    from cudnn_fuse import backward
+
+    torch.manual_seed(0)
+    model = cf.optimize(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda().to(torch.bfloat16))
+    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grads = {}
+    for mode in ("inline", "side", "side_on_stream"):
+        monkeypatch.setattr(backward, "BIAS_SUM", "inline" if mode == "inline" else "side")
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        s = torch.cuda.Stream() if mode == "side_on_stream" else torch.cuda.current_stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            model(x).float().square().mean().backward()
+        torch.cuda.current_stream().wait_stream(s)
+        grads[mode] = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    for mode in ("side", "side_on_stream"):
+        assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["inline"])), mode
+
+
 def test_optimized_mlp_training_step_matches_eager_and_saves_no_more():
     """optimize() turns a bf16 MLP stack into FusedMLP blocks: the step's gradients match eager
     and the forward saves exactly what eager saves (x, z, act(z) per block)."""
