@@ -7,6 +7,7 @@ works from an install); the helpers it shares with these scripts are re-exported
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -171,3 +172,15 @@ def profile_text(fn, calls: int, top: int) -> str:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     return buf.getvalue()
+
+
+def heat(seconds: float = 0.5) -> None:
+    """Bring the GPU from its idle boost clock to what a sustained run holds: bf16 8192^3 GEMMs back
+    to back for ``seconds``."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(4):
+            a @ a
+        torch.cuda.synchronize()

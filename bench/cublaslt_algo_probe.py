@@ -18,14 +18,14 @@ import ctypes
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, write_json  # noqa: E402
+from bench.common import device_name, heat, write_json  # noqa: E402
 from cudnn_fuse import cublaslt as lt  # noqa: E402
+from cudnn_fuse.tuned_gemm import _sample_ms as sample_ms  # noqa: E402
 
 _EPILOGUE_BIAS = 4
 
@@ -85,26 +85,6 @@ class Gemm:
                                           r.workspaceSize, torch.cuda.current_stream().cuda_stream), "matmul")
 
 
-def sample_ms(fn, launches=20) -> float:
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(launches):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / launches
-
-
-def heat(s=1.0):
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < s:
-        for _ in range(4):
-            a @ a
-        torch.cuda.synchronize()
-
-
 def cases(rows=8192, d=2048, h=8192):
     bf = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -159,7 +139,7 @@ def main(argv=None) -> int:
             for k in order:
                 fn = torch_fn if k == "torch" else (lambda i=k: gm.run(i))
                 fn()
-                samples[k].append(sample_ms(fn))
+                samples[k].append(sample_ms(fn, 20))
         med = {k: statistics.median(v) for k, v in samples.items()}
         best = min(usable, key=lambda i: med[i]) if usable else None
         row = {"gemm": name, "a": list(a.shape), "b": list(b.shape), "bias": bias is not None,

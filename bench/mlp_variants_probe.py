@@ -87,6 +87,23 @@ def pieces(rows=8192, d=2048, h=8192) -> dict:
     return out
 
 
+def grads_vs_eager(models, setups, variants, x) -> dict:
+    """Each variant's largest relative gradient difference from eager's (models[0]), one step from
+    the same weights; printed and returned by variant name."""
+    grads = []
+    for m, s in zip(models, setups):
+        s()
+        x.grad = None
+        m(x).float().square().mean().backward()
+        grads.append([p.grad.float().clone() for p in m.parameters()] + [x.grad.float().clone()])
+        for p in m.parameters():
+            p.grad = None
+    out = {v: max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()) for a, b in zip(g, grads[0]))
+           for v, g in zip(variants, grads[1:])}
+    print("grads vs eager", out, flush=True)
+    return out
+
+
 def variant_steps(models, names, setups, x, rounds) -> list:
     """Each model's peak bytes and median step ms (alternating rounds, memory.interleaved_ms; the
     first model is the baseline of ``vs_eager``), printed and returned as rows. ``setups[i]()``

@@ -24,15 +24,14 @@ import argparse
 import copy
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import device_name, synced_ms, write_json  # noqa: E402
+from bench.common import device_name, heat, synced_ms, write_json  # noqa: E402
 from bench.memory import mlp  # noqa: E402
-from bench.mlp_variants_probe import variant_steps  # noqa: E402
+from bench.mlp_variants_probe import grads_vs_eager, variant_steps  # noqa: E402
 from cudnn_fuse import backward, cublaslt  # noqa: E402
 
 
@@ -40,16 +39,6 @@ from cudnn_fuse import backward, cublaslt  # noqa: E402
 def use(variant: str):
     backward.MLP = "torch" if variant.startswith("torch") else "cudnn"
     backward.WGRAD = "cublaslt" if variant.endswith("_lt") else "torch"
-
-
-def heat(s=0.5):
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < s:
-        for _ in range(4):
-            a @ a
-        torch.cuda.synchronize()
 
 
 def pieces(rows=8192, d=2048, h=8192, passes=3) -> dict:
@@ -100,19 +89,7 @@ def main(argv=None) -> int:
     variants = ["cf", "cf_lt", "torch", "torch_lt"]
     models = [base] + [cf.optimize(copy.deepcopy(base)) for _ in variants]
     setups = [lambda: use("cf")] + [lambda v=v: use(v) for v in variants]
-    # the gradients of every variant against eager's, one step from the same weights
-    grads = []
-    for m, s in zip(models, setups):
-        s()
-        x.grad = None
-        m(x).float().square().mean().backward()
-        grads.append([p.grad.float().clone() for p in m.parameters()] + [x.grad.float().clone()])
-        for p in m.parameters():
-            p.grad = None
-    result["grad_max_rel_err_vs_eager"] = {
-        v: max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()) for a, b in zip(g, grads[0]))
-        for v, g in zip(variants, grads[1:])}
-    print("grads vs eager", result["grad_max_rel_err_vs_eager"], flush=True)
+    result["grad_max_rel_err_vs_eager"] = grads_vs_eager(models, setups, variants, x)
     heat()
     result["steps"] = variant_steps(models, ["eager"] + variants, setups, x, args.rounds)
     use("cf")
