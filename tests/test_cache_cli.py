@@ -206,3 +206,23 @@ def test_verify_removes_entries_that_name_a_barred_engine(cache_dir, capsys):
     cache = PlanCache(cache_dir, namespace=NS)
     assert cache.get(bad) is None and cache.get(loader.engine_record_key(bad)) is None
     assert cache.get(other) is not None and cache.get(fine) is not None and cache.get(leaky2.digest()) is not None
+
+
+def test_ls_and_verify_take_a_tuned_gemm_record(cache_dir, capsys):
+    """tuned_gemm's entries (op cublaslt_gemm, a 64-byte algorithm or b"torch") sit beside the plans:
+    ls names them and their pick, verify finds them sound."""
+    from cudnn_fuse import cublaslt as lt
+    from cudnn_fuse import tuned_gemm as tg
+
+    sig = (0, lt._R_16BF, 8192, 8192, 2048, lt._OP_N, 2048, lt._OP_N, 8192, False)
+    meta = {"format": tg.FORMAT, "op": "cublaslt_gemm", "spec": tg._spec(sig), "engine": "cublaslt algo 7",
+            "workspace_bytes": 4, "tuned_at": "2026-12-03T07:00:00+0000"}
+    cache = PlanCache(cache_dir, namespace=NS)
+    assert cache.put(tg.cache_key(sig), meta, bytes(64))
+    assert cache.put(tg.cache_key(sig[:-1] + (True,)), {**meta, "engine": "torch"}, b"torch")
+    cache.close()
+    assert cli("ls", "--namespace", NS) == 0
+    rows = {r[:12]: r for r in capsys.readouterr().out.splitlines()}
+    assert rows[tg.cache_key(sig)[:12]].split()[1:5] == ["cublaslt_gemm", "cublaslt", "algo", "7"]
+    assert rows[tg.cache_key(sig[:-1] + (True,))[:12]].split()[1:3] == ["cublaslt_gemm", "torch"]
+    assert cli("verify", "--namespace", NS) == 0
