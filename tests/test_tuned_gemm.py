@@ -154,3 +154,11 @@ def test_products_autograd_must_record_are_left_to_torch():
         assert tg._takes(a, b, None)
     assert not tg._takes(a, b, None)  # grad mode with an operand requiring grad (a create_graph backward)
     assert not tg._takes(b, b, torch.zeros(128, requires_grad=True))
+
+
+def test_plan_stats_report_the_tuned_gemms(monkeypatch):
+    import cudnn_fuse as cf
+
+    monkeypatch.setitem(tg.stats, "runs", tg.stats["runs"] + 3)
+    s = cf.plan_stats()
+    assert s["gemm_runs"] == tg.stats["runs"] and {"gemm_tuned", "gemm_loaded"} <= set(s)
