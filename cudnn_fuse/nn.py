@@ -247,10 +247,13 @@ class FusedMLP(torch.nn.Module):
     ``fc1`` is a ``cudnn_fuse.nn.Linear`` with the activation, ``fc2`` a ``torch.nn.Linear``; both
     hold the original modules' Parameters. For an activation whose backward needs its input
     (GELU, SiLU, ...) with ``recompute=False``, a training step keeps the pre-activation like
-    torch does, and the backward computes the first layer's dz in ONE cuDNN graph: the second
-    layer's data gradient dY @ W2 with the activation's backward in its epilogue (that product is
-    never stored, and no separate kernel reads it back). Inference, ``recompute=True`` and
-    torch.compile run ``fc1`` then ``fc2``, exactly what the two modules would run.
+    torch does, in ONE autograd node. By default that node runs eager's kernels (cuBLAS GEMMs, on
+    cuBLASLt's tuned algorithm where autotuning recorded one: cudnn_fuse.tuned_gemm); with
+    CUDNN_FUSE_MLP_KERNELS=cudnn its forward is cuDNN's save-z graph and its backward computes the
+    first layer's dz in ONE cuDNN graph: the second layer's data gradient dY @ W2 with the
+    activation's backward in its epilogue (measured slower than cuBLAS on the H200 at 8192 x 2048 ->
+    8192 bf16, docs/decisions.md). Inference, ``recompute=True`` and torch.compile run ``fc1`` then
+    ``fc2``, exactly what the two modules would run.
     """
 
     def __init__(self, fc1: "Linear", fc2: torch.nn.Linear):
