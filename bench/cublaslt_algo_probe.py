@@ -14,7 +14,6 @@ sample, rounds after a heat) so drift weighs on all alike.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -25,64 +24,24 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import device_name, heat, write_json  # noqa: E402
 from cudnn_fuse import cublaslt as lt  # noqa: E402
+from cudnn_fuse import tuned_gemm as tg  # noqa: E402
 from cudnn_fuse.tuned_gemm import _sample_ms as sample_ms  # noqa: E402
 
-_EPILOGUE_BIAS = 4
-
-
-def _layout(lib, t: torch.Tensor, dtype: int):
-    """(layout, op) presenting row-major-indexed 2-D ``t`` [r, c] to cuBLASLt as the column-major t^T (c x r)."""
-    lay = ctypes.c_void_p()
-    r, c = t.shape
-    if t.stride(1) == 1:  # row-major: its memory read column-major is t^T, op N
-        lt._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, c, r, t.stride(0)), "layout")
-        return lay, lt._OP_N
-    assert t.stride(0) == 1, "a 2-D view with one unit stride"
-    lt._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, r, c, t.stride(1)), "layout")
-    return lay, lt._OP_T  # column-major memory is t itself (r x c): op T presents t^T
-
-
 class Gemm:
-    """C [M, N] = A [M, K] @ B [K, N] (+ bias [N]) row-major, as cuBLASLt's C^T = B^T A^T."""
+    """C [M, N] = A [M, K] @ B [K, N] (+ bias [N]) on each of the heuristic's algorithms, through
+    tuned_gemm's own descriptors (the layouts the library runs)."""
 
     def __init__(self, lib, handle, a, b, bias=None, count=32):
-        dtype = lt._DTYPES[a.dtype]
         self.lib, self.handle, self.a, self.b, self.bias = lib, handle, a, b, bias
-        m, n = a.shape[0], b.shape[1]
-        self.c = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        self.desc = ctypes.c_void_p()
-        lt._check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), lt._COMPUTE_32F, lt._R_32F), "desc")
-        self.la, opa = _layout(lib, b, dtype)  # cuBLASLt's A is B^T
-        self.lb, opb = _layout(lib, a, dtype)  # its B is A^T
-        self.ld = ctypes.c_void_p()
-        lt._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.ld), dtype, n, m, n), "layout")
-        attrs = [(lt._DESC_TRANSA, opa), (lt._DESC_TRANSB, opb),
-                 (lt._DESC_EPILOGUE, _EPILOGUE_BIAS if bias is not None else lt._EPILOGUE_DEFAULT)]
-        for attr, value in attrs:
-            v = ctypes.c_int32(value)
-            lt._check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), 4), "attr")
-        if bias is not None:
-            self.bias_ptr = ctypes.c_void_p(bias.data_ptr())
-            lt._check(lib.cublasLtMatmulDescSetAttribute(self.desc, lt._DESC_BIAS_POINTER, ctypes.byref(self.bias_ptr), 8),
-                      "bias")
-        pref = ctypes.c_void_p()
-        lt._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "pref")
-        ws = ctypes.c_size_t(lt.WORKSPACE_BYTES)
-        lt._check(lib.cublasLtMatmulPreferenceSetAttribute(pref, lt._PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8), "pref")
-        results = (lt._HeuristicResult * count)()
-        got = ctypes.c_int(0)
-        lt._check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.la, self.lb, self.ld, self.ld, pref, count,
-                                                     results, ctypes.byref(got)), "heuristic")
-        self.algos = [results[i] for i in range(got.value) if results[i].state == 0]
-        self.ws = torch.empty(lt.WORKSPACE_BYTES, dtype=torch.uint8, device=a.device)
-        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        sig = tg.signature(a, b, bias)
+        assert sig is not None, "tuned_gemm declines these operands"
+        self.plan = tg._Plan(lib, sig)
+        self.algos = self.plan.heuristic(lib, handle, count)
+        self.c = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
 
     def run(self, i: int) -> None:
-        r = self.algos[i]
-        lt._check(self.lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.alpha), self.b.data_ptr(), self.la,
-                                          self.a.data_ptr(), self.lb, ctypes.byref(self.beta), self.c.data_ptr(), self.ld,
-                                          self.c.data_ptr(), self.ld, ctypes.byref(r), self.ws.data_ptr(),
-                                          r.workspaceSize, torch.cuda.current_stream().cuda_stream), "matmul")
+        self.plan.run(self.lib, self.handle, self.algos[i], self.a, self.b, self.bias, self.c,
+                      torch.cuda.current_stream().cuda_stream)
 
 
 def cases(rows=8192, d=2048, h=8192):
@@ -111,8 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--count", type=int, default=32)
     args = ap.parse_args(argv)
     lib = lt._load()
-    handle = ctypes.c_void_p()
-    lt._check(lib.cublasLtCreate(ctypes.byref(handle)), "create")
+    handle = lt.thread_handle(lib, torch.device("cuda", torch.cuda.current_device()))
     heat(1.0)
     out = {"device": device_name(), "dtype": "bf16", "rounds": args.rounds, "launches_per_sample": 20, "gemms": []}
     for name, (a, b, bias, torch_fn) in cases().items():
@@ -147,7 +105,7 @@ def main(argv=None) -> int:
                "best_algo": best, "best_ms": round(med[best], 4) if best is not None else None,
                "best_vs_torch": round(med[best] / med["torch"], 4) if best is not None else None,
                "algos": [{"index": i, "ms": round(med[i], 4) if i in med else None,
-                          "workspace": int(gm.algos[i].workspaceSize), "waves": round(gm.algos[i].wavesCount, 3),
+                          "workspace": gm.algos[i].workspace, "waves": round(gm.algos[i].waves, 3),
                           "max_rel_err": errs[i] if isinstance(errs[i], str) else round(errs[i], 6),
                           "samples": [round(s, 4) for s in samples.get(i, [])]} for i in range(len(gm.algos))],
                "torch_samples": [round(s, 4) for s in samples["torch"]]}

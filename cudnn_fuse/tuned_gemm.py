@@ -65,10 +65,11 @@ stats = {"tuned": 0, "loaded": 0, "runs": 0}
 
 
 class _Pick:
-    __slots__ = ("algo", "workspace")
+    __slots__ = ("algo", "workspace", "waves")
 
-    def __init__(self, algo, workspace: int):
+    def __init__(self, algo, workspace: int, waves: Optional[float] = None):
         self.algo, self.workspace = algo, workspace  # algo: ctypes c_uint64 * 8
+        self.waves = waves  # the heuristic's wave count (None for a stored pick)
 
 
 def _operand(t: torch.Tensor):
@@ -161,7 +162,7 @@ class _Plan:
         lt._check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.la, self.lb, self.ld, self.ld, pref,
                                                      count, results, ctypes.byref(got)),
                   "cublasLtMatmulAlgoGetHeuristic")
-        return [_Pick((ctypes.c_uint64 * 8)(*results[i].algo), int(results[i].workspaceSize))
+        return [_Pick((ctypes.c_uint64 * 8)(*results[i].algo), int(results[i].workspaceSize), float(results[i].wavesCount))
                 for i in range(got.value) if results[i].state == 0 and results[i].workspaceSize <= lt.WORKSPACE_BYTES]
 
     def check(self, lib, handle, algo) -> int:
@@ -457,8 +458,7 @@ def matmul(a2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a2 @ b`` of 2-D operands (torch's call when ``mm`` declines); a 3-D+ ``a2`` folds its
     leading dims like torch.matmul."""
     if a2.is_cuda and a2.dim() >= 2 and b.dim() == 2:
-        lead = a2.shape[:-1]
-        out = mm(a2.reshape(-1, a2.shape[-1]), b) if a2.dim() > 2 else mm(a2, b)
+        out = mm(a2.reshape(-1, a2.shape[-1]), b)  # a 2-D a2 reshapes to itself (a view, strides kept)
         if out is not None:
-            return out.view(*lead, b.shape[1])
+            return out.view(*a2.shape[:-1], b.shape[1])
     return a2 @ b
