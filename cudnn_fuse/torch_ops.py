@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backward, ops, reference, tuned_gemm
+from . import backward, ops, reference, triton_act, tuned_gemm
 
 # ------------------------------------------------------------------------ helpers
 
@@ -587,7 +587,8 @@ def _mlp_save_z(x, w1, b1, act, slope):
     if backward.MLP == "cudnn":
         return _linear_save_z_op_impl(x, w1, b1, act, None, slope)
     z = (tuned_gemm.linear(x, w1, b1) if x.is_cuda else reference.linear(x, w1, b1, None, None)).contiguous()
-    return reference.activation(z, act, slope), z
+    y = triton_act.act_forward(z, act) if triton_act.MODE == "triton" else None  # CUDNN_FUSE_MLP_ELEMENTWISE
+    return (reference.activation(z, act, slope) if y is None else y), z
 
 
 class _MlpTrain(torch.autograd.Function):
@@ -661,9 +662,17 @@ def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
     del y1
     dx = dw1 = db1 = None
     if needs[0] or needs[1] or needs[2]:
-        dz = _act_grad(z1, tuned_gemm.matmul(gy, w2), act, slope)
-        del z1
-        dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
+        dy1 = tuned_gemm.matmul(gy, w2)
+        fused = (triton_act.act_grad_dbias(dy1, z1, act, needs[2])
+                 if triton_act.MODE == "triton" and not _create_graph() else None)
+        if fused is not None:  # dz and db1 in one pass over dy1 and z1 (CUDNN_FUSE_MLP_ELEMENTWISE=triton)
+            dz, db1 = fused
+            del z1, dy1
+            dx, dw1, _ = _linear_products(dz, x, w1, needs[0], needs[1], False)
+        else:
+            dz = _act_grad(z1, dy1, act, slope)
+            del z1, dy1
+            dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
     return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
 
 

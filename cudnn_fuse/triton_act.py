@@ -1,0 +1,207 @@
+"""The kept-pre-activation MLP's elementwise kernels in Triton: the activation's forward, and its
+backward fused with the bias gradient's column sum (nn.FusedMLP's node on eager's kernels).
+
+Eager runs three memory-bound passes per block around its GEMMs: GELU's forward (read z, write
+y), gelu_backward (read dy and z, write dz) and the bias gradient's column sum (read dz again).
+``act_grad_dbias`` computes dz and its column sums in one pass: it never re-reads dz.
+
+Each element is computed as aten's CUDA kernel computes it (float32 opmath, libdevice's erff and
+expf, the same order of operations), so dz and y match eager's bit for bit except where the
+compiler contracts a multiply-add differently (last-bit float32 differences that the 16-bit
+rounding almost always absorbs). The bias sum accumulates the 16-bit dz in float32, as torch's
+sum does, in a fixed order (partial sums per row chunk, then one sum over the chunks), so it is
+deterministic.
+
+Switch: ``CUDNN_FUSE_MLP_ELEMENTWISE`` = "torch" (the default: aten's kernels) or "triton". Triton
+ships with torch's CUDA wheels on Linux and is imported only when asked for; when it is missing
+or a kernel fails, the torch kernels run and one warning is logged. Declined (torch runs): the
+CPU, dtypes other than fp16/bf16, mismatched or non-contiguous operands, activations other than
+those in ``ACTS``, torch.compile tracing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+MODE = os.environ.get("CUDNN_FUSE_MLP_ELEMENTWISE", "torch").strip().lower() or "torch"
+ACTS = ("gelu", "gelu_tanh", "silu")
+_DTYPES = (torch.float16, torch.bfloat16)
+
+_SQRT1_2 = 0.7071067811865476  # M_SQRT1_2
+_GELU_BETA = float(torch.tensor(2.0 / math.sqrt(math.pi) * _SQRT1_2 * 0.5, dtype=torch.float32))  # aten's kBeta
+_TANH_BETA = float(torch.tensor(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5, dtype=torch.float32))  # aten's kBeta (tanh)
+_TANH_KAPPA = 0.044715
+
+FWD_CONFIG = (2048, 8)  # elements per program, warps
+BWD_CONFIG = (16, 256, 8)  # rows per tile, columns per program, warps
+_kernels = None  # (forward, backward) once built; False once Triton proved unusable
+stats = {"forward": 0, "backward": 0, "declined": 0}
+
+
+def _build():
+    """Compile-on-first-use Triton kernels (the import is here: Triton is optional)."""
+    import triton
+    import triton.language as tl
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # older layouts
+        from triton.language.extra.cuda import libdevice
+
+    @triton.jit
+    def _act(z, ACT: tl.constexpr, BETA: tl.constexpr):
+        if ACT == 0:  # gelu: x * 0.5 * (1 + erf(x * M_SQRT1_2))
+            return z * 0.5 * (1.0 + libdevice.erf(z * 0.7071067811865476))
+        elif ACT == 1:  # gelu_tanh: 0.5 * x * (1 + tanh(kBeta * (x + kKappa * x^3)))
+            inner = BETA * (z + 0.044715 * (z * z * z))
+            return 0.5 * z * (1.0 + libdevice.tanh(inner))
+        else:  # silu: x / (1 + exp(-x)), IEEE division as nvcc's
+            return libdevice.div_rn(z, 1.0 + libdevice.exp(-z))
+
+    @triton.jit
+    def _act_grad(dy, z, ACT: tl.constexpr, BETA: tl.constexpr):
+        if ACT == 0:
+            cdf = 0.5 * (1.0 + libdevice.erf(z * 0.7071067811865476))
+            pdf = libdevice.exp(-0.5 * z * z) * BETA
+            return dy * (cdf + z * pdf)
+        elif ACT == 1:
+            x_sq = z * z
+            x_cube = x_sq * z
+            inner = BETA * (z + 0.044715 * x_cube)
+            tanh_inner = libdevice.tanh(inner)
+            left = 0.5 * z
+            right = 1.0 + tanh_inner
+            left_derivative = 0.5 * right
+            right_derivative = left * (1.0 - tanh_inner * tanh_inner) * (BETA * (1.0 + 3.0 * 0.044715 * x_sq))
+            return dy * (left_derivative + right_derivative)
+        else:
+            sig = libdevice.div_rn(1.0, 1.0 + libdevice.exp(-z))
+            return dy * sig * (1.0 + z * (1.0 - sig))
+
+    @triton.jit
+    def forward_kernel(z_ptr, y_ptr, n, ACT: tl.constexpr, BETA: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, _act(z, ACT, BETA).to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def backward_kernel(dy_ptr, z_ptr, dz_ptr, part_ptr, M, N, rows_per_prog,
+                        ACT: tl.constexpr, BETA: tl.constexpr, SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        cmask = cols < N
+        row0 = tl.program_id(1).to(tl.int64) * rows_per_prog
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for r in range(0, rows_per_prog, BM):
+            rows = row0 + r + tl.arange(0, BM)
+            m = (rows < M)[:, None] & cmask[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            dz = _act_grad(dy, z, ACT, BETA).to(dz_ptr.dtype.element_ty)
+            tl.store(dz_ptr + offs, dz, mask=m)
+            if SUM:
+                acc += tl.sum(dz.to(tl.float32), axis=0)
+        if SUM:
+            tl.store(part_ptr + tl.program_id(1).to(tl.int64) * N + cols, acc, mask=cmask)
+
+    return forward_kernel, backward_kernel
+
+
+def _get():
+    global _kernels
+    if _kernels is None:
+        try:
+            _kernels = _build()
+        except Exception as e:  # noqa: BLE001 - no Triton, or one that cannot build these: torch's kernels
+            log.warning("CUDNN_FUSE_MLP_ELEMENTWISE=triton: Triton unusable (%s: %s); aten's kernels run",
+                        type(e).__name__, e)
+            _kernels = False
+    return _kernels or None
+
+
+def _act_id(act: str) -> Tuple[int, float]:
+    return {"gelu": (0, _GELU_BETA), "gelu_tanh": (1, _TANH_BETA), "silu": (2, 0.0)}[act]
+
+
+def usable(act: Optional[str], *tensors: Tensor) -> bool:
+    """Whether the Triton kernels take this call (MODE "triton", CUDA fp16/bf16 contiguous operands
+    of one shape and dtype, an activation in ACTS, not traced)."""
+    if MODE != "triton" or act not in ACTS:
+        return False
+    t0 = tensors[0]
+    ok = (t0.is_cuda and t0.dtype in _DTYPES and t0.numel() > 0
+          and all(t.dtype == t0.dtype and t.shape == t0.shape and t.device == t0.device and t.is_contiguous()
+                  for t in tensors)
+          and not torch.compiler.is_compiling())
+    if not ok:
+        stats["declined"] += 1
+        return False
+    return _get() is not None
+
+
+def _failed(e: Exception) -> None:
+    global _kernels
+    log.warning("Triton elementwise kernel failed (%s: %s); aten's kernels run from now on", type(e).__name__, e)
+    _kernels = False
+
+
+def act_forward(z: Tensor, act: str) -> Optional[Tensor]:
+    """act(z) in one pass, or None when not ``usable`` (the caller runs torch's)."""
+    if not usable(act, z):
+        return None
+    fwd, _ = _kernels
+    code, beta = _act_id(act)
+    y = torch.empty_like(z)
+    n = z.numel()
+    block, warps = FWD_CONFIG
+    try:
+        with torch.cuda.device(z.device):
+            fwd[((n + block - 1) // block,)](z, y, n, ACT=code, BETA=beta, BLOCK=block, num_warps=warps)
+    except Exception as e:  # noqa: BLE001
+        _failed(e)
+        return None
+    stats["forward"] += 1
+    return y
+
+
+def _rows_per_prog(m: int, n_col_blocks: int, bm: int, sms: int) -> int:
+    """Rows per program: about four programs per SM over the whole grid, a multiple of ``bm``."""
+    chunks = max(1, min(-(-m // bm), (4 * sms) // max(1, n_col_blocks)))
+    rows = -(-m // chunks)
+    return -(-rows // bm) * bm
+
+
+def act_grad_dbias(dy: Tensor, z: Tensor, act: str, need_db: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """(dz, db): dz = act'(z) * dy, and db = dz summed over every row (dz's dtype, float32
+    accumulation) when ``need_db``; one pass over dy and z. None when not ``usable``."""
+    if not usable(act, dy, z):
+        return None
+    _, bwd = _kernels
+    code, beta = _act_id(act)
+    n = z.shape[-1]
+    m = z.numel() // n
+    bm, bn, warps = BWD_CONFIG
+    n_col_blocks = -(-n // bn)
+    sms = torch.cuda.get_device_properties(z.device).multi_processor_count
+    rows = _rows_per_prog(m, n_col_blocks, bm, sms)
+    chunks = -(-m // rows)
+    dz = torch.empty_like(z)
+    part = torch.empty((chunks, n), device=z.device, dtype=torch.float32) if need_db else dz
+    try:
+        with torch.cuda.device(z.device):
+            bwd[(n_col_blocks, chunks)](dy, z, dz, part, m, n, rows, ACT=code, BETA=beta, SUM=bool(need_db),
+                                       BM=bm, BN=bn, num_warps=warps)
+    except Exception as e:  # noqa: BLE001
+        _failed(e)
+        return None
+    stats["backward"] += 1
+    db = part.sum(0).to(z.dtype) if need_db else None
+    return dz, db

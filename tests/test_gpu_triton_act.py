@@ -1,0 +1,121 @@
+"""cudnn_fuse.triton_act on the GPU: the activation's forward and its backward fused with the bias
+gradient's column sum against aten's kernels (element for element) and a float64 sum; odd shapes;
+a CUDA graph replay; nn.FusedMLP's training step with CUDNN_FUSE_MLP_ELEMENTWISE=triton against
+eager's gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cudnn_fuse as cf
+from cudnn_fuse import backward, triton_act
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("triton")
+
+ATEN_BWD = {"gelu": lambda dy, z: torch.ops.aten.gelu_backward(dy, z),
+            "gelu_tanh": lambda dy, z: torch.ops.aten.gelu_backward(dy, z, approximate="tanh"),
+            "silu": lambda dy, z: torch.ops.aten.silu_backward(dy, z)}
+ATEN_FWD = {"gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu}
+
+
+@pytest.fixture(autouse=True)
+def triton_on(monkeypatch):
+    monkeypatch.setattr(triton_act, "MODE", "triton")
+    monkeypatch.setattr(backward, "MLP", "torch")
+
+
+def _operands(shape, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    z = (torch.randn(shape, device="cuda", generator=g) * 3).to(dtype)
+    dy = torch.randn(shape, device="cuda", generator=g).to(dtype)
+    return z, dy
+
+
+def _close_to_aten(ours, ref):
+    """Every element within one 16-bit ulp of aten's, and at most 0.1% of them differing at all
+    (the compilers may contract a float32 multiply-add differently)."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    differ = (ours != ref)
+    assert differ.float().mean().item() <= 1e-3
+    ulp = torch.finfo(ref.dtype).eps * ref.float().abs().clamp_min(torch.finfo(ref.dtype).tiny)
+    assert ((ours.float() - ref.float()).abs() <= ulp + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", triton_act.ACTS)
+@pytest.mark.parametrize("shape", [(1024, 4096), (3, 7, 300), (1, 5), (4099, 257)])
+def test_forward_and_fused_backward_match_aten(act, dtype, shape):
+    z, dy = _operands(shape, dtype)
+    y = triton_act.act_forward(z, act)
+    assert y is not None
+    _close_to_aten(y, ATEN_FWD[act](z))
+    dz, db = triton_act.act_grad_dbias(dy, z, act, True)
+    ref = ATEN_BWD[act](dy, z)
+    _close_to_aten(dz, ref)
+    exact = dz.reshape(-1, shape[-1]).double().sum(0)  # db sums our dz: judged against its exact sum
+    assert db.dtype == dtype and db.shape == (shape[-1],)
+    scale = dz.reshape(-1, shape[-1]).double().abs().sum(0).clamp_min(1e-30)
+    assert ((db.double() - exact).abs() <= 2 * torch.finfo(dtype).eps * exact.abs() + 1e-5 * scale).all()
+    dz2, none = triton_act.act_grad_dbias(dy, z, act, False)
+    assert none is None and torch.equal(dz2, dz)
+
+
+def test_bias_sum_is_deterministic():
+    z, dy = _operands((8192, 1024), torch.bfloat16)
+    sums = [triton_act.act_grad_dbias(dy, z, "gelu", True)[1] for _ in range(3)]
+    assert all(torch.equal(s, sums[0]) for s in sums)
+
+
+def test_declines_float32_and_strided():
+    z, dy = _operands((64, 128), torch.float32)
+    assert triton_act.act_forward(z, "gelu") is None
+    zb, dyb = _operands((64, 128), torch.bfloat16)
+    assert triton_act.act_grad_dbias(dyb.t(), zb.t(), "gelu", True) is None
+
+
+def test_replays_in_a_cuda_graph():
+    z, dy = _operands((512, 768), torch.bfloat16)
+    triton_act.act_grad_dbias(dy, z, "gelu", True)  # compiled before the capture
+    triton_act.act_forward(z, "gelu")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        dz, db = triton_act.act_grad_dbias(dy, z, "gelu", True)
+        y = triton_act.act_forward(z, "gelu")
+    torch.cuda.current_stream().wait_stream(s)
+    z2, dy2 = _operands((512, 768), torch.bfloat16, seed=5)
+    z.copy_(z2)
+    dy.copy_(dy2)
+    g.replay()
+    torch.cuda.synchronize()
+    ref_dz, ref_db, ref_y = triton_act.act_grad_dbias(dy2, z2, "gelu", True) + (triton_act.act_forward(z2, "gelu"),)
+    assert torch.equal(dz, ref_dz) and torch.equal(db, ref_db) and torch.equal(y, ref_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_mlp_step_matches_eager(dtype):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512),
+                         nn.Linear(512, 1024), nn.SiLU(), nn.Linear(1024, 512)).cuda().to(dtype)
+    opt = cf.optimize(copy.deepcopy(base))
+    assert sum(isinstance(m, cf.nn.FusedMLP) for m in opt.modules()) == 2
+    x = torch.randn(4, 300, 512, device="cuda", dtype=dtype, requires_grad=True)
+    before = dict(triton_act.stats)
+    grads = []
+    for model in (base, opt):
+        x.grad = None
+        model.zero_grad()
+        model(x).float().square().mean().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    for ours, theirs in zip(grads[1], grads[0]):
+        assert (ours.float() - theirs.float()).abs().max().item() <= 1e-2 * theirs.float().abs().max().item() + 1e-6
+    assert triton_act.stats["forward"] - before["forward"] == 2
+    assert triton_act.stats["backward"] - before["backward"] == 2
