@@ -43,6 +43,7 @@ _TANH_KAPPA = 0.044715
 FWD_CONFIG = (2048, 8)  # elements per program, warps
 BWD_CONFIG = (16, 256, 8)  # rows per tile, columns per program, warps
 _kernels = None  # (forward, backward) once built; False once Triton proved unusable
+_launched = set()  # specializations already compiled and launched (see _specialization)
 stats = {"forward": 0, "backward": 0, "declined": 0}
 
 
@@ -147,6 +148,22 @@ def usable(act: Optional[str], *tensors: Tensor) -> bool:
     return _get() is not None
 
 
+def _specialization(kind: str, act: str, tensors: Tuple[Tensor, ...], ints: Tuple[int, ...], flag=None) -> tuple:
+    """What Triton compiles a kernel for: its constexprs, the dtype, and each integer argument's
+    and input pointer's divisibility by 16 (and ints equal to 1)."""
+    return (kind, act, tensors[0].dtype, flag, tuple(t.data_ptr() % 16 == 0 for t in tensors),
+            tuple((v % 16 == 0, v == 1) for v in ints))
+
+
+def _may_launch(key: tuple) -> bool:
+    """False under CUDA graph capture for a specialization not compiled yet: Triton would
+    compile and load a module inside the capture (torch's kernels run instead)."""
+    if key in _launched or not torch.cuda.is_current_stream_capturing():
+        return True
+    stats["declined"] += 1
+    return False
+
+
 def _failed(e: Exception) -> None:
     global _kernels
     log.warning("Triton elementwise kernel failed (%s: %s); aten's kernels run from now on", type(e).__name__, e)
@@ -162,12 +179,16 @@ def act_forward(z: Tensor, act: str) -> Optional[Tensor]:
     y = torch.empty_like(z)
     n = z.numel()
     block, warps = FWD_CONFIG
+    key = _specialization("forward", act, (z,), (n,), FWD_CONFIG)
+    if not _may_launch(key):
+        return None
     try:
         with torch.cuda.device(z.device):
             fwd[((n + block - 1) // block,)](z, y, n, ACT=code, BETA=beta, BLOCK=block, num_warps=warps)
     except Exception as e:  # noqa: BLE001
         _failed(e)
         return None
+    _launched.add(key)
     stats["forward"] += 1
     return y
 
@@ -193,6 +214,9 @@ def act_grad_dbias(dy: Tensor, z: Tensor, act: str, need_db: bool) -> Optional[T
     sms = torch.cuda.get_device_properties(z.device).multi_processor_count
     rows = _rows_per_prog(m, n_col_blocks, bm, sms)
     chunks = -(-m // rows)
+    key = _specialization("backward", act, (dy, z), (m, n, rows), (bool(need_db), BWD_CONFIG))
+    if not _may_launch(key):
+        return None
     dz = torch.empty_like(z)
     part = torch.empty((chunks, n), device=z.device, dtype=torch.float32) if need_db else dz
     try:
@@ -202,6 +226,7 @@ def act_grad_dbias(dy: Tensor, z: Tensor, act: str, need_db: bool) -> Optional[T
     except Exception as e:  # noqa: BLE001
         _failed(e)
         return None
+    _launched.add(key)
     stats["backward"] += 1
     db = part.sum(0).to(z.dtype) if need_db else None
     return dz, db

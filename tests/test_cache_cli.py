@@ -225,4 +225,5 @@ def test_ls_and_verify_take_a_tuned_gemm_record(cache_dir, capsys):
     rows = {r[:12]: r for r in capsys.readouterr().out.splitlines()}
     assert rows[tg.cache_key(sig)[:12]].split()[1:5] == ["cublaslt_gemm", "cublaslt", "algo", "7"]
     assert rows[tg.cache_key(sig[:-1] + (True,))[:12]].split()[1:3] == ["cublaslt_gemm", "torch"]
+    assert any(r.startswith("0 plans, 2 GEMM algorithm picks, ") for r in rows.values())  # picks are not counted as plans
     assert cli("verify", "--namespace", NS) == 0

@@ -119,3 +119,16 @@ def test_fused_mlp_step_matches_eager(dtype):
         assert (ours.float() - theirs.float()).abs().max().item() <= 1e-2 * theirs.float().abs().max().item() + 1e-6
     assert triton_act.stats["forward"] - before["forward"] == 2
     assert triton_act.stats["backward"] - before["backward"] == 2
+
+
+def test_capture_with_an_uncompiled_specialization_runs_torch(monkeypatch):
+    monkeypatch.setattr(triton_act, "_launched", set())
+    z, dy = _operands((256, 384), torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        assert triton_act.act_grad_dbias(dy, z, "gelu", True) is None
+        assert triton_act.act_forward(z, "gelu") is None
+    torch.cuda.current_stream().wait_stream(s)
+    assert triton_act.act_forward(z, "gelu") is not None  # outside the capture it compiles and runs

@@ -105,6 +105,7 @@ def test_a_failing_kernel_turns_triton_off(monkeypatch, caplog):
     monkeypatch.setattr(triton_act, "usable", lambda act, *t: True)
     z = torch.randn(4, 8)
     monkeypatch.setattr(torch.cuda, "device", lambda d: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with caplog.at_level(logging.WARNING, logger="cudnn_fuse.triton_act"):
         assert triton_act.act_forward(z, "gelu") is None
     assert triton_act._kernels is False
@@ -162,3 +163,23 @@ def test_fused_mlp_falls_back_when_the_pass_declines(monkeypatch):
     monkeypatch.setattr(triton_act, "act_forward", lambda *a: None)
     x, w1, b1, w2, b2, _ = _mlp_inputs()
     compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
+
+
+def test_capture_declines_a_specialization_not_compiled_yet(monkeypatch):
+    """Under CUDA graph capture only kernels already compiled (and launched) may run: Triton would
+    otherwise compile and load a module inside the capture."""
+    monkeypatch.setattr(triton_act, "_launched", set())
+    z = torch.randn(32, 48)
+    key = triton_act._specialization("forward", "gelu", (z,), (z.numel(),), (2048, 8))
+    assert key == triton_act._specialization("forward", "gelu", (torch.randn(32, 48),), (1536,), (2048, 8))
+    assert key != triton_act._specialization("forward", "gelu", (z,), (1537,), (2048, 8))
+    assert key != triton_act._specialization("forward", "gelu", (z[:, 1:],), (1536,), (2048, 8))  # 4-byte offset
+    assert key != triton_act._specialization("forward", "silu", (z,), (1536,), (2048, 8))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    before = triton_act.stats["declined"]
+    assert not triton_act._may_launch(key)
+    assert triton_act.stats["declined"] == before + 1
+    triton_act._launched.add(key)
+    assert triton_act._may_launch(key)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert triton_act._may_launch(("anything",))
