@@ -20,7 +20,7 @@
 # Expects the recipe of ../shared/device/README.md: wheels in .whl/, this checkout on PYTHONPATH.
 set -u
 OUT=${OUT:?set OUT}
-STEPS=${STEPS:-"tests demo memory host"}
+STEPS=${STEPS-"tests demo memory host"}  # set but empty: no steps (install and build only)
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 log=$OUT/log.txt
