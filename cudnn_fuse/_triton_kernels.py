@@ -54,12 +54,13 @@ def forward_kernel(z_ptr, y_ptr, n, ACT: tl.constexpr, BETA: tl.constexpr, BLOCK
 
 @triton.jit
 def backward_kernel(dy_ptr, z_ptr, dz_ptr, part_ptr, M, N, rows_per_prog,
-                    ACT: tl.constexpr, BETA: tl.constexpr, SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                    ACT: tl.constexpr, BETA: tl.constexpr, SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    STAGES: tl.constexpr):
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     cmask = cols < N
     row0 = tl.program_id(1).to(tl.int64) * rows_per_prog
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for r in range(0, rows_per_prog, BM):
+    acc = tl.zeros([BM, BN], dtype=tl.float32)  # summed over its rows once, after the loop
+    for r in tl.range(0, rows_per_prog, BM, num_stages=STAGES):
         rows = row0 + r + tl.arange(0, BM)
         m = (rows < M)[:, None] & cmask[None, :]
         offs = rows[:, None] * N + cols[None, :]
@@ -68,6 +69,6 @@ def backward_kernel(dy_ptr, z_ptr, dz_ptr, part_ptr, M, N, rows_per_prog,
         dz = _act_grad(dy, z, ACT, BETA).to(dz_ptr.dtype.element_ty)
         tl.store(dz_ptr + offs, dz, mask=m)
         if SUM:
-            acc += tl.sum(dz.to(tl.float32), axis=0)
+            acc += dz.to(tl.float32)
     if SUM:
-        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * N + cols, acc, mask=cmask)
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)

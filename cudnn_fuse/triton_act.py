@@ -41,7 +41,7 @@ _TANH_BETA = float(torch.tensor(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.
 _TANH_KAPPA = 0.044715
 
 FWD_CONFIG = (2048, 8)  # elements per program, warps
-BWD_CONFIG = (16, 256, 8)  # rows per tile, columns per program, warps
+BWD_CONFIG = (16, 256, 8, 8, 1)  # rows per tile, columns per program, warps, programs per SM, pipeline stages
 _kernels = None  # (forward, backward) once built; False once Triton proved unusable
 _launched = set()  # specializations already compiled and launched (see _specialization)
 stats = {"forward": 0, "backward": 0, "declined": 0}
@@ -130,9 +130,9 @@ def act_forward(z: Tensor, act: str) -> Optional[Tensor]:
     return y
 
 
-def _rows_per_prog(m: int, n_col_blocks: int, bm: int, sms: int) -> int:
-    """Rows per program: about four programs per SM over the whole grid, a multiple of ``bm``."""
-    chunks = max(1, min(-(-m // bm), (4 * sms) // max(1, n_col_blocks)))
+def _rows_per_prog(m: int, n_col_blocks: int, bm: int, sms: int, per_sm: int = 4) -> int:
+    """Rows per program: about ``per_sm`` programs per SM over the whole grid, a multiple of ``bm``."""
+    chunks = max(1, min(-(-m // bm), (per_sm * sms) // max(1, n_col_blocks)))
     rows = -(-m // chunks)
     return -(-rows // bm) * bm
 
@@ -146,10 +146,10 @@ def act_grad_dbias(dy: Tensor, z: Tensor, act: str, need_db: bool) -> Optional[T
     code, beta = _act_id(act)
     n = z.shape[-1]
     m = z.numel() // n
-    bm, bn, warps = BWD_CONFIG
+    bm, bn, warps, per_sm, stages = BWD_CONFIG
     n_col_blocks = -(-n // bn)
     sms = torch.cuda.get_device_properties(z.device).multi_processor_count
-    rows = _rows_per_prog(m, n_col_blocks, bm, sms)
+    rows = _rows_per_prog(m, n_col_blocks, bm, sms, per_sm)
     chunks = -(-m // rows)
     key = _specialization("backward", act, (dy, z), (m, n, rows), (bool(need_db), BWD_CONFIG))
     if not _may_launch(key):
@@ -159,7 +159,7 @@ def act_grad_dbias(dy: Tensor, z: Tensor, act: str, need_db: bool) -> Optional[T
     try:
         with torch.cuda.device(z.device):
             bwd[(n_col_blocks, chunks)](dy, z, dz, part, m, n, rows, ACT=code, BETA=beta, SUM=bool(need_db),
-                                       BM=bm, BN=bn, num_warps=warps)
+                                       BM=bm, BN=bn, STAGES=stages, num_warps=warps)
     except Exception as e:  # noqa: BLE001
         _failed(e)
         return None
