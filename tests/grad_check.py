@@ -48,3 +48,29 @@ def check_grads(fn, ref_fn, inputs, dtype, tol=1e-2, no_fallback=False):
         errs.append(err)
         assert err <= bound, f"gradient error {err:.2e} over twice torch's own ({bound:.2e})"
     return errs
+
+
+def env_setting(code: str, var: str, value=None) -> str:
+    """What ``code`` prints in a fresh interpreter with ``var`` unset (``value`` None) or set to
+    ``value``: a module-level setting read from the environment at import."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != var}
+    if value is not None:
+        env[var] = value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def step_grads(models, x):
+    """[x.grad] + every parameter's gradient of one ``model(x).float().square().mean()`` step,
+    for each model (x's and the models' gradients cleared first)."""
+    out = []
+    for model in models:
+        x.grad = None
+        model.zero_grad()
+        model(x).float().square().mean().backward()
+        out.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    return out
+

@@ -5,7 +5,6 @@ declines) run against an executor that interprets each spec with torch."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -403,15 +402,10 @@ def test_side_stream_bias_sums_stay_inline_off_cuda(monkeypatch):
 
 
 def test_mlp_kernels_default_is_torch_and_the_env_picks_cudnn():
-    import subprocess
-    import sys
+    from tests.grad_check import env_setting
     code = "from cudnn_fuse import backward; print(backward.MLP)"
-    env = {k: v for k, v in os.environ.items() if k != "CUDNN_FUSE_MLP_KERNELS"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "torch"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "CUDNN_FUSE_MLP_KERNELS": "cudnn"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "cudnn"
+    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS") == "torch"
+    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS", "cudnn") == "cudnn"
 
 
 def test_mlp_backward_declined_fused_graph_runs_the_product_then_act_grad(cudnn_on_cpu):

@@ -14,6 +14,7 @@ from torch import nn
 
 import cudnn_fuse as cf
 from cudnn_fuse import backward, triton_act
+from tests.grad_check import step_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -109,12 +110,7 @@ def test_fused_mlp_step_matches_eager(dtype):
     assert sum(isinstance(m, cf.nn.FusedMLP) for m in opt.modules()) == 2
     x = torch.randn(4, 300, 512, device="cuda", dtype=dtype, requires_grad=True)
     before = dict(triton_act.stats)
-    grads = []
-    for model in (base, opt):
-        x.grad = None
-        model.zero_grad()
-        model(x).float().square().mean().backward()
-        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    grads = step_grads((base, opt), x)
     for ours, theirs in zip(grads[1], grads[0]):
         assert (ours.float() - theirs.float()).abs().max().item() <= 1e-2 * theirs.float().abs().max().item() + 1e-6
     assert triton_act.stats["forward"] - before["forward"] == 2

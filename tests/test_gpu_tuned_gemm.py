@@ -16,6 +16,7 @@ from torch import nn
 import cudnn_fuse as cf
 from cudnn_fuse import tuned_gemm as tg
 from cudnn_fuse.cache import PlanCache
+from tests.grad_check import step_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -148,12 +149,7 @@ def test_fused_mlp_step_with_tuned_gemms_matches_eager(tuning):
     assert any(isinstance(m, cf.nn.FusedMLP) for m in opt.modules())
     x = torch.randn(1024, 512, device="cuda", dtype=BF, requires_grad=True)
     tuned = tg.stats["tuned"]
-    grads = []
-    for model in (base, opt):
-        x.grad = None
-        model.zero_grad()
-        model(x).float().square().mean().backward()
-        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    grads = step_grads((base, opt), x)
     for ours, theirs in zip(grads[1], grads[0]):
         assert (ours.float() - theirs.float()).abs().max().item() <= 2e-2 * theirs.float().abs().max().item() + 1e-6
     assert tg.stats["tuned"] - tuned == 6  # the block's six GEMM signatures (forward two, backward four)

@@ -5,25 +5,20 @@ tests/test_gpu_triton_act.py)."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from cudnn_fuse import backward, reference, torch_ops, triton_act
+from tests.grad_check import env_setting
 from tests.test_backward import _mlp_inputs, _mlp_ref, compare
 
 
 def test_mode_defaults_to_torch_and_the_env_picks_triton():
     code = "from cudnn_fuse import triton_act; print(triton_act.MODE)"
-    env = {k: v for k, v in os.environ.items() if k != "CUDNN_FUSE_MLP_ELEMENTWISE"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "torch"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "CUDNN_FUSE_MLP_ELEMENTWISE": " Triton "},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "triton"
+    assert env_setting(code, "CUDNN_FUSE_MLP_ELEMENTWISE") == "torch"
+    assert env_setting(code, "CUDNN_FUSE_MLP_ELEMENTWISE", " Triton ") == "triton"
 
 
 def test_torch_mode_takes_nothing(monkeypatch):
