@@ -70,8 +70,10 @@ def pieces(rows, h) -> dict:
         triton_act.FWD_CONFIG = cfg
         fwd[str(cfg)] = device_ms(lambda: triton_act.act_forward(z, "gelu"))
     bwd = {}
-    for cfg in [(16, 256, 8, 4, 1), (16, 256, 8, 8, 1), (8, 512, 4, 8, 1), (16, 512, 8, 4, 1), (16, 512, 8, 16, 1),
-                (16, 256, 8, 8, 3), (32, 256, 8, 8, 2), (8, 1024, 8, 8, 1)]:
+    one_tile = 10 ** 6  # programs per SM past any grid: every program one [BM, BN] tile, no loop
+    for cfg in [(16, 512, 8, 4, 1), (16, 256, 8, 8, 3), (32, 256, 8, 16, 2),
+                (32, 256, 8, one_tile, 1), (64, 256, 8, one_tile, 1), (64, 128, 4, one_tile, 1),
+                (16, 512, 4, one_tile, 1), (128, 128, 8, one_tile, 1)]:
         triton_act.BWD_CONFIG = cfg
         bwd[str(cfg)] = {"with_sum": device_ms(lambda: triton_act.act_grad_dbias(dy, z, "gelu", True)),
                          "no_sum": device_ms(lambda: triton_act.act_grad_dbias(dy, z, "gelu", False))}

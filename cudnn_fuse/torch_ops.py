@@ -587,8 +587,7 @@ def _mlp_save_z(x, w1, b1, act, slope):
     if backward.MLP == "cudnn":
         return _linear_save_z_op_impl(x, w1, b1, act, None, slope)
     z = (tuned_gemm.linear(x, w1, b1) if x.is_cuda else reference.linear(x, w1, b1, None, None)).contiguous()
-    y = triton_act.act_forward(z, act) if triton_act.MODE == "triton" else None  # CUDNN_FUSE_MLP_ELEMENTWISE
-    return (reference.activation(z, act, slope) if y is None else y), z
+    return reference.activation(z, act, slope), z
 
 
 class _MlpTrain(torch.autograd.Function):

@@ -39,12 +39,14 @@ def _operands(shape, dtype, seed=0):
     return z, dy
 
 
-def _close_to_aten(ours, ref):
-    """Every element within one 16-bit ulp of aten's, and at most 0.1% of them differing at all
-    (the compilers may contract a float32 multiply-add differently)."""
+def _close_to_aten(ours, ref, act):
+    """Every element within one 16-bit ulp of aten's, and few of them differing at all: Triton's
+    libdevice erff is not bit for bit the CUDA math library's that aten's GELU calls (1.4-2.3% of
+    exact GELU's outputs and 0.4-0.5% of its gradients moved by one ulp on the H200,
+    elementwise_probe.json), and the compilers may contract a float32 multiply-add differently."""
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
     differ = (ours != ref)
-    assert differ.float().mean().item() <= 1e-3
+    assert differ.float().mean().item() <= (0.05 if act == "gelu" else 1e-3)
     ulp = torch.finfo(ref.dtype).eps * ref.float().abs().clamp_min(torch.finfo(ref.dtype).tiny)
     assert ((ours.float() - ref.float()).abs() <= ulp + 1e-30).all()
 
@@ -56,10 +58,10 @@ def test_forward_and_fused_backward_match_aten(act, dtype, shape):
     z, dy = _operands(shape, dtype)
     y = triton_act.act_forward(z, act)
     assert y is not None
-    _close_to_aten(y, ATEN_FWD[act](z))
+    _close_to_aten(y, ATEN_FWD[act](z), act)
     dz, db = triton_act.act_grad_dbias(dy, z, act, True)
     ref = ATEN_BWD[act](dy, z)
-    _close_to_aten(dz, ref)
+    _close_to_aten(dz, ref, act)
     exact = dz.reshape(-1, shape[-1]).double().sum(0)  # db sums our dz: judged against its exact sum
     assert db.dtype == dtype and db.shape == (shape[-1],)
     scale = dz.reshape(-1, shape[-1]).double().abs().sum(0).clamp_min(1e-30)
@@ -113,7 +115,7 @@ def test_fused_mlp_step_matches_eager(dtype):
     grads = step_grads((base, opt), x)
     for ours, theirs in zip(grads[1], grads[0]):
         assert (ours.float() - theirs.float()).abs().max().item() <= 1e-2 * theirs.float().abs().max().item() + 1e-6
-    assert triton_act.stats["forward"] - before["forward"] == 2
+    assert triton_act.stats["forward"] == before["forward"]  # the forward stays aten's (no faster in Triton)
     assert triton_act.stats["backward"] - before["backward"] == 2
 
 

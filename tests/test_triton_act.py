@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from cudnn_fuse import backward, reference, torch_ops, triton_act
+from cudnn_fuse import backward, torch_ops, triton_act
 from tests.grad_check import env_setting
 from tests.test_backward import _mlp_inputs, _mlp_ref, compare
 
@@ -141,7 +141,6 @@ def test_fused_mlp_takes_dz_and_db1_from_one_pass(monkeypatch, act, need_db1):
         return dz, (dz.reshape(-1, dz.shape[-1]).sum(0) if need_db else None)
 
     monkeypatch.setattr(triton_act, "act_grad_dbias", fake)
-    monkeypatch.setattr(triton_act, "act_forward", lambda z, a: reference.activation(z, a))
     x, w1, b1, w2, b2, _ = _mlp_inputs(bias=need_db1)
     inputs = (x, w1, b1, w2, b2) if need_db1 else (x, w1, w2)
     fn = (lambda *t: torch_ops.mlp(*t, act, None, 0.01)) if need_db1 else \
@@ -155,7 +154,6 @@ def test_fused_mlp_falls_back_when_the_pass_declines(monkeypatch):
     monkeypatch.setattr(backward, "MLP", "torch")
     monkeypatch.setattr(triton_act, "MODE", "triton")
     monkeypatch.setattr(triton_act, "act_grad_dbias", lambda *a: None)
-    monkeypatch.setattr(triton_act, "act_forward", lambda *a: None)
     x, w1, b1, w2, b2, _ = _mlp_inputs()
     compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
 
