@@ -42,6 +42,26 @@ _TANH_KAPPA = 0.044715
 
 FWD_CONFIG = (2048, 8)  # elements per program, warps
 BWD_CONFIG = (16, 256, 8, 8, 1)  # rows per tile, columns per program, warps, programs per SM, pipeline stages
+
+
+def _env_config(var: str, default: tuple) -> tuple:
+    """A launch configuration from ``var`` ("16,256,8,8,1": powers of two where Triton needs them),
+    else ``default``; a malformed value is logged and ignored."""
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return default
+    try:
+        cfg = tuple(int(v) for v in raw.split(","))
+        pow2 = cfg[:3] if len(cfg) == 5 else ()
+        if len(cfg) != len(default) or min(cfg) < 1 or any(v & (v - 1) for v in pow2):
+            raise ValueError("want 5 positive integers, the first three powers of two")
+        return cfg
+    except ValueError as e:
+        log.warning("%s=%r ignored (%s); using %s", var, raw, e, default)
+        return default
+
+
+BWD_CONFIG = _env_config("CUDNN_FUSE_MLP_ELEMENTWISE_CONFIG", BWD_CONFIG)
 _kernels = None  # (forward, backward) once built; False once Triton proved unusable
 _launched = set()  # specializations already compiled and launched (see _specialization)
 stats = {"forward": 0, "backward": 0, "declined": 0}

@@ -176,3 +176,15 @@ def test_capture_declines_a_specialization_not_compiled_yet(monkeypatch):
     assert triton_act._may_launch(key)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert triton_act._may_launch(("anything",))
+
+
+@pytest.mark.parametrize("raw, expect", [("", None), ("32,256,8,1000000,1", (32, 256, 8, 1000000, 1)),
+                                         ("32,256,8", None), ("24,256,8,4,1", None), ("16,256,0,4,1", None),
+                                         ("a,b", None)])
+def test_backward_config_from_the_environment(monkeypatch, caplog, raw, expect):
+    default = (16, 256, 8, 8, 1)
+    monkeypatch.setenv("CUDNN_FUSE_MLP_ELEMENTWISE_CONFIG", raw)
+    with caplog.at_level(logging.WARNING, logger="cudnn_fuse.triton_act"):
+        got = triton_act._env_config("CUDNN_FUSE_MLP_ELEMENTWISE_CONFIG", default)
+    assert got == (expect or default)
+    assert any("ignored" in r.getMessage() for r in caplog.records) is (raw != "" and expect is None)
