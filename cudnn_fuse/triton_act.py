@@ -1,5 +1,7 @@
-"""The kept-pre-activation MLP's elementwise kernels in Triton: the activation's forward, and its
-backward fused with the bias gradient's column sum (nn.FusedMLP's node on eager's kernels).
+"""The kept-pre-activation MLP's elementwise kernels in Triton: the activation's backward fused
+with the bias gradient's column sum, which nn.FusedMLP's node on eager's kernels uses when asked
+for; and the activation's forward, which it does not (no faster than aten's on the H200:
+bench/elementwise_probe.py times it against aten's, docs/decisions.md).
 
 Eager runs three memory-bound passes per block around its GEMMs: GELU's forward (read z, write
 y), gelu_backward (read dy and z, write dz) and the bias gradient's column sum (read dz again).
@@ -38,7 +40,6 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _SQRT1_2 = 0.7071067811865476  # M_SQRT1_2
 _GELU_BETA = float(torch.tensor(2.0 / math.sqrt(math.pi) * _SQRT1_2 * 0.5, dtype=torch.float32))  # aten's kBeta
 _TANH_BETA = float(torch.tensor(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5, dtype=torch.float32))  # aten's kBeta (tanh)
-_TANH_KAPPA = 0.044715
 
 FWD_CONFIG = (2048, 8)  # elements per program, warps
 BWD_CONFIG = (16, 256, 8, 8, 1)  # rows per tile, columns per program, warps, programs per SM, pipeline stages
@@ -157,6 +158,16 @@ def _rows_per_prog(m: int, n_col_blocks: int, bm: int, sms: int, per_sm: int = 4
     return -(-rows // bm) * bm
 
 
+_sms: dict = {}  # device -> SM count
+
+
+def _sm_count(device) -> int:
+    sms = _sms.get(device)
+    if sms is None:
+        sms = _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms
+
+
 def act_grad_dbias(dy: Tensor, z: Tensor, act: str, need_db: bool) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """(dz, db): dz = act'(z) * dy, and db = dz summed over every row (dz's dtype, float32
     accumulation) when ``need_db``; one pass over dy and z. None when not ``usable``."""
@@ -168,7 +179,7 @@ def act_grad_dbias(dy: Tensor, z: Tensor, act: str, need_db: bool) -> Optional[T
     m = z.numel() // n
     bm, bn, warps, per_sm, stages = BWD_CONFIG
     n_col_blocks = -(-n // bn)
-    sms = torch.cuda.get_device_properties(z.device).multi_processor_count
+    sms = _sm_count(z.device)
     rows = _rows_per_prog(m, n_col_blocks, bm, sms, per_sm)
     chunks = -(-m // rows)
     key = _specialization("backward", act, (dy, z), (m, n, rows), (bool(need_db), BWD_CONFIG))
