@@ -39,16 +39,28 @@ def _operands(shape, dtype, seed=0):
     return z, dy
 
 
-def _close_to_aten(ours, ref, act):
-    """Every element within one 16-bit ulp of aten's, and few of them differing at all: Triton's
-    libdevice erff is not bit for bit the CUDA math library's that aten's GELU calls (1.4-2.3% of
-    exact GELU's outputs and 0.4-0.5% of its gradients moved by one ulp on the H200,
-    elementwise_probe.json), and the compilers may contract a float32 multiply-add differently."""
+def _close_to_aten(ours, ref, act, scale):
+    """Every element within one 16-bit ulp of aten's plus what float32's erf/tanh near -1 leaves,
+    and few elements differing at all. Triton's libdevice erff is not bit for bit the CUDA math
+    library's that aten's GELU calls (1.4-2.3% of exact GELU's outputs and 0.4-0.5% of its
+    gradients differ, elementwise_probe.json), and the compilers may contract a float32 multiply-add
+    differently. Where z is very negative, 1 + erf(z/sqrt2) (and 1 + tanh) cancels: it is a few
+    float32 ulps of 1.0 (2**-24 each), so two implementations within 2 ulp each may differ there by
+    up to 2 * float32 eps times 0.5 * |z| (forward) or 0.5 * |dy| (backward), however small the
+    result; ``scale`` is that |z| or |dy| (found on the H200 on 2026-12-03: a 1024 x 4096 bf16
+    forward had elements off by more than one bf16 ulp, all of them in that tail)."""
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
     differ = (ours != ref)
     assert differ.float().mean().item() <= (0.05 if act == "gelu" else 1e-3)
     ulp = torch.finfo(ref.dtype).eps * ref.float().abs().clamp_min(torch.finfo(ref.dtype).tiny)
-    assert ((ours.float() - ref.float()).abs() <= ulp + 1e-30).all()
+    tail = torch.finfo(torch.float32).eps * scale.float().abs() if act.startswith("gelu") else 0.0
+    err = (ours.float() - ref.float()).abs()
+    bad = err > ulp + tail + 1e-30
+    if bad.any():
+        i = bad.flatten().nonzero()[0].item()
+        raise AssertionError(f"{int(bad.sum())} elements out of bound; first at {i}: ours "
+                             f"{ours.flatten()[i].item()!r} aten {ref.flatten()[i].item()!r} "
+                             f"scale {scale.flatten()[i].item()!r}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -58,10 +70,10 @@ def test_forward_and_fused_backward_match_aten(act, dtype, shape):
     z, dy = _operands(shape, dtype)
     y = triton_act.act_forward(z, act)
     assert y is not None
-    _close_to_aten(y, ATEN_FWD[act](z), act)
+    _close_to_aten(y, ATEN_FWD[act](z), act, z)
     dz, db = triton_act.act_grad_dbias(dy, z, act, True)
     ref = ATEN_BWD[act](dy, z)
-    _close_to_aten(dz, ref, act)
+    _close_to_aten(dz, ref, act, dy)
     exact = dz.reshape(-1, shape[-1]).double().sum(0)  # db sums our dz: judged against its exact sum
     assert db.dtype == dtype and db.shape == (shape[-1],)
     scale = dz.reshape(-1, shape[-1]).double().abs().sum(0).clamp_min(1e-30)
