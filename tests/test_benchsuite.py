@@ -403,6 +403,70 @@ def test_plot_script_on_a_fake_peers_json(tmp_path):
             in plot_peers.table(doc))
 
 
+def _plot_results():
+    sys.path.insert(0, ROOT)
+    from bench import plot_results
+    return plot_results
+
+
+def _mem_case(name, peak, step):
+    return {"name": name, "eager_peak_bytes": 1000, "cf_peak_bytes": peak * 1000,
+            "eager_step_ms": 10.0, "cf_step_ms": step * 10.0}
+
+
+def test_memory_rows_judge_each_case_against_its_own_target():
+    pr = _plot_results()
+    doc = {"cases": [_mem_case("mlp", 1.0, 1.0), _mem_case("mlp_recompute", 0.70, 1.35),
+                     _mem_case("conv", 1.0, 0.99), _mem_case("conv_more_memory", 1.01, 0.5),
+                     _mem_case("x_recompute", 0.71, 1.0), _mem_case("y_recompute", 0.5, 1.36),
+                     {"name": "unmeasured", "eager_peak_bytes": 1, "cf_peak_bytes": None,
+                      "eager_step_ms": 1.0, "cf_step_ms": 1.0}]}
+    rows = {r[0]: r[1:] for r in pr.memory_rows(doc)}
+    assert "unmeasured" not in rows
+    assert rows["mlp"][:2] == pytest.approx((1.0, 1.0)) and rows["mlp"][2:] == (True, False)  # a tie is not faster
+    assert rows["mlp_recompute"][2:] == (True, True)  # recompute targets are inclusive: 0.70, 1.35
+    assert rows["conv"][2:] == (True, True)
+    assert rows["conv_more_memory"][2:] == (False, True)
+    assert rows["x_recompute"][2:] == (False, True)
+    assert rows["y_recompute"][2:] == (True, False)
+
+
+def test_cold_rows_and_summary_over_the_graphs_measured():
+    pr = _plot_results()
+    doc = {"per_graph_ms": {"a": {"cold_heuristic": 300.0, "cold_autotune": 900.0, "warm": 2.0},
+                            "b": {"cold_heuristic": 100.0, "warm": 6.0},
+                            "c": {"cold_heuristic": 200.0, "cold_autotune": float("nan"), "warm": 1.0}}}
+    rows = pr.cold_rows(doc)
+    assert [r[0] for r in rows] == ["a", "b", "c"] and "cold_autotune" not in rows[2][1]
+    summary = pr.cold_summary(rows)
+    assert summary["cold_heuristic"] == pytest.approx((200.0, 200.0))
+    assert summary["cold_autotune"] == pytest.approx((900.0, 900.0))
+    assert summary["warm"] == pytest.approx((3.0, 2.0))
+    assert pr.cold_rows({}) == [] and pr.cold_summary([]) == {}
+
+
+def test_plot_results_writes_both_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    pr = _plot_results()
+    mem, cold = tmp_path / "memory.json", tmp_path / "cold.json"
+    mem.write_text(json.dumps({"device": "X", "cases": [_mem_case("mlp", 1.0, 0.9), _mem_case("m_recompute", 0.6, 1.2)]}))
+    cold.write_text(json.dumps({"graphs": 2, "warm_plans_built": 0,
+                                "per_graph_ms": {"a": {"cold_heuristic": 30.0, "warm": 2.0}, "b": {"warm": 1.5}}}))
+    assert pr.main(["--memory", str(mem), "--cold", str(cold), "--out-dir", str(tmp_path / "out")]) == 0
+    for png in ("memory.png", "cold_start.png"):
+        data = (tmp_path / "out" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert pr.main(["--memory", str(tmp_path / "none.json"), "--cold", str(tmp_path / "none2.json"),
+                    "--out-dir", str(tmp_path / "out2")]) == 1  # nothing to plot is a failure
+
+
+def test_plot_results_without_matplotlib_exits_2(monkeypatch, capsys):
+    pr = _plot_results()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert pr.main(["--memory", "nope.json"]) == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- the command line
 
 
