@@ -31,6 +31,19 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+def _target(name: str) -> tuple:
+    return RECOMPUTE_TARGET if "recompute" in name else PLAIN_TARGET
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def memory_rows(doc: dict) -> list:
     """(name, peak ratio, step ratio, peak met, step met) per case of memory.json with every
     measurement; each judged against the case's target (recompute cases: "recompute" in the name)."""
@@ -41,7 +54,7 @@ def memory_rows(doc: dict) -> list:
             continue
         peak = c["cf_peak_bytes"] / c["eager_peak_bytes"]
         step = c["cf_step_ms"] / c["eager_step_ms"]
-        max_peak, max_step, strict = RECOMPUTE_TARGET if "recompute" in c["name"] else PLAIN_TARGET
+        max_peak, max_step, strict = _target(c["name"])
         rows.append((c["name"], peak, step, peak <= max_peak, step < max_step if strict else step <= max_step))
     return rows
 
@@ -66,11 +79,7 @@ def cold_summary(rows: list) -> dict:
 
 
 def plot_memory(doc: dict, path: str) -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = memory_rows(doc)
     if not rows:
         raise ValueError("memory.json has no case with every measurement")
@@ -83,7 +92,7 @@ def plot_memory(doc: dict, path: str) -> int:
         for b, v in zip(bars, vals):
             ax.text(v, b.get_y() + b.get_height() / 2, f" {v:.2f}×", va="center", fontsize=9)
         for i, r in enumerate(rows):
-            target = (RECOMPUTE_TARGET if "recompute" in r[0] else PLAIN_TARGET)[idx - 1]
+            target = _target(r[0])[idx - 1]
             ax.plot([target, target], [i - 0.45, i + 0.45], color="black", linestyle="--", linewidth=1)
         ax.axvline(1.0, color="grey", linewidth=0.6)
         ax.set_title(title)
@@ -100,11 +109,7 @@ def plot_memory(doc: dict, path: str) -> int:
 
 
 def plot_cold(doc: dict, path: str) -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = cold_rows(doc)
     if not rows:
         raise ValueError("cold_start.json has no per_graph_ms")
