@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backward, ops, reference, triton_act, tuned_gemm
+from . import backward, ops, reference, triton_act, triton_gemm, tuned_gemm
 
 # ------------------------------------------------------------------------ helpers
 
@@ -583,9 +583,15 @@ def _saved_tensor_hooks_active() -> bool:
 
 def _mlp_save_z(x, w1, b1, act, slope):
     """(y1, z1) of a FusedMLP block's first layer: cuDNN's save-z graph when backward.MLP is
-    "cudnn", else eager's kernels (the GEMM with its bias, then the activation)."""
+    "cudnn", one Triton GEMM writing both when it is "triton" (cudnn_fuse.triton_gemm), else
+    eager's kernels (the GEMM with its bias, then the activation); a declined graph or kernel runs
+    eager's."""
     if backward.MLP == "cudnn":
         return _linear_save_z_op_impl(x, w1, b1, act, None, slope)
+    if backward.MLP == "triton" and x.is_cuda and not _create_graph():
+        out = triton_gemm.linear_act(x, w1, b1, act)
+        if out is not None:
+            return out
     z = (tuned_gemm.linear(x, w1, b1) if x.is_cuda else reference.linear(x, w1, b1, None, None)).contiguous()
     return reference.activation(z, act, slope), z
 
@@ -661,6 +667,13 @@ def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
     del y1
     dx = dw1 = db1 = None
     if needs[0] or needs[1] or needs[2]:
+        fused = (triton_gemm.matmul_act_grad(gy, w2, z1, act, needs[2])
+                 if backward.MLP == "triton" and gy.is_cuda and not _create_graph() else None)
+        if fused is not None:  # dz and db1 from dY @ W2 with act's backward in its epilogue (one Triton GEMM)
+            dz, db1 = fused
+            del z1
+            dx, dw1, _ = _linear_products(dz, x, w1, needs[0], needs[1], False)
+            return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
         dy1 = tuned_gemm.matmul(gy, w2)
         fused = (triton_act.act_grad_dbias(dy1, z1, act, needs[2])
                  if triton_act.MODE == "triton" and not _create_graph() else None)
