@@ -27,10 +27,10 @@ import cudnn_fuse as cf  # noqa: E402
 from bench.common import device_name, synced_ms, write_json  # noqa: E402
 
 
-def mlp(d=2048, layers=8):
+def mlp(d=2048, layers=8, approximate="none"):
     mods = []
     for _ in range(layers):
-        mods += [nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)]
+        mods += [nn.Linear(d, 4 * d), nn.GELU(approximate=approximate), nn.Linear(4 * d, d)]
     return nn.Sequential(*mods)
 
 

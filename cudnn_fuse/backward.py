@@ -84,6 +84,11 @@ WGRAD = os.environ.get("CUDNN_FUSE_BWD_WGRAD", "torch")
 # runs, the same node on torch 0.997x and 0.986x (bench/results/wgrad_probe_runs/wgrad_probe_ebdd0ee.json,
 # wgrad_probe.json); stop 29's mlp_variants_probe.json read the forward alone on torch 1.021x against
 # cudnn's 1.053x. cuDNN's fused GEMMs lose to cuBLAS's more than the fusion saves at that shape.
+# Two more, opt-in and measured no faster on the H200 (docs/decisions.md, "The MLP's GEMMs with their
+# passes in the epilogue"): "triton" (cudnn_fuse.triton_gemm: Triton GEMMs with act and act's backward
+# plus the bias sums in their epilogues; the epilogues cost more than the passes they replace) and
+# "cublaslt" (the tanh GELU only: cuBLASLt's GELU_AUX_BIAS forward and DGELU backward, 0.999x eager's
+# step where the node on torch kernels read 1.020x; other activations run torch's kernels).
 MLP = os.environ.get("CUDNN_FUSE_MLP_KERNELS", "torch")
 # A linear layer's bias gradient on torch kernels (a column sum of dz, off the step's critical path:
 # only the optimizer reads it) on a side stream ("side"), so that it can run beside the layer's

@@ -252,7 +252,9 @@ class FusedMLP(torch.nn.Module):
     CUDNN_FUSE_MLP_KERNELS=cudnn its forward is cuDNN's save-z graph and its backward computes the
     first layer's dz in ONE cuDNN graph: the second layer's data gradient dY @ W2 with the
     activation's backward in its epilogue (measured slower than cuBLAS on the H200 at 8192 x 2048 ->
-    8192 bf16, docs/decisions.md). Inference, ``recompute=True`` and torch.compile run ``fc1`` then
+    8192 bf16, docs/decisions.md); =triton runs Triton GEMMs with the activation, its backward and
+    the bias sums in their epilogues, and =cublaslt (the tanh GELU) cuBLASLt's GELU_AUX_BIAS and
+    DGELU epilogues, both measured no faster than the default. Inference, ``recompute=True`` and torch.compile run ``fc1`` then
     ``fc2``, exactly what the two modules would run.
     """
 

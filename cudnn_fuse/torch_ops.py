@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backward, ops, reference, triton_act, triton_gemm, tuned_gemm
+from . import backward, cublaslt, ops, reference, triton_act, triton_gemm, tuned_gemm
 
 # ------------------------------------------------------------------------ helpers
 
@@ -117,12 +117,14 @@ def _linear_products(dz: Tensor, x: Tensor, w: Tensor, need_x: bool, need_w: boo
     if lt is not None:
         return tuned_gemm.matmul(dz, w) if need_x else None, lt[0], lt[1]
     db, side = backward.bias_sum_begin(dz2) if need_b else (None, None)  # beside the GEMMs, when BIAS_SUM asks
+    if need_b and side is None:
+        # first: the column sum's scratch (torch's reduction took 128 MiB for a 4096 x 4096 bf16 dz
+        # on the H200) then meets fewer live tensors than after dx and dw exist
+        db = dz2.sum(0)
     dx = tuned_gemm.matmul(dz, w) if need_x else None  # cuBLASLt's tuned algorithm where one is recorded
     dw = tuned_gemm.matmul(dz2.t(), x.reshape(-1, K)) if need_w else None
     if side is not None:
         db = backward.bias_sum_end(db, side)
-    elif need_b:
-        db = dz2.sum(0)
     return dx, dw, db
 
 
@@ -583,13 +585,18 @@ def _saved_tensor_hooks_active() -> bool:
 
 def _mlp_save_z(x, w1, b1, act, slope):
     """(y1, z1) of a FusedMLP block's first layer: cuDNN's save-z graph when backward.MLP is
-    "cudnn", one Triton GEMM writing both when it is "triton" (cudnn_fuse.triton_gemm), else
+    "cudnn", one Triton GEMM writing both when it is "triton" (cudnn_fuse.triton_gemm), for the
+    tanh GELU one cuBLASLt GEMM (GELU_AUX_BIAS) when it is "cublaslt", else
     eager's kernels (the GEMM with its bias, then the activation); a declined graph or kernel runs
     eager's."""
     if backward.MLP == "cudnn":
         return _linear_save_z_op_impl(x, w1, b1, act, None, slope)
     if backward.MLP == "triton" and x.is_cuda and not _create_graph():
         out = triton_gemm.linear_act(x, w1, b1, act)
+        if out is not None:
+            return out
+    if backward.MLP == "cublaslt" and act == "gelu_tanh" and x.is_cuda and not _create_graph():
+        out = cublaslt.linear_gelu_aux(x, w1, b1)  # one GEMM, GELU in its epilogue, z its aux output
         if out is not None:
             return out
     z = (tuned_gemm.linear(x, w1, b1) if x.is_cuda else reference.linear(x, w1, b1, None, None)).contiguous()
@@ -667,9 +674,17 @@ def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
     del y1
     dx = dw1 = db1 = None
     if needs[0] or needs[1] or needs[2]:
-        fused = (triton_gemm.matmul_act_grad(gy, w2, z1, act, needs[2])
-                 if backward.MLP == "triton" and gy.is_cuda and not _create_graph() else None)
-        if fused is not None:  # dz and db1 from dY @ W2 with act's backward in its epilogue (one Triton GEMM)
+        fused = None
+        if backward.MLP == "triton" and gy.is_cuda and not _create_graph():
+            fused = triton_gemm.matmul_act_grad(gy, w2, z1, act, needs[2])
+        elif backward.MLP == "cublaslt" and act == "gelu_tanh" and gy.is_cuda and not _create_graph():
+            out = cublaslt.dgelu_bgrad(gy, w2, z1, False)  # dz from one GEMM (DGELU); db1 below, z1 freed first
+            if out is not None:
+                dz = out[0]
+                del out, z1
+                dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
+                return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
+        if fused is not None:  # dz and db1 from dY @ W2 with act's backward in its epilogue (one GEMM)
             dz, db1 = fused
             del z1
             dx, dw1, _ = _linear_products(dz, x, w1, needs[0], needs[1], False)

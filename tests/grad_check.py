@@ -74,3 +74,17 @@ def step_grads(models, x):
         out.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
     return out
 
+
+
+def mlp_operands(m, k, n, dtype, seed=0):
+    """CUDA operands of a Linear(k, n) -> act -> Linear(n, k) block: x [m, k], w1 [n, k], b1 [n],
+    w2 [k, n] and the output's gradient gy [m, k], from a seeded generator."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w1 = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5 * 2).to(dtype)
+    b1 = torch.randn(n, device="cuda", generator=g).to(dtype)
+    w2 = (torch.randn(k, n, device="cuda", generator=g) * k ** -0.5).to(dtype)
+    gy = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    return x, w1, b1, w2, gy

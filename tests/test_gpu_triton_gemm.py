@@ -14,7 +14,7 @@ from torch import nn
 
 import cudnn_fuse as cf
 from cudnn_fuse import backward, triton_gemm
-from tests.grad_check import step_grads
+from tests.grad_check import mlp_operands as _operands, step_grads
 from tests.test_gpu_triton_act import ATEN_BWD, ATEN_FWD, _close_to_aten
 
 pytestmark = pytest.mark.gpu
@@ -38,16 +38,6 @@ def _gemm_bound(ours, a, b, bias, dtype):
     err = (ours.double() - exact).abs()
     bound = torch.finfo(dtype).eps * exact.abs() + 2 * k * torch.finfo(torch.float32).eps * mag + 1e-30
     assert (err <= bound).all(), f"{int((err > bound).sum())} elements off; worst {float((err - bound).max())}"
-
-
-def _operands(m, k, n, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-    w1 = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5 * 2).to(dtype)
-    b1 = torch.randn(n, device="cuda", generator=g).to(dtype)
-    w2 = (torch.randn(k, n, device="cuda", generator=g) * k ** -0.5).to(dtype)
-    gy = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-    return x, w1, b1, w2, gy
 
 
 SHAPES = [(512, 256, 1024), (300, 200, 130), (1, 64, 1040), (4099, 136, 257)]
