@@ -6,6 +6,10 @@ cuDNN's graphs cannot fuse that reduction: it runs over the GEMM's K dimension (
 cuDNN's epilogues only see the output tile. cuBLASLt's BGRADB epilogue sums the B operand over
 K while the GEMM streams it, which is what Megatron's and TransformerEngine's fused wgrad do.
 
+The same module runs the tanh GELU's epilogues for nn.FusedMLP with CUDNN_FUSE_MLP_KERNELS=cublaslt:
+GELU_AUX_BIAS (y and the pre-activation from one forward GEMM) and DGELU (dY @ W2 times gelu'(z)
+in the backward GEMM's epilogue): ``linear_gelu_aux`` and ``dgelu_bgrad``.
+
 The library is loaded from the process (torch's CUDA build links it), through ctypes: no
 header, no build step, no new dependency. Anything it cannot take (CPU, float32, views not
 256-byte aligned, a missing library, no algorithm, an error status) answers None and the caller
@@ -228,6 +232,7 @@ gelu_stats = {"forward": 0, "backward": 0}  # GEMMs run with a GELU epilogue
 # 0.93 ms against 0.40 with 1 MiB allowed, of which the picks asked for 4 and 131 bytes
 # (8192 x 2048 -> 8192 bf16, H200: bench/results/cublaslt_gelu_runs).
 EPILOGUE_WORKSPACE_BYTES = 1 << 20
+
 
 class _EpiPlan:
     """One column-major GEMM D = op(A) @ op(B) with an epilogue that has a bias vector and an aux

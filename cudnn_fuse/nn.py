@@ -254,8 +254,8 @@ class FusedMLP(torch.nn.Module):
     activation's backward in its epilogue (measured slower than cuBLAS on the H200 at 8192 x 2048 ->
     8192 bf16, docs/decisions.md); =triton runs Triton GEMMs with the activation, its backward and
     the bias sums in their epilogues, and =cublaslt (the tanh GELU) cuBLASLt's GELU_AUX_BIAS and
-    DGELU epilogues, both measured no faster than the default. Inference, ``recompute=True`` and torch.compile run ``fc1`` then
-    ``fc2``, exactly what the two modules would run.
+    DGELU epilogues, both measured no faster than the default. Inference, ``recompute=True`` and
+    torch.compile run ``fc1`` then ``fc2``, exactly what the two modules would run.
     """
 
     def __init__(self, fc1: "Linear", fc2: torch.nn.Linear):

@@ -75,7 +75,6 @@ def step_grads(models, x):
     return out
 
 
-
 def mlp_operands(m, k, n, dtype, seed=0):
     """CUDA operands of a Linear(k, n) -> act -> Linear(n, k) block: x [m, k], w1 [n, k], b1 [n],
     w2 [k, n] and the output's gradient gy [m, k], from a seeded generator."""
