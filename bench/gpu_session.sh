@@ -4,7 +4,8 @@
 #
 #   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
-# Steps: tests (the GPU suite, junit XML), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
+# Steps: tests (the GPU suite, junit XML; past one call's limit since c9916b3), tests_a / tests_b (the suite in two calls:
+# test_gpu_[a-n]*.py, 523 tests, about 300 s on one H200; the rest, 387 tests), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
 # memory2 (memory and memory_at at once, one per GPU), bwdprobe (backward_probe: each backward piece), convprobe
 # (conv_host_probe: where the conv step's host time goes), sdpasweep (knob_sweep --attention per SDPA_SHAPES), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
 # cf under torch.compile, torch.compile), host (host_overhead +
@@ -36,6 +37,11 @@ for s in $STEPS; do
     case $s in
         tests) step tests "${TESTS_TIMEOUT:-480}" python3 -m pytest -m gpu -q -p no:cacheprovider tests \
                    --ignore=tests/test_gpu_optimize_fuzz.py --junit-xml="$OUT/gpu_junit.xml" ;;
+        tests_a|tests_b)  # the suite in two calls (it outgrew one: 870 of 910 tests in 545 s at c9916b3)
+            if [ "$s" = tests_a ]; then files=(tests/test_gpu_[a-n]*.py); else
+                files=($(ls tests/test_gpu_*.py | grep -v -E 'test_gpu_[a-n]|optimize_fuzz') tests/test_hf.py); fi
+            step "$s" "${TESTS_TIMEOUT:-480}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE "${files[@]}" \
+                --junit-xml="$OUT/gpu_junit_${s#tests_}.xml" ;;
         optfuzz) step optimize_fuzz 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_gpu_optimize_fuzz.py ;;
         tests2) t0=$SECONDS  # the GPU suite split over two GPUs (nvidia-h200-x2), by file
             files=(tests/test_gpu_*.py); half=(); other=()

@@ -128,6 +128,59 @@ def handle_for(device: int) -> _Handle:
     return h
 
 
+# ---------------------------------------------------------------- releases kept out of captures
+
+# Releasing a cuDNN plan (its backend descriptors; a runtime-compiled engine's module) while a stream of
+# the device is capturing breaks that capture, and the failed CUDA call's error is raised by the releasing
+# thread's next torch op. On the H200, four threads launching one linear on their own streams while
+# dropped plans were freed beside them got "operation not permitted when stream is capturing" in torch
+# ops, invalidated launch-graph captures, and wrong outputs (tests/test_gpu_native.py; docs/decisions.md,
+# "Plans are released outside captures"). Python frees a plan where its last reference goes (an LRU
+# eviction, ``clear()``, a memo replaced in another thread) or where the garbage collector runs, so:
+# - a dropped Plan's cuDNN objects wait in ``_graveyard`` until a thread holds the device's handle lock
+#   outside any capture (every capture of ours holds that lock): ``_drain``;
+# - the garbage collector does not run while a capture of ours is open: ``no_gc``.
+_graveyard: dict[int, list] = {}  # device -> [(graph, raw launcher, graph set), ...] of dropped plans
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_was_enabled = True
+
+
+def _drain(device: int) -> None:
+    """Release the dropped plans' cuDNN objects of ``device``. The caller holds its handle's lock and
+    is not capturing."""
+    dead = _graveyard.get(device)
+    while dead:
+        try:
+            dead.pop()
+        except IndexError:  # another thread emptied it meanwhile
+            break
+
+
+def released() -> int:
+    """How many dropped plans' cuDNN objects wait to be released (tests)."""
+    return sum(len(v) for v in _graveyard.values())
+
+
+@contextlib.contextmanager
+def no_gc():
+    """The garbage collector off for the block (nested and concurrent blocks counted), then back to
+    what it was: no cuDNN object it would free is released while a capture of ours is open."""
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                gc.enable()
+
+
 @contextlib.contextmanager
 def held(h: _Handle, device: int):
     """``h`` (a device's shared handle) locked and bound to the device's side stream, for work that
@@ -139,7 +192,8 @@ def held(h: _Handle, device: int):
     graphs capture there, under this same lock). Not reentrant: nothing under it takes the lock."""
     import cudnn
 
-    with h.lock:
+    with h.lock, no_gc():  # the deserialize's warm-up is a capture
+        _drain(device)
         side = _side_stream(device)
         if h.stream != side:
             cudnn.set_stream(handle=h.handle, stream=side)
@@ -359,6 +413,15 @@ class Plan:
         # repeated pointer sets replay as CUDA graphs (launch_graphs.py); None: always raw
         self._graphs = launch_graphs.new_set(spec) if self._raw is not None else None
 
+    def __del__(self):
+        # the cuDNN objects wait for a thread that holds the handle's lock outside any capture (_drain)
+        try:
+            kept = (getattr(self, "graph", None), getattr(self, "_raw", None), getattr(self, "_graphs", None))
+            if any(k is not None for k in kept):
+                _graveyard.setdefault(getattr(self, "device", 0), []).append(kept)
+        except Exception:  # noqa: BLE001 - at interpreter exit the module may be half torn down
+            pass
+
     @property
     def raw(self) -> bool:
         """Whether this plan launches through raw device pointers."""
@@ -409,6 +472,8 @@ class Plan:
             for slot, p in zip(slots, ptrs):
                 array[slot] = p
             fn(address, n, ws, raw_handle, index)
+            if not capturing and _graveyard.get(device):  # under the lock, outside captures: release dropped plans
+                _drain(device)
         del keep
 
     def _capture(self, graphs, key, ptrs, ws):
@@ -424,14 +489,17 @@ class Plan:
         side = _side_stream(self.device)
 
         def work():
-            cudnn.set_stream(handle=h.handle, stream=side)
-            h.stream = side
             for slot, p in zip(slots, ptrs):
                 array[slot] = p
             fn(address, n, ws, raw_handle, index)
 
         try:
-            with torch.cuda.device(self.device):
+            # nothing is released and no cuDNN stream switch is made while the capture is open
+            with torch.cuda.device(self.device), no_gc():
+                _drain(self.device)
+                if h.stream != side:
+                    cudnn.set_stream(handle=h.handle, stream=side)
+                    h.stream = side
                 ex = graphs._drv.capture(side, work, kernel_only=graphs.kernel_only)
         except launch_graphs.NotOneKernel as exc:  # a long kernel's plan replays as its kernel or not at all
             launch_graphs.STATS.declined += 1
@@ -581,9 +649,14 @@ def plans_in_memory() -> list:
 
 
 def clear() -> None:
-    """Forget every in-memory plan (tests; a later cache layer refills it)."""
+    """Forget every in-memory plan (tests; a later cache layer refills it). Their cuDNN objects are
+    released here, under each device's handle lock, unless this thread's stream is capturing."""
     FAST.clear()
     _LRU.clear()
+    if _graveyard and not (torch.cuda.is_available() and torch.cuda.is_initialized() and _capturing()):
+        for device, h in list(_handles.items()):
+            with h.lock:
+                _drain(device)
 
 
 def _release_at_exit() -> None:

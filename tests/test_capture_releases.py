@@ -1,0 +1,170 @@
+"""Dropped plans are released outside launch-graph captures (plans._graveyard, plans.no_gc).
+
+Releasing a cuDNN plan while a stream of the device captures breaks the capture, and the failed
+CUDA call's error is raised by the releasing thread's next torch op (four threads on their own
+streams on the H200: tests/test_gpu_native.py::test_side_streams_and_threads). What must hold, on
+the stand-in driver and entry point of tests/test_launch_graphs.py: a dropped Plan's cuDNN objects
+outlive it until a thread holds the device's handle lock outside any capture; a capture opens with
+nothing left to release, the garbage collector off and the handle already on the side stream; the
+collector's state is given back as it was; torch's own capture releases nothing."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import types
+import weakref
+
+import pytest
+
+from cudnn_fuse import launch_graphs, plans
+from tests.test_launch_graphs import FakeDriver, Rig
+
+
+class CudnnObject:
+    """Stands in for a plan's frontend graph: records the handle lock's state when it is freed."""
+
+    def __init__(self, handle, log):
+        self.handle, self.log = handle, log
+
+    def __del__(self):
+        self.log.append(("released", self.handle.lock.locked()))
+
+
+@pytest.fixture
+def empty_graveyard(monkeypatch):
+    gc.collect()  # earlier tests' plans freed now, into the real graveyard, not this test's
+    monkeypatch.setattr(plans, "_graveyard", {})
+    monkeypatch.setattr(launch_graphs, "AFTER", 2)
+
+
+def dropped_plan(rig, log):
+    """A second plan on the rig's handle holding a stand-in cuDNN object, dropped; its object's weakref."""
+    p = object.__new__(plans.Plan)
+    p.spec, p.device, p._handle = types.SimpleNamespace(op="matmul"), 0, rig.handle
+    p.graph, p._raw, p._graphs = CudnnObject(rig.handle, log), None, None
+    ref = weakref.ref(p.graph)
+    del p
+    return ref
+
+
+def test_a_dropped_plan_waits_for_a_launch_outside_captures(monkeypatch, empty_graveyard):
+    rig = Rig(monkeypatch, FakeDriver())
+    log = []
+    ref = dropped_plan(rig, log)
+    assert ref() is not None and plans.released() == 1 and log == []  # freed with the plan: not yet
+    rig.capturing = True  # torch captures this launch: nothing is released inside it
+    rig.plan.launch([1, 2, 3])
+    assert ref() is not None and plans.released() == 1
+    rig.capturing = False
+    rig.plan.launch([1, 2, 3])  # a raw launch: under the handle's lock, no capture open
+    assert ref() is None and plans.released() == 0 and log == [("released", True)]
+
+
+def test_a_capture_opens_with_nothing_to_release_the_collector_off_and_the_side_stream_bound(
+        monkeypatch, empty_graveyard):
+    seen = []
+
+    class Driver(FakeDriver):
+        def capture(self, stream, work, kernel_only=False):
+            seen.append({"released": list(log), "gc": gc.isenabled(), "bound": rig.handle.stream,
+                         "waiting": plans.released()})
+            binds_before = len(binds)
+            out = super().capture(stream, work, kernel_only)
+            seen[-1]["binds_inside"] = len(binds) - binds_before
+            return out
+
+    rig = Rig(monkeypatch, Driver())
+    import cudnn
+
+    binds = []
+    set_stream = cudnn.set_stream
+    monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: binds.append(stream) or set_stream(handle, stream))
+    log = []
+    rig.plan.launch([1, 2, 3])  # first sighting: raw (releases nothing: nothing waits yet)
+    ref = dropped_plan(rig, log)
+    assert gc.isenabled()
+    rig.plan.launch([1, 2, 3])  # second: captured
+    assert len(seen) == 1
+    assert seen[0] == {"released": [("released", True)], "gc": False, "bound": 99, "waiting": 0, "binds_inside": 0}
+    assert ref() is None and gc.isenabled()  # the collector is back on after the capture
+    assert rig.replays()  # and the capture replayed as before
+
+
+def test_the_collector_stays_off_for_a_caller_who_turned_it_off_and_nested_blocks_count():
+    assert gc.isenabled()
+    with plans.no_gc():
+        with plans.no_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer block is still open
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with plans.no_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the caller's own setting is kept
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), plans.no_gc():
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()  # given back on the way out of an error too
+
+
+def test_overlapping_blocks_in_two_threads_turn_the_collector_back_on_once_both_end():
+    inside, release = threading.Event(), threading.Event()
+    states = []
+
+    def other():
+        with plans.no_gc():
+            inside.set()
+            release.wait(10)
+        states.append(("other ended", gc.isenabled()))
+
+    t = threading.Thread(target=other)
+    with plans.no_gc():
+        t.start()
+        assert inside.wait(10)
+    states.append(("first ended", gc.isenabled()))  # the other block is still open
+    release.set()
+    t.join(10)
+    assert states == [("first ended", False), ("other ended", True)]
+
+
+def test_a_plan_freed_by_the_collector_waits_too(monkeypatch, empty_graveyard):
+    """A frontend object has no finalizer of its own (its C++ destructor runs when it is deallocated):
+    the stand-in here has none either, so the collector's finalizing pass runs only the plan's."""
+
+    class Held:
+        pass
+
+    rig = Rig(monkeypatch, FakeDriver())
+    p = object.__new__(plans.Plan)
+    p.spec, p.device, p._handle = types.SimpleNamespace(op="matmul"), 0, rig.handle
+    p.graph, p._raw, p._graphs = Held(), None, None
+    p.spec.plan = p  # a reference cycle: only a collection frees the plan
+    del p
+    assert plans.released() == 0  # the cycle holds the plan
+    gc.collect()
+    assert plans.released() == 1  # collected: its graph waits, alive
+    kept = plans._graveyard[0][-1][0]
+    assert type(kept) is Held
+    ref = weakref.ref(kept)
+    del kept
+    rig.plan.launch([1, 2, 3])
+    assert ref() is None and plans.released() == 0
+
+
+def test_clear_releases_under_each_handles_lock(monkeypatch, empty_graveyard):
+    rig = Rig(monkeypatch, FakeDriver())
+    monkeypatch.setattr(plans, "_handles", {0: rig.handle})
+    monkeypatch.setattr(plans, "_LRU", plans.PlanLRU(4))
+    log = []
+    ref = dropped_plan(rig, log)
+    plans.clear()
+    assert ref() is None and log == [("released", True)] and plans.released() == 0
+
+
+def test_a_plan_whose_init_failed_is_dropped_quietly(empty_graveyard):
+    p = object.__new__(plans.Plan)  # no attribute set: __init__ raised before any
+    del p
+    assert plans.released() == 0
