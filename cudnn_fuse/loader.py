@@ -27,7 +27,7 @@ import torch
 from . import autotune
 from .builders import build_graph, roles_of, uids_of
 from .errors import UnsupportedError
-from .plans import STATS, Plan, barred_engines, finalize, handle_for, held, prepare
+from .plans import STATS, Plan, barred_engines, bury, finalize, handle_for, held, prepare
 from .plans import deterministic as plans_deterministic
 
 log = logging.getLogger(__name__)
@@ -226,6 +226,7 @@ def _deserialize(spec, entry, device):
 
     h = handle_for(device)
     t0 = time.perf_counter()
+    g = None
     try:
         # The frontend's deserialize "warms up" the plan: a throwaway CUDA graph capture of one execute
         # on the handle's stream. The handle is shared by every thread's launches and stays bound to
@@ -241,6 +242,7 @@ def _deserialize(spec, entry, device):
     except Exception as exc:  # noqa: BLE001 - a verified blob can still be nonsense to cuDNN
         _warn_once("deserialize", "cudnn_fuse cache: entry %s did not deserialize (%s: %s); rebuilding it",
                    entry.key[:12], type(exc).__name__, exc)
+        bury(device, g)  # released under the handle's lock, outside captures
         return None
     return plan
 
@@ -266,6 +268,7 @@ def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
 def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     h = handle_for(device)
     candidates, winner_index, use_torch, use_gemm = [], None, False, False
+    g = None
     try:
         with held(h, device):  # builds use the shared handle: one thread at a time, off callers' streams
             g = build_graph(spec, h.handle)
@@ -289,6 +292,7 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
         plan = Plan(spec, g, device)
     except UnsupportedError:
         STATS.build_failures += 1
+        bury(device, g)  # the graph given up on is released under the handle's lock, outside captures
         raise
     STATS.builds += 1
     build_s = time.perf_counter() - t0

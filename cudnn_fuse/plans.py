@@ -139,11 +139,23 @@ def handle_for(device: int) -> _Handle:
 # eviction, ``clear()``, a memo replaced in another thread) or where the garbage collector runs, so:
 # - a dropped Plan's cuDNN objects wait in ``_graveyard`` until a thread holds the device's handle lock
 #   outside any capture (every capture of ours holds that lock): ``_drain``;
-# - the garbage collector does not run while a capture of ours is open: ``no_gc``.
-_graveyard: dict[int, list] = {}  # device -> [(graph, raw launcher, graph set), ...] of dropped plans
+# - the garbage collector does not run while a capture of ours is open (``no_gc``), and no capture opens
+#   while a collection that started before is still running in another thread (its finalizers may
+#   release the GIL mid-way): that launch goes raw and the pointer set is captured at a later sighting.
+_graveyard: dict[int, list] = {}  # device -> [(graph, raw launcher, graph set), ...] of dropped plans (bury)
 _gc_lock = threading.Lock()
 _gc_depth = 0
 _gc_was_enabled = True
+
+
+_collecting = [0]  # garbage collections running now, in any thread (gc.callbacks)
+
+
+def _gc_phase(phase: str, info: dict) -> None:
+    _collecting[0] = max(0, _collecting[0] + (1 if phase == "start" else -1))
+
+
+gc.callbacks.append(_gc_phase)
 
 
 def _drain(device: int) -> None:
@@ -155,6 +167,14 @@ def _drain(device: int) -> None:
             dead.pop()
         except IndexError:  # another thread emptied it meanwhile
             break
+
+
+def bury(device: int, *objs) -> None:
+    """Keep cuDNN objects (a graph a build or deserialize gave up on, a dropped plan's) alive until a
+    thread holds ``device``'s handle lock outside any capture (``_drain``)."""
+    kept = tuple(o for o in objs if o is not None)
+    if kept:
+        _graveyard.setdefault(device, []).append(kept)
 
 
 def released() -> int:
@@ -416,9 +436,8 @@ class Plan:
     def __del__(self):
         # the cuDNN objects wait for a thread that holds the handle's lock outside any capture (_drain)
         try:
-            kept = (getattr(self, "graph", None), getattr(self, "_raw", None), getattr(self, "_graphs", None))
-            if any(k is not None for k in kept):
-                _graveyard.setdefault(getattr(self, "device", 0), []).append(kept)
+            bury(getattr(self, "device", 0), getattr(self, "graph", None), getattr(self, "_raw", None),
+                 getattr(self, "_graphs", None))
         except Exception:  # noqa: BLE001 - at interpreter exit the module may be half torn down
             pass
 
@@ -496,6 +515,8 @@ class Plan:
         try:
             # nothing is released and no cuDNN stream switch is made while the capture is open
             with torch.cuda.device(self.device), no_gc():
+                if _collecting[0]:  # another thread is mid-collection: not now (raw, captured later)
+                    return None
                 _drain(self.device)
                 if h.stream != side:
                     cudnn.set_stream(handle=h.handle, stream=side)

@@ -168,3 +168,55 @@ def test_a_plan_whose_init_failed_is_dropped_quietly(empty_graveyard):
     p = object.__new__(plans.Plan)  # no attribute set: __init__ raised before any
     del p
     assert plans.released() == 0
+
+
+def test_a_graph_a_deserialize_gave_up_on_waits_too(monkeypatch, empty_graveyard, caplog):
+    import cudnn
+
+    from cudnn_fuse import loader
+
+    class Broken:
+        def deserialize(self, handle, blob):
+            raise RuntimeError("nonsense blob")
+
+    h = plans._Handle(handle=0x1234, stream=7)
+    monkeypatch.setitem(plans._handles, 0, h)
+    monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: None)
+    monkeypatch.setattr(plans, "_side_stream", lambda device: 99)
+    monkeypatch.setattr(cudnn, "pygraph", lambda handle: Broken())
+    monkeypatch.setattr(loader, "_warned", set())  # the process's one warning stays for the tests that read it
+    entry = types.SimpleNamespace(blob=b"blob", meta={}, key="0123456789abcdef")
+    assert loader._deserialize(object(), entry, 0) is None
+    assert plans.released() == 1 and type(plans._graveyard[0][0][0]) is Broken
+    with plans.held(h, 0):  # the next build or deserialize releases it, under the lock
+        pass
+    assert plans.released() == 0
+
+
+def test_no_capture_opens_while_a_collection_runs_in_another_thread(monkeypatch, empty_graveyard):
+    """A collection started before the capture (another thread's, its finalizers releasing the GIL
+    mid-way) is not stopped by turning the collector off: that launch goes raw, captured later."""
+    rig = Rig(monkeypatch, FakeDriver())
+    monkeypatch.setattr(plans, "_collecting", [1])
+    for _ in range(2):  # the second sighting is due for a capture
+        rig.plan.launch([1, 2, 3])
+    assert [e for e in rig.drv.events if e[0].startswith("begin")] == [] and len(rig.raw_calls) == 2
+    plans._collecting[0] = 0
+    for _ in range(2):
+        rig.plan.launch([1, 2, 3])
+    assert rig.drv.events[0] == ("begin", 99) and rig.replays() == [("replay", 101, 7)]
+
+
+def test_collections_are_counted_while_they_run():
+    seen = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            seen.append(plans._collecting[0])
+
+    Cycle()
+    gc.collect()
+    assert seen == [1] and plans._collecting[0] == 0
