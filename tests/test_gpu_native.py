@@ -115,17 +115,15 @@ def test_torch_capture_is_left_to_the_plan_and_replays_right(both_paths):
     assert (y.float() - want).norm() / want.norm() < 1e-2
 
 
-def test_side_streams_and_threads(both_paths):
-    ops.set_native(True)
-    torch.manual_seed(0)
-    x, w, b = rnd(64, 256), rnd(256, 256, scale=0.05), rnd(256)
-    want = torch.relu(x.float() @ w.float().t() + b.float())
+def _linear_on_threads(x, w, b, want, threads: int = 4, calls: int = 50) -> list:
+    """``threads`` threads, each on its own stream, call the ReLU linear ``calls`` times and check
+    each output against ``want``: the exceptions they raised (a wrong output raises too)."""
     errors = []
 
     def work(stream):
         try:
             with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(50):
+                for _ in range(calls):
                     y = cf.linear(x, w, b, activation="relu")
                     stream.synchronize()
                     err = ((y.float() - want).norm() / want.norm()).item()
@@ -134,13 +132,26 @@ def test_side_streams_and_threads(both_paths):
             errors.append(exc)
 
     torch.cuda.synchronize()  # the operands are written before the threads' streams read them
-    before, failures = ops._native.stats()["native_replays"], launch_graphs.STATS.failures
-    threads = [threading.Thread(target=work, args=(torch.cuda.Stream(),)) for _ in range(4)]
-    for t in threads:
+    running = [threading.Thread(target=work, args=(torch.cuda.Stream(),)) for _ in range(threads)]
+    for t in running:
         t.start()
-    for t in threads:
+    for t in running:
         t.join()
-    assert errors == []
+    return errors
+
+
+def _linear_operands():
+    torch.manual_seed(0)
+    x, w, b = rnd(64, 256), rnd(256, 256, scale=0.05), rnd(256)
+    return x, w, b, torch.relu(x.float() @ w.float().t() + b.float())
+
+
+def test_side_streams_and_threads(both_paths):
+    ops.set_native(True)
+    operands = _linear_operands()
+    torch.cuda.synchronize()
+    before, failures = ops._native.stats()["native_replays"], launch_graphs.STATS.failures
+    assert _linear_on_threads(*operands) == []
     assert ops._native.stats()["native_replays"] > before
     assert launch_graphs.STATS.failures == failures  # no capture failed beside the other threads' launches
 
@@ -152,31 +163,11 @@ def test_threads_while_dropped_plans_are_freed_beside_them(both_paths, native):
     runs torch ops failing with "operation not permitted when stream is capturing", invalidated
     captures and wrong outputs, in about one trial in twelve."""
     ops.set_native(native)
-    torch.manual_seed(0)
-    x, w, b = rnd(64, 256), rnd(256, 256, scale=0.05), rnd(256)
-    want = torch.relu(x.float() @ w.float().t() + b.float())
+    operands = _linear_operands()
     failures = launch_graphs.STATS.failures
-    errors = []
-
-    def work(stream):
-        try:
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(50):
-                    y = cf.linear(x, w, b, activation="relu")
-                    stream.synchronize()
-                    err = ((y.float() - want).norm() / want.norm()).item()
-                    assert err < 1e-2, err
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-
     for trial in range(1, 91):
         if trial % 3 == 0:
             plans.clear()
-        torch.cuda.synchronize()
-        threads = [threading.Thread(target=work, args=(torch.cuda.Stream(),)) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = _linear_on_threads(*operands)
         assert errors == [], (trial, errors[:3])
         assert launch_graphs.STATS.failures == failures, trial
