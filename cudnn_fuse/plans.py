@@ -143,11 +143,9 @@ def handle_for(device: int) -> _Handle:
 #   while a collection that started before is still running in another thread (its finalizers may
 #   release the GIL mid-way): that launch goes raw and the pointer set is captured at a later sighting.
 _graveyard: dict[int, list] = {}  # device -> [(graph, raw launcher, graph set), ...] of dropped plans (bury)
-_gc_lock = threading.Lock()
+_gc_lock = threading.Lock()  # no_gc's count of open blocks and the collector's state before the first
 _gc_depth = 0
 _gc_was_enabled = True
-
-
 _collecting = [0]  # garbage collections running now, in any thread (gc.callbacks)
 
 
