@@ -5,7 +5,8 @@
 #   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
 # Steps: tests (the GPU suite, junit XML; past one call's limit since c9916b3), tests_a / tests_b (the suite in two calls:
-# test_gpu_[a-n]*.py, 523 tests, about 300 s on one H200; the rest, 387 tests), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
+# test_gpu_[a-n]*.py, 523 tests, about 300 s on one H200; the rest, 387 tests), threads (the threaded and capture GPU
+# tests, then bench/thread_stress.py on the C and the Python call path: threads on their own streams, plans dropped), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
 # memory2 (memory and memory_at at once, one per GPU), bwdprobe (backward_probe: each backward piece), convprobe
 # (conv_host_probe: where the conv step's host time goes), sdpasweep (knob_sweep --attention per SDPA_SHAPES), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
 # cf under torch.compile, torch.compile), host (host_overhead +
@@ -42,6 +43,11 @@ for s in $STEPS; do
                 files=($(ls tests/test_gpu_*.py | grep -v -E 'test_gpu_[a-n]|optimize_fuzz') tests/test_hf.py); fi
             step "$s" "${TESTS_TIMEOUT:-480}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE "${files[@]}" \
                 --junit-xml="$OUT/gpu_junit_${s#tests_}.xml" ;;
+        threads) step thread_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_gpu_native.py \
+                tests/test_gpu_fastpath.py tests/test_gpu_launch_graphs.py  # the threaded and capture tests
+            step thread_stress_c_path 70 python3 bench/thread_stress.py --seconds 45 --native 1 --out "$OUT/thread_stress_c_path.json"
+            step thread_stress_python_path 50 python3 bench/thread_stress.py --seconds 30 --native 0 \
+                --out "$OUT/thread_stress_python_path.json" ;;
         optfuzz) step optimize_fuzz 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_gpu_optimize_fuzz.py ;;
         tests2) t0=$SECONDS  # the GPU suite split over two GPUs (nvidia-h200-x2), by file
             files=(tests/test_gpu_*.py); half=(); other=()
