@@ -252,12 +252,17 @@ def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
     if int(engine_id) in barred_engines(spec):
         raise UnsupportedError(f"engine {engine_id} computes {spec.op} wrongly (plans.barred_engines)")
     h = handle_for(device)
-    with held(h, device):  # builds use the shared handle: one thread at a time, off callers' streams
-        g = build_graph(spec, h.handle)
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plan(int(engine_id), autotune.knobs_from_json(knobs))
-        g.build_plan_at_index(g.get_execution_plan_count() - 1)
+    g = None
+    try:
+        with held(h, device):  # builds use the shared handle: one thread at a time, off callers' streams
+            g = build_graph(spec, h.handle)
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plan(int(engine_id), autotune.knobs_from_json(knobs))
+            g.build_plan_at_index(g.get_execution_plan_count() - 1)
+    except BaseException:
+        bury(device, g)  # released under the handle's lock, outside captures
+        raise
     STATS.rebuilds += 1
     return Plan(spec, g, device)
 

@@ -220,3 +220,23 @@ def test_collections_are_counted_while_they_run():
     Cycle()
     gc.collect()
     assert seen == [1] and plans._collecting[0] == 0
+
+
+def test_a_graph_a_rebuild_gave_up_on_waits_too(monkeypatch, empty_graveyard):
+    import cudnn
+
+    from cudnn_fuse import loader
+
+    class Refused:
+        def validate(self):
+            raise RuntimeError("engine refused")
+
+    h = plans._Handle(handle=0x1234, stream=7)
+    monkeypatch.setitem(plans._handles, 0, h)
+    monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: None)
+    monkeypatch.setattr(plans, "_side_stream", lambda device: 99)
+    monkeypatch.setattr(loader, "barred_engines", lambda spec: frozenset())
+    monkeypatch.setattr(loader, "build_graph", lambda spec, handle: Refused())
+    with pytest.raises(RuntimeError, match="engine refused"):
+        loader.rebuild(object(), 7, {}, 0)
+    assert plans.released() == 1 and type(plans._graveyard[0][0][0]) is Refused
