@@ -170,7 +170,19 @@ def test_a_plan_whose_init_failed_is_dropped_quietly(empty_graveyard):
     assert plans.released() == 0
 
 
-def test_a_graph_a_deserialize_gave_up_on_waits_too(monkeypatch, empty_graveyard, caplog):
+@pytest.fixture
+def stand_in_handle(monkeypatch, empty_graveyard):
+    """Device 0's handle, a stand-in bound to another thread's stream 7; cuDNN's set_stream a no-op."""
+    import cudnn
+
+    h = plans._Handle(handle=0x1234, stream=7)
+    monkeypatch.setitem(plans._handles, 0, h)
+    monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: None)
+    monkeypatch.setattr(plans, "_side_stream", lambda device: 99)
+    return h
+
+
+def test_a_graph_a_deserialize_gave_up_on_waits_too(monkeypatch, stand_in_handle):
     import cudnn
 
     from cudnn_fuse import loader
@@ -179,16 +191,12 @@ def test_a_graph_a_deserialize_gave_up_on_waits_too(monkeypatch, empty_graveyard
         def deserialize(self, handle, blob):
             raise RuntimeError("nonsense blob")
 
-    h = plans._Handle(handle=0x1234, stream=7)
-    monkeypatch.setitem(plans._handles, 0, h)
-    monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: None)
-    monkeypatch.setattr(plans, "_side_stream", lambda device: 99)
     monkeypatch.setattr(cudnn, "pygraph", lambda handle: Broken())
     monkeypatch.setattr(loader, "_warned", set())  # the process's one warning stays for the tests that read it
     entry = types.SimpleNamespace(blob=b"blob", meta={}, key="0123456789abcdef")
     assert loader._deserialize(object(), entry, 0) is None
     assert plans.released() == 1 and type(plans._graveyard[0][0][0]) is Broken
-    with plans.held(h, 0):  # the next build or deserialize releases it, under the lock
+    with plans.held(stand_in_handle, 0):  # the next build or deserialize releases it, under the lock
         pass
     assert plans.released() == 0
 
@@ -222,19 +230,13 @@ def test_collections_are_counted_while_they_run():
     assert seen == [1] and plans._collecting[0] == 0
 
 
-def test_a_graph_a_rebuild_gave_up_on_waits_too(monkeypatch, empty_graveyard):
-    import cudnn
-
+def test_a_graph_a_rebuild_gave_up_on_waits_too(monkeypatch, stand_in_handle):
     from cudnn_fuse import loader
 
     class Refused:
         def validate(self):
             raise RuntimeError("engine refused")
 
-    h = plans._Handle(handle=0x1234, stream=7)
-    monkeypatch.setitem(plans._handles, 0, h)
-    monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: None)
-    monkeypatch.setattr(plans, "_side_stream", lambda device: 99)
     monkeypatch.setattr(loader, "barred_engines", lambda spec: frozenset())
     monkeypatch.setattr(loader, "build_graph", lambda spec, handle: Refused())
     with pytest.raises(RuntimeError, match="engine refused"):
