@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks and benchmarks, each step bounded, all output under $OUT
 # (at most 8 files come back from a device call: keep STEPS to what you need).
 #
-#   STEPS="tests demo memory host" bash bench/gpu_session.sh      # on the device machine, from the repo root
+#   STEPS="tests_a demo memory" bash bench/gpu_session.sh      # on the device machine, from the repo root
 #
 # Steps: tests (the GPU suite, junit XML; past one call's limit since c9916b3), tests_a / tests_b (the suite in two calls:
 # test_gpu_[a-n]*.py, 523 tests, about 300 s on one H200; the rest, 387 tests), threads (the threaded and capture GPU
@@ -22,7 +22,7 @@
 # Expects the recipe of ../shared/device/README.md: wheels in .whl/, this checkout on PYTHONPATH.
 set -u
 OUT=${OUT:?set OUT}
-STEPS=${STEPS-"tests demo memory host"}  # set but empty: no steps (install and build only)
+STEPS=${STEPS-"tests_a demo"}  # set but empty: no steps (install and build only); tests_b in a second call
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 log=$OUT/log.txt
