@@ -344,6 +344,9 @@ class Driver:
         self._exec_destroy = fn("cuGraphExecDestroy", vp)
         self._graph_destroy = fn("cuGraphDestroy", vp)
         self._name = getattr(lib, "cuGetErrorName", None)
+        self._is_capturing = getattr(lib, "cuStreamIsCapturing", None)
+        if self._is_capturing is not None:
+            self._is_capturing.argtypes, self._is_capturing.restype = [vp, P(ctypes.c_int)], ctypes.c_int
         if _native is not None and isinstance(lib, ctypes.CDLL):  # the C memo's capture test (a real driver only)
             try:
                 _native.set_driver(ctypes.cast(lib.cuStreamIsCapturing, ctypes.c_void_p).value)
@@ -409,6 +412,14 @@ class Driver:
             self._memsets = {}
             return
         self.sequences = True
+
+    def stream_capturing(self, stream: int) -> bool:
+        """Whether ``stream`` is capturing (active or invalidated, as torch counts it); False for a
+        stream the driver does not know (one that was destroyed)."""
+        if self._is_capturing is None:
+            raise AttributeError("cuStreamIsCapturing")
+        status = ctypes.c_int(0)
+        return self._is_capturing(stream, ctypes.byref(status)) == 0 and status.value != 0
 
     def error_name(self, rc: int) -> str:
         if self._name is not None:

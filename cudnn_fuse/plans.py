@@ -156,10 +156,46 @@ def _gc_phase(phase: str, info: dict) -> None:
 gc.callbacks.append(_gc_phase)
 
 
+# A caller's own capture (torch.cuda.graph around cf ops) is not under the handle lock: a launch of ours
+# that finds its stream capturing notes that stream, and nothing is released on the device until every
+# noted stream has ended its capture (torch's default capture mode, "global", fails a capture at any
+# thread's unsafe CUDA call, a release's among them).
+_caller_captures: dict[int, set] = {}  # device -> streams a launch of ours found capturing
+
+
+def _note_capture(device: int, stream: int) -> None:
+    _caller_captures.setdefault(device, set()).add(stream)
+
+
+def _stream_capturing(stream: int) -> bool:
+    """Whether ``stream`` (a raw CUstream) is capturing now; False for a stream that is gone."""
+    drv = launch_graphs._driver  # bound by the first launch graph (not bound here: that may switch graphs off)
+    if drv is not None and getattr(drv, "_is_capturing", None) is not None:
+        return drv.stream_capturing(stream)
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        return bool(_capturing())
+
+
+def _caller_capture_open(device: int) -> bool:
+    noted = _caller_captures.get(device)
+    if not noted:
+        return False
+    for stream in list(noted):
+        try:
+            still = _stream_capturing(stream)
+        except Exception:  # noqa: BLE001 - a stream that cannot be asked is taken as ended
+            still = False
+        if not still:
+            noted.discard(stream)
+    return bool(noted)
+
+
 def _drain(device: int) -> None:
     """Release the dropped plans' cuDNN objects of ``device``. The caller holds its handle's lock and
-    is not capturing."""
+    is not capturing; a caller's capture still open on the device (``_note_capture``) defers it."""
     dead = _graveyard.get(device)
+    if dead and _caller_captures.get(device) and _caller_capture_open(device):
+        return
     while dead:
         try:
             dead.pop()
@@ -451,6 +487,8 @@ class Plan:
         device = self.device
         stream = _current_stream(device)
         capturing = stream != 0 and _capturing()  # the legacy default stream (0) is never captured
+        if capturing:
+            _note_capture(device, stream)
         if self.workspace_size:
             ws, keep = _workspace_ptr(device, stream, self.workspace_size, capturing)
         else:
@@ -548,6 +586,8 @@ class Plan:
             return
         ws = torch.empty(self.workspace_size, dtype=torch.uint8, device=torch.device("cuda", self.device)) if self.workspace_size else None
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        if stream != 0 and _capturing():
+            _note_capture(self.device, stream)
         h = self._handle
         with h.lock:  # one handle per device: stream switch + launch must not interleave
             if h.stream != stream:

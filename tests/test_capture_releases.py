@@ -242,3 +242,62 @@ def test_a_graph_a_rebuild_gave_up_on_waits_too(monkeypatch, stand_in_handle):
     with pytest.raises(RuntimeError, match="engine refused"):
         loader.rebuild(object(), 7, {}, 0)
     assert plans.released() == 1 and type(plans._graveyard[0][0][0]) is Refused
+
+
+def test_a_callers_capture_defers_releases_from_other_threads_until_it_ends(monkeypatch, empty_graveyard):
+    """A caller's torch.cuda.graph around a cf op holds no lock of ours: the stream a launch found
+    capturing is noted, and no thread releases anything on the device until that capture has ended."""
+    rig = Rig(monkeypatch, FakeDriver())
+    open_streams = set()
+    monkeypatch.setattr(plans, "_caller_captures", {})
+    monkeypatch.setattr(plans, "_stream_capturing", lambda s: s in open_streams)
+    rig.capturing, rig.stream = True, 7
+    open_streams.add(7)
+    rig.plan.launch([1, 2, 3])  # inside the caller's capture: noted
+    assert plans._caller_captures == {0: {7}}
+    log = []
+    ref = dropped_plan(rig, log)
+    rig.capturing, rig.stream = False, 8  # another thread, its own stream, no capture of its own
+    for _ in range(3):
+        rig.plan.launch([4, 5, 6])  # raw launches and a capture of ours: none releases
+        plans.clear()
+    assert ref() is not None and plans.released() == 1 and log == []
+    assert rig.replays()  # the second launch was captured (on our side stream), the third replayed
+    open_streams.discard(7)  # the caller's capture ended
+    rig.plan.launch([7, 8, 9])  # a raw launch (a pointer set not seen before)
+    assert ref() is None and plans.released() == 0 and log == [("released", True)]
+    assert plans._caller_captures == {0: set()}  # the ended capture is forgotten
+
+
+def test_a_stream_that_cannot_be_asked_counts_as_ended(monkeypatch, empty_graveyard):
+    rig = Rig(monkeypatch, FakeDriver())
+    monkeypatch.setattr(plans, "_caller_captures", {0: {7}})
+
+    def gone(stream):
+        raise RuntimeError("invalid resource handle")
+
+    monkeypatch.setattr(plans, "_stream_capturing", gone)
+    log = []
+    ref = dropped_plan(rig, log)
+    rig.plan.launch([1, 2, 3])
+    assert ref() is None and log == [("released", True)] and plans._caller_captures == {0: set()}
+
+
+def test_the_drivers_capture_query_reads_the_status_it_is_given():
+    """Driver.stream_capturing over a stand-in cuStreamIsCapturing: active (1) and invalidated (2)
+    count as capturing, none (0) and an error (a destroyed stream) do not."""
+    import ctypes
+
+    answers = {11: (0, 1), 12: (0, 2), 13: (0, 0), 14: (400, 0)}
+
+    def is_capturing(stream, status):
+        rc, value = answers[stream]
+        ctypes.cast(status, ctypes.POINTER(ctypes.c_int))[0] = value
+        return rc
+
+    drv = object.__new__(launch_graphs.Driver)
+    drv._is_capturing = is_capturing
+    assert [drv.stream_capturing(s) for s in (11, 12, 13, 14)] == [True, True, False, False]
+    drv._is_capturing = None
+    with pytest.raises(AttributeError):
+        drv.stream_capturing(11)

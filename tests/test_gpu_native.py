@@ -171,3 +171,83 @@ def test_threads_while_dropped_plans_are_freed_beside_them(both_paths, native):
         errors = _linear_on_threads(*operands)
         assert errors == [], (trial, errors[:3])
         assert launch_graphs.STATS.failures == failures, trial
+
+
+def _drop_plans_but(kept: set) -> None:
+    """Drop every in-memory plan whose id is not in ``kept``, from the call memo and the LRU."""
+    for k, v in list(plans.FAST.items()):
+        if id(getattr(v, "plan", None)) not in kept:
+            plans.FAST.pop(k, None)
+    with plans._LRU._lock:
+        for k in [k for k, v in plans._LRU._items.items() if id(v) not in kept]:
+            del plans._LRU._items[k]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c_path", "python_path"])
+def test_a_callers_capture_beside_threads_that_drop_plans(both_paths, native):
+    """A caller's own torch.cuda.graph (thread_local, so other threads may allocate) holds cf ops
+    while three threads on their own streams call a cf.linear of another shape and drop its plans
+    again and again: nothing a drop leaves is released while that capture is open
+    (plans._note_capture), every capture instantiates and its replays read new inputs right."""
+    ops.set_native(native)
+    x, w, b, want = _linear_operands()
+    xd = x[:32].clone()
+    want_d = want[:32]
+    plans.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            cf.linear(x, w, b, activation="relu")  # the capturer's plan: built and memoized before
+    torch.cuda.synchronize()
+    kept = {id(p) for p in plans.plans_in_memory()}
+    assert kept
+    errors, done, drops = [], threading.Event(), [0]
+
+    def capturer():
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s), torch.no_grad():
+                xs = x.clone()
+                for trial in range(30):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+                        ys = [cf.linear(xs, w, b, activation="relu") for _ in range(8)]
+                    xs.copy_(x * (1 + trial % 3))
+                    g.replay()
+                    s.synchronize()
+                    ref = torch.relu(xs.float() @ w.float().t() + b.float())
+                    for y in ys:
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        assert err < 1e-2, (trial, err)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def dropper(k):
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s), torch.no_grad():
+                i = 0
+                while not done.is_set():
+                    i += 1
+                    if i % (2 + k) == 0:
+                        _drop_plans_but(kept)
+                        drops[0] += 1
+                    y = cf.linear(xd, w, b, activation="relu")
+                    s.synchronize()
+                    err = ((y.float() - want_d).norm() / want_d.norm()).item()
+                    assert err < 1e-2, err
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    failures = launch_graphs.STATS.failures
+    threads = [threading.Thread(target=capturer)] + [threading.Thread(target=dropper, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert errors == [], errors[:3]
+    assert drops[0] > 10  # the droppers did drop plans while the captures ran
+    assert launch_graphs.STATS.failures == failures
+    assert not plans.handle_for(0).lock.locked()

@@ -72,6 +72,7 @@ class Rig:
         self.plan, self.drv = p, drv
         self.ws = 5000
         monkeypatch.setattr(launch_graphs, "ENABLED", True)  # off by default: these tests switch it on
+        monkeypatch.setattr(plans, "_caller_captures", {})  # the streams its launches find capturing
         monkeypatch.setattr(plans, "_current_stream", lambda d: self.stream)
         monkeypatch.setattr(plans, "_capturing", lambda: self.capturing)
         monkeypatch.setattr(plans, "_current_device", lambda: self.device)
