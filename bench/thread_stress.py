@@ -4,8 +4,9 @@ Each trial: four threads, each on its own torch stream, call cf.linear 50 times 
 output against torch's; every third trial first drops the in-memory plans (plans.clear()), so the
 next calls reload and re-capture them while the dropped ones are freed. Counts every failure kind:
 an exception in a thread (with its message), a wrong output, a launch-graph capture that failed.
-Before plans were released outside captures (docs/decisions.md, "Plans are released outside
-captures") the H200 showed all three within seconds.
+While cf captured on a stream of torch's pool, one that some thread was handed too, the H200 showed
+all three within seconds (docs/decisions.md, "The side stream is no pool stream"); --pool-side-stream
+brings that back for an A/B.
 
     python3 bench/thread_stress.py --seconds 30 --native 1 --out bench/results/thread_stress.json
 """
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--native", type=int, choices=(0, 1), default=1, help="the C call path (1) or Python's (0)")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--clear-every", type=int, default=3, help="drop the in-memory plans every Nth trial")
+    ap.add_argument("--pool-side-stream", action="store_true",
+                    help="capture on a stream of torch's pool, as cf did before it made its own (the fault's A/B)")
     ap.add_argument("--out", default=None, help="JSON file to write (stdout always gets it)")
     args = ap.parse_args(argv)
 
@@ -57,8 +60,11 @@ def main(argv=None) -> int:
     w = (torch.randn(256, 256, device="cuda") * 0.05).half()
     b = torch.randn(256, device="cuda").half()
     want = torch.relu(x.float() @ w.float().t() + b.float())
+    if args.pool_side_stream:
+        plans._side_streams[0] = torch.cuda.Stream(0).cuda_stream
+    side = plans._side_stream(0)
     kinds, first = collections.Counter(), {}
-    calls = trials = 0
+    calls = trials = shared = 0
     t_end = time.time() + args.seconds
     while time.time() < t_end:
         trials += 1
@@ -80,7 +86,9 @@ def main(argv=None) -> int:
 
         torch.cuda.synchronize()
         f0, n0 = launch_graphs.STATS.failures, len(handler.msgs)
-        threads = [threading.Thread(target=work, args=(torch.cuda.Stream(),)) for _ in range(args.threads)]
+        streams = [torch.cuda.Stream() for _ in range(args.threads)]
+        shared += sum(st.cuda_stream == side for st in streams)  # a thread handed the side stream itself
+        threads = [threading.Thread(target=work, args=(st,)) for st in streams]
         for t in threads:
             t.start()
         for t in threads:
@@ -94,7 +102,8 @@ def main(argv=None) -> int:
             kinds[k] += 1
             first.setdefault(k, trials)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "native": bool(args.native),
-           "threads": args.threads, "clear_every": args.clear_every, "seconds": args.seconds, "trials": trials,
+           "threads": args.threads, "clear_every": args.clear_every, "pool_side_stream": args.pool_side_stream,
+           "threads_given_the_side_stream": shared, "seconds": args.seconds, "trials": trials,
            "calls": calls, "failed_trials_by_kind": dict(kinds), "first_trial_by_kind": first,
            "graph_stats": launch_graphs.STATS.snapshot(), "dropped_plans_waiting": plans.released()}
     text = json.dumps(out, indent=1)

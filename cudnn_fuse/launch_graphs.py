@@ -653,6 +653,40 @@ class Driver:
 _driver = None
 _driver_lock = threading.Lock()
 
+CU_STREAM_NON_BLOCKING = 1
+
+
+def private_stream(device: int, lib=None) -> int:
+    """A new non-blocking stream of ``device`` (a raw CUstream) that is nobody else's: made with
+    cuStreamCreate in the device's primary context, never destroyed. torch's streams come from a
+    pool of 32 per device and priority, handed out in turn, so the 33rd ``torch.cuda.Stream()`` of a
+    process is the first one again: a side stream taken from the pool is, sooner or later, some
+    thread's own stream too (docs/decisions.md, "The side stream is no pool stream"). Raises OSError
+    or RuntimeError where the driver cannot make one."""
+    lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+    vp, P, c_int = ctypes.c_void_p, ctypes.POINTER, ctypes.c_int
+    calls = {"cuDeviceGet": [P(c_int), c_int], "cuDevicePrimaryCtxRetain": [P(vp), c_int],
+             "cuCtxPushCurrent_v2": [vp], "cuCtxPopCurrent_v2": [P(vp)], "cuStreamCreate": [P(vp), ctypes.c_uint]}
+    fns = {}
+    for name, args in calls.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, c_int
+        fns[name] = f
+
+    def check(rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed: CUresult {rc}")
+
+    dev, ctx, stream, popped = c_int(0), vp(), vp(), vp()
+    check(fns["cuDeviceGet"](ctypes.byref(dev), device), "cuDeviceGet")
+    check(fns["cuDevicePrimaryCtxRetain"](ctypes.byref(ctx), dev.value), "cuDevicePrimaryCtxRetain")
+    check(fns["cuCtxPushCurrent_v2"](ctx), "cuCtxPushCurrent")
+    try:
+        check(fns["cuStreamCreate"](ctypes.byref(stream), CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    finally:
+        fns["cuCtxPopCurrent_v2"](ctypes.byref(popped))
+    return int(stream.value)
+
 
 def driver():
     """The process's Driver, or None when graphs are off or libcuda cannot be bound."""

@@ -429,13 +429,27 @@ def _workspace_ptr(device: int, stream: int, size: int, capturing: bool | None =
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _side_streams: dict = {}  # device -> the stream launch graphs are captured on (never launched on)
+_side_lock = threading.Lock()
 
 
 def _side_stream(device: int) -> int:
+    """The stream launch graphs are captured on and builds bind the handle to: one of cf's own, made
+    by the driver, never one of torch's pool (which hands each of its 32 streams out again, to any
+    thread: a thread launching on the stream of another thread's capture breaks that capture and
+    gets its kernels recorded in it instead of run)."""
     s = _side_streams.get(device)
     if s is None:
-        s = _side_streams[device] = torch.cuda.Stream(device)
-    return s.cuda_stream
+        with _side_lock:
+            s = _side_streams.get(device)
+            if s is None:
+                try:
+                    s = launch_graphs.private_stream(device)
+                except (OSError, AttributeError, RuntimeError) as exc:
+                    log.warning("cudnn_fuse: no private side stream on cuda:%d (%s): a torch pool stream is used, which "
+                                "another thread may be handed too", device, exc)
+                    s = torch.cuda.Stream(device).cuda_stream
+                _side_streams[device] = s
+    return s
 
 
 def _stream_of(device: int) -> int:

@@ -455,3 +455,19 @@ def test_the_split_k_wgrad_replays_as_its_programmatic_chain(cache_dir, node_seq
     chained = [e for e in wgrad if isinstance(e, launch_graphs.SequenceReplay) and
                any(isinstance(st, launch_graphs.KernelReplay) and pdl in st.attribute_ids for st in e.steps)]
     assert chained, [type(e).__name__ for e in wgrad]
+
+
+def test_the_side_stream_is_none_of_torchs_pool_streams():
+    """torch hands its pool streams out in turn (32 a priority): a side stream from that pool was, on
+    the H200, some thread's stream too, and its captures took that thread's kernels (tests/test_side_stream.py)."""
+    side = plans._side_stream(0)
+    pool = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1) for _ in range(80)}
+    assert len(pool) >= 32 and side not in pool
+    assert side not in (torch.cuda.current_stream().cuda_stream, torch.cuda.default_stream().cuda_stream)
+    x = torch.randn(64, 256, device="cuda").half()
+    w = torch.randn(256, 256, device="cuda").half() * 0.05
+    with torch.no_grad():
+        for _ in range(5):  # captured on the side stream, replayed
+            y = cf.linear(x, w, None, activation="relu")
+    torch.cuda.synchronize()
+    assert ((y.float() - torch.relu(x.float() @ w.float().t())).norm() / y.float().norm()).item() < 1e-2
