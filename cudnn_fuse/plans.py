@@ -147,6 +147,7 @@ _gc_lock = threading.Lock()  # no_gc's count of open blocks and the collector's 
 _gc_depth = 0
 _gc_was_enabled = True
 _collecting = [0]  # garbage collections running now, in any thread (gc.callbacks)
+_exiting = False  # set by _release_at_exit: nothing is buried any more
 
 
 def _gc_phase(phase: str, info: dict) -> None:
@@ -207,7 +208,7 @@ def bury(device: int, *objs) -> None:
     """Keep cuDNN objects (a graph a build or deserialize gave up on, a dropped plan's) alive until a
     thread holds ``device``'s handle lock outside any capture (``_drain``)."""
     kept = tuple(o for o in objs if o is not None)
-    if kept:
+    if kept and not _exiting:  # at exit they go now, in the exit's own collection (_release_at_exit)
         _graveyard.setdefault(device, []).append(kept)
 
 
@@ -737,8 +738,13 @@ def _release_at_exit() -> None:
 
     cudnn-frontend's objects (graphs, tensors, plans) still alive when its extension module
     is torn down are reported on stderr by nanobind as leaked instances, dozens of lines
-    after a run that built plans; freed here, they are destroyed normally instead."""
+    after a run that built plans; freed here, they are destroyed normally instead. Plans the
+    collection finds are released in it, not buried: a graveyard left to the interpreter's teardown
+    is destroyed after CUDA and cuDNN are gone (on the H200, a segmentation fault in the final
+    collection of a pytest run)."""
+    global _exiting
     try:
+        _exiting = True
         clear()
         gc.collect()
     except Exception as exc:  # noqa: BLE001 - exit must go on whatever a destructor raised

@@ -301,3 +301,19 @@ def test_the_drivers_capture_query_reads_the_status_it_is_given():
     drv._is_capturing = None
     with pytest.raises(AttributeError):
         drv.stream_capturing(11)
+
+
+def test_at_exit_plans_in_cycles_are_released_by_the_exits_collection_not_buried(monkeypatch, empty_graveyard):
+    """A graveyard left for the interpreter's teardown is destroyed after CUDA and cuDNN are gone (a
+    segmentation fault at the end of a GPU pytest run): the exit's collection releases what it finds."""
+    rig = Rig(monkeypatch, FakeDriver())
+    log = []
+    p = object.__new__(plans.Plan)
+    p.spec, p.device, p._handle = types.SimpleNamespace(op="matmul"), 0, rig.handle
+    p.graph, p._raw, p._graphs = CudnnObject(rig.handle, log), None, None
+    p.spec.plan = p  # a cycle: only the collector frees it
+    ref = weakref.ref(p.graph)
+    del p
+    monkeypatch.setattr(plans, "_exiting", False)
+    plans._release_at_exit()
+    assert plans._exiting and ref() is None and plans.released() == 0 and log == [("released", False)]
