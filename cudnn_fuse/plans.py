@@ -130,13 +130,12 @@ def handle_for(device: int) -> _Handle:
 
 # ---------------------------------------------------------------- releases kept out of captures
 
-# Releasing a cuDNN plan (its backend descriptors; a runtime-compiled engine's module) while a stream of
-# the device is capturing breaks that capture, and the failed CUDA call's error is raised by the releasing
-# thread's next torch op. On the H200, four threads launching one linear on their own streams while
-# dropped plans were freed beside them got "operation not permitted when stream is capturing" in torch
-# ops, invalidated launch-graph captures, and wrong outputs (tests/test_gpu_native.py; docs/decisions.md,
-# "Plans are released outside captures"). Python frees a plan where its last reference goes (an LRU
-# eviction, ``clear()``, a memo replaced in another thread) or where the garbage collector runs, so:
+# cudnn-frontend 1.32 names the hazard (cudnn/_pygraph.py): a cuDNN release timed by the garbage collector
+# "inside someone else's stream capture, poisons every later launch". (The threaded faults the H200 showed
+# on 2026-12-04 had another cause, a side stream taken from torch's pool: docs/decisions.md, "The side
+# stream is no pool stream"; this guard stays for the hazard the frontend names.) Python frees a plan where
+# its last reference goes (an LRU eviction, ``clear()``, a memo replaced in another thread) or where the
+# garbage collector runs, so:
 # - a dropped Plan's cuDNN objects wait in ``_graveyard`` until a thread holds the device's handle lock
 #   outside any capture (every capture of ours holds that lock): ``_drain``;
 # - the garbage collector does not run while a capture of ours is open (``no_gc``), and no capture opens
@@ -243,8 +242,9 @@ def held(h: _Handle, device: int):
     check_support, finalize), the frontend's deserialize (whose warm-up captures one execute on the
     handle's stream) and rebuilding a recorded engine. cuDNN asks that a handle not be used by two
     threads at once, and the handle stays bound to the stream of the last launch, which may be
-    another thread's, even one that is capturing: the side stream is launched to by no one (launch
-    graphs capture there, under this same lock). Not reentrant: nothing under it takes the lock."""
+    another thread's, even one that is capturing: the side stream is launched to by no one (cf's own
+    stream, not one of torch's pool: ``_side_stream``; launch graphs capture there, under this same
+    lock). Not reentrant: nothing under it takes the lock."""
     import cudnn
 
     with h.lock, no_gc():  # the deserialize's warm-up is a capture
@@ -429,7 +429,7 @@ def _workspace_ptr(device: int, stream: int, size: int, capturing: bool | None =
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-_side_streams: dict = {}  # device -> the stream launch graphs are captured on (never launched on)
+_side_streams: dict = {}  # device -> raw CUstream that launch graphs are captured on (nobody launches there)
 _side_lock = threading.Lock()
 
 

@@ -1,8 +1,8 @@
 """Dropped plans are released outside launch-graph captures (plans._graveyard, plans.no_gc).
 
-Releasing a cuDNN plan while a stream of the device captures breaks the capture, and the failed
-CUDA call's error is raised by the releasing thread's next torch op (four threads on their own
-streams on the H200: tests/test_gpu_native.py::test_side_streams_and_threads). What must hold, on
+cudnn-frontend 1.32 names the hazard (cudnn/_pygraph.py): a cuDNN release timed by the garbage
+collector inside another thread's stream capture poisons later launches. (The threaded faults the
+H200 showed had another cause, tests/test_side_stream.py.) What must hold, on
 the stand-in driver and entry point of tests/test_launch_graphs.py: a dropped Plan's cuDNN objects
 outlive it until a thread holds the device's handle lock outside any capture; a capture opens with
 nothing left to release, the garbage collector off and the handle already on the side stream; the

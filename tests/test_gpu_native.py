@@ -159,9 +159,9 @@ def test_side_streams_and_threads(both_paths):
 @pytest.mark.parametrize("native", [True, False], ids=["c_path", "python_path"])
 def test_threads_while_dropped_plans_are_freed_beside_them(both_paths, native):
     """The trials of bench/thread_stress.py: four threads on their own streams, the plans dropped
-    every third trial. Before dropped plans were released outside captures, the H200 showed in such
-    runs torch ops failing with "operation not permitted when stream is capturing", invalidated
-    captures and wrong outputs, in about one trial in twelve."""
+    every third trial. While cf's side stream came from torch's pool (and every 32nd stream handed
+    out was it), the H200 showed in such runs torch ops failing with "operation not permitted when
+    stream is capturing", invalidated captures and wrong outputs, in about one trial in twenty."""
     ops.set_native(native)
     operands = _linear_operands()
     failures = launch_graphs.STATS.failures
