@@ -6,7 +6,8 @@
 #
 # Steps: tests (the GPU suite, junit XML; past one call's limit since c9916b3), tests_a / tests_b (the suite in two calls:
 # test_gpu_[a-n]*.py, 523 tests, about 300 s on one H200; the rest, 387 tests), threads (the threaded and capture GPU
-# tests, then bench/thread_stress.py on the C and the Python call path: threads on their own streams, plans dropped), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
+# tests, then bench/thread_stress.py on the C and the Python call path: threads on their own streams, plans dropped;
+# its --pool-side-stream brings back the fault of a side stream from torch's pool, for an A/B), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
 # memory2 (memory and memory_at at once, one per GPU), bwdprobe (backward_probe: each backward piece), convprobe
 # (conv_host_probe: where the conv step's host time goes), sdpasweep (knob_sweep --attention per SDPA_SHAPES), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
 # cf under torch.compile, torch.compile), host (host_overhead +
