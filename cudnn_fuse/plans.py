@@ -740,8 +740,8 @@ def _release_at_exit() -> None:
     is torn down are reported on stderr by nanobind as leaked instances, dozens of lines
     after a run that built plans; freed here, they are destroyed normally instead. Plans the
     collection finds are released in it, not buried: a graveyard left to the interpreter's teardown
-    is destroyed after CUDA and cuDNN are gone (on the H200, a segmentation fault in the final
-    collection of a pytest run)."""
+    would be destroyed after CUDA and cuDNN are gone (the likely reading of a segmentation fault in
+    the final collection of a GPU pytest run on the H200)."""
     global _exiting
     try:
         _exiting = True
