@@ -413,6 +413,11 @@ class Driver:
             return
         self.sequences = True
 
+    @property
+    def queries_capture(self) -> bool:
+        """Whether this driver has ``cuStreamIsCapturing`` (``stream_capturing`` can answer)."""
+        return self._is_capturing is not None
+
     def stream_capturing(self, stream: int) -> bool:
         """Whether ``stream`` is capturing (active or invalidated, as torch counts it); False for a
         stream the driver does not know (one that was destroyed)."""

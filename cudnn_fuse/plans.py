@@ -170,7 +170,7 @@ def _note_capture(device: int, stream: int) -> None:
 def _stream_capturing(stream: int) -> bool:
     """Whether ``stream`` (a raw CUstream) is capturing now; False for a stream that is gone."""
     drv = launch_graphs._driver  # bound by the first launch graph (not bound here: that may switch graphs off)
-    if drv is not None and getattr(drv, "_is_capturing", None) is not None:
+    if drv is not None and getattr(drv, "queries_capture", False):
         return drv.stream_capturing(stream)
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         return bool(_capturing())

@@ -297,8 +297,10 @@ def test_the_drivers_capture_query_reads_the_status_it_is_given():
 
     drv = object.__new__(launch_graphs.Driver)
     drv._is_capturing = is_capturing
+    assert drv.queries_capture
     assert [drv.stream_capturing(s) for s in (11, 12, 13, 14)] == [True, True, False, False]
     drv._is_capturing = None
+    assert not drv.queries_capture
     with pytest.raises(AttributeError):
         drv.stream_capturing(11)
 
