@@ -7,7 +7,8 @@
  * signal, the faulting address, the program counter with the library (and symbol, where exported) that
  * holds it, then glibc's backtrace() of the thread, and re-raises with the default action. Python's
  * faulthandler, enabled later (pytest's, or -X faulthandler), dumps the Python stacks first and then
- * calls the handler it found: this one. */
+ * calls the handler it found: this one. Written to a copy of the stderr the process started with, since
+ * pytest's output capture replaces file descriptor 2 during a test. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <execinfo.h>
@@ -17,7 +18,9 @@
 #include <ucontext.h>
 #include <unistd.h>
 
-static void say(const char *s) { (void)!write(2, s, strlen(s)); }
+static int out_fd = 2; /* a copy of stderr as the process started: pytest's capture later swaps fd 2 for a file */
+
+static void say(const char *s) { (void)!write(out_fd, s, strlen(s)); }
 
 static void where(const char *what, void *pc)
 {
@@ -56,6 +59,9 @@ __attribute__((constructor)) static void install(void)
 {
     struct sigaction sa;
     void *warm[2];
+    int fd = dup(2);
+    if (fd >= 0)
+        out_fd = fd;
     backtrace(warm, 2); /* loads libgcc_s now, not inside the handler */
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = handler;

@@ -401,7 +401,11 @@ fast_replay(Launch *L, PyObject **ptrs, Py_ssize_t n, long cur)
     }
     {
         PyObject *stats = global(lg_dict, s_STATS);
-        if (stats == NULL || bump(L->graphs, s_reuses) < 0 || bump(stats, s_replays) < 0)
+        int bad;
+        Py_XINCREF(stats); /* held across the first bump, which may run Python */
+        bad = stats == NULL || bump(L->graphs, s_reuses) < 0 || bump(stats, s_replays) < 0;
+        Py_XDECREF(stats);
+        if (bad)
             goto out; /* launched, but the counters failed: an error (never launched twice) */
     }
     result = 1;
@@ -880,9 +884,14 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     entry = PyDict_GetItemWithError(memo, key);
     if (entry == NULL)
         goto none; /* a miss: the Python path validates, builds and remembers */
-    if (negated(args) != 0)
-        goto none; /* a negated view of a remembered signature: the Python path falls back (ops._unlaunchable) */
+    /* held before anything else runs: negated() calls torch (whose bindings release the GIL, and which runs
+       a subclass's __torch_function__), and another thread that replaces or clears the memo meanwhile would
+       free a borrowed entry (a segmentation fault of threaded calls on the H200, 2026-12-04) */
     Py_INCREF(entry);
+    if (negated(args) != 0) {
+        Py_DECREF(entry);
+        goto none; /* a negated view of a remembered signature: the Python path falls back (ops._unlaunchable) */
+    }
     n_keyed++;
     if (targs != NULL)
         guard_register(memo, ikey, targs, entry);

@@ -378,6 +378,110 @@ def test_a_guard_check_that_changes_its_list_is_survived(mode):
     assert p.returncode == 0 and p.stdout.strip() == "served", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
 
 
+_DROPPED_ENTRY_CHILD = """
+import torch
+from cudnn_fuse import ops, plans
+native = ops._native
+ATTRS = ("relu", False, 0.01)
+events, HOOK = [], []
+
+
+class Entry:  # a remembered call whose only reference is the memo's
+    def __call__(self, *a):
+        events.append("called")
+        return "served"
+
+    def __del__(self):
+        events.append("freed")
+
+
+class W(torch.Tensor):  # its is_neg() runs Python: there the memo is emptied, as another thread may do
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "is_neg" and HOOK:
+            HOOK.pop()()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+x = torch.randn(4, 8, dtype=torch.float16)
+w = torch.randn(6, 8, dtype=torch.float16).as_subclass(W)
+key, _ = ops._memo("linear", x, w, None, None, ATTRS)
+assert key is not None
+plans.FAST[key] = Entry()
+HOOK.append(lambda: (plans.FAST.clear(), events.append("cleared")))
+with torch.no_grad():
+    out = native.call("linear", "linear:grad", x, w, None, None, ATTRS)
+print(out, events)
+"""
+
+
+@needs_native
+def test_an_entry_dropped_from_the_memo_while_its_key_is_checked_is_survived():
+    """The exact key's hit asks each operand's is_neg() before it calls the entry. That call goes into
+    torch, whose bindings release the GIL (and a subclass's __torch_function__ runs Python), so another
+    thread can replace or clear the memo meanwhile. The C call once held the entry as a borrowed
+    reference across it: the entry could be freed and then called (segmentation faults of threaded C-path
+    calls on the H200, 2026-12-04). Here the clearing runs inside is_neg itself; the entry must outlive
+    the call. Run in a child, so a regression is a failed test, not a dead run."""
+    p = subprocess.run([sys.executable, "-c", _DROPPED_ENTRY_CHILD], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+    assert p.stdout.strip() == "served ['cleared', 'called']", p.stdout[-500:]
+
+
+_MEMO_CHURN_CHILD = """
+import sys, threading, time, torch
+from cudnn_fuse import ops, plans
+native = ops._native
+ATTRS = ("relu", False, 0.01)
+x, w = torch.randn(4, 8), torch.randn(6, 8)
+key, _ = ops._memo("linear", x, w, None, None, ATTRS)
+
+
+class Entry:
+    def __call__(self, *a):
+        return 1
+
+
+stop, calls, errors = time.time() + float(sys.argv[1]), [0], []
+
+
+def caller():
+    try:
+        with torch.no_grad():
+            while time.time() < stop:
+                r = native.call("linear", "linear:grad", x, w, None, None, ATTRS)
+                assert r in (1, None), r
+                calls[0] += 1
+    except Exception as exc:
+        errors.append(repr(exc))
+
+
+def replacer():  # a memo replaced and cleared as concurrent first calls and plans.clear() do
+    while time.time() < stop:
+        plans.FAST.clear()
+        plans.FAST[key] = Entry()
+
+
+threads = [threading.Thread(target=caller) for _ in range(3)] + [threading.Thread(target=replacer)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("ok" if calls[0] > 1000 and not errors else ("failed", calls[0], errors[:3]))
+"""
+
+
+@needs_native
+def test_threads_calling_while_the_memo_is_replaced_do_not_crash():
+    """Plain tensors, three threads calling one remembered signature in C while a fourth replaces and
+    clears the memo. Before the entry was held across is_neg() (which releases the GIL) this child
+    died of a segmentation fault in about half of its 1-2 s runs on the 2-core CPU machine; the test
+    above fails every time without it. Bounded by time, not a timing measurement."""
+    p = subprocess.run([sys.executable, "-c", _MEMO_CHURN_CHILD, "3"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+
+
 # ------------------------------------------------------------------ Launch: allocation, pointers
 
 
