@@ -7,7 +7,8 @@
 # Steps: tests (the GPU suite, junit XML; past one call's limit since c9916b3), tests_a / tests_b (the suite in two calls:
 # test_gpu_[a-n]*.py, 523 tests, about 300 s on one H200; the rest, 387 tests), threads (the threaded and capture GPU
 # tests, then bench/thread_stress.py on the C and the Python call path: threads on their own streams, plans dropped;
-# its --pool-side-stream brings back the fault of a side stream from torch's pool, for an A/B), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
+# its --pool-side-stream brings back the fault of a side stream from torch's pool, for an A/B), crashab (bench/crash_hunt.sh's A/B:
+# thread_stress --memo-churn on the C path built without bf5b711's fix, then with it; AB_REPS, SECS), tests2 (the same over two GPUs), demo, memory, memory_at (autotuned),
 # memory2 (memory and memory_at at once, one per GPU), bwdprobe (backward_probe: each backward piece), convprobe
 # (conv_host_probe: where the conv step's host time goes), sdpasweep (knob_sweep --attention per SDPA_SHAPES), gpt2probe, gpt2probe_train (GPT-2: cf, captured,
 # cf under torch.compile, torch.compile), host (host_overhead +
@@ -49,6 +50,8 @@ for s in $STEPS; do
             step thread_stress_c_path 70 python3 bench/thread_stress.py --seconds 45 --native 1 --out "$OUT/thread_stress_c_path.json"
             step thread_stress_python_path 50 python3 bench/thread_stress.py --seconds 30 --native 0 \
                 --out "$OUT/thread_stress_python_path.json" ;;
+        crashab) SKIP_INSTALL=1 AB_REPS=${AB_REPS:-"1 2 3"} REPS_DEFAULT= REPS_NO_KERNEL= REPS_NO_GRAPHS= REPS_TEST= \
+                bash bench/crash_hunt.sh >> "$log" 2>&1 ;;  # the C path's borrowed-entry crash: without and with bf5b711's fix
         optfuzz) step optimize_fuzz 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_gpu_optimize_fuzz.py ;;
         tests2) t0=$SECONDS  # the GPU suite split over two GPUs (nvidia-h200-x2), by file
             files=(tests/test_gpu_*.py); half=(); other=()

@@ -6,7 +6,10 @@ next calls reload and re-capture them while the dropped ones are freed. Counts e
 an exception in a thread (with its message), a wrong output, a launch-graph capture that failed.
 While cf captured on a stream of torch's pool, one that some thread was handed too, the H200 showed
 all three within seconds (docs/decisions.md, "The side stream is no pool stream"); --pool-side-stream
-brings that back for an A/B.
+brings that back for an A/B. --memo-churn adds a thread that empties the call memo over and over, so
+that threads' calls often find an entry another thread is dropping: the window of the C path's
+borrowed-entry crash (docs/decisions.md, "The threaded C-path crash"; bench/crash_hunt.sh builds the
+C path without its fix for the A/B).
 
     python3 bench/thread_stress.py --seconds 30 --native 1 --out bench/results/thread_stress.json
 """
@@ -42,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clear-every", type=int, default=3, help="drop the in-memory plans every Nth trial")
     ap.add_argument("--pool-side-stream", action="store_true",
                     help="capture on a stream of torch's pool, as cf did before it made its own (the fault's A/B)")
+    ap.add_argument("--memo-churn", action="store_true",
+                    help="a thread empties the call memo (plans.FAST) every 0.2 ms while the trials run")
     ap.add_argument("--out", default=None, help="JSON file to write (stdout always gets it)")
     args = ap.parse_args(argv)
 
@@ -54,7 +59,9 @@ def main(argv=None) -> int:
     lg = logging.getLogger("cudnn_fuse")
     lg.setLevel(logging.INFO)
     lg.addHandler(handler)
-    ops.set_native(bool(args.native))
+    if ops.set_native(bool(args.native)) != bool(args.native):
+        print("the C path was asked for, but cudnn_fuse._native is not built", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     x = torch.randn(64, 256, device="cuda").half()
     w = (torch.randn(256, 256, device="cuda") * 0.05).half()
@@ -65,6 +72,17 @@ def main(argv=None) -> int:
     side = plans._side_stream(0)
     kinds, first = collections.Counter(), {}
     calls = trials = shared = 0
+    churned, stop_churn = [0], threading.Event()
+
+    def churn():
+        while not stop_churn.is_set():
+            plans.FAST.clear()
+            churned[0] += 1
+            time.sleep(0.0002)
+
+    churner = threading.Thread(target=churn, daemon=True) if args.memo_churn else None
+    if churner is not None:
+        churner.start()
     t_end = time.time() + args.seconds
     while time.time() < t_end:
         trials += 1
@@ -101,9 +119,13 @@ def main(argv=None) -> int:
         for k in found:
             kinds[k] += 1
             first.setdefault(k, trials)
+    stop_churn.set()
+    if churner is not None:
+        churner.join()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "native": bool(args.native),
            "threads": args.threads, "clear_every": args.clear_every, "pool_side_stream": args.pool_side_stream,
-           "threads_given_the_side_stream": shared, "seconds": args.seconds, "trials": trials,
+           "threads_given_the_side_stream": shared,
+           "memo_churn": args.memo_churn, "memo_clears": churned[0], "seconds": args.seconds, "trials": trials,
            "calls": calls, "failed_trials_by_kind": dict(kinds), "first_trial_by_kind": first,
            "graph_stats": launch_graphs.STATS.snapshot(), "dropped_plans_waiting": plans.released()}
     text = json.dumps(out, indent=1)
