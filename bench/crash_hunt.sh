@@ -51,7 +51,7 @@ PY
         fi
         for i in $AB_REPS; do
             run "memo churn $build $i" timeout $((SECS + 25)) python3 -X faulthandler bench/thread_stress.py \
-                --seconds "$SECS" --native 1 --memo-churn --out "$OUT/memo_churn_${build}_$i.json"; done
+                --seconds "$SECS" --native 1 --memo-churn; done  # each JSON in the log (few files come back from a device call)
     done
 fi
 grep "^== \|^segv_trace: signal\|failed_trials\|\"trials\"\|memo_clears" "$log"
