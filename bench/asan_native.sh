@@ -12,15 +12,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-inc=$($py -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-so=cudnn_fuse/_native$($py -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 asan=$(${CC:-gcc} -print-file-name=libasan.so)
 [ -f "$asan" ] || { echo "no libasan.so for ${CC:-gcc}" >&2; exit 2; }
 # libstdc++ preloaded beside it: otherwise ASan cannot find the real __cxa_throw when cudnn-frontend's C++
 # throws (an "AddressSanitizer: CHECK failed" that ends the run with status 1 and no report)
 preload="$asan $(${CC:-gcc} -print-file-name=libstdc++.so.6)"
 trap 'bash bench/build_native.sh > /dev/null' EXIT  # the normal build back
-${CC:-gcc} -O1 -g -std=c11 -Wall -fPIC -shared -fsanitize=address -fno-omit-frame-pointer -I"$inc" cudnn_fuse/_native.c -o "$so"
+NATIVE_CFLAGS="-O1 -g -fsanitize=address -fno-omit-frame-pointer" CHECK=0 bash bench/build_native.sh
 [ $# -gt 0 ] || set -- tests/test_native.py tests/test_fastpath.py tests/test_launch_graphs.py tests/test_capture_releases.py
 # reports go to a file too (log_path): pytest's capture swaps file descriptor 2 during each test
 LD_PRELOAD=$preload ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:log_path=/tmp/asan_native} PYTHONMALLOC=malloc $py -m pytest -q -p no:cacheprovider "$@"

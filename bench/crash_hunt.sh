@@ -33,8 +33,6 @@ for i in ${REPS_TEST-1 2 3}; do
     run "callers_capture c_path $i" timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
         tests/test_gpu_native.py -k "callers_capture and c_path"; done
 if [ -n "${AB_REPS:-}" ]; then
-    suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-    inc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
     python3 - cudnn_fuse/_native.c /tmp/native_without_fix.c <<'PY' || exit 1
 import sys
 src = open(sys.argv[1]).read()
@@ -45,7 +43,7 @@ open(sys.argv[2], "w").write(src.replace(fixed, old, 1))
 PY
     for build in without_fix with_fix; do
         if [ $build = without_fix ]; then
-            gcc -O2 -std=c11 -fPIC -shared -I"$inc" /tmp/native_without_fix.c -o "cudnn_fuse/_native$suffix" || exit 1
+            SRC=/tmp/native_without_fix.c bash bench/build_native.sh >> "$log" 2>&1 || exit 1
         else
             bash bench/build_native.sh >> "$log" 2>&1 || exit 1
         fi
