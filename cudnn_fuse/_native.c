@@ -240,6 +240,10 @@ Launch_init(Launch *self, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "Launch: workspace_size must be >= 0, got %zd", ws);
         return -1;
     }
+    if (self->plan != NULL) { /* a live Launch's fields are read by calls that the old plan's __del__ could make */
+        PyErr_SetString(PyExc_TypeError, "Launch: already initialised (make a new one)");
+        return -1;
+    }
     Launch_clear(self);
     Py_INCREF(plan);
     self->plan = plan;
@@ -498,6 +502,7 @@ launch_call(Launch *L, PyObject *a, PyObject *b, PyObject *c, PyObject *d, int g
     PyObject *y = NULL, *am = NULL, *ptrs[7], *ins[4] = {a, b, c, d}, *out = NULL;
     Py_ssize_t n = 0, i;
     long cur = -1;
+    unsigned long long p;
 
     if (L->ws_obj == NULL || L->dev_obj == NULL) { /* never initialised (Launch.__new__), or its __init__ failed part-way */
         PyErr_SetString(PyExc_RuntimeError, "Launch: not initialised");
@@ -513,7 +518,10 @@ launch_call(Launch *L, PyObject *a, PyObject *b, PyObject *c, PyObject *d, int g
         if (!(ptrs[n] = tensor_ptr(ins[i], guarded)))
             goto done;
         n++;
-        if (PyLong_AsUnsignedLongLongMask(ptrs[n - 1]) % ALIGNMENT) { /* ops._misaligned: the Python path falls back */
+        p = PyLong_AsUnsignedLongLongMask(ptrs[n - 1]);
+        if (p == (unsigned long long)-1 && PyErr_Occurred())
+            goto done; /* a data_ptr() that is no int (a subclass's): its error, not a pointer */
+        if (p % ALIGNMENT) { /* ops._misaligned: the Python path falls back */
             out = Py_None;
             Py_INCREF(out);
             goto done;
@@ -755,8 +763,28 @@ guarded_entry(PyObject *lst, PyObject *targs)
     return NULL;
 }
 
+static PyObject * /* the operands' guard, made now (no exception left set): NULL where none is made */
+guard_make(PyObject *targs)
+{
+    PyObject *tg, *check;
+    Py_ssize_t i, j, n = PyTuple_GET_SIZE(targs);
+    for (i = 0; i < n; i++)
+        for (j = i + 1; j < n; j++)
+            if (PyTuple_GET_ITEM(targs, i) == PyTuple_GET_ITEM(targs, j))
+                return NULL;
+    if (!(tg = PyObject_Call(tensor_guards, targs, guard_kwargs))) {
+        PyErr_Clear();
+        return NULL;
+    }
+    check = PyObject_GetAttr(tg, s_check);
+    Py_DECREF(tg);
+    if (!check)
+        PyErr_Clear();
+    return check;
+}
+
 static void /* best effort: leaves no exception set */
-guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry)
+guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry, PyObject *check0)
 {
     PyObject *tg = NULL, *check = NULL, *pair = NULL, *lst = NULL, *cap;
     Py_ssize_t i, j, n = PyTuple_GET_SIZE(targs);
@@ -769,8 +797,9 @@ guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry)
         goto out;
     if (cap != NULL && PyLong_Check(cap) && PyDict_GET_SIZE(memo) >= PyLong_AsSsize_t(cap))
         goto out; /* full: the Python path clears the memo when it next remembers */
-    if (!(tg = PyObject_Call(tensor_guards, targs, guard_kwargs)) || !(check = PyObject_GetAttr(tg, s_check)) ||
-        !(pair = PyTuple_Pack(2, check, entry)))
+    check = check0;
+    Py_INCREF(check);
+    if (!(pair = PyTuple_Pack(2, check, entry)))
         goto out;
     lst = PyDict_GetItemWithError(memo, ikey);
     if (lst == NULL) {
@@ -888,13 +917,22 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
        a subclass's __torch_function__), and another thread that replaces or clears the memo meanwhile would
        free a borrowed entry (a segmentation fault of threaded calls on the H200, 2026-12-04) */
     Py_INCREF(entry);
-    if (negated(args) != 0) {
-        Py_DECREF(entry);
-        goto none; /* a negated view of a remembered signature: the Python path falls back (ops._unlaunchable) */
+    {
+        PyObject *check = targs != NULL ? guard_make(targs) : NULL; /* the key's snapshot: before is_neg() */
+        if (negated(args) != 0) {
+            Py_XDECREF(check);
+            Py_DECREF(entry);
+            goto none; /* a negated view of a remembered signature: the Python path falls back (ops._unlaunchable) */
+        }
+        n_keyed++;
+        if (check != NULL) {
+            PyObject *now = PyDict_GetItemWithError(memo, key), *fast = PyDict_GetItemWithError(ops_dict, s_FAST);
+            if (now == entry && fast == memo) /* not cleared or replaced meanwhile */
+                guard_register(memo, ikey, targs, entry, check);
+            PyErr_Clear();
+            Py_DECREF(check);
+        }
     }
-    n_keyed++;
-    if (targs != NULL)
-        guard_register(memo, ikey, targs, entry);
     out = call_entry(entry, args, 0);
     Py_DECREF(entry);
     goto done;

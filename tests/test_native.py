@@ -412,7 +412,7 @@ plans.FAST[key] = Entry()
 HOOK.append(lambda: (plans.FAST.clear(), events.append("cleared")))
 with torch.no_grad():
     out = native.call("linear", "linear:grad", x, w, None, None, ATTRS)
-print(out, events)
+print(out, events, len(plans.FAST))
 """
 
 
@@ -426,7 +426,60 @@ def test_an_entry_dropped_from_the_memo_while_its_key_is_checked_is_survived():
     the call. Run in a child, so a regression is a failed test, not a dead run."""
     p = subprocess.run([sys.executable, "-c", _DROPPED_ENTRY_CHILD], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
-    assert p.stdout.strip() == "served ['cleared', 'called']", p.stdout[-500:]
+    # served once, then freed: the cleared memo holds nothing (the call once filed the dropped entry under
+    # a guard in the emptied memo, which then served it until the next clear)
+    assert p.stdout.strip() == "served ['cleared', 'called', 'freed'] 0", p.stdout[-500:]
+
+
+_SNAPSHOT_CHILD = """
+import torch
+from cudnn_fuse import ops, plans
+native = ops._native
+ATTRS = ("relu", False, 0.01)
+HOOK = []
+
+
+class Entry:
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *a):
+        return self.name
+
+
+class W(torch.Tensor):  # its is_neg() runs Python: there w is unfrozen, as another thread may do
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "is_neg" and HOOK:
+            HOOK.pop()()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+x = torch.randn(4, 8, dtype=torch.float16)
+w = torch.randn(6, 8, dtype=torch.float16).as_subclass(W)
+k_inf, _ = ops._memo("linear", x, w, None, None, ATTRS)
+w.requires_grad_(True)
+k_grad, _ = ops._memo("linear", x, w, None, None, ATTRS)
+w.requires_grad_(False)
+assert k_inf[0] == "linear" and k_grad[0] == "linear:grad", (k_inf[0], k_grad[0])
+plans.FAST[k_inf], plans.FAST[k_grad] = Entry("inference"), Entry("training")
+HOOK.append(lambda: w.requires_grad_(True))
+first = native.call("linear", "linear:grad", x, w, None, None, ATTRS)  # found frozen, unfrozen meanwhile
+second = native.call("linear", "linear:grad", x, w, None, None, ATTRS)  # w requires grad now
+print(first, second)
+"""
+
+
+@needs_guards
+def test_a_guard_describes_the_operands_its_key_was_made_from():
+    """The guard filed for an exact-key hit is made before is_neg() runs. Made after, it described
+    operands another thread had changed meanwhile (a frozen weight unfrozen), paired with the entry
+    of the earlier key: every later training call passed that guard and got the inference launch
+    (no grad_fn, gradients lost) until the memo was cleared. Here the change runs inside is_neg()."""
+    p = subprocess.run([sys.executable, "-c", _SNAPSHOT_CHILD], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+    assert p.stdout.strip() == "inference training", p.stdout[-500:]
 
 
 _MEMO_CHURN_CHILD = """
@@ -554,6 +607,43 @@ def test_an_uninitialised_launch_raises_instead_of_crashing():
             "print('ok')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])
+
+
+@needs_native
+def test_a_launch_is_not_initialised_twice():
+    """Re-running __init__ on a live Launch cleared its plan first, and the old plan's __del__ (Python)
+    could call the half-cleared Launch, which then called a method on no plan (a segmentation fault).
+    It is refused. In a child, so a regression is a failed test, not a dead run."""
+    code = ("import torch\n"
+            "from cudnn_fuse import _native\n"
+            "class P:\n"
+            "    raw = True\n"
+            "    def launch(self, ptrs): pass\n"
+            "args = ((4, 6), (6, 1), torch.float16, torch.device('cpu'), False, True)\n"
+            "L = _native.Launch(P(), *args)\n"
+            "try:\n"
+            "    L.__init__(P(), *args)\n"
+            "except TypeError as e:\n"
+            "    assert 'already initialised' in str(e), e\n"
+            "else:\n"
+            "    raise SystemExit('no error')\n"
+            "print('ok', type(L.plan).__name__)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok P", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+
+
+@needs_native
+def test_an_operand_whose_data_ptr_is_no_int_raises_its_error():
+    """A subclass operand whose data_ptr() answers no int: the C launch returned None with the
+    conversion's TypeError still set (a SystemError in the caller). Now the error itself comes out."""
+    class B(torch.Tensor):
+        def data_ptr(self):
+            return None
+
+    a, b = torch.randn(4, 8).half(), torch.randn(6, 8).half().as_subclass(B)
+    launch = ops._native_launch(RecordingPlan(), torch.empty(4, 6, dtype=torch.float16), False, a)
+    with pytest.raises(TypeError):
+        launch(a, b, None, None)
 
 
 def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
