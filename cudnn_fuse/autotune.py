@@ -10,6 +10,7 @@ workspace cap and a determinism filter.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
@@ -78,6 +79,14 @@ class Config:
 
 
 DEFAULT_CONFIG = Config()
+# A tuning nested in another (a conv's GEMM candidate) runs under this thread's replacement of DEFAULT_CONFIG
+# (_sub_progress): a context variable, so that concurrent tunings in other threads neither see nor undo it.
+_NESTED: contextvars.ContextVar = contextvars.ContextVar("cudnn_fuse_autotune_nested", default=None)
+
+
+def current_config() -> "Config":
+    """The config a tuning given none runs under: this thread's nested one, else DEFAULT_CONFIG."""
+    return _NESTED.get() or DEFAULT_CONFIG
 
 
 @dataclass
@@ -475,7 +484,7 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
     import cudnn
     import torch
 
-    cfg = cfg or DEFAULT_CONFIG
+    cfg = cfg or current_config()
     from .plans import deterministic as torch_deterministic
 
     deterministic = cfg.deterministic if cfg.deterministic is not None else torch_deterministic()
@@ -615,21 +624,21 @@ GEMM_INDEX = -2  # the GEMM candidate's index in a tuned conv entry's timings
 
 @contextlib.contextmanager
 def _sub_progress(cfg: Config, what: str):
-    """While the GEMM's own tuning runs (it reads DEFAULT_CONFIG), its candidates are reported to
+    """While the GEMM's own tuning runs (it reads current_config()), its candidates are reported to
     ``cfg.progress.sub(what)`` (a CLI bar of its own, label and ETA) instead of restarting the
-    conv's bar; a progress without ``sub`` is left out of the nested tuning."""
-    global DEFAULT_CONFIG
+    conv's bar; a progress without ``sub`` is left out of the nested tuning. The replacement is this
+    thread's only: it once rebound the module's DEFAULT_CONFIG, and two threads' overlapping tunings
+    then left one's nested config in place for every later tuning."""
     prog = cfg.progress
     if prog is None:
         yield
         return
-    saved = DEFAULT_CONFIG
     sub = getattr(prog, "sub", None)
-    DEFAULT_CONFIG = dataclasses.replace(saved, progress=sub(what) if callable(sub) else None)
+    token = _NESTED.set(dataclasses.replace(current_config(), progress=sub(what) if callable(sub) else None))
     try:
         yield
     finally:
-        DEFAULT_CONFIG = saved
+        _NESTED.reset(token)
 
 
 def gemm_timing(make_plan: Callable[[], object], sets, cfg: Config,

@@ -23,11 +23,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from typing import Optional
 
 import torch
 
-from . import cublaslt, manifest, ops, plans
+from . import cublaslt, launch_graphs, manifest, ops, plans
 from .errors import UnsupportedError
 from .spec import (
     ActGradSpec,
@@ -94,7 +95,27 @@ MLP = os.environ.get("CUDNN_FUSE_MLP_KERNELS", "torch")
 # only the optimizer reads it) on a side stream ("side"), so that it can run beside the layer's
 # weight and data gradient GEMMs, or in order on the current stream ("inline").
 BIAS_SUM = os.environ.get("CUDNN_FUSE_BWD_BIAS_SUM", "inline")
-_sum_streams: dict = {}  # device index -> the side stream of bias sums
+_sum_streams: dict = {}  # device index -> the side stream of bias sums (cf's own: None where none could be made)
+_sum_lock = threading.Lock()
+
+
+def _sum_stream(dev: torch.device):
+    """The bias sums' side stream of ``dev``: one made by the driver for them alone, not one of torch's pool
+    (which hands its streams out again to any thread, and makes a torch.cuda.graph's capture stream: a sum
+    queued there would be recorded in another thread's capture and never run), and not plans' side stream
+    (launch graphs are captured there). None where the driver cannot make one: the sums run inline."""
+    side = _sum_streams.get(dev.index, False)
+    if side is False:
+        with _sum_lock:
+            side = _sum_streams.get(dev.index, False)
+            if side is False:
+                try:
+                    side = torch.cuda.ExternalStream(launch_graphs.private_stream(dev.index), device=dev)
+                except (OSError, AttributeError, RuntimeError) as exc:
+                    log.warning("cudnn_fuse: no side stream for bias sums on %s (%s): they run inline", dev, exc)
+                    side = None
+                _sum_streams[dev.index] = side
+    return side
 
 
 def bias_sum_begin(dz2: torch.Tensor):
@@ -104,9 +125,9 @@ def bias_sum_begin(dz2: torch.Tensor):
     if BIAS_SUM != "side" or not dz2.is_cuda or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
         return None, None
     dev = dz2.device
-    side = _sum_streams.get(dev.index)
+    side = _sum_stream(dev)
     if side is None:
-        side = _sum_streams[dev.index] = torch.cuda.Stream(dev)
+        return None, None
     main = torch.cuda.current_stream(dev)
     side.wait_stream(main)  # dz2 is written on the main stream
     with torch.cuda.stream(side):
@@ -222,8 +243,9 @@ def _cached_spec(kind: str, attrs: tuple, buffers, make):
     the step, not its kernels). Every spec here is a function of its buffers' shapes, strides
     and dtypes and of ``attrs``, which is what the key holds. Kept in the ops' memo (cleared
     with the plans), with a slot for its plan (``_try`` fills it; the slot holds the spec, so
-    its id cannot be reused while the slot lives)."""
-    key = ("spec", kind, attrs, tuple([(t.shape, t.stride(), t.dtype) for t in buffers]))
+    its id cannot be reused while the slot lives). The key holds the determinism mode too: the slot's
+    plan was chosen under one mode (plans.deterministic), and must not serve the other."""
+    key = ("spec", kind, attrs, plans.deterministic(), tuple([(t.shape, t.stride(), t.dtype) for t in buffers]))
     spec = plans.FAST.get(key)
     if spec is None:
         spec = make()

@@ -434,6 +434,7 @@ class PlanCache:
         # Hits' access times, written in one transaction at most every ACCESS_FLUSH_S (a write
         # per hit cost a warm start ~0.2 ms a plan), and before anything that reads them.
         self._accessed: dict = {}
+        self._flush_lock = threading.Lock()  # one flush at a time (threads skip, never wait)
         self._flushed_at = time.monotonic()
         self._backoff_until = 0.0
         _INSTANCES.add(self)
@@ -585,6 +586,7 @@ class PlanCache:
             store._txn_id = None
         self._pending = dict(hits=0, misses=0)  # the parent flushes its own
         self._accessed = {}
+        self._flush_lock = threading.Lock()  # a parent's thread may have held it at the fork
 
     def close(self) -> None:
         """Flush the hit/miss counters (best effort) and close this thread's connections."""
@@ -719,6 +721,16 @@ class PlanCache:
             self._accessed[rowid] = time.time()
         if store is None or self.read_only or not (self._accessed or any(self._pending.values())):
             return
+        if not self._flush_lock.acquire(blocking=False):
+            return  # another thread is flushing: the next hit's flush takes what this one would
+        try:
+            self._flush(store)
+        finally:
+            self._flush_lock.release()
+
+    def _flush(self, store) -> None:
+        """_touch's write, one thread at a time: two at once counted the same hits twice, and the second
+        one's removal of a flushed access time raised KeyError into the op that hit the cache."""
         accessed = dict(self._accessed)
         pending = dict(self._pending)
         try:
@@ -738,7 +750,7 @@ class PlanCache:
         self._flushed_at = time.monotonic()
         for row, when in accessed.items():
             if self._accessed.get(row) == when:
-                del self._accessed[row]
+                self._accessed.pop(row, None)
         for name, n in pending.items():
             self._pending[name] -= n
 

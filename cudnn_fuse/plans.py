@@ -160,11 +160,12 @@ gc.callbacks.append(_gc_phase)
 # that finds its stream capturing notes that stream, and nothing is released on the device until every
 # noted stream has ended its capture (torch's default capture mode, "global", fails a capture at any
 # thread's unsafe CUDA call, a release's among them).
-_caller_captures: dict[int, set] = {}  # device -> streams a launch of ours found capturing
+_caller_captures: dict[int, dict] = {}  # device -> {stream a launch of ours found capturing: how many times}
 
 
 def _note_capture(device: int, stream: int) -> None:
-    _caller_captures.setdefault(device, set()).add(stream)
+    noted = _caller_captures.setdefault(device, {})
+    noted[stream] = noted.get(stream, 0) + 1  # counted: _caller_capture_open forgets a stream only unchanged
 
 
 def _stream_capturing(stream: int) -> bool:
@@ -180,13 +181,13 @@ def _caller_capture_open(device: int) -> bool:
     noted = _caller_captures.get(device)
     if not noted:
         return False
-    for stream in list(noted):
+    for stream, seen in list(noted.items()):
         try:
-            still = _stream_capturing(stream)
+            still = _stream_capturing(stream)  # the driver's query releases the GIL
         except Exception:  # noqa: BLE001 - a stream that cannot be asked is taken as ended
             still = False
-        if not still:
-            noted.discard(stream)
+        if not still and noted.get(stream) == seen:  # not noted again meanwhile (a new capture's first launch)
+            noted.pop(stream, None)
     return bool(noted)
 
 
@@ -405,6 +406,7 @@ def _raw_launcher(graph, uids, handle):
 
 
 _workspaces: dict = {}  # (device, stream) -> uint8 tensor, reused by every launch on that stream
+_workspace_lock = threading.Lock()  # taken on a miss only: a hit reads the dict without it
 
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
@@ -420,10 +422,13 @@ def _workspace_ptr(device: int, stream: int, size: int, capturing: bool | None =
     key = (device, stream)
     t = _workspaces.get(key)
     if t is None or t.numel() < size:
-        if t is None and len(_workspaces) >= 16:  # many short-lived streams: drop the oldest buffer
-            _workspaces.pop(next(iter(_workspaces)))  # (the allocator frees it in its stream's order)
-        t = _workspaces[key] = torch.empty(max(size, 2 * t.numel() if t is not None else size), dtype=torch.uint8,
-                                           device=torch.device("cuda", device))
+        with _workspace_lock:  # threads on new streams evict at once: one oldest key each, none popped twice
+            t = _workspaces.get(key)
+            if t is None or t.numel() < size:
+                while t is None and len(_workspaces) >= 16:  # many short-lived streams: drop the oldest buffer
+                    _workspaces.pop(next(iter(_workspaces)))  # (the allocator frees it in its stream's order)
+                t = _workspaces[key] = torch.empty(max(size, 2 * t.numel() if t is not None else size),
+                                                   dtype=torch.uint8, device=torch.device("cuda", device))
     return t.data_ptr(), t
 
 
@@ -668,10 +673,13 @@ class PlanLRU:
         key = (spec, device, deterministic())  # a plan built deterministic-only serves only that mode, and back
         item = self._lookup(key)
         if item is None:
-            with self._lock:
-                key_lock = self._building.setdefault(key, threading.Lock())
+            with self._lock:  # one lock per key while anyone waits on it: one build at a time, even across a clear()
+                building = self._building.get(key)
+                if building is None:
+                    building = self._building[key] = [threading.Lock(), 0]
+                building[1] += 1
             try:
-                with key_lock:
+                with building[0]:
                     item = self._lookup(key)  # another thread may have built it meanwhile
                     if item is None:
                         STATS.misses += 1
@@ -686,7 +694,9 @@ class PlanLRU:
                         STATS.hits += 1
             finally:
                 with self._lock:
-                    self._building.pop(key, None)
+                    building[1] -= 1
+                    if building[1] == 0 and self._building.get(key) is building:
+                        del self._building[key]
         else:
             STATS.hits += 1
         if isinstance(item, _Declined):

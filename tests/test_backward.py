@@ -390,6 +390,35 @@ def test_mlp_on_torch_kernels_by_default_runs_no_cudnn_graph(cudnn_on_cpu, monke
     assert cudnn_on_cpu.ran == [] and cudnn_on_cpu.asked == []
 
 
+def test_the_bias_sums_side_stream_is_cfs_own_not_torchs_pool(monkeypatch, caplog):
+    """The side stream of bias sums is one the driver made for them (launch_graphs.private_stream),
+    made once per device: a torch pool stream is also some thread's own, and a torch.cuda.graph's
+    capture stream (a sum queued there is recorded in that capture and never runs). Where the
+    driver cannot make one, the sums run inline, with a warning."""
+    made = []
+
+    def private_stream(device):
+        made.append(device)
+        return 0x1000 + device
+
+    monkeypatch.setattr(backward, "_sum_streams", {})
+    monkeypatch.setattr(backward.launch_graphs, "private_stream", private_stream)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: ("external", ptr, device))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a torch pool stream was taken"))
+    dev = torch.device("cuda", 1)
+    assert backward._sum_stream(dev) == ("external", 0x1001, dev)
+    assert backward._sum_stream(dev) == ("external", 0x1001, dev) and made == [1]
+
+    def no_stream(device):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(backward.launch_graphs, "private_stream", no_stream)
+    with caplog.at_level("WARNING", logger="cudnn_fuse.backward"):
+        assert backward._sum_stream(torch.device("cuda", 0)) is None
+        assert backward._sum_stream(torch.device("cuda", 0)) is None
+    assert sum("run inline" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_side_stream_bias_sums_stay_inline_off_cuda(monkeypatch):
     """BIAS_SUM "side" only changes where a CUDA sum runs: on the CPU (and under create_graph) the
     sum is inline, and the gradients are autograd's."""

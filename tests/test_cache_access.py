@@ -68,3 +68,50 @@ def test_prune_and_eviction_see_deferred_hits(cache_dir, monkeypatch):
     assert c.put(key(2), META, BLOB)  # over the limit: least recently used is key 1, not key 0
     assert sorted(k for k, _, _ in c.entries()) == sorted([key(0), key(2)])
     c.close()
+
+
+def access_count(root, k) -> int:
+    con = sqlite3.connect(root / NS / "cache.db")
+    try:
+        return con.execute("SELECT access_count FROM Cache WHERE key = ?", (k,)).fetchone()[0]
+    finally:
+        con.close()
+
+
+def test_two_threads_flushing_at_once_raise_nothing_and_count_each_hit_once(cache_dir, monkeypatch):
+    """Two threads' flushes of the same pending hit: the second one's removal of the flushed access
+    time raised KeyError out of PlanCache.get (into the op that hit the cache), and both added the hit
+    to access_count. One flush runs at a time now; the other thread skips. A pause in the pending
+    dict's lookup holds the first flush open while the second starts."""
+    import threading
+
+    monkeypatch.setattr(cache_module, "ACCESS_FLUSH_S", 3600.0)
+    c = PlanCache(cache_dir, namespace=NS)
+    assert c.put(key(0), META, BLOB)
+    before = access_count(cache_dir, key(0))
+
+    class SlowGet(dict):
+        def get(self, k, d=None):
+            time.sleep(0.05)
+            return dict.get(self, k, d)
+
+    c._accessed = SlowGet()
+    assert c.get(key(0)) is not None  # one pending hit, not flushed yet
+    errors = []
+
+    def flush():
+        try:
+            c._touch(None)
+        except Exception as exc:  # noqa: BLE001 - what the test looks for
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=flush) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.01)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert access_count(cache_dir, key(0)) == before + 1
+    assert dict(c._accessed) == {}
+    c.close()

@@ -254,7 +254,7 @@ def test_a_callers_capture_defers_releases_from_other_threads_until_it_ends(monk
     rig.capturing, rig.stream = True, 7
     open_streams.add(7)
     rig.plan.launch([1, 2, 3])  # inside the caller's capture: noted
-    assert plans._caller_captures == {0: {7}}
+    assert plans._caller_captures == {0: {7: 1}}
     log = []
     ref = dropped_plan(rig, log)
     rig.capturing, rig.stream = False, 8  # another thread, its own stream, no capture of its own
@@ -266,12 +266,12 @@ def test_a_callers_capture_defers_releases_from_other_threads_until_it_ends(monk
     open_streams.discard(7)  # the caller's capture ended
     rig.plan.launch([7, 8, 9])  # a raw launch (a pointer set not seen before)
     assert ref() is None and plans.released() == 0 and log == [("released", True)]
-    assert plans._caller_captures == {0: set()}  # the ended capture is forgotten
+    assert plans._caller_captures == {0: {}}  # the ended capture is forgotten
 
 
 def test_a_stream_that_cannot_be_asked_counts_as_ended(monkeypatch, empty_graveyard):
     rig = Rig(monkeypatch, FakeDriver())
-    monkeypatch.setattr(plans, "_caller_captures", {0: {7}})
+    monkeypatch.setattr(plans, "_caller_captures", {0: {7: 1}})
 
     def gone(stream):
         raise RuntimeError("invalid resource handle")
@@ -280,7 +280,7 @@ def test_a_stream_that_cannot_be_asked_counts_as_ended(monkeypatch, empty_gravey
     log = []
     ref = dropped_plan(rig, log)
     rig.plan.launch([1, 2, 3])
-    assert ref() is None and log == [("released", True)] and plans._caller_captures == {0: set()}
+    assert ref() is None and log == [("released", True)] and plans._caller_captures == {0: {}}
 
 
 def test_the_drivers_capture_query_reads_the_status_it_is_given():
@@ -319,3 +319,23 @@ def test_at_exit_plans_in_cycles_are_released_by_the_exits_collection_not_buried
     monkeypatch.setattr(plans, "_exiting", False)
     plans._release_at_exit()
     assert plans._exiting and ref() is None and plans.released() == 0 and log == [("released", False)]
+
+
+def test_a_capture_noted_while_its_stream_is_asked_is_not_forgotten(monkeypatch, empty_graveyard):
+    """The driver's query that a noted stream has ended releases the GIL. A new capture on that stream,
+    noted by its first launch meanwhile, was forgotten with the old one (the stream was in the set
+    already), and the graveyard was then drained inside it. A stream is forgotten only if it was not
+    noted again while it was asked."""
+    state = {"capturing": False}
+    monkeypatch.setattr(plans, "_caller_captures", {})
+    plans._note_capture(0, 5)  # a caller's capture on stream 5, since ended
+
+    def asked(stream):
+        v = state["capturing"]
+        state["capturing"] = True  # meanwhile a new capture begins on stream 5 ...
+        plans._note_capture(0, 5)  # ... and its first launch of ours notes it
+        return v
+
+    monkeypatch.setattr(plans, "_stream_capturing", asked)
+    assert plans._caller_capture_open(0) is True
+    assert plans._caller_captures == {0: {5: 2}}

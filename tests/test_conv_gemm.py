@@ -297,19 +297,65 @@ def test_the_gemms_own_tuning_reports_to_a_bar_of_its_own():
     saved = autotune.DEFAULT_CONFIG
     cfg = autotune.Config(progress=bar)
     with autotune._sub_progress(cfg, "as a GEMM"):
-        inner = autotune.DEFAULT_CONFIG.progress
+        inner = autotune.current_config().progress
         assert isinstance(inner, Bar) and inner.label == "tuning conv2d (as a GEMM)" and inner is not bar
-        assert autotune.DEFAULT_CONFIG.budget_s == saved.budget_s  # only the progress differs
+        assert autotune.current_config().budget_s == saved.budget_s  # only the progress differs
         inner(1, 2)
     assert autotune.DEFAULT_CONFIG is saved
     assert "tuning conv2d (as a GEMM) [" in stream.getvalue() and "1/2" in stream.getvalue()
     with pytest.raises(RuntimeError):  # restored when the nested tuning raises
         with autotune._sub_progress(autotune.Config(progress=lambda d, t: None), "as a GEMM"):
-            assert autotune.DEFAULT_CONFIG.progress is None  # a progress without sub(): left out
+            assert autotune.current_config().progress is None  # a progress without sub(): left out
             raise RuntimeError("declined")
     assert autotune.DEFAULT_CONFIG is saved
     with autotune._sub_progress(autotune.Config(progress=None), "as a GEMM"):
-        assert autotune.DEFAULT_CONFIG is saved
+        assert autotune.current_config() is saved
+    assert autotune.current_config() is saved
+
+
+def test_overlapping_tunings_in_two_threads_keep_their_own_nested_configs():
+    """Thread A enters its GEMM's tuning, B enters its own, A leaves, B leaves: each saw its own
+    nested config throughout, the other thread's never, and nothing stays replaced afterwards (the
+    module-global swap left A's in place for good)."""
+    import threading
+
+    class Prog:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, done, total):
+            pass
+
+        def sub(self, what):
+            return Prog(self.name + " " + what)
+
+    saved = autotune.DEFAULT_CONFIG
+    steps = [threading.Event() for _ in range(3)]
+    seen = {}
+
+    def a():
+        with autotune._sub_progress(autotune.Config(progress=Prog("A")), "gemm"):
+            seen["a_in"] = autotune.current_config().progress.name
+            steps[0].set()
+            steps[1].wait(10)
+            seen["a_later"] = autotune.current_config().progress.name
+        steps[2].set()
+
+    def b():
+        steps[0].wait(10)
+        with autotune._sub_progress(autotune.Config(progress=Prog("B")), "gemm"):
+            seen["b_in"] = autotune.current_config().progress.name
+            steps[1].set()
+            steps[2].wait(10)
+            seen["b_after_a_left"] = autotune.current_config().progress.name
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert seen == {"a_in": "A gemm", "b_in": "B gemm", "a_later": "A gemm", "b_after_a_left": "B gemm"}
+    assert autotune.DEFAULT_CONFIG is saved and autotune.current_config() is saved
 
 
 @pytest.mark.parametrize("seed", range(24))

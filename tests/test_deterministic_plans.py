@@ -101,6 +101,37 @@ def test_the_plan_lru_keeps_one_plan_per_mode():
     assert built == [False, True]
 
 
+def test_a_backward_graphs_remembered_plan_serves_only_its_mode(monkeypatch):
+    """backward's remembered specs carry a slot for their plan (backward._try fills it). The slot
+    once ignored the mode: a conv dgrad planned without the determinism filter went on running that
+    plan after torch.use_deterministic_algorithms(True) (process-wide, from any thread)."""
+    from cudnn_fuse import backward
+
+    ran = []
+
+    class StandIn:
+        def __init__(self):
+            self.det = plans.deterministic()
+
+        def run(self, buffers):
+            ran.append(self.det)
+
+    monkeypatch.setattr(plans._LRU, "_builder", lambda spec, device: StandIn())
+    plans.clear()
+    cl = torch.channels_last
+    dz = torch.randn(2, 8, 6, 6).half().contiguous(memory_format=cl)
+    w = torch.randn(8, 8, 3, 3).half().contiguous(memory_format=cl)
+    x = torch.empty(2, 8, 8, 8).half().contiguous(memory_format=cl)
+    geo = ((1, 1), (0, 0), (0, 0), (1, 1), 1)
+    try:
+        for on in (False, True, False, True):
+            with deterministic(on):
+                backward.conv_dgrad(dz, w, x, geo)
+    finally:
+        plans.clear()
+    assert ran == [False, True, False, True]
+
+
 def test_the_per_signature_memo_is_keyed_by_the_mode():
     x = torch.randn(2, 3, dtype=torch.float16)
     with deterministic(False):

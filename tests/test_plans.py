@@ -7,6 +7,7 @@ import time
 import weakref
 
 import pytest
+import torch
 
 from cudnn_fuse import plans, plan_stats
 from cudnn_fuse.errors import UnsupportedError
@@ -266,3 +267,88 @@ def test_plans_are_released_at_exit_before_teardown():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["freed finalizing=False"] * 2, (out.stdout, out.stderr)
+
+
+def test_one_key_is_built_by_one_thread_at_a_time_even_across_clears():
+    """Threads waiting on a key's build lock each dropped the key's lock entry when done, even one a
+    newer caller had made after a clear(): that caller then built the key beside a waiter (up to 5
+    builds of one key at once in a CPU run). The entry now lives while anyone waits on it. Bounded
+    by a count of builds, not by a timing."""
+    import threading
+    import time
+
+    active, peak, count, guard = [0], [0], [0], threading.Lock()
+
+    def builder(spec, device):
+        with guard:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            count[0] += 1
+        time.sleep(0.002)
+        with guard:
+            active[0] -= 1
+        return object()
+
+    lru = plans.PlanLRU(4, builder=builder)
+    stop = threading.Event()
+
+    def caller():
+        while not stop.is_set():
+            lru.get("spec", 0)
+
+    def clearer():
+        deadline = time.monotonic() + 30
+        while not stop.is_set() and count[0] < 150 and time.monotonic() < deadline:
+            lru.clear()
+            time.sleep(0.001)
+        stop.set()
+
+    threads = [threading.Thread(target=caller) for _ in range(8)] + [threading.Thread(target=clearer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert count[0] >= 50, count[0]  # the clears made the key be built again and again
+    assert peak[0] == 1, peak[0]
+    assert lru._building == {}
+
+
+def test_threads_on_new_streams_evict_workspaces_without_errors_or_overshoot(monkeypatch):
+    """Per-stream workspaces are capped at 16; threads on new streams evict the oldest. Two at once
+    popped the same oldest key (KeyError out of the op) or, each seeing room, grew the dict past the
+    cap. Evictions and growth take a lock now; a hit does not. The stand-in allocation (a CPU tensor)
+    yields the GIL as the real one may."""
+    import sys
+    import threading
+    import time
+
+    real_empty = torch.empty
+
+    def empty(n, dtype=None, device=None):
+        time.sleep(0.0005)
+        return real_empty(n, dtype=dtype)
+
+    monkeypatch.setattr(plans, "_workspaces", {})
+    monkeypatch.setattr(torch, "empty", empty)
+    errors, sizes = [], []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+
+    def worker(tid):
+        for i in range(150):
+            try:
+                plans._workspace_ptr(0, 1000 * tid + i % 40 + 1, 256, capturing=False)
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                errors.append(repr(exc))
+            sizes.append(len(plans._workspaces))
+
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == [], errors[:3]
+    assert max(sizes) <= 16, max(sizes)
