@@ -18,16 +18,30 @@ from .spec import ACTIVATIONS
 NEEDS_INPUT = frozenset(ACTIVATIONS) - {"relu"}
 
 
+_NUMBERS = (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _broadcast_residual(residual, out_shape, dtype) -> bool:
     """A residual the epilogue cannot take as it is: another shape (it broadcasts, e.g. a
     [..., 1] term optimize() found added to the layer's output) or another dtype (torch's add
-    promotes). The module then runs the op without it and adds it the way torch would."""
-    if residual is None or (residual.dtype == dtype and tuple(residual.shape) == tuple(out_shape)):
+    promotes), or a Python number (optimize() cannot tell `layer(x) + x.shape[-1]` from a tensor's
+    add). The module then runs the op without it and adds it the way torch would."""
+    if residual is None:
+        return False
+    if not isinstance(residual, torch.Tensor):
+        return isinstance(residual, _NUMBERS)
+    if residual.dtype == dtype and tuple(residual.shape) == tuple(out_shape):
         return False
     try:  # one that does not broadcast to the output goes to the op, which names it in its error
         return tuple(torch.broadcast_shapes(tuple(residual.shape), tuple(out_shape))) == tuple(out_shape)
     except RuntimeError:
         return False
+
+
+def _described(residual) -> str:
+    if isinstance(residual, torch.Tensor):
+        return f"residual.shape={tuple(residual.shape)}"
+    return f"residual of type {type(residual).__name__}"
 
 
 def _out_dtype(x) -> torch.dtype:
@@ -58,8 +72,10 @@ class Conv2d(torch.nn.Conv2d):
 
     def forward(self, x, residual=None):
         act, r = self.activation, residual
-        odd = residual is not None and (residual.dtype != _out_dtype(x) or residual.dim() != x.dim()
-                                        or residual.shape[-3] != self.out_channels)
+        odd = residual is not None and (not isinstance(residual, torch.Tensor) or residual.dtype != _out_dtype(x)
+                                        or residual.dim() != x.dim()
+                                        or residual.shape[-3] != self.out_channels
+                                        or (1 in residual.shape and self._broadcasts(x, residual)))
         if odd:  # a broadcast or other-dtype residual: added after the op, as torch adds it
             act, r = None, None
         if self.padding_mode != "zeros":  # cuDNN pads with zeros only
@@ -72,8 +88,19 @@ class Conv2d(torch.nn.Conv2d):
             return y
         if not _broadcast_residual(residual, y.shape, y.dtype):
             raise ValueError(f"conv2d: residual must have the output's shape {tuple(y.shape)} or broadcast to it, "
-                             f"got residual.shape={tuple(residual.shape)}")
+                             f"got {_described(residual)}")
         return reference.activation(y + residual, self.activation, self.negative_slope)
+
+    def _broadcasts(self, x, residual) -> bool:
+        """Whether a residual of the output's rank and channels has another shape ([1, K, P, Q] or
+        [N, K, 1, 1]: a size 1 where the output's is not). Asked only of a residual with a size 1, which
+        any such one has; one that fits no geometry goes to the op, which names it."""
+        try:
+            pre, post = ops._conv_padding(self.padding, tuple(self.weight.shape[-2:]), self.dilation, self.stride)
+            return tuple(residual.shape) != ops.conv_out_shape(x.shape, self.weight.shape, self.stride, pre, post,
+                                                               self.dilation)
+        except (TypeError, ValueError, IndexError):
+            return False
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")

@@ -924,8 +924,8 @@ def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         raise TypeError(f"{op}: scale must be a float or None, got {type(scale).__name__}")
     if attn_mask is not None:
         _check_tensor("attn_mask", attn_mask, op)
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-            raise TypeError(f"{op}: attn_mask must be bool or query's dtype {q.dtype}, got {attn_mask.dtype}")
+        if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):  # torch's rule
+            raise TypeError(f"{op}: attn_mask must be bool, float32 or query's dtype {q.dtype}, got {attn_mask.dtype}")
         target = tuple(q.shape[:-1]) + (k.shape[-2],)
         try:
             if broadcast_shapes(attn_mask.shape, target) != target:
@@ -958,6 +958,11 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         return _cupy_call(scaled_dot_product_attention, (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa), {})
     op = "scaled_dot_product_attention"
     _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        # torch takes a float32 mask beside 16-bit q, k, v (its rule: bool, float32 or the query's dtype),
+        # which the fused graph does not: torch's own op runs it
+        _fallback(op, "a float32 attn_mask beside another query dtype")
+        return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
         _fallback(op, "dropout_p > 0")
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

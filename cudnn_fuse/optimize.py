@@ -74,9 +74,49 @@ def _is_hf_conv1d(m) -> bool:
     return w is not None and w.dim() == 2
 
 
+# Augmented assignments (h += y) as in-place calls. fx's Proxy has no __iadd__, so Python falls back to
+# __add__ and the traced graph makes a new tensor where the model changed one in place: any alias of it
+# (skip = h before h += conv(x)), and a caller's input, then kept the old values (a wrong answer
+# optimize() gave). These stand in for operator's in-place functions in the graph, marked side-effectful
+# so that dead-code elimination keeps one whose result is unused; module-level, so a traced model pickles.
+_INPLACE_OPS = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor",
+                "ilshift", "irshift")
+
+
+def _make_inplace(name: str):
+    op = getattr(operator, name)
+
+    def inplace(a, b):
+        return op(a, b)
+
+    inplace.__name__ = inplace.__qualname__ = f"_inplace_{name}"
+    inplace.__module__ = __name__
+    if hasattr(fx.node, "has_side_effect"):
+        fx.node.has_side_effect(inplace)
+    return inplace
+
+
+_INPLACE = {name: _make_inplace(name) for name in _INPLACE_OPS}
+globals().update({f.__name__: f for f in _INPLACE.values()})
+_ADDS.add(_INPLACE["iadd"])  # y = conv(x); y += h: a residual (y is the conv's own output)
+
+
+class _Proxy(fx.Proxy):
+    """fx's Proxy whose augmented assignments trace as in-place calls (_INPLACE)."""
+
+
+for _name, _fn in _INPLACE.items():
+    setattr(_Proxy, f"__{_name}__", lambda self, other, _fn=_fn: self.tracer.create_proxy("call_function", _fn,
+                                                                                          (self, other), {}))
+
+
 class _Tracer(fx.Tracer):
     """torch.fx's tracer, with transformers' Conv1D and activation modules kept as leaves
-    (fx would trace into them and the patterns would not see the modules)."""
+    (fx would trace into them and the patterns would not see the modules), and augmented
+    assignments traced as the in-place calls they are (_Proxy)."""
+
+    def proxy(self, node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def is_leaf_module(self, m, qualname) -> bool:
         name = type(m).__name__
@@ -158,16 +198,33 @@ def _activation_of(gm, node: fx.Node):
     return _function_activation(node)
 
 
+def _inplace_between(first: fx.Node, last: fx.Node, fused=()) -> bool:
+    """Whether an in-place call (_INPLACE) other than the ``fused`` ones lies between ``first`` and
+    ``last`` in the graph's order. A fused call takes ``last``'s place and reads its operands there:
+    one changed in place between the two (y = conv(x); x += 1; relu(y)) would be read changed."""
+    fns = set(_INPLACE.values())
+    node = first.next
+    while node is not last and node.op != "root":
+        if node.op == "call_function" and node.target in fns and node not in fused:
+            return True
+        node = node.next
+    return False
+
+
 def _only_user(node: fx.Node):
     users = list(node.users)
     return users[0] if len(users) == 1 else None
 
 
 def _residual_of(node: fx.Node, prev: fx.Node):
-    """The other operand when ``node`` is ``prev + other`` (a tensor), else None."""
+    """The other operand when ``node`` is ``prev + other`` (a tensor), else None. ``other += prev``
+    is not one: it changes ``other`` in place, which any alias of it (and a caller's input) sees, and
+    a fused residual would not."""
     if node.op != "call_function" or node.target not in _ADDS or node.kwargs or len(node.args) != 2:
         return None
     a, b = node.args
+    if node.target is _INPLACE["iadd"] and a is not prev:
+        return None
     other = b if a is prev else a if b is prev else None
     return other if isinstance(other, fx.Node) and other is not prev else None
 
@@ -209,6 +266,7 @@ class _Rewriter:
         self.gm, self.summary, self.prefix, self.recompute = gm, summary, prefix, recompute
         self.chain_convs = chain_convs
         self.count = 0
+        self.calls_of: collections.Counter = collections.Counter()  # call sites per module path (run)
 
     def where(self, node) -> str:
         return f"{self.prefix}{node.target if node.op == 'call_module' else node.name}"
@@ -232,6 +290,10 @@ class _Rewriter:
     def replace(self, first: fx.Node, fused: list, module: nn.Module, args: tuple, pattern: str) -> None:
         # The fused module takes the replaced one's place, so parameter names (state_dict keys,
         # optimizer groups by name) stay the original's (run() leaves shared modules alone).
+        if fused and _inplace_between(first, fused[-1], fused):
+            self.summary.left_alone.append((self.where(first), "a tensor is changed in place between the layer "
+                                            "and its epilogue"))
+            return
         if first.op == "call_module":
             name = first.target
         else:
@@ -309,8 +371,8 @@ class _Rewriter:
         if nxt is None or nxt.op != "call_module" or nxt.args != (act_node,) or nxt.kwargs:
             return False
         lin2 = self.gm.get_submodule(nxt.target)
-        if type(lin2) is not nn.Linear or _hooked(lin2):
-            return False
+        if type(lin2) is not nn.Linear or _hooked(lin2) or _parametrized(lin2) or self.calls_of[nxt.target] > 1:
+            return False  # a shared second layer would sit in the FusedMLP and where it was: its parameters twice
         more, residual, act2 = self.epilogue(nxt)
         if act2 is not None:
             return False
@@ -333,13 +395,19 @@ class _Rewriter:
 
     def run(self) -> None:
         # call sites per module path, counted once: a replacement calls the path it replaces
-        calls_of = collections.Counter(n.target for n in self.gm.graph.nodes if n.op == "call_module")
+        calls_of = self.calls_of = collections.Counter(n.target for n in self.gm.graph.nodes if n.op == "call_module")
         for node in list(self.gm.graph.nodes):
             if node.graph is not self.gm.graph or node not in self.gm.graph.nodes:
                 continue
             if node.op == "call_module":
                 m = self.gm.get_submodule(node.target)
                 calls = calls_of[node.target]
+                if type(m) in (nn.Conv2d, nn.Linear) or _is_hf_conv1d(m):
+                    if not node.args and len(node.kwargs) == 1:  # layer(input=x): its one argument, named
+                        node.args, node.kwargs = tuple(node.kwargs.values()), {}
+                    if len(node.args) != 1 or node.kwargs:
+                        self.summary.left_alone.append((self.where(node), "called with other arguments than its input"))
+                        continue
                 if calls > 1 and (type(m) in (nn.Conv2d, nn.Linear) or _is_hf_conv1d(m)):
                     self.summary.left_alone.append((self.where(node), f"called from {calls} places (shared weights: "
                                                     "a fused copy would put its parameters in the state_dict twice)"))
@@ -389,6 +457,8 @@ class _Rewriter:
         if len(run) >= 2:
             runs.append(run)
         for run in runs:
+            if _inplace_between(run[0], run[-1]):
+                continue  # the chain would read its input where the last layer was: after the change
             name = f"cudnn_fuse_chain_{self.count}"
             self.count += 1
             layers = [self.gm.get_submodule(n.target) for n in run]

@@ -27,6 +27,7 @@ torch's math kernel. A kept pre-activation with a residual (the residual is not 
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -109,11 +110,16 @@ def _pre_activation_grad(ctx, gy: Tensor, y: Optional[Tensor], recompute_z) -> T
     return _act_grad(recompute_z(), gy, act, ctx.slope)
 
 
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as a matrix of its last dim (the leading dims folded): ``reshape(-1, n)``, which cannot
+    infer the -1 of an empty tensor whose last dim is 0 (a linear of 0 in or out features)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _linear_products(dz: Tensor, x: Tensor, w: Tensor, need_x: bool, need_w: bool, need_b: bool):
     """(dx, dw, db) of z = x @ w.T + b from dz on torch kernels, None where not needed."""
-    N, K = w.shape
-    dz2 = dz.reshape(-1, N)
-    lt = backward.wgrad(dz2, x.reshape(-1, K), need_w, need_b)  # dW and db from one cuBLASLt GEMM
+    dz2, x2 = _rows(dz), _rows(x)
+    lt = backward.wgrad(dz2, x2, need_w, need_b)  # dW and db from one cuBLASLt GEMM
     if lt is not None:
         return tuned_gemm.matmul(dz, w) if need_x else None, lt[0], lt[1]
     db, side = backward.bias_sum_begin(dz2) if need_b else (None, None)  # beside the GEMMs, when BIAS_SUM asks
@@ -122,7 +128,7 @@ def _linear_products(dz: Tensor, x: Tensor, w: Tensor, need_x: bool, need_w: boo
         # on the H200) then meets fewer live tensors than after dx and dw exist
         db = dz2.sum(0)
     dx = tuned_gemm.matmul(dz, w) if need_x else None  # cuBLASLt's tuned algorithm where one is recorded
-    dw = tuned_gemm.matmul(dz2.t(), x.reshape(-1, K)) if need_w else None
+    dw = tuned_gemm.matmul(dz2.t(), x2) if need_w else None
     if side is not None:
         db = backward.bias_sum_end(db, side)
     return dx, dw, db
@@ -753,7 +759,7 @@ def _matmul_backward(ctx, gy, _gamax):
             grads = iter(torch.autograd.grad(torch.matmul(a_, b_), wanted, dz))
         da = next(grads) if need_a else None
         db_ = next(grads) if need_b else None
-    dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    dbias = _rows(dz).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     dr = dz if ctx.has_residual and ctx.needs_input_grad[4] else None
     return da, db_, dbias, None, dr, None, None
 

@@ -446,7 +446,7 @@ def clear() -> None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` through ``mm`` where it takes the operands (x's leading dims folded)."""
-    if x.is_cuda and x.dim() >= 2 and w.dim() == 2 and x.shape[-1] == w.shape[1]:
+    if x.is_cuda and x.dim() >= 2 and w.dim() == 2 and x.shape[-1] == w.shape[1] and x.numel() and w.numel():
         x2 = x.reshape(-1, x.shape[-1])
         out = mm(x2, w.t(), bias)
         if out is not None:
@@ -457,7 +457,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
 def matmul(a2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a2 @ b`` of 2-D operands (torch's call when ``mm`` declines); a 3-D+ ``a2`` folds its
     leading dims like torch.matmul."""
-    if a2.is_cuda and a2.dim() >= 2 and b.dim() == 2:
+    if a2.is_cuda and a2.dim() >= 2 and b.dim() == 2 and a2.numel() and b.numel():  # empty: torch's own call
         out = mm(a2.reshape(-1, a2.shape[-1]), b)  # a 2-D a2 reshapes to itself (a view, strides kept)
         if out is not None:
             return out.view(*a2.shape[:-1], b.shape[1])

@@ -571,3 +571,152 @@ def test_saved_tensor_hooks_probe_assumes_hooks_when_torch_cannot_say(monkeypatc
     m = _fused_mlp("gelu")
     out = m(torch.randn(3, 12, dtype=torch.float64))
     assert out.grad_fn.inter is None
+
+
+@pytest.mark.parametrize("rshape", [(1, 6, 8, 8), (2, 6, 1, 1), (1, 6, 1, 8), (6, 1, 1), (2, 1, 8, 8), (2, 6, 8, 8)])
+def test_conv2d_module_adds_a_residual_that_broadcasts_in_batch_or_space(rshape):
+    """A residual of the output's rank and channels that broadcasts in batch or space ([1, K, P, Q],
+    [N, K, 1, 1]: a position embedding) was handed to the op, which takes the output's shape only, and
+    raised where torch adds it (an optimize()d `relu(conv(x) + pos)` too). It is added after the op."""
+    torch.manual_seed(0)
+    m = cf.nn.Conv2d(4, 6, 3, padding=1, activation="relu")
+    x, r = torch.randn(2, 4, 8, 8), torch.randn(rshape)
+    ref = torch.relu(torch.nn.functional.conv2d(x, m.weight, m.bias, padding=1) + r)
+    torch.testing.assert_close(m(x, r), ref)
+
+
+def test_conv2d_module_fuses_a_same_shape_residual_with_sizes_of_1(monkeypatch):
+    """Batch 1 and a 1x1 output: the residual has the output's shape (sizes of 1 included) and still rides
+    in the op's epilogue."""
+    from cudnn_fuse import ops
+
+    seen = []
+    real = ops.conv2d
+    monkeypatch.setattr(ops, "conv2d", lambda *a, **k: (seen.append(k.get("residual") is not None), real(*a, **k))[1])
+    m = cf.nn.Conv2d(4, 6, 3, activation="relu")
+    x, r = torch.randn(1, 4, 3, 3), torch.randn(1, 6, 1, 1)
+    torch.testing.assert_close(m(x, r), torch.relu(torch.nn.functional.conv2d(x, m.weight, m.bias) + r))
+    assert seen == [True]
+
+
+class _InplaceAlias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c0, self.conv = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.c0(x)
+        skip = h  # an alias: in eager it sees the in-place sum
+        h += self.conv(x)
+        return F.relu(h) + skip
+
+
+class _InplaceBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        y += x  # the conv's own output changed in place: a residual
+        x += 1  # the caller's input changed in place before the activation reads y
+        return F.relu(y) * 2
+
+
+@pytest.mark.parametrize("model", [_InplaceAlias, _InplaceBetween], ids=["alias", "between"])
+def test_optimize_keeps_in_place_adds_in_place(model):
+    """fx traces `h += y` as `h + y` (its Proxy has no __iadd__), so an optimized model made a new tensor
+    where the model changed one: an alias of h kept the old values (up to 1.59 off), and a caller's input
+    was left unchanged. Augmented assignments now trace as in-place calls, a fused call never moves past
+    one, and `h += layer(x)` (h changed) is not a residual."""
+    torch.manual_seed(0)
+    m = model().eval()
+    o = optimize(copy.deepcopy(m))
+    x = torch.randn(2, 4, 8, 8)
+    x_eager, x_opt = x.clone(), x.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(o(x_opt), m(x_eager))
+    assert torch.equal(x_opt, x_eager)  # the caller's input changed alike
+    if model is _InplaceAlias:  # traced as the in-place call it is
+        assert any(getattr(n.target, "__name__", "") == "_inplace_iadd" for n in o.graph.nodes if n.op == "call_function")
+    else:  # the conv does not move past `x += 1`
+        assert [w for w, _ in o.cudnn_fuse_summary.left_alone] == ["conv"]
+
+
+def test_optimize_fuses_a_layers_own_output_added_to_in_place():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x, h):
+            y = self.conv(x)
+            y += h
+            return F.relu(y)
+
+    m = M().eval()
+    o = optimize(copy.deepcopy(m))
+    assert [p for _, p in o.cudnn_fuse_summary.replaced] == ["Conv2d + residual add + relu"]
+    x, h = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(o(x, h), m(x, h))
+
+
+def test_optimize_takes_a_layer_called_with_its_input_by_keyword():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.conv = nn.Linear(4, 4), nn.Conv2d(3, 4, 1)
+
+        def forward(self, x, img):
+            return F.relu(self.fc(input=x)), F.relu(self.conv(input=img))
+
+    m = M().eval()
+    o = optimize(copy.deepcopy(m))  # raised IndexError (the rewrites read node.args[0])
+    assert sorted(p for _, p in o.cudnn_fuse_summary.replaced) == ["Conv2d + relu", "Linear + relu"]
+    x, img = torch.randn(3, 4), torch.randn(2, 3, 5, 5)
+    with torch.no_grad():
+        for a, b in zip(o(x, img), m(x, img)):
+            torch.testing.assert_close(a, b)
+
+
+def test_optimize_adds_a_python_number_the_way_torch_does():
+    """`layer(x) + x.shape[-1]` traces as an add of an fx value, which optimize() takes for a residual;
+    at run time it is an int, which the fused modules then took for a tensor (AttributeError)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.conv = nn.Linear(4, 4), nn.Conv2d(4, 4, 1)
+
+        def forward(self, x, img):
+            return F.gelu(self.fc(x) + x.shape[-1]), F.relu(self.conv(img) + img.size(0))
+
+    m = M().eval()
+    o = optimize(copy.deepcopy(m))
+    assert all("residual add" in p for _, p in o.cudnn_fuse_summary.replaced)
+    x, img = torch.randn(3, 4), torch.randn(2, 4, 5, 5)
+    with torch.no_grad():
+        for a, b in zip(o(x, img), m(x, img)):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="residual of type list"):
+        cf.nn.Conv2d(4, 4, 1)(img, [1.0])
+
+
+def test_optimize_leaves_an_mlp_whose_second_layer_is_shared():
+    """A second Linear also called elsewhere went into the FusedMLP anyway: its parameters then sat in
+    the state_dict twice (fc1.fc2.* and fc2.*)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 8)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.fc1(x))) + self.fc2(self.fc3(x))
+
+    m = M()  # training: where a FusedMLP is formed
+    o = optimize(copy.deepcopy(m))
+    assert "fc2" in [w for w, _ in o.cudnn_fuse_summary.left_alone]  # traced, and the shared layer left
+    assert sorted(o.state_dict()) == sorted(m.state_dict())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(o(x), m(x))

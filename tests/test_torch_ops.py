@@ -411,3 +411,27 @@ def test_act_grad_keeps_float32_math_for_16_bit_cpu_tensors(monkeypatch):
         got = torch_ops._act_grad(z, gy, "gelu", 0.01)
     assert calls == [1] and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), torch.ops.aten.gelu_backward(gy.float(), z.float()), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("shapes", [((3, 0), (4, 0)), ((3, 5), (0, 5)), ((0,), (4, 0)), ((2, 3, 5), (0, 5))],
+                         ids=["K0", "N0", "1d-K0", "3d-N0"])
+def test_linear_with_zero_features_has_torchs_gradients(shapes):
+    """A linear of 0 in or out features: its backward folded dz and x with reshape(-1, n), which cannot
+    infer the -1 of an empty tensor whose n is 0, and raised where F.linear's backward gives zeros."""
+    xs, ws = shapes
+    x0, w0, b0 = torch.randn(xs), torch.randn(ws), torch.randn(ws[0])
+    grads = []
+    for fn in (cf.linear, torch.nn.functional.linear):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        y = fn(x, w, b)
+        y.sum().backward()
+        grads.append((y.detach(), x.grad, w.grad, b.grad))
+    for a, t in zip(*grads):
+        assert a.shape == t.shape and torch.equal(a, t)
+
+
+def test_matmul_with_zero_columns_and_a_bias_has_torchs_gradients():
+    a0, b0, c0 = torch.randn(3, 5), torch.randn(5, 0), torch.randn(0)
+    a, b, c = (t.clone().requires_grad_() for t in (a0, b0, c0))
+    cf.matmul(a, b, c).sum().backward()
+    assert a.grad.shape == (3, 5) and not a.grad.any() and b.grad.shape == (5, 0) and c.grad.shape == (0,)

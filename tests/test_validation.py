@@ -261,3 +261,15 @@ def test_conv2d_groups_of_wrong_type_is_a_type_error(groups):
 def test_sdpa_dropout_p_of_wrong_type_names_the_argument(dropout_p):
     with pytest.raises(TypeError, match="dropout_p"):
         cf.scaled_dot_product_attention(T(*Q), T(*KV), T(*KV), dropout_p=dropout_p)
+
+
+def test_a_float32_mask_beside_a_16_bit_query_runs_torchs_own_op(caplog):
+    """torch's rule for attn_mask is bool, float32 or the query's dtype: a float32 additive mask with
+    bf16 q, k, v is valid (and optimize() rewrites such call sites), so it runs torch's op, logged, where
+    cf once raised TypeError."""
+    q, k, v = (T(*s, dtype=torch.bfloat16) for s in (Q, KV, KV))
+    mask = torch.randn(6, 10)
+    with caplog.at_level("DEBUG", logger="cudnn_fuse"):
+        out = cf.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert any("float32 attn_mask" in r.getMessage() for r in caplog.records)
