@@ -17,12 +17,16 @@ def key(i) -> str:
     return hashlib.sha256(str(i).encode()).hexdigest()
 
 
-def access_time(root, k) -> float:
+def _column(root, k, column):
     con = sqlite3.connect(root / NS / "cache.db")
     try:
-        return con.execute("SELECT access_time FROM Cache WHERE key = ?", (k,)).fetchone()[0]
+        return con.execute(f"SELECT {column} FROM Cache WHERE key = ?", (k,)).fetchone()[0]
     finally:
         con.close()
+
+
+def access_time(root, k) -> float:
+    return _column(root, k, "access_time")
 
 
 def test_a_hit_is_written_later_not_per_get(cache_dir, monkeypatch):
@@ -71,11 +75,7 @@ def test_prune_and_eviction_see_deferred_hits(cache_dir, monkeypatch):
 
 
 def access_count(root, k) -> int:
-    con = sqlite3.connect(root / NS / "cache.db")
-    try:
-        return con.execute("SELECT access_count FROM Cache WHERE key = ?", (k,)).fetchone()[0]
-    finally:
-        con.close()
+    return _column(root, k, "access_count")
 
 
 def test_two_threads_flushing_at_once_raise_nothing_and_count_each_hit_once(cache_dir, monkeypatch):

@@ -378,6 +378,18 @@ def test_a_guard_check_that_changes_its_list_is_survived(mode):
     assert p.returncode == 0 and p.stdout.strip() == "served", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
 
 
+# A weight whose is_neg() first runs what a test put in HOOK: what another thread may do while the C call
+# has released the GIL there (the children below).
+_HOOKED_IS_NEG = """
+class W(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "is_neg" and HOOK:
+            HOOK.pop()()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+"""
+
 _DROPPED_ENTRY_CHILD = """
 import torch
 from cudnn_fuse import ops, plans
@@ -395,14 +407,7 @@ class Entry:  # a remembered call whose only reference is the memo's
         events.append("freed")
 
 
-class W(torch.Tensor):  # its is_neg() runs Python: there the memo is emptied, as another thread may do
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") == "is_neg" and HOOK:
-            HOOK.pop()()
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
+""" + _HOOKED_IS_NEG + """
 
 x = torch.randn(4, 8, dtype=torch.float16)
 w = torch.randn(6, 8, dtype=torch.float16).as_subclass(W)
@@ -447,14 +452,7 @@ class Entry:
         return self.name
 
 
-class W(torch.Tensor):  # its is_neg() runs Python: there w is unfrozen, as another thread may do
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") == "is_neg" and HOOK:
-            HOOK.pop()()
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
+""" + _HOOKED_IS_NEG + """
 
 x = torch.randn(4, 8, dtype=torch.float16)
 w = torch.randn(6, 8, dtype=torch.float16).as_subclass(W)
