@@ -768,7 +768,7 @@ guard_make(PyObject *targs)
 {
     PyObject *tg, *check;
     Py_ssize_t i, j, n = PyTuple_GET_SIZE(targs);
-    for (i = 0; i < n; i++)
+    for (i = 0; i < n; i++) /* TensorGuards refuses operands passed twice (aliasing): such calls keep the key */
         for (j = i + 1; j < n; j++)
             if (PyTuple_GET_ITEM(targs, i) == PyTuple_GET_ITEM(targs, j))
                 return NULL;
@@ -783,22 +783,15 @@ guard_make(PyObject *targs)
     return check;
 }
 
-static void /* best effort: leaves no exception set */
-guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry, PyObject *check0)
+static void /* best effort: leaves no exception set; check: guard_make's */
+guard_register(PyObject *memo, PyObject *ikey, PyObject *entry, PyObject *check)
 {
-    PyObject *tg = NULL, *check = NULL, *pair = NULL, *lst = NULL, *cap;
-    Py_ssize_t i, j, n = PyTuple_GET_SIZE(targs);
-    for (i = 0; i < n; i++) /* TensorGuards refuses operands passed twice (aliasing): such calls keep the key */
-        for (j = i + 1; j < n; j++)
-            if (PyTuple_GET_ITEM(targs, i) == PyTuple_GET_ITEM(targs, j))
-                return;
+    PyObject *pair = NULL, *lst = NULL, *cap;
     cap = PyDict_GetItemWithError(plans_dict, s_FAST_CAPACITY);
     if (cap == NULL && PyErr_Occurred())
         goto out;
     if (cap != NULL && PyLong_Check(cap) && PyDict_GET_SIZE(memo) >= PyLong_AsSsize_t(cap))
         goto out; /* full: the Python path clears the memo when it next remembers */
-    check = check0;
-    Py_INCREF(check);
     if (!(pair = PyTuple_Pack(2, check, entry)))
         goto out;
     lst = PyDict_GetItemWithError(memo, ikey);
@@ -816,8 +809,6 @@ guard_register(PyObject *memo, PyObject *ikey, PyObject *targs, PyObject *entry,
 out:
     Py_XDECREF(lst);
     Py_XDECREF(pair);
-    Py_XDECREF(check);
-    Py_XDECREF(tg);
     PyErr_Clear();
 }
 
@@ -926,9 +917,9 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         n_keyed++;
         if (check != NULL) {
-            PyObject *now = PyDict_GetItemWithError(memo, key), *fast = PyDict_GetItemWithError(ops_dict, s_FAST);
+            PyObject *now = PyDict_GetItemWithError(memo, key), *fast = global(ops_dict, s_FAST);
             if (now == entry && fast == memo) /* not cleared or replaced meanwhile */
-                guard_register(memo, ikey, targs, entry, check);
+                guard_register(memo, ikey, entry, check);
             PyErr_Clear();
             Py_DECREF(check);
         }

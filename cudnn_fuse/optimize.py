@@ -97,6 +97,7 @@ def _make_inplace(name: str):
 
 
 _INPLACE = {name: _make_inplace(name) for name in _INPLACE_OPS}
+_INPLACE_FNS = frozenset(_INPLACE.values())
 globals().update({f.__name__: f for f in _INPLACE.values()})
 _ADDS.add(_INPLACE["iadd"])  # y = conv(x); y += h: a residual (y is the conv's own output)
 
@@ -202,10 +203,9 @@ def _inplace_between(first: fx.Node, last: fx.Node, fused=()) -> bool:
     """Whether an in-place call (_INPLACE) other than the ``fused`` ones lies between ``first`` and
     ``last`` in the graph's order. A fused call takes ``last``'s place and reads its operands there:
     one changed in place between the two (y = conv(x); x += 1; relu(y)) would be read changed."""
-    fns = set(_INPLACE.values())
     node = first.next
     while node is not last and node.op != "root":
-        if node.op == "call_function" and node.target in fns and node not in fused:
+        if node.op == "call_function" and node.target in _INPLACE_FNS and node not in fused:
             return True
         node = node.next
     return False

@@ -378,6 +378,14 @@ def test_a_guard_check_that_changes_its_list_is_survived(mode):
     assert p.returncode == 0 and p.stdout.strip() == "served", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
 
 
+def _child(code: str, *args: str) -> str:
+    """``code`` run by a fresh interpreter (a crash is a failed test, not a dead run): its stdout, stripped,
+    once it has exited 0."""
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+    return p.stdout.strip()
+
+
 # A weight whose is_neg() first runs what a test put in HOOK: what another thread may do while the C call
 # has released the GIL there (the children below).
 _HOOKED_IS_NEG = """
@@ -429,11 +437,9 @@ def test_an_entry_dropped_from_the_memo_while_its_key_is_checked_is_survived():
     reference across it: the entry could be freed and then called (segmentation faults of threaded C-path
     calls on the H200, 2026-12-04). Here the clearing runs inside is_neg itself; the entry must outlive
     the call. Run in a child, so a regression is a failed test, not a dead run."""
-    p = subprocess.run([sys.executable, "-c", _DROPPED_ENTRY_CHILD], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
     # served once, then freed: the cleared memo holds nothing (the call once filed the dropped entry under
     # a guard in the emptied memo, which then served it until the next clear)
-    assert p.stdout.strip() == "served ['cleared', 'called', 'freed'] 0", p.stdout[-500:]
+    assert _child(_DROPPED_ENTRY_CHILD) == "served ['cleared', 'called', 'freed'] 0"
 
 
 _SNAPSHOT_CHILD = """
@@ -475,9 +481,7 @@ def test_a_guard_describes_the_operands_its_key_was_made_from():
     operands another thread had changed meanwhile (a frozen weight unfrozen), paired with the entry
     of the earlier key: every later training call passed that guard and got the inference launch
     (no grad_fn, gradients lost) until the memo was cleared. Here the change runs inside is_neg()."""
-    p = subprocess.run([sys.executable, "-c", _SNAPSHOT_CHILD], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
-    assert p.stdout.strip() == "inference training", p.stdout[-500:]
+    assert _child(_SNAPSHOT_CHILD) == "inference training"
 
 
 _MEMO_CHURN_CHILD = """
@@ -529,8 +533,7 @@ def test_threads_calling_while_the_memo_is_replaced_do_not_crash():
     clears the memo. Before the entry was held across is_neg() (which releases the GIL) this child
     died of a segmentation fault in about half of its 1-2 s runs on the 2-core CPU machine; the test
     above fails every time without it. Bounded by time, not a timing measurement."""
-    p = subprocess.run([sys.executable, "-c", _MEMO_CHURN_CHILD, "3"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+    assert _child(_MEMO_CHURN_CHILD, "3") == "ok"
 
 
 # ------------------------------------------------------------------ Launch: allocation, pointers
@@ -626,8 +629,7 @@ def test_a_launch_is_not_initialised_twice():
             "else:\n"
             "    raise SystemExit('no error')\n"
             "print('ok', type(L.plan).__name__)\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and p.stdout.strip() == "ok P", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+    assert _child(code) == "ok P"
 
 
 @needs_native
