@@ -661,10 +661,115 @@ requires_grad(PyObject *t) /* getattr(t, "requires_grad", False) as a truth valu
     return r;
 }
 
-/* ops._memo's key for these operands, given the grad mode and the deterministic flag, or NULL with an
-   exception where the arguments cannot be keyed */
+/* The attributes' exact types, the key's item beside their values (ops._attr_sig_py is the Python twin; the
+   two must agree): True == 1 == 1.0 with one hash, so a key of values alone served groups=True (which
+   validation refuses) from the entry of groups=1. A tuple of None, bool, int, float, str and flat tuples of
+   those (every op's attributes) gives an int, 3 bits an item after a leading 1: one allocation, no tuple to
+   hash; anything else (a numpy integer, a nested tuple, a long tuple) gives exact_types(attrs). */
+#define SIG_FULL (1ULL << 58) /* a code this large takes no further item */
+
+static int
+leaf_code(PyObject *v) /* an attribute's 3-bit code; 0 for a type without one (6 opens a tuple) */
+{
+    PyTypeObject *t = Py_TYPE(v);
+    if (v == Py_None)
+        return 1;
+    if (t == &PyBool_Type)
+        return 2;
+    if (t == &PyLong_Type)
+        return 3;
+    if (t == &PyFloat_Type)
+        return 4;
+    if (t == &PyUnicode_Type)
+        return 5;
+    return 0;
+}
+
 static PyObject *
-memo_key(PyObject *const *args, int grad_on, PyObject *det)
+exact_types(PyObject *v) /* type(v); for an exact tuple, the tuple of its items' exact_types */
+{
+    PyObject *r;
+    Py_ssize_t i, n;
+    if (!PyTuple_CheckExact(v)) {
+        Py_INCREF(Py_TYPE(v));
+        return (PyObject *)Py_TYPE(v);
+    }
+    if (Py_EnterRecursiveCall(" in cudnn_fuse._native.attr_sig"))
+        return NULL;
+    n = PyTuple_GET_SIZE(v);
+    if ((r = PyTuple_New(n)) != NULL) {
+        for (i = 0; i < n; i++) {
+            PyObject *item = exact_types(PyTuple_GET_ITEM(v, i));
+            if (item == NULL) {
+                Py_CLEAR(r);
+                break;
+            }
+            PyTuple_SET_ITEM(r, i, item);
+        }
+    }
+    Py_LeaveRecursiveCall();
+    return r;
+}
+
+/* The codes' ints, made once each (an int past 256 is an allocation, and every call makes a code): a
+   direct-mapped cache, under the GIL */
+#define SIG_CACHE 64
+static unsigned long long sig_codes[SIG_CACHE];
+static PyObject *sig_ints[SIG_CACHE];
+
+static PyObject *
+sig_int(unsigned long long code)
+{
+    unsigned i = (unsigned)((code ^ code >> 17 ^ code >> 31) % SIG_CACHE);
+    PyObject *v;
+    if (sig_ints[i] == NULL || sig_codes[i] != code) {
+        if (!(v = PyLong_FromUnsignedLongLong(code)))
+            return NULL;
+        Py_XSETREF(sig_ints[i], v);
+        sig_codes[i] = code;
+    }
+    Py_INCREF(sig_ints[i]);
+    return sig_ints[i];
+}
+
+static PyObject *
+attr_sig(PyObject *attrs) /* a new reference, or NULL with an exception */
+{
+    unsigned long long code = 1;
+    Py_ssize_t i, j;
+    int c;
+    if (!PyTuple_CheckExact(attrs))
+        return exact_types(attrs);
+    for (i = 0; i < PyTuple_GET_SIZE(attrs); i++) {
+        PyObject *v = PyTuple_GET_ITEM(attrs, i);
+        if (PyTuple_CheckExact(v)) {
+            if (code >= SIG_FULL)
+                return exact_types(attrs);
+            code = code << 3 | 6;
+            for (j = 0; j < PyTuple_GET_SIZE(v); j++) {
+                if (!(c = leaf_code(PyTuple_GET_ITEM(v, j))) || code >= SIG_FULL)
+                    return exact_types(attrs);
+                code = code << 3 | (unsigned)c;
+            }
+        } else {
+            if (!(c = leaf_code(v)) || code >= SIG_FULL)
+                return exact_types(attrs);
+            code = code << 3 | (unsigned)c;
+        }
+    }
+    return sig_int(code);
+}
+
+static PyObject *
+native_attr_sig(PyObject *module, PyObject *attrs)
+{
+    return attr_sig(attrs);
+}
+
+/* ops._memo's key for these operands, given the grad mode, the attributes' signature (attr_sig) and the
+   deterministic flag, or NULL with an exception where the arguments cannot be keyed */
+static PyObject *
+memo_key(PyObject *const *args, int grad_on, PyObject *sig, PyObject *det)
 {
     PyObject *name = args[0], *m[4] = {NULL, NULL, NULL, NULL}, *key = NULL;
     int i, grad = 0;
@@ -681,7 +786,7 @@ memo_key(PyObject *const *args, int grad_on, PyObject *det)
         if (!(m[i] = meta(args[2 + i])))
             goto done;
     }
-    key = PyTuple_Pack(7, name, m[0], m[1], m[2], m[3], args[6], det);
+    key = PyTuple_Pack(8, name, m[0], m[1], m[2], m[3], args[6], sig, det);
 done:
     for (i = 0; i < 4; i++)
         Py_XDECREF(m[i]);
@@ -689,14 +794,14 @@ done:
 }
 
 /* The guarded index: in ops._FAST too (so that whatever clears the memo clears it), under
-   (index mark, name, which of b/c/d are present, attrs, deterministic, grad mode, a.shape) -> a list of
+   (index mark, name, which of b/c/d are present, attrs, attr_sig(attrs), deterministic, grad mode, a.shape) -> a list of
    (TensorGuards(...).check, entry), most recently registered first. An entry is registered the first time
    the exact key (memo_key) finds it; after that a call costs one C++ guard check instead of reading
    shape, stride, dtype and device of every operand in Python and hashing them. The guard checks each
    operand's type, dispatch keys, dtype, device index, requires_grad, sizes and strides against those the
    entry was found for: everything the exact key holds, and more (a miss there only takes the exact key). */
 static PyObject *
-index_key(PyObject *const *args, PyObject *det, int grad_on)
+index_key(PyObject *const *args, PyObject *sig, PyObject *det, int grad_on)
 {
     PyObject *shape = PyObject_GetAttr(args[2], s_shape), *mask, *key;
     if (shape == NULL)
@@ -706,7 +811,7 @@ index_key(PyObject *const *args, PyObject *det, int grad_on)
         Py_DECREF(shape);
         return NULL;
     }
-    key = PyTuple_Pack(7, index_mark, args[0], mask, args[6], det, grad_on ? Py_True : Py_False, shape);
+    key = PyTuple_Pack(8, index_mark, args[0], mask, args[6], sig, det, grad_on ? Py_True : Py_False, shape);
     Py_DECREF(shape);
     Py_DECREF(mask);
     return key;
@@ -851,7 +956,8 @@ call_entry(PyObject *entry, PyObject *const *args, int guarded)
 static PyObject *
 native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *memo = NULL, *entry, *det = NULL, *ikey = NULL, *targs = NULL, *key = NULL, *lst, *f, *v, *out = NULL;
+    PyObject *memo = NULL, *entry, *det = NULL, *sig = NULL, *ikey = NULL, *targs = NULL, *key = NULL, *lst, *f, *v,
+             *out = NULL;
     int t, grad_on;
 
     if (nargs != 7) {
@@ -883,7 +989,9 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto none;
     }
     Py_INCREF(memo); /* held: keys, guards and calls below may run Python that rebinds ops' FAST */
-    if (tensor_guards != NULL && (ikey = index_key(args, det, grad_on)) != NULL && (targs = present(args)) != NULL) {
+    if (!(sig = attr_sig(args[6])))
+        goto none;
+    if (tensor_guards != NULL && (ikey = index_key(args, sig, det, grad_on)) != NULL && (targs = present(args)) != NULL) {
         lst = PyDict_GetItemWithError(memo, ikey);
         if (lst != NULL && PyList_Check(lst)) {
             Py_INCREF(lst);
@@ -899,7 +1007,7 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     PyErr_Clear(); /* an unhashable attribute fails the exact key as well */
-    if (!(key = memo_key(args, grad_on, det)))
+    if (!(key = memo_key(args, grad_on, sig, det)))
         goto none;
     entry = PyDict_GetItemWithError(memo, key);
     if (entry == NULL)
@@ -935,6 +1043,7 @@ done:
     Py_XDECREF(key);
     Py_XDECREF(targs);
     Py_XDECREF(ikey);
+    Py_XDECREF(sig);
     Py_XDECREF(det);
     Py_XDECREF(memo);
     return out;
@@ -1000,6 +1109,8 @@ static PyMethodDef native_methods[] = {
     {"set_driver", native_set_driver, METH_O,
      "set_driver(address of cuStreamIsCapturing, or 0): how a launch tests its stream for capture (0: through "
      "plans._capturing)."},
+    {"attr_sig", native_attr_sig, METH_O,
+     "attr_sig(attrs): the attributes' exact types as the memo keys hold them (ops._attr_sig_py's twin)."},
     {"stats", native_stats, METH_NOARGS,
      "{native_replays, native_plan_launches, guarded_hits, keyed_hits}: launches served here and handed to "
      "plan.launch; memo hits through a TensorGuards check and through the exact key."},

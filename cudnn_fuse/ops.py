@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
+import operator
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -234,15 +236,48 @@ def _check_epilogue(op: str, activation, residual, out_shape, bias=None, bias_le
             f"{op}: residual must have the output's shape {tuple(out_shape)}, got residual.shape={tuple(residual.shape)}")
 
 
+def _index(v) -> Optional[int]:
+    """``v`` as torch reads an int argument, or None: an int, or what ``operator.index`` takes (numpy's
+    integers, an integer tensor of one element), never a bool (torch refuses True, a float, numpy's bool)."""
+    if type(v) is int:
+        return v
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a meta tensor has no value
+        return None
+
+
 def _pair(name: str, v, op: str, minimum: int) -> Tuple[int, int]:
-    if isinstance(v, int) and not isinstance(v, bool):
-        v = (v, v)
-    if (not isinstance(v, (tuple, list)) or len(v) != 2
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in v)):
+    """An int or a pair of them (``_index``'s ints: numpy's too), as a tuple of two Python ints."""
+    i = None if isinstance(v, (tuple, list)) else _index(v)
+    if i is not None:
+        p = (i, i)
+    elif isinstance(v, (tuple, list)) and len(v) == 2:
+        p = (_index(v[0]), _index(v[1]))
+    else:
+        p = (None,)
+    if None in p:
         raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}")
-    if any(i < minimum for i in v):
-        raise ValueError(f"{op}: {name} must be >= {minimum}, got {name}={tuple(v)}")
-    return tuple(v)
+    if any(i < minimum for i in p):
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {name}={p}")
+    return p
+
+
+def _float_arg(op: str, name: str, v) -> float:
+    """A float argument as torch reads one: a real number (Python's or numpy's), or a tensor of 0
+    dimensions that is real and does not require grad (its value: torch 2.13's
+    scaled_dot_product_attention takes ``scale=torch.tensor(0.5)``, and refuses the others)."""
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 0 and not v.requires_grad and not v.is_complex() and not v.is_meta:
+            return float(v)
+        raise TypeError(f"{op}: {name} must be a float or None (a tensor only with 0 dimensions, real and not "
+                        f"requiring grad, as torch takes one), got a tensor of shape {tuple(v.shape)}, dtype {v.dtype}"
+                        + (", requires_grad=True" if v.requires_grad else ""))
+    if isinstance(v, numbers.Real):
+        return float(v)
+    raise TypeError(f"{op}: {name} must be a float or None, got {type(v).__name__}")
 
 
 def _spec(t: torch.Tensor) -> TensorSpec:
@@ -305,13 +340,14 @@ def _run(op: str, spec, buffers, ref_fn):
 # ------------------------------------------------------------ per-signature memo
 #
 # The first call of a signature (operand shapes, strides, dtypes, devices and the
-# op's attributes) validates, canonicalizes, makes the spec and finds the plan; when
-# the plan runs the caller's own tensors (no copy, no reshape that moved data), it is
-# remembered with its output geometry. A later call of the same signature skips all
-# of that: it allocates the outputs and launches the plan with raw pointers. Only
-# plain inference of 16-bit dtypes takes it (fp32's TF32 flags are global state that
-# can change between calls). A training call remembers only its validated call of the
-# autograd op; torch.compile and cf.record never take the memo.
+# op's attributes, with their exact types) validates, canonicalizes, makes the spec
+# and finds the plan; when the plan runs the caller's own tensors (no copy, no
+# reshape that moved data), it is remembered with its output geometry. A later call
+# of the same signature skips all of that: it allocates the outputs and launches the
+# plan with raw pointers. Only plain inference of 16-bit dtypes takes it (fp32's TF32
+# flags are global state that can change between calls). A training call remembers
+# only its validated call of the autograd op; torch.compile and cf.record never take
+# the memo.
 
 _FAST = plans.FAST
 # plans.deterministic()'s two getters, inlined into the key: a launch remembered in one mode never serves the other
@@ -338,6 +374,43 @@ def broadcast_shapes(s1, s2) -> tuple:
     return tuple(out)
 
 
+# The attributes' exact types, in the key beside their values: True == 1 == 1.0 (one hash), so a key of
+# values alone served a bad value from a good one's entry (groups=True once groups=1 was remembered, where
+# validation refuses it). _native.attr_sig computes it in C (the C memo's key holds the same); this is its twin,
+# used where the module is not built. Attributes of None, bool, int, float, str and flat tuples of those (every
+# op's) give an int, 3 bits an item after a leading 1; anything else (a numpy integer, a nested or long tuple)
+# gives the nested tuple of exact types, _exact_types(attrs).
+_SIG_LEAF = {type(None): 1, bool: 2, int: 3, float: 4, str: 5}  # 6 opens a tuple
+_SIG_FULL = 1 << 58  # a code this large takes no further item
+
+
+def _exact_types(v):
+    return tuple([_exact_types(e) for e in v]) if type(v) is tuple else type(v)
+
+
+def _attr_sig_py(attrs):
+    """The memo key's signature of ``attrs`` (``_native.attr_sig``'s twin: they must agree)."""
+    if type(attrs) is not tuple:
+        return _exact_types(attrs)
+    code = 1
+    for v in attrs:
+        if type(v) is tuple:
+            if code >= _SIG_FULL:
+                return _exact_types(attrs)
+            code = code << 3 | 6
+            for e in v:
+                c = _SIG_LEAF.get(type(e))
+                if c is None or code >= _SIG_FULL:
+                    return _exact_types(attrs)
+                code = code << 3 | c
+        else:
+            c = _SIG_LEAF.get(type(v))
+            if c is None or code >= _SIG_FULL:
+                return _exact_types(attrs)
+            code = code << 3 | c
+    return code
+
+
 def _memo(name: str, a, b, c, d, attrs: tuple):
     """(key, remembered call or None) of a call with operands a, b, c, d; (None, None) when the
     memo may not serve it (tracing, recording, a first operand that is not a plain tensor) or the
@@ -357,7 +430,7 @@ def _memo(name: str, a, b, c, d, attrs: tuple):
                None if b is None else (b.shape, b.stride(), b.dtype, b.device),
                None if c is None else (c.shape, c.stride(), c.dtype, c.device),
                None if d is None else (d.shape, d.stride(), d.dtype, d.device),
-               attrs, _det_algorithms() or _det_cudnn())
+               attrs, _attr_sig(attrs), _det_algorithms() or _det_cudnn())
         entry = _FAST.get(key)
         if entry is not None and ((a.data_ptr() | (0 if b is None else b.data_ptr()) | (0 if c is None else c.data_ptr())
                                    | (0 if d is None else d.data_ptr())) % ALIGNMENT
@@ -432,6 +505,11 @@ def _native_launch(plan, y: torch.Tensor, amax: bool, a: Optional[torch.Tensor] 
 # misses, for processes without the module, and with CUDNN_FUSE_NATIVE=0; bench/host_overhead.py compares the
 # two on the GPU machine (docs/decisions.md, "The memoized call in C").
 _native = launch_graphs._native
+if _native is not None and not hasattr(_native, "attr_sig"):  # a build older than its source: its keys differ
+    log.warning("cudnn_fuse._native is older than cudnn_fuse/_native.c (no attr_sig): rebuild it "
+                "(bash bench/build_native.sh, or pip install -e .); memoized calls run in Python until then")
+    _native = None
+_attr_sig = _native.attr_sig if _native is not None else _attr_sig_py
 
 
 def _torch_helpers():
@@ -552,8 +630,10 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
         raise ValueError(f"{op}: expected 3-D (unbatched) or 4-D (batched) input x, got x.shape={tuple(x.shape)}")
     if weight.dim() != 4:
         raise ValueError(f"{op}: weight must be 4-D [K, C/groups, R, S], got weight.shape={tuple(weight.shape)}")
-    if not isinstance(groups, int) or isinstance(groups, bool):
+    g = _index(groups)
+    if g is None:
         raise TypeError(f"{op}: groups must be an int, got groups={groups!r}")
+    groups = g
     if groups < 1:
         raise ValueError(f"{op}: groups must be a positive int, got groups={groups!r}")
     stride = _pair("stride", stride, op, 1)
@@ -574,6 +654,11 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     if _under_functorch(op):
         return reference.conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
                                       return_amax, negative_slope)
+    if Cg == 0:  # no input channels: y = act(bias + residual), torch's own ops (and autograd) compute it
+        if not _is_compiling():
+            _fallback(op, "no input channels (the conv's sum is 0)")
+        return reference.conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
+                                       return_amax, negative_slope)
     if _via_custom_op(x, weight, bias, residual):
         from . import torch_ops
 
@@ -947,6 +1032,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         dev, (q, k, v, attn_mask) = cast
         with _autocast_off(dev):
             return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if scale is not None and type(scale) is not float:  # an int, numpy's, a 0-dim tensor: read as torch reads it
+        scale = _float_arg("scaled_dot_product_attention", "scale", scale)
     attrs = (dropout_p, is_causal, scale, enable_gqa)
     if _native_call is not None and not _is_compiling() and \
             (out := _native_call("sdpa", "sdpa:grad", q, k, v, attn_mask, attrs)) is not None:

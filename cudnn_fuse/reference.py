@@ -66,8 +66,18 @@ def _cpu_16bit(t) -> bool:
     return not t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
 
 
+def _one_zero_channel(x, weight, groups):
+    """x and weight of a conv with no input channels, given one channel of zeros a group: the same sum (0),
+    which torch's conv then computes with the output's K channels. On no input channels torch 2.13's CPU
+    conv returns [N, 0, P, Q] (its K from the empty input). The pads keep autograd's path to x and weight
+    (their gradients: empty)."""
+    return F.pad(x, (0, 0, 0, 0, 0, groups)), F.pad(weight, (0, 0, 0, 0, 0, 1))
+
+
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
            return_amax=False, negative_slope=0.01):
+    if weight.dim() == 4 and weight.shape[1] == 0:
+        x, weight = _one_zero_channel(x, weight, groups)
     if x.is_cuda:
         # the bias inside the conv is added before the 16-bit rounding (where z + bias cancels,
         # rounding z first would cost all its digits); torch 2.13's CPU conv with a bias crashes
@@ -182,6 +192,8 @@ def conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, act=None,
     if tuple(pre) != tuple(post):
         x = F.pad(x, (pre[1], post[1], pre[0], post[0]))
         pre = (0, 0)
+    if weight.shape[-3] == 0:
+        x, weight = _one_zero_channel(x, weight, groups)
     z = F.conv2d(x, weight, bias, stride, tuple(pre), dilation, groups)
     y = activation(z if residual is None else z + residual, act, negative_slope)
     return (y, amax(y)) if return_amax else y

@@ -273,3 +273,262 @@ def test_a_float32_mask_beside_a_16_bit_query_runs_torchs_own_op(caplog):
         out = cf.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     assert any("float32 attn_mask" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------- a remembered signature (ops._memo, the C memo)
+#
+# The memo keys a call on its arguments' values, and Python's True == 1 == 1.0 (with one hash): a key of
+# values alone served groups=True once groups=1 had been seen, where the same call alone is refused. The
+# key now holds the attributes' exact types too (ops._attr_sig; the C memo builds the same key).
+
+
+class _NoOpPlan:
+    """A cuDNN plan that runs nothing: with it a 16-bit CPU call takes the fused path and is remembered
+    (ops._remember), as a GPU call is."""
+
+    raw = True
+    engine = "no-op"
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def launch(self, ptrs):
+        pass
+
+    def run(self, buffers):
+        pass
+
+
+@pytest.fixture(params=["python", "native"])
+def memo_path(request, monkeypatch):
+    """The memo on the Python path and on the C path (cudnn_fuse._native), with no-op plans."""
+    from cudnn_fuse import ops, plans
+
+    if request.param == "native" and ops._native is None:
+        pytest.skip("cudnn_fuse._native is not built")
+    was = ops.native_enabled()
+    ops.set_native(request.param == "native")
+    monkeypatch.setattr(plans, "get_plan", lambda spec, device: _NoOpPlan(spec))
+    monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)
+    yield ops
+    ops.set_native(was)  # clears the memo
+
+
+def _cl16(*shape):
+    return torch.randn(shape).half().contiguous(memory_format=torch.channels_last)
+
+
+_CONV = lambda **kw: (cf.conv2d, (_cl16(2, 4, 6, 6), _cl16(4, 4, 3, 3)), kw)  # noqa: E731
+_ATT = lambda **kw: (cf.scaled_dot_product_attention, tuple(torch.randn(2, 2, 4, 8).half() for _ in "qkv"), kw)  # noqa: E731
+
+# (the call whose signature is remembered, the same call with a value equal to its good one, the argument named)
+CONFLATED = {
+    "groups_True": (_CONV(groups=1), {"groups": True}, "groups"),
+    "groups_float": (_CONV(groups=1), {"groups": 1.0}, "groups"),
+    "stride_bool_in_pair": (_CONV(stride=(1, 1)), {"stride": (True, 1)}, "stride"),
+    "stride_float": (_CONV(stride=1), {"stride": 1.0}, "stride"),
+    "padding_False": (_CONV(padding=0), {"padding": False}, "padding"),
+    "dilation_float_in_pair": (_CONV(dilation=(1, 1)), {"dilation": (1.0, 1)}, "dilation"),
+    "dropout_p_False": (_ATT(dropout_p=0), {"dropout_p": False}, "dropout_p"),
+}
+
+
+@pytest.mark.parametrize("good, bad, name", list(CONFLATED.values()), ids=list(CONFLATED))
+def test_a_remembered_signature_does_not_serve_a_bad_value_equal_to_its_good_one(memo_path, good, bad, name):
+    ops = memo_path
+    fn, args, kw = good
+    with pytest.raises(TypeError, match=name):  # refused alone
+        fn(*args, **{**kw, **bad})
+    fn(*args, **kw)
+    assert len(ops.memo_keys()) == 1, "the good call's signature is remembered"
+    fn(*args, **kw)  # served by the memo
+    with pytest.raises(TypeError, match=name):  # and refused after it
+        fn(*args, **{**kw, **bad})
+
+
+@pytest.mark.parametrize("native", ["python", "native"])
+def test_a_remembered_training_signature_does_not_serve_groups_true(native):
+    """The training memo (the validated call of the autograd op, ops._remember_call) runs on the CPU
+    as it is: groups=True passed once groups=1 had been seen."""
+    from cudnn_fuse import ops
+
+    if native == "native" and ops._native is None:
+        pytest.skip("cudnn_fuse._native is not built")
+    was = ops.native_enabled()
+    ops.set_native(native == "native")
+    try:
+        x, w = torch.randn(2, 4, 6, 6, requires_grad=True), torch.randn(4, 4, 3, 3)
+        cf.conv2d(x, w, groups=1)
+        assert len(ops.memo_keys()) == 1
+        for bad in (True, 1.0):
+            with pytest.raises(TypeError, match=f"groups must be an int, got groups={bad}"):
+                cf.conv2d(x, w, groups=bad)
+    finally:
+        ops.set_native(was)
+
+
+SIG_PAIRS = [  # attributes that compare (and hash) equal, of other types
+    ((1, 1), (True, 1)), (((1, 1), 0), ((1, True), 0)), ((1,), (1.0,)), ((0.0,), (False,)), ((None, 2), (None, 2.0)),
+    (((1, 1), (0, 0), (1, 1), 1, "relu", False, 0.01), ((1, 1), (0, 0), (1, 1), 1, "relu", 0, 0.01)),
+    ((np.int64(1),), (1.0,)), ((np.int64(1),), (np.int32(1),)), ((2,), (np.float64(2.0),)),
+]
+
+
+@pytest.mark.parametrize("a, b", SIG_PAIRS)
+def test_memo_keys_of_equal_attributes_of_other_types_differ(a, b):
+    from cudnn_fuse import ops
+
+    assert a == b and hash(a) == hash(b)
+    x = torch.randn(2, 3)
+    ka, kb = ops._memo("op", x, None, None, None, a)[0], ops._memo("op", x, None, None, None, b)[0]
+    assert ka is not None and kb is not None and ka != kb
+    assert ops._memo("op", x, None, None, None, a)[0] == ka  # and a key is stable
+
+
+def test_the_c_and_python_attribute_signatures_agree():
+    from cudnn_fuse import ops
+
+    if ops._native is None:
+        pytest.skip("cudnn_fuse._native is not built")
+    samples = [(), ("relu", False, 0.01), (None, True, 0.5, False), ((1, 1), (0, 0), (1, 1), 1, None, False, 0.01),
+               ((1, 1), "same", (2, 1), 2, "gelu", True, 0.2), ((), (1,), ((1,),)), ([1], 2), (np.int64(1), 1),
+               ((np.int64(1), 2),), (torch.tensor(1),), tuple(range(30)), ((1,) * 25,), (1 << 70, "x"), "not a tuple",
+               (1.5, None, "s", True, False, 3, (1.0, True, None, "t"))]
+    for attrs in samples:
+        assert ops._native.attr_sig(attrs) == ops._attr_sig_py(attrs), attrs
+
+
+# ------------------------------------------------- numpy integers, __index__, a 0-dim tensor scale
+
+
+class _Index:
+    """An integer as numpy's scalars are one: through __index__ only."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+
+@pytest.mark.parametrize("to", [pytest.param(np.int64, id="np.int64"), pytest.param(np.int32, id="np.int32"),
+                                pytest.param(_Index, id="__index__")])
+def test_conv2d_takes_integers_through_index_as_torch_does(to):
+    """torch takes numpy's integers for stride, padding, dilation and groups (a class with only __index__
+    meets an internal assert in torch 2.13's argument parser; cf reads both through operator.index)."""
+    x, w, b = torch.randn(2, 4, 9, 9), torch.randn(6, 2, 3, 3), torch.randn(6)
+    kw = dict(stride=to(2), padding=(to(1), to(2)), dilation=to(1), groups=to(2))
+    want = F.conv2d(x, w, b, stride=2, padding=(1, 2), dilation=1, groups=2)
+    if to is not _Index:
+        torch.testing.assert_close(F.conv2d(x, w, b, **kw), want)
+    torch.testing.assert_close(cf.conv2d(x, w, b, **kw), want)
+    torch.testing.assert_close(cf.conv2d(x, w, b, **kw), want)  # a second call: the same (remembered) signature
+    w1 = torch.randn(6, 4, 3, 3)
+    got = cf.conv2d(x, w1, stride=(to(2), to(1)), dilation=(to(1), to(2)), groups=to(1))
+    torch.testing.assert_close(got, F.conv2d(x, w1, stride=(2, 1), dilation=(1, 2), groups=1))
+
+
+def test_a_torch_conv2d_module_with_numpy_geometry_runs_as_cf_nn_conv2d():
+    m = torch.nn.Conv2d(4, 6, 3, stride=np.int64(2), padding=np.int64(1))
+    c = cf.nn.Conv2d(4, 6, 3, stride=np.int64(2), padding=np.int64(1))
+    c.load_state_dict(m.state_dict())
+    x = torch.randn(2, 4, 9, 9)
+    torch.testing.assert_close(c(x), m(x))
+
+
+@pytest.mark.parametrize("kw, name", [({"groups": np.bool_(True)}, "groups"), ({"stride": np.float64(1.0)}, "stride"),
+                                      ({"padding": (np.float32(1.0), 1)}, "padding"), ({"groups": True}, "groups")])
+def test_conv2d_still_refuses_what_torch_refuses(kw, name):
+    x, w = torch.randn(2, 4, 9, 9), torch.randn(6, 4, 3, 3)
+    with pytest.raises(TypeError):
+        F.conv2d(x, w, **kw)
+    with pytest.raises(TypeError, match=f"conv2d: {name} must be"):
+        cf.conv2d(x, w, **kw)
+
+
+@pytest.mark.parametrize("scale", [pytest.param(torch.tensor(0.3), id="0-dim float32"),
+                                   pytest.param(torch.tensor(0.3, dtype=torch.float64), id="0-dim float64"),
+                                   pytest.param(torch.tensor(1), id="0-dim int"),
+                                   pytest.param(np.float32(0.3), id="np.float32"),
+                                   pytest.param(np.int64(1), id="np.int64")])
+def test_sdpa_takes_a_scale_that_torch_takes(scale):
+    """torch 2.13 takes a 0-dim tensor without grad as the float ``scale`` (it reads its value), and
+    numpy scalars: so does cf, which reads them as float(scale)."""
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
+    want = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    torch.testing.assert_close(cf.scaled_dot_product_attention(q, k, v, scale=scale), want)
+    torch.testing.assert_close(cf.scaled_dot_product_attention(q, k, v, scale=float(scale)), want)
+
+
+@pytest.mark.parametrize("scale", [pytest.param(torch.tensor([0.3]), id="1-dim"),
+                                   pytest.param(torch.tensor(0.3, requires_grad=True), id="requires_grad"),
+                                   pytest.param(torch.tensor(0.3j), id="complex")])
+def test_sdpa_refuses_a_tensor_scale_torch_refuses_naming_it(scale):
+    q = torch.randn(2, 3, 5, 8)
+    with pytest.raises((TypeError, RuntimeError)):
+        F.scaled_dot_product_attention(q, q, q, scale=scale)
+    with pytest.raises(TypeError, match="scaled_dot_product_attention: scale must be"):
+        cf.scaled_dot_product_attention(q, q, q, scale=scale)
+
+
+# ------------------------------------------------------------------- a conv with 0 input channels
+#
+# The sum over no input channels is 0: y = act(bias + residual), of shape [N, K, P, Q]. torch 2.13's CPU
+# conv returns [N, 0, P, Q] instead (its K taken from the empty input), and cf's epilogue then raised a
+# RuntimeError naming no argument. cf returns the mathematically correct result (chosen over an error: it
+# is cheap, and it is what the same conv with one channel of zeros gives).
+
+
+def _zero_channel_want(N, K, P, Q, bias=None, residual=None, act=None, dtype=torch.float32):
+    z = torch.zeros(N, K, P, Q, dtype=torch.float32)
+    if bias is not None:
+        z = z + bias.float().view(1, K, 1, 1)
+    if residual is not None:
+        z = z + residual.float()
+    return cf.reference.activation(z, act).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", [None, "relu", "sigmoid"])
+def test_a_conv_with_no_input_channels_is_its_bias_and_residual(dtype, act):
+    x, w = torch.randn(2, 0, 7, 7, dtype=dtype), torch.randn(6, 0, 3, 3, dtype=dtype)
+    b, r = torch.randn(6, dtype=dtype), torch.randn(2, 6, 4, 4, dtype=dtype)
+    y = cf.conv2d(x, w, b, stride=2, padding=1, activation=act, residual=r)
+    assert y.shape == (2, 6, 4, 4) and y.dtype == dtype
+    torch.testing.assert_close(y, _zero_channel_want(2, 6, 4, 4, b, r, act, dtype))
+    y, amax = cf.conv2d(x, w, b, padding="same", return_amax=True)
+    torch.testing.assert_close(y, _zero_channel_want(2, 6, 7, 7, b, dtype=dtype))
+    torch.testing.assert_close(amax, b.float().abs().max())
+    assert cf.conv2d(x, w).shape == (2, 6, 5, 5) and not cf.conv2d(x, w).any()
+
+
+def test_a_conv_with_no_input_channels_in_other_geometries():
+    w = torch.randn(6, 0, 3, 3)
+    b = torch.randn(6)
+    assert cf.conv2d(torch.randn(0, 7, 7), w, b).shape == (6, 5, 5)  # unbatched
+    torch.testing.assert_close(cf.conv2d(torch.randn(0, 7, 7), w, b), _zero_channel_want(1, 6, 5, 5, b)[0])
+    y = cf.conv2d(torch.randn(2, 0, 7, 7), w, b, groups=3, dilation=2)  # 0 channels in each of 3 groups
+    torch.testing.assert_close(y, _zero_channel_want(2, 6, 3, 3, b))
+    x_cl = torch.randn(2, 0, 7, 7).contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(cf.conv2d(x_cl, w, b), _zero_channel_want(2, 6, 5, 5, b))
+    assert cf.conv2d(torch.randn(0, 0, 7, 7), w, b).shape == (0, 6, 5, 5)
+    with pytest.raises(ValueError, match="channel mismatch"):  # the weight's channels still have to match
+        cf.conv2d(torch.randn(2, 0, 7, 7), torch.randn(6, 1, 3, 3))
+
+
+def test_a_conv_with_no_input_channels_trains():
+    x = torch.randn(2, 0, 7, 7, requires_grad=True)
+    w = torch.randn(6, 0, 3, 3, requires_grad=True)
+    b = torch.randn(6, requires_grad=True)
+    y = cf.conv2d(x, w, b, padding=1, activation="relu")
+    assert y.shape == (2, 6, 7, 7)
+    gy = torch.randn(2, 6, 7, 7)
+    gx, gw, gb = torch.autograd.grad(y, (x, w, b), gy)
+    assert gx.shape == x.shape and gw.shape == w.shape
+    torch.testing.assert_close(gb, (gy * (b.view(1, 6, 1, 1) > 0)).sum((0, 2, 3)))
+
+
+def test_cf_nn_conv2d_with_no_input_channels():
+    m = cf.nn.Conv2d(0, 6, 3, padding=1, activation="relu")
+    y = m(torch.randn(2, 0, 5, 5))
+    torch.testing.assert_close(y, _zero_channel_want(2, 6, 5, 5, m.bias.detach(), act="relu"))
