@@ -29,23 +29,35 @@ class CapturedGraph:
         if not torch.cuda.is_available():
             raise RuntimeError("capture: CUDA graphs need a CUDA GPU")
         self.fn = fn
-        self.static_inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
-        for i, x in enumerate(self.static_inputs):
-            if isinstance(x, torch.Tensor) and not x.is_cuda:
-                raise ValueError(f"capture: example input {i} is on {x.device}; CUDA graphs need CUDA tensors")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(max(1, warmup)):
-                fn(*self.static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.static_outputs = fn(*self.static_inputs)
+        devices = []
+        for i, x in enumerate(example_inputs):
+            if isinstance(x, torch.Tensor):
+                if not x.is_cuda:
+                    raise ValueError(f"capture: example input {i} is on {x.device}; CUDA graphs need CUDA tensors")
+                if x.device not in devices:
+                    devices.append(x.device)
+        if len(devices) > 1:  # one graph records one device's stream: the others' work would run once, not replay
+            raise ValueError(f"capture: example inputs are on {len(devices)} devices ({', '.join(map(str, devices))}); "
+                             "a CUDA graph captures one device: capture each device's part separately")
+        # The capture records the current device's stream only: inputs on another GPU than the current one would
+        # run their ops eagerly on that GPU's stream during capture, and every replay would return those values.
+        self.device = devices[0] if devices else torch.device("cuda", torch.cuda.current_device())
+        with torch.cuda.device(self.device):
+            self.static_inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(max(1, warmup)):
+                    fn(*self.static_inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.static_outputs = fn(*self.static_inputs)
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.static_inputs):
             raise ValueError(f"captured graph takes {len(self.static_inputs)} inputs, got {len(inputs)}")
+        copies = []  # every input checked before any is copied: a refused call leaves the static inputs as they were
         for i, (static, new) in enumerate(zip(self.static_inputs, inputs)):
             if not isinstance(static, torch.Tensor):
                 if new is not static and new != static:
@@ -56,13 +68,17 @@ class CapturedGraph:
             if not isinstance(new, torch.Tensor) or new.shape != static.shape or new.dtype != static.dtype:
                 raise ValueError(f"captured graph: input {i} must be a tensor of shape {tuple(static.shape)} and dtype "
                                  f"{static.dtype}, got {getattr(new, 'shape', type(new).__name__)}")
-            static.copy_(new)
-        self.graph.replay()
+            copies.append((static, new))
+        with torch.cuda.device(self.device):  # the copies and the replay on the graph's device's current stream
+            for static, new in copies:
+                static.copy_(new)
+            self.graph.replay()
         return self.static_outputs
 
     def replay(self):
         """Replay with whatever the static inputs hold now."""
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         return self.static_outputs
 
 

@@ -176,6 +176,26 @@ def test_capture_replays_and_reads_new_inputs():
     assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_capture_of_inputs_on_another_gpu_than_the_current_one_replays_them():
+    """Inputs on cuda:1 with cuda:0 current: the capture records cuda:1's stream (before, the ops ran
+    once on cuda:1 during capture, the graph was empty and every replay returned those first values)."""
+    dev = torch.device("cuda", 1)
+    x = torch.randn(64, 256, device=dev).to(torch.float16)
+    w = (torch.randn(256, 256, device=dev) * 0.06).to(torch.float16)
+    b = torch.randn(256, device=dev).to(torch.float16)
+    with torch.cuda.device(0):
+        g = cf.capture(lambda t: cf.linear(t, w, b, activation="relu"), x)
+        for _ in range(2):
+            x2 = torch.randn_like(x)
+            out = g(x2)
+            ref = torch.relu(torch.nn.functional.linear(x2.double(), w.double(), b.double()))
+            assert out.device == dev
+            assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+        with pytest.raises(ValueError, match="2 devices"):
+            cf.capture(lambda s, t: s + t, x, x.to("cuda:0"))
+
+
 def test_concurrent_threads_share_one_plan_and_get_right_answers():
     import threading
 

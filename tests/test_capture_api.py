@@ -1,0 +1,59 @@
+"""cf.capture's argument checks on the CPU (its replays are GPU tests: test_gpu_cache.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import cudnn_fuse as cf
+from cudnn_fuse import graphs
+
+
+class _Graph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def _captured(monkeypatch, *static_inputs):
+    """A CapturedGraph over CPU static buffers with a stand-in graph (no CUDA here)."""
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    g = object.__new__(graphs.CapturedGraph)
+    g.static_inputs, g.static_outputs, g.device, g.graph = static_inputs, ("out",), torch.device("cuda", 0), _Graph()
+    return g
+
+
+def test_capture_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cf.capture(lambda t: t, torch.ones(2))
+
+
+def test_a_refused_call_leaves_every_static_input_as_it_was(monkeypatch):
+    """Input 1 is refused after input 0 was checked: before, input 0 was already overwritten, so a later
+    replay() computed from half of the refused call's inputs."""
+    a, b = torch.zeros(4), torch.zeros(3)
+    g = _captured(monkeypatch, a, b)
+    with pytest.raises(ValueError, match="input 1 must be a tensor of shape"):
+        g(torch.ones(4), torch.ones(5))
+    assert torch.equal(a, torch.zeros(4)) and g.graph.replays == 0
+    with pytest.raises(ValueError, match="input 1 must be a tensor"):
+        g(torch.ones(4), "not a tensor")
+    assert torch.equal(a, torch.zeros(4))
+    assert g(torch.ones(4), torch.full((3,), 2.0)) == ("out",)
+    assert torch.equal(a, torch.ones(4)) and torch.equal(b, torch.full((3,), 2.0)) and g.graph.replays == 1
+
+
+def test_a_changed_non_tensor_input_is_refused_before_any_copy(monkeypatch):
+    a = torch.zeros(2)
+    g = _captured(monkeypatch, a, 3)
+    with pytest.raises(ValueError, match="non-tensor input 1 changed"):
+        g(torch.ones(2), 4)
+    assert torch.equal(a, torch.zeros(2)) and g.graph.replays == 0
+    with pytest.raises(ValueError, match="takes 2 inputs, got 1"):
+        g(torch.ones(2))
