@@ -27,7 +27,7 @@ import torch
 from . import autotune
 from .builders import build_graph, roles_of, uids_of
 from .errors import UnsupportedError
-from .plans import STATS, Plan, barred_engines, bury, finalize, handle_for, held, prepare
+from .plans import STATS, Plan, barred_engines, bury, finalize, handle_for, held, pinned_mode, prepare
 from .plans import deterministic as plans_deterministic
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ def pin_cached(pc, spec) -> int:
     """Pin the cached entries that serve ``spec`` (its entry, its engine record and, for a conv
     entry that runs as a GEMM, the GEMM's): a pre-warm that finds them already cached keeps
     them from eviction too. Returns how many were newly pinned; a fault pins nothing."""
+    with pinned_mode():  # the conv's key and its GEMM's under one mode
+        return _pin_cached(pc, spec)
+
+
+def _pin_cached(pc, spec) -> int:
     from . import conv_gemm
 
     digest = cache_digest(spec)
@@ -114,7 +119,14 @@ def _cache():
 
 
 def load_or_build(spec, device: int) -> Plan:
-    """The plan of ``spec`` on ``device`` from the disk cache, else built (and stored)."""
+    """The plan of ``spec`` on ``device`` from the disk cache, else built (and stored). The determinism
+    mode is read once (or taken from the plan LRU's lookup, which pinned it) and pinned for the whole
+    load or build: the entry's key, the engine filter, the autotuner and the stored record agree."""
+    with pinned_mode():
+        return _load_or_build(spec, device)
+
+
+def _load_or_build(spec, device: int) -> Plan:
     t0 = time.perf_counter()
     tuning = autotune.autotune_enabled()
     pc = _cache()
