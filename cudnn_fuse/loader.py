@@ -135,8 +135,11 @@ def _load_or_build(spec, device: int) -> Plan:
         if pc is not None:
             plan = _from_cache(pc, spec, digest, device, want_tuned=tuning)
             if plan is not None:
+                # the time is taken before the +=: `STATS.x += time.perf_counter() - t0` reads STATS.x, then
+                # calls perf_counter, where CPython may switch threads, and another thread's += made then was lost
+                dt = time.perf_counter() - t0
                 STATS.loads += 1
-                STATS.load_seconds += time.perf_counter() - t0
+                STATS.load_seconds += dt
                 return plan
         if tuning and pc is not None:
             with _tune_lock(pc, digest) as got_lock:
@@ -157,7 +160,8 @@ def _load_or_build(spec, device: int) -> Plan:
 def _from_cache(pc, spec, digest, device, want_tuned: bool):
     t0 = time.perf_counter()
     entry = pc.get(digest)
-    STATS.cache_get_seconds += time.perf_counter() - t0
+    dt = time.perf_counter() - t0  # taken before the += (as in _load_or_build)
+    STATS.cache_get_seconds += dt
     if entry is not None and want_tuned and not entry.meta.get("tuned"):
         return None  # a heuristic entry is upgraded once tuned
     if entry is not None and _barred(spec, entry.meta):
@@ -250,7 +254,8 @@ def _deserialize(spec, entry, device):
             g = cudnn.pygraph(handle=h.handle)
             g.deserialize(h.handle, entry.blob)
         plan = Plan(spec, g, device, engine=entry.meta.get("engine_name", "?"))
-        STATS.deserialize_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        STATS.deserialize_seconds += dt
     except Exception as exc:  # noqa: BLE001 - a verified blob can still be nonsense to cuDNN
         _warn_once("deserialize", "cudnn_fuse cache: entry %s did not deserialize (%s: %s); rebuilding it",
                    entry.key[:12], type(exc).__name__, exc)
@@ -301,7 +306,8 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
                 raise
             except Exception as exc:  # noqa: BLE001
                 raise UnsupportedError(f"autotune of {spec.op} failed: {type(exc).__name__}: {exc}") from exc
-            STATS.autotune_seconds += time.perf_counter() - tt
+            dt = time.perf_counter() - tt
+            STATS.autotune_seconds += dt
             candidates = [t.to_dict() for t in timings]
             winner_index = winner.index
             use_torch = autotune.torch_wins(winner, timings)
