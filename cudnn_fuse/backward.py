@@ -46,6 +46,9 @@ from .spec import (
 )
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# plans.deterministic()'s two getters, called here directly as ops' memo calls them: the keys below read
+# the mode on every backward call, and pin what they read for the plans they look up (plans.pinned_mode)
+_det_algorithms, _det_cudnn = plans._det_algorithms, plans._det_cudnn
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +224,11 @@ def _try(op: str, spec, buffers, quiet: bool = False) -> bool:
         plan = slot[1]
     else:
         try:
-            plan = plans.get_plan(spec, buffers[0].device.index)
+            if slot is not None and slot[0] is spec:  # planned under the mode the spec was remembered under
+                with plans.pinned_mode(slot[2]):
+                    plan = plans.get_plan(spec, buffers[0].device.index)
+            else:
+                plan = plans.get_plan(spec, buffers[0].device.index)
         except UnsupportedError as exc:
             if quiet:
                 log.debug("%s: cuDNN declined a variant, trying another: %s", op, exc)
@@ -244,15 +251,16 @@ def _cached_spec(kind: str, attrs: tuple, buffers, make):
     and dtypes and of ``attrs``, which is what the key holds. Kept in the ops' memo (cleared
     with the plans), with a slot for its plan (``_try`` fills it; the slot holds the spec, so
     its id cannot be reused while the slot lives). The key holds the determinism mode too: the slot's
-    plan was chosen under one mode (plans.deterministic), and must not serve the other."""
-    key = ("spec", kind, attrs, plans.deterministic(), tuple([(t.shape, t.stride(), t.dtype) for t in buffers]))
+    plan is chosen under the key's mode (the slot keeps it for ``_try``), and must not serve the other."""
+    det = _det_algorithms() or _det_cudnn()  # plans.deterministic(), read once: the key's and the slot's
+    key = ("spec", kind, attrs, det, tuple([(t.shape, t.stride(), t.dtype) for t in buffers]))
     spec = plans.FAST.get(key)
     if spec is None:
         spec = make()
         if len(plans.FAST) >= plans.FAST_CAPACITY - 1:
             plans.FAST.clear()
         plans.FAST[key] = spec
-        plans.FAST[("plan", id(spec))] = [spec, None]
+        plans.FAST[("plan", id(spec))] = [spec, None, det]
     return spec
 
 
@@ -640,12 +648,14 @@ def conv_program(x, w, y, gy, geo, act, slope, need_x: bool, need_w: bool, need_
     "convert" policy) the program converts the same way on every call."""
     if manifest._active or CONV != "cudnn":
         return None
+    det = _det_algorithms() or _det_cudnn()  # plans.deterministic(), read once: the key's and the plans'
     key = ("convprog", x.shape, x.stride(), w.shape, w.stride(), y.stride() if y is not None else None, gy.stride(),
            x.dtype, x.device,
-           act, slope, geo, need_x, need_w, need_b, DBIAS, plans.deterministic())
+           act, slope, geo, need_x, need_w, need_b, DBIAS, det)
     prog = plans.FAST.get(key)
     if prog is None:
-        prog = _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b)
+        with plans.pinned_mode(det):  # its plans are chosen under the key's mode
+            prog = _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b)
         if len(plans.FAST) >= plans.FAST_CAPACITY - 1:
             plans.FAST.clear()
         plans.FAST[key] = prog

@@ -101,6 +101,11 @@ class Stats:
 
 
 STATS = Stats()
+# Taken by whatever counts graphs made or destroyed (GraphSet.add, GraphSet.release): captures and releases
+# run under their own device's handle lock, so two devices' may run at once, and STATS.live (MAX_LIVE's count)
+# must come back to exactly what it was. Replays count without it (the GIL keeps a lone `+= 1` whole; a lock
+# there would cost every replay).
+_count_lock = threading.Lock()
 
 
 class DriverError(RuntimeError):
@@ -755,16 +760,18 @@ class GraphSet:
     def add(self, key, ex) -> None:
         self.execs[key] = ex
         self.captures += 1
-        STATS.captures += 1
-        if isinstance(ex, (KernelReplay, SequenceReplay)):
-            STATS.kernels += 1  # captures that replay as direct launches (their kernel, or a chain of them)
-            if isinstance(ex, SequenceReplay):
-                STATS.sequences += 1
-        STATS.live += 1
+        direct = isinstance(ex, (KernelReplay, SequenceReplay))
+        sequence = isinstance(ex, SequenceReplay)
+        with _count_lock:
+            STATS.captures += 1
+            STATS.kernels += direct  # captures that replay as direct launches (their kernel, or a chain of them)
+            STATS.sequences += sequence
+            STATS.live += 1
         while len(self.execs) > PER_PLAN:
             _, old = self.execs.popitem(last=False)
             self._drv.destroy(old)
-            STATS.live -= 1
+            with _count_lock:
+                STATS.live -= 1
         if self.captures - self._base[0] == CHURN_CAPTURES and \
                 self.reuses - self._base[1] < CHURN_REUSES_PER_CAPTURE * CHURN_CAPTURES:
             log.debug("launch graphs: %d captures but %d reuses for one plan; it captures again once they catch up",
@@ -777,8 +784,10 @@ class GraphSet:
 
     def release(self) -> None:
         execs, self.execs = self.execs, OrderedDict()
+        if execs:
+            with _count_lock:  # never held while a destructor could run: nothing under it allocates
+                STATS.live -= len(execs)
         for ex in execs.values():
-            STATS.live -= 1
             try:
                 self._drv.destroy(ex)
             except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone

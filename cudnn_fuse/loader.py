@@ -27,7 +27,7 @@ import torch
 from . import autotune
 from .builders import build_graph, roles_of, uids_of
 from .errors import UnsupportedError
-from .plans import STATS, Plan, barred_engines, bury, finalize, handle_for, held, prepare
+from .plans import STATS, Plan, barred_engines, bury, finalize, handle_for, held, pinned_mode, prepare
 from .plans import deterministic as plans_deterministic
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ def pin_cached(pc, spec) -> int:
     """Pin the cached entries that serve ``spec`` (its entry, its engine record and, for a conv
     entry that runs as a GEMM, the GEMM's): a pre-warm that finds them already cached keeps
     them from eviction too. Returns how many were newly pinned; a fault pins nothing."""
+    with pinned_mode():  # the conv's key and its GEMM's under one mode
+        return _pin_cached(pc, spec)
+
+
+def _pin_cached(pc, spec) -> int:
     from . import conv_gemm
 
     digest = cache_digest(spec)
@@ -114,7 +119,14 @@ def _cache():
 
 
 def load_or_build(spec, device: int) -> Plan:
-    """The plan of ``spec`` on ``device`` from the disk cache, else built (and stored)."""
+    """The plan of ``spec`` on ``device`` from the disk cache, else built (and stored). The determinism
+    mode is read once (or taken from the plan LRU's lookup, which pinned it) and pinned for the whole
+    load or build: the entry's key, the engine filter, the autotuner and the stored record agree."""
+    with pinned_mode():
+        return _load_or_build(spec, device)
+
+
+def _load_or_build(spec, device: int) -> Plan:
     t0 = time.perf_counter()
     tuning = autotune.autotune_enabled()
     pc = _cache()
@@ -123,8 +135,11 @@ def load_or_build(spec, device: int) -> Plan:
         if pc is not None:
             plan = _from_cache(pc, spec, digest, device, want_tuned=tuning)
             if plan is not None:
+                # the time is taken before the +=: `STATS.x += time.perf_counter() - t0` reads STATS.x, then
+                # calls perf_counter, where CPython may switch threads, and another thread's += made then was lost
+                dt = time.perf_counter() - t0
                 STATS.loads += 1
-                STATS.load_seconds += time.perf_counter() - t0
+                STATS.load_seconds += dt
                 return plan
         if tuning and pc is not None:
             with _tune_lock(pc, digest) as got_lock:
@@ -145,7 +160,8 @@ def load_or_build(spec, device: int) -> Plan:
 def _from_cache(pc, spec, digest, device, want_tuned: bool):
     t0 = time.perf_counter()
     entry = pc.get(digest)
-    STATS.cache_get_seconds += time.perf_counter() - t0
+    dt = time.perf_counter() - t0  # taken before the += (as in _load_or_build)
+    STATS.cache_get_seconds += dt
     if entry is not None and want_tuned and not entry.meta.get("tuned"):
         return None  # a heuristic entry is upgraded once tuned
     if entry is not None and _barred(spec, entry.meta):
@@ -238,7 +254,8 @@ def _deserialize(spec, entry, device):
             g = cudnn.pygraph(handle=h.handle)
             g.deserialize(h.handle, entry.blob)
         plan = Plan(spec, g, device, engine=entry.meta.get("engine_name", "?"))
-        STATS.deserialize_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        STATS.deserialize_seconds += dt
     except Exception as exc:  # noqa: BLE001 - a verified blob can still be nonsense to cuDNN
         _warn_once("deserialize", "cudnn_fuse cache: entry %s did not deserialize (%s: %s); rebuilding it",
                    entry.key[:12], type(exc).__name__, exc)
@@ -289,7 +306,8 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
                 raise
             except Exception as exc:  # noqa: BLE001
                 raise UnsupportedError(f"autotune of {spec.op} failed: {type(exc).__name__}: {exc}") from exc
-            STATS.autotune_seconds += time.perf_counter() - tt
+            dt = time.perf_counter() - tt
+            STATS.autotune_seconds += dt
             candidates = [t.to_dict() for t in timings]
             winner_index = winner.index
             use_torch = autotune.torch_wins(winner, timings)

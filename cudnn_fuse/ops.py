@@ -314,9 +314,11 @@ def _unlaunchable(buffers) -> Optional[str]:
     return None
 
 
-def _run(op: str, spec, buffers, ref_fn):
+def _run(op: str, spec, buffers, ref_fn, memo=None):
     """Run ``spec``'s plan on ``buffers``; on UnsupportedError, or operands cuDNN cannot take at
-    their addresses, run ``ref_fn``.
+    their addresses, run ``ref_fn``. ``memo``: the call's memo key, whose last item is the
+    determinism mode the call was keyed under: the plan is looked up (and loaded or built) under
+    that mode, not under one read again later (``_remember`` files it under that key).
 
     An active ``cf.record`` notes the spec; meta tensors stop here (shapes only)."""
     rec = manifest.active()
@@ -328,10 +330,18 @@ def _run(op: str, spec, buffers, ref_fn):
     if why is not None:
         _fallback(op, why)
         return None, ref_fn()
+    mode = _mode  # plans.pinned_mode(memo[-1]) spelled out (a third of its cost: fp32 calls come here every time)
+    old = mode.det
+    if memo is not None:
+        mode.det = memo[-1]
     try:
         plan = plans.get_plan(spec, buffers[0].device.index)
     except UnsupportedError as exc:
-        _fallback(op, str(exc))
+        plan, why = None, str(exc)
+    finally:
+        mode.det = old
+    if plan is None:
+        _fallback(op, why)
         return None, ref_fn()
     plan.run(buffers)
     return plan, None
@@ -352,6 +362,7 @@ def _run(op: str, spec, buffers, ref_fn):
 _FAST = plans.FAST
 # plans.deterministic()'s two getters, inlined into the key: a launch remembered in one mode never serves the other
 _det_algorithms, _det_cudnn = plans._det_algorithms, plans._det_cudnn
+_mode = plans._mode  # the mode a plan lookup of this thread is pinned to (_run pins the memo key's)
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
@@ -668,7 +679,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
                                         return_amax, negative_slope)
         else:
             attrs_t = (tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups, activation, float(negative_slope))
-            slot = [None]
+            slot = [None, key[-1] if key is not None else None]  # the launch, and the mode it must be of
 
             def call(x, weight, bias, residual):
                 return torch_ops.conv2d_train(x, weight, bias, residual, attrs_t, slot)
@@ -731,7 +742,7 @@ def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation
     spec = ConvSpec(_spec(x), _spec(weight), TensorSpec(out_shape, y_stride, _FUSED_DTYPES[x.dtype]), stride, pre,
                     post, dilation, groups, epi, allow_tf32=_conv_tf32(x))
     buffers = [t for t in (x, weight, b4, residual, y, amax) if t is not None]
-    plan, fallback_out = _run(op, spec, buffers, ref)
+    plan, fallback_out = _run(op, spec, buffers, ref, memo)
     if fallback_out is not None:
         return fallback_out
     if unbatched:
@@ -901,7 +912,7 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
     spec = MatmulSpec(_spec(a3), _spec(b3), _spec(y), epi, allow_tf32=a2.dtype == torch.float32)
     b1 = bias.view(1, 1, N) if bias is not None else None
     buffers = [t for t in (a3, b3, b1, r3, y, amax) if t is not None]
-    plan, fallback_out = _run(op, spec, buffers, ref)
+    plan, fallback_out = _run(op, spec, buffers, ref, memo[0] if memo else None)
     if fallback_out is not None:
         return fallback_out
     y = y.view(out_shape)
@@ -1091,7 +1102,7 @@ def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=
     spec = SdpaSpec(_spec(q), _spec(k), _spec(v), _spec(o), _spec(bias) if bias is not None else None,
                     bool(is_causal), float(scale) if scale is not None else 1.0 / math.sqrt(D))
     buffers = [t for t in (q, k, v, bias, o) if t is not None]
-    plan, fallback_out = _run(op, spec, buffers, ref)
+    plan, fallback_out = _run(op, spec, buffers, ref, memo)
     if fallback_out is not None:
         return fallback_out
     out = o.squeeze(0) if squeeze else o

@@ -58,12 +58,43 @@ _det_algorithms = getattr(torch._C, "_get_deterministic_algorithms", None) or to
 _det_cudnn = getattr(torch._C, "_get_cudnn_deterministic", None) or (lambda: bool(torch.backends.cudnn.deterministic))
 
 
+class _Mode(threading.local):
+    det = None  # this thread's pinned mode (pinned_mode), or None: torch's flags
+
+
+_mode = _Mode()
+
+
 def deterministic() -> bool:
     """Whether torch asks for deterministic kernels: ``torch.use_deterministic_algorithms(True)``
-    or ``torch.backends.cudnn.deterministic = True`` (which torch's own cuDNN convs honour).
-    Read on every op call through torch's C getters (43 ns for both on the CPU host), since a plan
-    chosen under one setting must not serve the other."""
-    return _det_algorithms() or _det_cudnn()
+    or ``torch.backends.cudnn.deterministic = True`` (which torch's own cuDNN convs honour), since a
+    plan chosen under one setting must not serve the other.
+
+    While this thread looks a plan up (``pinned_mode``), the answer is the mode pinned for that
+    lookup: the plan LRU's key, the disk cache's key, the engine filter, the autotuner's and the
+    entry's record then all take the one mode read once (or the one the caller's memo key holds),
+    whatever another thread switches meanwhile. The memos read torch's C getters themselves
+    (``_det_algorithms() or _det_cudnn()``) and pin what they read for the lookup they key."""
+    det = _mode.det
+    return (_det_algorithms() or _det_cudnn()) if det is None else det
+
+
+class pinned_mode:
+    """Within the block, ``deterministic()`` answers ``det`` in this thread (None: the mode now, read
+    once; an outer pin stands). ``as`` gives the mode pinned."""
+
+    __slots__ = ("det", "_old")
+
+    def __init__(self, det=None):
+        self.det = det
+
+    def __enter__(self) -> bool:
+        self._old = _mode.det
+        _mode.det = det = bool(self.det) if self.det is not None else deterministic()
+        return det
+
+    def __exit__(self, *exc) -> None:
+        _mode.det = self._old
 
 
 @dataclass
@@ -670,7 +701,8 @@ class PlanLRU:
                 STATS.evictions += 1
 
     def get(self, spec, device: int):
-        key = (spec, device, deterministic())  # a plan built deterministic-only serves only that mode, and back
+        det = deterministic()  # read once (or this thread's pin): the key's mode is the mode the plan is built under
+        key = (spec, device, det)  # a plan built deterministic-only serves only that mode, and back
         item = self._lookup(key)
         if item is None:
             with self._lock:  # one lock per key while anyone waits on it: one build at a time, even across a clear()
@@ -684,7 +716,8 @@ class PlanLRU:
                     if item is None:
                         STATS.misses += 1
                         try:
-                            item = (self._builder or _load_or_build)(spec, device)
+                            with pinned_mode(det):  # every read of the mode in the load or build is the key's
+                                item = (self._builder or _load_or_build)(spec, device)
                         except UnsupportedError as exc:
                             # keep the message only: the exception's traceback would pin
                             # this caller's frames (and its tensors) for the entry's life

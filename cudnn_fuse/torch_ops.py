@@ -209,8 +209,8 @@ class _Conv2dTrain(torch.autograd.Function):
             if y is None:
                 y = ops._conv2d_fwd(x, weight, bias, *geo, act, residual, False, slope, memo=key)
                 launch = ops._FAST.get(key) if key is not None else None
-            if slot is not None and launch is not None:
-                slot[0] = launch
+            if slot is not None and launch is not None and key[-1] == slot[1]:
+                slot[0] = launch  # only a launch of the mode the slot's signature was keyed under
         y = _conv_out_layout(y, x)
         ctx.act, ctx.slope, ctx.geo = act, slope, geo
         ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
@@ -346,8 +346,9 @@ _Conv2dFn = _eager_autograd(_conv2d_op_impl, _conv2d_setup, _conv2d_backward)
 def conv2d_train(x, weight, bias, residual, attrs, slot):
     """An eager training conv2d without amax. ``attrs``: (stride, pre, post, dilation, groups,
     activation, negative_slope) with tuples and a float, as conv2d below makes them; ``slot``: a
-    one-item list the caller keeps per validated signature (ops.conv2d's remembered call), which
-    the first call fills with the forward's launch, so later calls skip the second memo lookup."""
+    list [launch, mode] the caller keeps per validated signature (ops.conv2d's remembered call, whose
+    memo key holds the determinism mode ``mode``), which the first call of that mode fills with the
+    forward's launch, so later calls skip the second memo lookup."""
     if torch.compiler.is_compiling():
         stride, pre, post, dilation, groups, act, slope = attrs
         return conv2d(x, weight, bias, stride, pre, post, dilation, groups, act, residual, False, slope)

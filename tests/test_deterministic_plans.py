@@ -7,7 +7,9 @@ nor the other way round. CPU: the keys and the deselect call on a recording grap
 from __future__ import annotations
 
 import contextlib
+import types
 
+import pytest
 import torch
 
 import cudnn_fuse as cf
@@ -165,3 +167,261 @@ def test_prewarm_looks_for_the_entry_of_its_mode():
             cache = Cache()
             rows = prewarm.prewarm([Entry(spec)], dry_run=True, cache=cache)
             assert cache.asked == [loader.cache_digest(spec)] and rows[0].digest == loader.cache_digest(spec)[:16]
+
+
+# ------------------------------------------------------------------ one read of the mode per lookup
+#
+# torch.use_deterministic_algorithms is process-wide: another thread may switch it at any moment. A call
+# keys its memo entry (or its backward slot, or its plan LRU slot) under the mode it read, and must then
+# look up, load or build its plan under that same mode, not under one read again later: else a plan chosen
+# under one mode is filed under the other's key and serves it (a plan chosen without the filter serving a
+# deterministic call). Each test below switches the mode at the moment between two such reads.
+
+
+def _flip():
+    """Switch torch's mode to the other one, as another thread could at this moment."""
+    torch.use_deterministic_algorithms(not torch.are_deterministic_algorithms_enabled(), warn_only=True)
+
+
+class _ModePlan:
+    """A stand-in plan that notes the mode it was built under (plans.deterministic() in the builder)."""
+
+    raw = True
+    engine = "stand-in"
+
+    def __init__(self, spec, ran):
+        self.spec, self.det, self.ran = spec, plans.deterministic(), ran
+
+    def launch(self, ptrs):
+        self.ran.append((self.spec.op, self.det))
+
+    def run(self, buffers):
+        self.ran.append((self.spec.op, self.det))
+
+
+@pytest.fixture
+def mode_lru(monkeypatch):
+    """The process's plan LRU building _ModePlans; (ran, lru): what ran under which plan's mode."""
+    ran = []
+    lru = plans.PlanLRU(64, builder=lambda spec, device: _ModePlan(spec, ran))
+    monkeypatch.setattr(plans, "_LRU", lru)
+    monkeypatch.setattr(ops, "_native_call", None)  # the Python memo (the C call files nothing: it only serves)
+    plans.FAST.clear()
+    yield ran, lru
+    plans.FAST.clear()
+
+
+def _lru_modes(lru):
+    return sorted({k[2] for k in lru._items})
+
+
+@pytest.mark.parametrize("start", [False, True], ids=["to deterministic", "from deterministic"])
+def test_an_op_files_its_plan_under_the_mode_it_was_planned_under(mode_lru, monkeypatch, start):
+    """ops._memo reads the mode into the memo key; the plan was then looked up (plans.get_plan) under the
+    mode read again. Switched between the two reads, the plan chosen under the new mode was remembered
+    under the old mode's key, and every later call of that mode launched it."""
+    ran, lru = mode_lru
+    real = ops._why_not_fused
+    flips = []
+
+    def why_not_fused(op, ts):  # runs after the memo key was made, before the plan is looked up
+        if not flips:
+            flips.append(1)
+            _flip()
+        return None  # the cuDNN path, on CPU tensors
+
+    monkeypatch.setattr(ops, "_why_not_fused", why_not_fused)
+    x, w = torch.randn(4, 8).half(), torch.randn(16, 8).half()
+    with deterministic(start), torch.no_grad():
+        cf.linear(x, w, None, activation="relu")
+        assert torch.are_deterministic_algorithms_enabled() is (not start)  # switched mid-call
+    keys = [k for k in ops.memo_keys() if k[0] == "linear"]
+    assert len(keys) == 1 and keys[0][-1] is start  # keyed under the mode the call began in
+    launch = plans.FAST[keys[0]]
+    assert launch.plan.det is start, "a plan chosen under the other mode was filed under this mode's key"
+    assert _lru_modes(lru) == [start]
+    monkeypatch.setattr(ops, "_why_not_fused", real)
+    with deterministic(start), torch.no_grad():
+        ran.clear()
+        cf.linear(x, w, None, activation="relu")  # served by the memo
+    assert ran == [("matmul", start)]
+
+
+def test_a_backward_graphs_slot_gets_the_plan_of_its_specs_mode(mode_lru, monkeypatch):
+    """backward._cached_spec keys the spec (and its plan slot) under the mode it reads; _try then looked
+    the plan up under the mode read again, and the slot kept it for every later call of the first mode."""
+    from cudnn_fuse import backward
+
+    ran, lru = mode_lru
+    real = ops._unlaunchable
+    flips = []
+
+    def unlaunchable(buffers):  # _try's first step: after _cached_spec read the mode
+        if not flips:
+            flips.append(1)
+            _flip()
+        return real(buffers)
+
+    monkeypatch.setattr(ops, "_unlaunchable", unlaunchable)
+    cl = torch.channels_last
+    dz = torch.randn(2, 8, 6, 6).half().contiguous(memory_format=cl)
+    w = torch.randn(8, 8, 3, 3).half().contiguous(memory_format=cl)
+    x = torch.empty(2, 8, 8, 8).half().contiguous(memory_format=cl)
+    geo = ((1, 1), (0, 0), (0, 0), (1, 1), 1)
+    with deterministic(False):
+        backward.conv_dgrad(dz, w, x, geo)
+    with deterministic(False):
+        backward.conv_dgrad(dz, w, x, geo)  # the slot's plan
+    assert ran == [("conv_dgrad", False), ("conv_dgrad", False)]
+    assert _lru_modes(lru) == [False]
+
+
+def test_a_conv_backward_program_gets_plans_of_its_keys_mode(mode_lru, monkeypatch):
+    """backward.conv_program keys the signature's program under the mode it reads, and the program's
+    plans were looked up under the mode read again while it was built."""
+    from cudnn_fuse import backward
+
+    ran, lru = mode_lru
+    real = ops._conv_layout
+    flips = []
+
+    def conv_layout(x, w):  # the program's build, before its plans are looked up
+        if not flips:
+            flips.append(1)
+            _flip()
+        return real(x, w)
+
+    monkeypatch.setattr(ops, "_conv_layout", conv_layout)
+    cl = torch.channels_last
+    x = torch.randn(2, 8, 8, 8).half().contiguous(memory_format=cl)
+    w = torch.randn(8, 8, 3, 3).half().contiguous(memory_format=cl)
+    gy = torch.randn(2, 8, 6, 6).half().contiguous(memory_format=cl)
+    geo = ((1, 1), (0, 0), (0, 0), (1, 1), 1)
+    with deterministic(True):
+        backward.conv_program(x, w, None, gy, geo, None, 0.01, True, True, False)
+    with deterministic(True):
+        backward.conv_program(x, w, None, gy, geo, None, 0.01, True, True, False)  # the remembered program
+    assert ran == [("conv_dgrad", True), ("conv_wgrad", True)] * 2
+    assert _lru_modes(lru) == [True]
+
+
+def test_a_training_convs_remembered_call_keeps_a_forward_launch_of_its_mode(mode_lru, monkeypatch):
+    """ops.conv2d remembers a training call (its validated call, under the ":grad" key with the mode)
+    whose slot keeps the forward's launch; the forward looked that launch up under the mode read again,
+    and the slot kept a launch of the other mode for every later call of the key's mode."""
+    from cudnn_fuse import backward
+
+    ran, lru = mode_lru
+    real = ops._via_custom_op
+    flips = []
+
+    def via_custom_op(*ts):  # after the ":grad" key was made, before the autograd forward's own lookup
+        if not flips:
+            flips.append(1)
+            _flip()
+        return real(*ts)
+
+    monkeypatch.setattr(ops, "_via_custom_op", via_custom_op)
+    monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)  # the cuDNN path, on CPU tensors
+    monkeypatch.setattr(backward, "usable", lambda *ts: False)  # torch's backward: the forward is the point
+    cl = torch.channels_last
+    x = torch.randn(2, 8, 6, 6).half().to(memory_format=cl).requires_grad_()
+    w = torch.randn(8, 8, 3, 3).half().to(memory_format=cl).requires_grad_()
+    for _ in range(3):
+        with deterministic(False):
+            cf.conv2d(x, w, None, padding=1, activation="relu")
+    forwards = [r for r in ran if r[0] == "conv2d"]
+    assert forwards[1:] == [("conv2d", False)] * 2, "a forward launch of the other mode served the key's mode"
+
+
+class _BuiltGraph(RecordingGraph):
+    """A recording graph that also answers what a stored entry asks of its plan."""
+
+    _plan_index = 0
+
+    def get_engine_and_knobs_at_index(self, i):
+        return 7, {}
+
+    def serialize(self, as_bytes=True):
+        return b"blob"
+
+
+class _Cache:
+    """A disk cache that has nothing and keeps what is put, with a directory for the tune lock."""
+
+    def __init__(self, path):
+        self.dir, self.puts = path, []
+
+    def get(self, key):
+        return None
+
+    def put(self, key, meta, blob, pinned=False):
+        self.puts.append((key, meta))
+        return True
+
+
+class _FlipLRU(plans.PlanLRU):
+    """The plan LRU, the mode switched right after it made its key (its first lookup), before the load."""
+
+    def _lookup(self, key):
+        if not getattr(self, "flipped", False):
+            self.flipped = True
+            _flip()
+        return super()._lookup(key)
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["heuristic", "tuned"])
+@pytest.mark.parametrize("where", ["plan lru, before the load", "plan lru, during the build", "load_or_build"])
+def test_a_build_files_its_entry_under_the_mode_it_chose_its_engine_under(monkeypatch, tmp_path, tuned, where):
+    """The plan LRU read the mode for its key; the loader read it again for the disk cache's key, again
+    for the engine filter (plans.prepare), again in the autotuner and again for the entry's record.
+    Switched between two of those reads, a plan chosen among all engines was stored under the
+    deterministic key (or the other way round), with a record of the other mode, and kept in the plan
+    LRU under the first mode."""
+    import cudnn
+
+    from cudnn_fuse import autotune
+
+    graphs, tuner_modes = [], []
+
+    def build_graph(spec, handle):  # after the cache's key was made, before the engines are filtered
+        if where != "plan lru, before the load":
+            _flip()
+        graphs.append(_BuiltGraph())
+        return graphs[-1]
+
+    def tune(g, spec, h, device, uids, roles):
+        tuner_modes.append(plans.deterministic())  # autotune.tune reads it so for its own filter
+        return None, types.SimpleNamespace(index=0), []
+
+    pc = _Cache(tmp_path)
+    monkeypatch.setattr(loader, "_cache", lambda: pc)
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: tuned)
+    monkeypatch.setattr(autotune, "tune", tune)
+    monkeypatch.setattr(autotune, "torch_wins", lambda w, t: False)
+    monkeypatch.setattr(autotune, "gemm_wins", lambda w, t: False)
+    monkeypatch.setattr(loader, "handle_for", lambda device: types.SimpleNamespace(handle=1))
+    monkeypatch.setattr(loader, "held", lambda h, device: contextlib.nullcontext(h))
+    monkeypatch.setattr(loader, "build_graph", build_graph)
+    monkeypatch.setattr(loader, "Plan", lambda spec, g, device, engine=None: types.SimpleNamespace(
+        spec=spec, graph=g, device=device, engine="eng7", workspace_size=0))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "stand-in")
+    spec = _spec()
+    for start in (False, True):
+        lru = _FlipLRU(4) if where == "plan lru, before the load" else plans.PlanLRU(4)  # builder: load_or_build
+        pc.puts.clear()
+        with deterministic(start):
+            plain = spec.digest()
+            want = loader.cache_digest(spec)
+            plan = loader.load_or_build(spec, 0) if where == "load_or_build" else lru.get(spec, 0)
+            assert torch.are_deterministic_algorithms_enabled() is (not start)  # switched mid-call
+        filtered = ("deselect_numeric_notes", ([cudnn.numerical_note.NONDETERMINISTIC],)) in plan.graph.calls
+        assert filtered is start, "the engines were filtered under the other mode"
+        if tuned:
+            assert tuner_modes[-1] is start
+        entry = [(k, m) for k, m in pc.puts if not loader.is_engine_record(m)]
+        assert [k for k, _ in entry] == [want] and (want == plain) is (not start)
+        assert entry[0][1]["deterministic"] is start
+        if where != "load_or_build":
+            assert list(lru._items) == [(spec, 0, start)]  # kept under the mode it was built under

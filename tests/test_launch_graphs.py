@@ -1102,3 +1102,67 @@ def test_memset_steps_pass_what_the_bound_prototypes_accept(size, height):
     p.dst, p.value, p.elementSize, p.width, p.height, p.pitch = 0x1000, 7, size, 16, height, 64
     assert launch_graphs.MemsetStep(fns, p).launch(5) == 0
     assert calls[-1] == ((0x1000, 64, 7, 16, 3, 5) if height > 1 else (0x1000, 7, 16, 5))
+
+
+def test_the_live_graph_count_comes_back_exactly_after_captures_and_releases_on_many_devices(monkeypatch):
+    """Captures and releases hold their own device's handle lock only, so two devices' update
+    STATS.live (the count MAX_LIVE caps) at once. Under the GIL a bare `STATS.live += 1` is not
+    interrupted in practice (CPython 3.11 switches threads at calls and backward jumps, none of which
+    lie inside it), but a free-threaded build interleaves any two instructions; this test makes that
+    happen under the GIL: every instruction of launch_graphs' code lets the other threads run
+    (an opcode trace that sleeps 0). Without a lock around the updates the count drifted."""
+    import gc
+    import sys
+    import threading
+    import time
+
+    here = launch_graphs.__file__
+    stats = launch_graphs.Stats()
+    monkeypatch.setattr(launch_graphs, "STATS", stats)  # a count of this test's graphs alone
+    monkeypatch.setattr(launch_graphs, "PER_PLAN", 2)  # add() drops (and counts down) graphs too
+
+    def opcode(frame, event, arg):
+        if event == "opcode":
+            time.sleep(0)  # the GIL to another thread between any two instructions
+        return opcode
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != here:
+            return None
+        frame.f_trace_opcodes = True
+        return opcode
+
+    threads_n, rounds, graphs = 8, 20, 3
+    errors = []
+
+    def device(d):
+        try:
+            drv = FakeDriver()
+            for r in range(rounds):
+                gs = launch_graphs.GraphSet(drv)
+                for k in range(graphs):
+                    gs.add((d, r, k), 1000 + k)
+                gs.release()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    gc.collect()  # no earlier test's GraphSet is released (into this count) mid-test
+    was = gc.isenabled()
+    gc.disable()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threading.settrace(tracer)
+    try:
+        threads = [threading.Thread(target=device, args=(d,)) for d in range(threads_n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        threading.settrace(None)
+        sys.setswitchinterval(switch)
+        if was:
+            gc.enable()
+    assert errors == []
+    assert stats.live == 0, f"{stats.live} graphs counted live after every graph was destroyed"
+    assert stats.captures == threads_n * rounds * graphs

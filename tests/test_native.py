@@ -938,3 +938,51 @@ def test_the_c_path_leaks_no_references(monkeypatch):
     assert len(gc.get_objects()) - objects < 50
     st = native.stats()
     assert rig.fake.count - launches == 1000 and st["native_replays"] >= 1000 and st["guarded_hits"] >= 1000
+
+
+@needs_native
+def test_replay_counters_lose_no_update_between_the_c_and_python_paths(monkeypatch):
+    """The replay counters (a plan's graphs.reuses, which the churn gate reads, and plan_stats()'s
+    graph_replays) are bumped without a lock: from C (_native.c's bump(), no handle lock) and from
+    Plan.launch (under the handle lock), both on every replay. Each update is whole under the GIL: the C
+    bump runs no Python between its read and its write (the counters are plain __slots__), and CPython
+    switches threads in Python code only at calls and backward jumps, none of which lie inside a
+    `x.n += 1`. So they stay lock-free (a lock would cost every replay); this holds them to it, with
+    threads switching as often as CPython lets them."""
+    rig = Rig(monkeypatch)
+    ys = [rig.call() for _ in range(2)]  # a sighting, then the capture
+    assert ys[0] == ys[1]
+    graphs = rig.plan._graphs
+    rig.fake.record = False
+    ptrs = [rig.x.data_ptr(), rig.w.data_ptr(), rig.b.data_ptr(), rig.out.data_ptr()]  # the captured pointer set
+    before = _counters(graphs)
+    calls, errors = 2000, []
+
+    def from_c():
+        try:
+            for _ in range(calls):
+                rig.call()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def from_python():
+        try:
+            for _ in range(calls):
+                rig.plan.launch(ptrs)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=f) for f in (from_c, from_python) * 4]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    reuses, replays, native_replays = (a - b for a, b in zip(_counters(graphs), before))
+    assert native_replays == 4 * calls and len(rig.raw_calls) == 2  # C replayed its calls; nothing ran raw
+    assert (reuses, replays) == (8 * calls, 8 * calls)

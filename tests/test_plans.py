@@ -1,6 +1,7 @@
 """PlanLRU on the CPU with a fake builder: one build per (digest, device), LRU bound, remembered failures,
 one build under a thread race. Every test gets fresh plans.STATS counters."""
 
+import contextlib
 import gc
 import threading
 import time
@@ -352,3 +353,56 @@ def test_threads_on_new_streams_evict_workspaces_without_errors_or_overshoot(mon
         sys.setswitchinterval(old)
     assert errors == [], errors[:3]
     assert max(sizes) <= 16, max(sizes)
+
+
+def test_the_loaders_time_sums_lose_no_update_across_threads(monkeypatch, fresh_stats):
+    """plan_stats()'s load_seconds and cache_get_seconds (and deserialize_seconds, autotune_seconds) were
+    summed as `STATS.x += time.perf_counter() - t0`: that reads STATS.x, then calls perf_counter, where
+    CPython may switch threads (a call checks for a switch), and another thread's += in between was lost.
+    Threads loading plans from the cache at once lost a share of their seconds. Here perf_counter is a
+    stand-in that advances by exactly 1 a call in each thread, so each load adds exactly 3 and each cache
+    read 1, and the sums are known."""
+    import sys
+    import types
+
+    from cudnn_fuse import autotune, loader
+
+    ticks = threading.local()
+
+    def perf_counter():
+        ticks.n = getattr(ticks, "n", 0) + 1
+        return float(ticks.n)
+
+    entry = types.SimpleNamespace(meta={"tuned": False}, blob=b"blob", key="0" * 64)
+    pc = types.SimpleNamespace(get=lambda key: entry)
+    monkeypatch.setattr(loader, "STATS", fresh_stats)
+    monkeypatch.setattr(loader, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(loader, "_cache", lambda: pc)
+    monkeypatch.setattr(loader, "_deserialize", lambda spec, entry, device: ("plan", spec))
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    threads_n, loads = 8, 2000
+    s = spec()
+    errors = []
+
+    def work():
+        try:
+            for _ in range(loads):
+                assert loader.load_or_build(s, 0) == ("plan", s)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(threads_n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    n = threads_n * loads
+    assert fresh_stats.loads == n
+    assert (fresh_stats.load_seconds, fresh_stats.cache_get_seconds) == (3.0 * n, 1.0 * n)
