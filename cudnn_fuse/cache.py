@@ -1093,16 +1093,32 @@ class PlanCache:
         Format (docs/cache.md): JSON lines, UTF-8. Line 1 is a header
         {"format": "cudnn_fuse-plan-cache-export", "version": 1, "namespace", "fingerprint",
         "exported_at", "host"}; each further line {"key", "pinned", "entry"} where "entry" is the
-        base64 of the checksummed entry bytes. ``file``: a path (written atomically, 0600) or a
-        file object open for writing (binary or text).
+        base64 of the checksummed entry bytes. ``file``: a path or a file object open for writing
+        (binary or text). A path to a regular file (or to none yet; through a symlink, its target)
+        is written atomically, 0600: a temp file beside it renamed into place, so an interrupted
+        export leaves the old file or none. A pipe or device (``/dev/stdout``) is written in
+        place, never replaced. Raises CacheError for a directory, OSError naming ``file`` when
+        it cannot be written.
         """
         self._require_usable()
         if hasattr(file, "write"):
             return self._write_export(file.write, text=isinstance(file, io.TextIOBase))
-        path = Path(file)
+        try:
+            mode = os.stat(file).st_mode
+        except OSError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise CacheError(f"cannot export to {os.fspath(file)!r}: it is a directory")
+        if mode is not None and not stat.S_ISREG(mode):
+            with open(file, "wb") as f:  # not its realpath: /dev/stdout's is pipe:[...]
+                return self._write_export(f.write, text=False)
+        path = Path(os.path.realpath(file) if os.path.islink(file) else file)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-                     | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                         | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError as exc:  # name the file asked for, not our temp file beside it
+            raise OSError(exc.errno, exc.strerror, os.fspath(file)) from None
         try:
             os.fchmod(fd, 0o600)
             with os.fdopen(fd, "wb") as f:
@@ -1158,7 +1174,7 @@ class PlanCache:
         this cache's unless ``force``; CacheError if this cache cannot be written.
         """
         lines = _read_lines(file)
-        header = _parse_export_header(next(lines, ""))
+        header = _parse_export_header(next(lines, b""))
         theirs = header.get("namespace")
         if theirs != self.namespace and not force:
             raise ValueError(
@@ -1173,10 +1189,12 @@ class PlanCache:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(_text(line))
                 key = record["key"]
                 entry = decode_entry(key, base64.b64decode(record["entry"], validate=True))
-            except (ValueError, KeyError, TypeError) as exc:  # CorruptEntry is a ValueError
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
+                # CorruptEntry and a byte that is not UTF-8 are ValueErrors; RecursionError: JSON
+                # nested deeper than Python's recursion limit
                 counts["rejected"] += 1
                 log.info("import rejects an entry: %s", exc)
                 continue
@@ -1231,19 +1249,24 @@ def _hex_dirs(path) -> list:
     return [e for e in _scan(path) if _HEX2_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
 
 
-def _read_lines(file) -> Iterator[str]:
+def _read_lines(file) -> Iterator:
+    """The lines of an export, as bytes (a path) or as the file object gives them; each is decoded
+    by its reader, so a byte that is not UTF-8 rejects its own line, not the whole import."""
     if hasattr(file, "read"):
-        for line in file:
-            yield line.decode() if isinstance(line, bytes) else line
+        yield from file
         return
-    with open(file, encoding="utf-8") as f:
+    with open(file, "rb") as f:
         yield from f
 
 
-def _parse_export_header(line: str) -> dict:
+def _text(line) -> str:
+    return line.decode("utf-8") if isinstance(line, bytes) else line
+
+
+def _parse_export_header(line) -> dict:
     try:
-        header = json.loads(line)
-    except ValueError:
+        header = json.loads(_text(line))
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the recursion limit
         header = None
     if not isinstance(header, dict) or header.get("format") != EXPORT_FORMAT:
         raise ValueError("not a cudnn_fuse plan cache export (its first line is no export header)")

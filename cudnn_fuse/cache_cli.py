@@ -6,7 +6,7 @@ cli.py wires it in::
     ...
     return args.run(args)
 
-Exit status: 0 on success; 1 when the cache cannot be used, an action fails, ``verify`` leaves
+Exit status: 0 on success; 1 when the cache cannot be used or read, an action fails, ``verify`` leaves
 bad entries behind (read-only cache) or ``import`` rejects or fails entries.
 """
 
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import decimal
 import logging
+import os
 import re
 import sys
 from typing import Sequence
@@ -129,7 +131,7 @@ def _stats(cache: PlanCache, args) -> int:
     if s.get("error"):
         rows.append(("error", s["error"]))
     print(format_table(("item", "value"), rows))
-    return 0
+    return 1 if s.get("error") else 0  # cache.db could not be read: the counts above are not its own
 
 
 def _verify(cache: PlanCache, args) -> int:
@@ -167,8 +169,8 @@ def _barred_keys(cache: PlanCache) -> tuple:
         try:
             if int(eid) not in barred_engines(spec_from_dict(dict(spec))):
                 continue
-        except (TypeError, ValueError, KeyError):  # a spec this version cannot read: not ours to judge
-            continue
+        except (TypeError, ValueError, KeyError, OverflowError):  # OverflowError: an engine id of Infinity
+            continue  # a spec or engine id this version cannot read: not ours to judge
         into = pinned if info.pinned else out
         into.append(info.key)
         if engine_record_key(info.key) in keys:
@@ -190,7 +192,9 @@ def _clear(cache: PlanCache, args) -> int:
 
 def _export(cache: PlanCache, args) -> int:
     n = cache.export(args.file)
-    print(f"exported {_count(n, 'entry')} of namespace {cache.namespace} to {args.file}")
+    # into a pipe (/dev/stdout | ssh host cudnn-fuse cache import /dev/stdin) the export goes alone
+    out = sys.stdout if os.path.isfile(args.file) else sys.stderr
+    print(f"exported {_count(n, 'entry')} of namespace {cache.namespace} to {args.file}", file=out)
     return 0
 
 
@@ -235,7 +239,7 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if m is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 512M, 2G)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    return int(decimal.Decimal(m.group(1)) * _SIZE_UNITS[m.group(2)])  # a float would overflow past 1e308
 
 
 def parse_duration(text: str) -> float:
@@ -279,7 +283,8 @@ def _engine(meta: dict) -> str:
 
 
 def _maybe_bytes(value) -> str:
-    return human_bytes(value) if isinstance(value, (int, float)) else "?"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 2**63  # NaN fails too
+    return human_bytes(value) if ok else "?"
 
 
 def _when(meta: dict, info) -> str:
@@ -287,4 +292,7 @@ def _when(meta: dict, info) -> str:
     stamp = tuned if isinstance(tuned, (int, float)) else (None if tuned else info.stored_at)
     if stamp is None:
         return str(tuned)
-    return datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError):  # NaN, or past the platform's dates: one row says so
+        return str(stamp)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import time
@@ -29,7 +30,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: each command leaves no partial file behind; no traceback
+        import sys
+
+        print("\ncudnn-fuse: interrupted", file=sys.stderr)
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,17 +97,32 @@ def _record(args: argparse.Namespace) -> int:
         print("cudnn-fuse record: give the script to run: cudnn-fuse record -o out.json -- python SCRIPT.py [ARGS]",
               file=sys.stderr)
         return 2
-    saved = sys.argv
+    # Checked before the script runs (it may train for hours), not when its manifest is written.
+    problem = (f"no such script: {cmd[0]}" if not os.path.isfile(cmd[0]) else
+               f"cannot write the manifest to {args.output}: it is a directory" if os.path.isdir(args.output) else
+               f"cannot write the manifest to {args.output}: no directory {os.path.dirname(args.output)}"
+               if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))) else None)
+    if problem is not None:
+        print(f"cudnn-fuse record: {problem}", file=sys.stderr)
+        return 2
+    saved, status, name = sys.argv, 0, args.name or os.path.basename(cmd[0])
     sys.argv = cmd
-    status = 0
-    with manifest.record(args.output, name=args.name or os.path.basename(cmd[0])) as rec:
-        try:
+    try:
+        with manifest.record(name=name) as rec:
             runpy.run_path(cmd[0], run_name="__main__")
-        except SystemExit as exc:
-            status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        finally:
-            sys.argv = saved
-    entries = rec.entries
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:  # also when the script raised: the specs it made so far are written
+        sys.argv = saved
+        entries = rec.entries
+        try:
+            manifest.dump(entries, args.output, name=name)
+            written = True
+        except OSError as exc:
+            print(f"cudnn-fuse record: cannot write the manifest to {args.output}: {exc}", file=sys.stderr)
+            written = False
+    if not written:
+        return 1
     print(f"recorded {len(entries)} distinct op specs ({sum(e.count for e in entries)} calls) into {args.output}")
     return status
 
@@ -117,11 +139,29 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
+class _Warnings(logging.Handler):
+    """The messages of the warnings logged while it is attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _cache_rows() -> tuple[list, list]:
-    """(rows, problems) about the plan cache: where, mode, permissions, entries, size."""
+    """(rows, problems) about the plan cache: where, mode, permissions, entries, size. A fault the
+    cache met and survived while opening (a corrupt cache.db moved aside, entries lost) is a problem."""
     from .cache import PlanCache
 
-    pc = PlanCache()
+    seen, logger = _Warnings(), logging.getLogger("cudnn_fuse.cache")
+    logger.addHandler(seen)
+    try:
+        pc = PlanCache()
+        st = pc.stats()
+    finally:
+        logger.removeHandler(seen)
     rows = [("cache directory", str(pc.dir))]
     if pc.disabled:
         return rows, [f"plan cache unusable ({pc.disabled}): ops run without it"]
@@ -129,12 +169,14 @@ def _cache_rows() -> tuple[list, list]:
         mode = oct(os.stat(pc.dir).st_mode & 0o777)
     except OSError:
         mode = "?"
-    st = pc.stats()
     rows += [("cache mode", ("read-only" if pc.read_only else "read-write") + f", permissions {mode}"),
              ("cache entries", f"{st.get('entries')} ({st.get('pinned', 0)} pinned), {st.get('bytes', 0)} bytes"),
              ("cache hit rate", "n/a" if st.get("hit_rate") is None else f"{100 * st['hit_rate']:.1f}%")]
     pc.close()
-    return rows, []
+    problems = list(seen.messages)
+    if st.get("error"):
+        problems.append(f"plan cache database {pc.dir / 'cache.db'} cannot be read: {st['error']}")
+    return rows, problems
 
 
 def _native_row() -> str:

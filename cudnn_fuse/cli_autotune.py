@@ -21,7 +21,19 @@ def shape(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"a shape is sizes joined by 'x' (e.g. 64x128x56x56), got {text!r}") from None
     if not dims or any(d <= 0 for d in dims):
         raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    if math.prod(dims) >= 2**63:  # torch's sizes are int64
+        raise argparse.ArgumentTypeError(f"{text!r} has 2**63 elements or more")
     return dims
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def add_command(commands) -> None:
@@ -41,44 +53,61 @@ def add_command(commands) -> None:
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--nchw", action="store_true", help="conv2d: NCHW tensors (default channels_last)")
     p.add_argument("--causal", action="store_true", help="sdpa: causal mask")
-    p.add_argument("--budget-s", type=float, default=None, help="tuning time budget (default $CUDNN_FUSE_TUNE_BUDGET_S or 10)")
+    p.add_argument("--budget-s", type=seconds, default=None,
+                   help="tuning time budget (default $CUDNN_FUSE_TUNE_BUDGET_S or 10)")
     p.add_argument("--force", action="store_true", help="tune again even if the cache holds a tuned entry")
     p.set_defaults(run=run)
 
 
-def _inputs(args):
+def _inputs(args, device="cuda"):
+    """The op's call on random inputs of the given shapes: ``call(cf)``. On the "meta" device
+    nothing is allocated or computed, and cf checks every argument as it would on the GPU."""
     import torch
+
+    import cudnn_fuse
 
     dt = getattr(torch, DTYPES[args.dtype])
 
     def rnd(*s, scale=1.0):
-        return (torch.randn(*s, device="cuda") * scale).to(dt)
+        return (torch.randn(*s, device=device) * scale).to(dt)
 
     if args.op == "sdpa":
         q = rnd(*args.input)
         kv = args.weight or args.input
         k, v = rnd(*kv), rnd(*kv)
-        return lambda cf: cf.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=kv[1] != q.shape[1])
+        gqa = len(kv) == 4 and q.dim() == 4 and kv[1] != q.shape[1]  # fewer k/v heads than q heads
+        return lambda cf: cf.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=gqa)
     if args.weight is None:
         raise ValueError(f"--weight is required for --op {args.op}")
+    r = None
+    if args.residual:  # of the output's shape: cf's own call without it, on the meta device
+        plain = argparse.Namespace(**{**vars(args), "residual": False, "amax": False})
+        r = rnd(*_inputs(plain, "meta")(cudnn_fuse).shape)
     x, w = rnd(*args.input), rnd(*args.weight, scale=1 / math.sqrt(args.weight[-1]))
     if args.op == "conv2d":
-        if not args.nchw:
-            x, w = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+        if not args.nchw:  # an unbatched (3-D) x has no channels_last
+            x, w, r = (t if t is None or t.dim() != 4 else t.to(memory_format=torch.channels_last) for t in (x, w, r))
         b = rnd(args.weight[0]) if args.bias else None
-        probe = torch.nn.functional.conv2d(x[:1].float().cpu(), w.float().cpu(), None, args.stride, args.padding,
-                                           args.dilation, args.groups) if args.residual else None
-        r = rnd(x.shape[0], *probe.shape[1:]) if probe is not None else None
-        if r is not None and not args.nchw:
-            r = r.to(memory_format=torch.channels_last)
         return lambda cf: cf.conv2d(x, w, b, args.stride, args.padding, args.dilation, args.groups,
                                     activation=args.activation, residual=r, return_amax=args.amax)
     n = args.weight[0] if args.op == "linear" else args.weight[-1]
     b = rnd(n) if args.bias else None
-    out_shape = tuple(args.input[:-1]) + (n,)
-    r = rnd(*out_shape) if args.residual else None
     op = "linear" if args.op == "linear" else "matmul"
     return lambda cf: getattr(cf, op)(x, w, b, activation=args.activation, residual=r, return_amax=args.amax)
+
+
+def _inapplicable(args) -> list:
+    """The options given that ``--op`` does not take: run, they would be dropped without a word
+    and another graph than the one asked for tuned and stored."""
+    given = []
+    if args.op != "conv2d":
+        given += [f"--{n}" for n, default in (("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1))
+                  if getattr(args, n) != default] + (["--nchw"] if args.nchw else [])
+    if args.op == "sdpa":
+        given += [f"--{n}" for n in ("activation", "bias", "residual", "amax") if getattr(args, n)]
+    elif args.causal:
+        given.append("--causal")
+    return given
 
 
 class Bar:
@@ -93,10 +122,9 @@ class Bar:
         return Bar(f"{self.label} ({what})", self.stream, self.width)
 
     def __call__(self, done: int, total: int) -> None:
-        total = max(total, 1)
-        frac = done / total
+        frac = done / total if total > 0 else 1.0  # nothing to do is all done: the line ends
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (total - done) if done else float("nan")
+        eta = 0.0 if done >= total else elapsed / done * (total - done) if done else float("nan")
         bar = "#" * int(frac * self.width)
         eta_s = f"{eta:5.1f}s" if eta == eta else "   ?s"
         self.stream.write(f"\r{self.label} [{bar:<{self.width}}] {done}/{total} {100 * frac:3.0f}% "
@@ -114,18 +142,26 @@ def run(args) -> int:
     from cudnn_fuse.cache import open_default_cache
     from cudnn_fuse.spec import flops
 
+    inapplicable = _inapplicable(args)
+    if inapplicable:
+        print(f"cudnn-fuse autotune: {', '.join(inapplicable)} not taken by --op {args.op}", file=sys.stderr)
+        return 2
+    try:  # every argument checked first, on any machine: shapes, their fit, activation, geometry
+        _inputs(args, "meta")(cf)
+    except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: torch's (a size past int64)
+        print(f"cudnn-fuse autotune: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("cudnn-fuse autotune: needs a CUDA GPU (none found); nothing was tuned", file=sys.stderr)
         return 2
     try:
         call = _inputs(args)
-    except (ValueError, TypeError) as exc:
-        print(f"cudnn-fuse autotune: {exc}", file=sys.stderr)
-        return 2
-    pc = open_default_cache()
-    cf.set_autotune(False)
-    try:
+        pc = open_default_cache()
+        cf.set_autotune(False)
         call(cf)  # the heuristic plan tells us the spec (and runs the op once)
+    except torch.OutOfMemoryError as exc:  # sizes that pass every check but fit no GPU
+        print(f"cudnn-fuse autotune: the op does not fit in GPU memory ({exc})", file=sys.stderr)
+        return 1
     except (ValueError, TypeError) as exc:
         print(f"cudnn-fuse autotune: {exc}", file=sys.stderr)
         return 2

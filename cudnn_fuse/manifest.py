@@ -14,13 +14,16 @@ device records without computing anything).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from .spec import spec_from_dict
+from .spec import _BY_OP, DTYPES, Epilogue, spec_from_dict
 
 SCHEMA = "cudnn_fuse.manifest"
 VERSION = 1
@@ -55,6 +58,7 @@ def _entry(i: int, raw) -> Entry:
         raise ManifestError(f"{where} has unknown field(s) {sorted(unknown)}")
     if "spec" not in raw:
         raise ManifestError(f"{where}.spec is missing")
+    _check_fields(f"{where}.spec", raw["spec"], "Any")
     try:
         spec = spec_from_dict(raw["spec"])
     except (ValueError, TypeError, KeyError) as exc:
@@ -64,12 +68,73 @@ def _entry(i: int, raw) -> Entry:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ManifestError(f"{where}.count must be a positive int, got {count!r}")
     weight = raw.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
         raise ManifestError(f"{where}.weight must be a positive number, got {weight!r}")
     name = raw.get("name")
     if name is not None and not isinstance(name, str):
         raise ManifestError(f"{where}.name must be a string, got {type(name).__name__}")
     return Entry(spec, count, float(weight), name)
+
+
+_MAX_DIM = 2**63  # cuDNN's sizes and strides are int64
+
+
+def _check_fields(where: str, v, kind: str) -> None:
+    """``v`` is a JSON value of the spec field type ``kind`` (a field's annotation in spec.py).
+    spec_from_dict drops unknown fields and keeps any value, so a misspelt field (``is_casual``)
+    or a shape given as a string would pre-warm another spec than the one meant, or one that
+    fails only when it is built."""
+    if kind.startswith("Optional["):
+        if v is None:
+            return
+        kind = kind[len("Optional["):-1]
+    if kind in ("Any", "Epilogue", "TensorSpec"):  # a nested spec (``fwd``), an epilogue, an operand
+        if not isinstance(v, dict):
+            raise ManifestError(f"{where} must be an object, got {type(v).__name__}")
+        if kind == "TensorSpec":
+            _check_tensor(where, v)
+            return
+        cls = Epilogue if kind == "Epilogue" else _BY_OP.get(v.get("op"))
+        if cls is None:
+            return  # an unknown op: spec_from_dict names it
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(v) - set(fields) - ({"schema_version", "op"} if kind == "Any" else set())
+        if unknown:
+            raise ManifestError(f"{where} has unknown field(s) {sorted(unknown)}")
+        for name, value in v.items():
+            if name in fields:
+                _check_fields(f"{where}.{name}", value, fields[name])
+    elif kind == "Tuple[int, int]":
+        if not (isinstance(v, list) and len(v) == 2 and all(_is_int(d, 0) for d in v)):
+            raise ManifestError(f"{where} must be a list of 2 non-negative ints, got {v!r}")
+    elif kind == "int" and not _is_int(v, 1):
+        raise ManifestError(f"{where} must be a positive int, got {v!r}")
+    elif kind == "bool" and not isinstance(v, bool):
+        raise ManifestError(f"{where} must be true or false, got {v!r}")
+    elif kind == "float" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        raise ManifestError(f"{where} must be a finite number, got {v!r}")
+    elif kind == "str" and not isinstance(v, str):
+        raise ManifestError(f"{where} must be a string, got {v!r}")
+
+
+def _check_tensor(where: str, v: dict) -> None:
+    unknown = set(v) - {"shape", "stride", "dtype"}
+    if unknown:
+        raise ManifestError(f"{where} has unknown field(s) {sorted(unknown)}")
+    for name in ("shape", "stride", "dtype"):
+        if name not in v:
+            raise ManifestError(f"{where}.{name} is missing")
+    for name in ("shape", "stride"):
+        if not (isinstance(v[name], list) and all(_is_int(d, 0) for d in v[name])):
+            raise ManifestError(f"{where}.{name} must be a list of non-negative ints, got {v[name]!r}")
+    if len(v["shape"]) != len(v["stride"]):
+        raise ManifestError(f"{where}: shape {v['shape']} and stride {v['stride']} differ in length")
+    if v["dtype"] not in DTYPES:
+        raise ManifestError(f"{where}.dtype must be one of {DTYPES}, got {v['dtype']!r}")
+
+
+def _is_int(v, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and least <= v < _MAX_DIM
 
 
 def parse(data) -> list:
@@ -89,9 +154,9 @@ def parse(data) -> list:
 def load(path) -> list:
     """The entries of the manifest file ``path``; ManifestError names what is wrong."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the recursion limit
         raise ManifestError(f"{path}: not JSON ({exc})") from None
     try:
         return parse(data)
@@ -100,11 +165,20 @@ def load(path) -> list:
 
 
 def dump(entries, path, name: str = "", description: str = "") -> None:
+    """Write a manifest to ``path`` through a temp file renamed into place, so an interrupted or
+    failed write leaves the old file (or none), never half a manifest."""
     data = {"schema": SCHEMA, "version": VERSION, "name": name, "description": description,
             "entries": [e.to_dict() for e in entries]}
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=False)
-        f.write("\n")
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # ----------------------------------------------------------------------------- recording

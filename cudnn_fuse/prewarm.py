@@ -146,9 +146,11 @@ def _local_worker(rank: int, entries, autotune: bool, work, results, builder_fac
                 break
             row = prewarm_one(i, entries[i], autotune=autotune, dry_run=False, builder=builder, cache=cache, rank=rank)
             results.put(asdict(row))
-    except BaseException as exc:  # noqa: BLE001 - the parent must hear of it, not wait forever
+    except Exception as exc:  # noqa: BLE001 - the parent must hear of it, not wait forever
+        # reported per entry by the parent; raised on, multiprocessing would print a traceback
         results.put({"worker_error": f"rank {rank}: {type(exc).__name__}: {exc}"})
-        raise
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent says so
+        pass
     finally:
         results.put({"worker_done": rank})
 
@@ -192,11 +194,13 @@ def run_local(entries, gpus: int, *, autotune: bool = False, progress=None, buil
                 progress(len(rows), len(entries))
     for p in procs:
         p.join(timeout=30)
-    seen = {r.index for r in rows}
+    seen, reported = {r.index for r in rows}, len(rows)
     for i, e in enumerate(entries):  # entries a dead worker never reported
         if i not in seen:
             rows.append(Row(i, e.name or f"{e.spec.op}#{i}", e.spec.op, e.spec.digest()[:16], "failed",
                             reason="; ".join(errors) or "worker process died"))
+    if progress is not None and len(rows) > reported:
+        progress(len(rows), len(entries))  # the bar ends its line also when workers died
     return sorted(rows, key=lambda r: r.index)
 
 
@@ -270,7 +274,17 @@ def add_arguments(p) -> None:
     p.add_argument("manifest", nargs="+", help="plan manifests (plans/*.json); their entries are built together")
     p.add_argument("--autotune", action="store_true", help="autotune every entry (default: heuristics)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be built")
-    p.add_argument("--gpus", type=int, default=1, help="spread the entries over N local GPUs (processes)")
+    p.add_argument("--gpus", type=_positive_int, default=1, help="spread the entries over N local GPUs (processes)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return n
 
 
 def run(args) -> int:
@@ -293,7 +307,12 @@ def run(args) -> int:
     import torch
 
     if args.gpus > 1 and not args.dry_run and "WORLD_SIZE" not in os.environ:
-        # no CUDA call here: the workers are forked from this process (a missing GPU fails its worker)
+        # no CUDA call here: the workers are forked from this process (a missing GPU fails its worker);
+        # a CPU build of torch is known without one
+        if not torch.backends.cuda.is_built():
+            print("cudnn-fuse prewarm: building plans needs a CUDA GPU (this torch has no CUDA); try --dry-run",
+                  file=sys.stderr)
+            return 2
         t0 = time.perf_counter()
         rows = run_local(entries, args.gpus, autotune=args.autotune,
                          progress=Bar(f"prewarm {', '.join(os.path.basename(p) for p in paths)} on {args.gpus} GPUs"))

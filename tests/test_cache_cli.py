@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 
 import pytest
 
@@ -227,3 +228,131 @@ def test_ls_and_verify_take_a_tuned_gemm_record(cache_dir, capsys):
     assert rows[tg.cache_key(sig[:-1] + (True,))[:12]].split()[1:3] == ["cublaslt_gemm", "torch"]
     assert any(r.startswith("0 plans, 2 GEMM algorithm picks, ") for r in rows.values())  # picks are not counted as plans
     assert cli("verify", "--namespace", NS) == 0
+
+
+# ---------------------------------------------------------------- the command line's audit (2026-12-04)
+
+
+@pytest.fixture
+def small(cache_dir):
+    """Two entries whose export (under 2 KiB) fits in a pipe's buffer."""
+    cache = PlanCache(cache_dir, namespace=NS)
+    assert cache.put(key("a"), META, b"a" * 100) and cache.put(key("b"), META, b"b" * 100, pinned=True)
+    cache.close()
+    return cache_dir
+
+
+def test_export_into_a_pipe_writes_it_and_leaves_the_pipe(small, tmp_path, capsys):
+    """A pipe or device is written in place: it was replaced by a regular file (as root, an export to
+    /dev/null put a 0600 file where the device had been)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so opening the writing end does not block
+    try:
+        assert cli("export", str(fifo), "--namespace", NS) == 0
+        data = os.read(reader, 1 << 16)
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert "exported 2 entries" in capsys.readouterr().err  # the stream carries the export alone
+    lines = data.decode().splitlines()
+    assert len(lines) == 3 and json.loads(lines[0])["namespace"] == NS
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_export_through_a_symlink_replaces_its_target(small, tmp_path):
+    target, link = tmp_path / "target.jsonl", tmp_path / "link.jsonl"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    assert cli("export", str(link), "--namespace", NS) == 0
+    assert link.is_symlink() and len(target.read_text().splitlines()) == 3
+
+
+def test_export_errors_name_the_file_asked_for(small, tmp_path, capsys):
+    assert cli("export", str(tmp_path), "--namespace", NS) == 1
+    assert f"cannot export to {str(tmp_path)!r}: it is a directory" in capsys.readouterr().err
+    missing = tmp_path / "nope" / "x.jsonl"
+    assert cli("export", str(missing), "--namespace", NS) == 1
+    err = capsys.readouterr().err
+    assert str(missing) in err and ".tmp-" not in err  # not our temp file beside it
+
+
+def test_ctrl_c_mid_export_leaves_the_old_file_and_no_temp(small, tmp_path, capsys, monkeypatch):
+    from cudnn_fuse import cli as main_cli
+
+    out_file = tmp_path / "plans.jsonl"
+    out_file.write_text("the old export\n")
+    valid = PlanCache._valid_entries
+
+    def interrupted(self):
+        yield next(valid(self))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PlanCache, "_valid_entries", interrupted)
+    try:
+        rc = main_cli.main(["cache", "export", str(out_file), "--namespace", NS])
+    except KeyboardInterrupt:  # caught here, or it would end the test session
+        pytest.fail("Ctrl-C came out of the CLI: a traceback")
+    assert rc == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert out_file.read_text() == "the old export\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name != "cudnn_fuse_cache"] == ["plans.jsonl"]
+
+
+def test_import_rejects_a_line_that_is_not_utf8_and_goes_on(small, tmp_path, capsys):
+    """A byte that is not UTF-8 stopped the whole import ('utf-8' codec can't decode...), with the
+    good lines around it unread."""
+    out_file = tmp_path / "plans.jsonl"
+    assert cli("export", str(out_file), "--namespace", NS) == 0
+    header, first, second = out_file.read_bytes().splitlines()
+    out_file.write_bytes(b"\n".join([header, first, b"\xff\xfe{not utf-8}", second]) + b"\n")
+    assert cli("import", str(out_file), "--dir", str(tmp_path / "t"), "--namespace", NS) == 1
+    assert "imported 2, skipped 0 (already cached), rejected 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [b"\x7fELF\x02\x01\x01\x00\xb0\xff" * 50, b"[" * 100_000 + b"]" * 100_000],
+                         ids=["binary", "nested"])
+def test_import_of_a_file_that_is_no_export_says_so(small, tmp_path, capsys, content):
+    """A binary file said "'utf-8' codec can't decode"; JSON nested past Python's recursion
+    limit raised RecursionError (a traceback)."""
+    path = tmp_path / "other"
+    path.write_bytes(content)
+    assert cli("import", str(path), "--namespace", NS) == 1
+    assert "not a cudnn_fuse plan cache export" in capsys.readouterr().err
+
+
+def test_import_rejects_a_deeply_nested_entry_line(small, tmp_path, capsys):
+    out_file = tmp_path / "plans.jsonl"
+    assert cli("export", str(out_file), "--namespace", NS) == 0
+    with open(out_file, "a") as f:
+        f.write("[" * 100_000 + "]" * 100_000 + "\n")
+    assert cli("import", str(out_file), "--dir", str(tmp_path / "t"), "--namespace", NS) == 1
+    assert "imported 2, skipped 0 (already cached), rejected 1" in capsys.readouterr().out
+
+
+def test_stats_of_an_unreadable_database_fail(small, capsys):
+    (small / NS / "cache.db").write_bytes(b"not a database " * 500)
+    for suffix in ("-wal", "-shm"):
+        (small / NS / f"cache.db{suffix}").unlink(missing_ok=True)
+    assert cli("stats", "--namespace", NS) == 1  # it exited 0, its counts all zero
+    assert re.search(r"^error +file is not a database$", capsys.readouterr().out, re.M)
+
+
+def test_a_size_past_a_float_is_no_traceback():
+    assert parse_size("9" * 400) >= 10**399  # float() overflowed: OverflowError out of argparse
+
+
+def test_ls_and_verify_take_odd_numbers_in_an_entrys_metadata(cache_dir, capsys):
+    """Metadata is JSON from whoever wrote the entry (an imported export too): a tuned_at past the
+    platform's dates and an engine id of Infinity raised OverflowError out of ls and verify."""
+    cache = PlanCache(cache_dir, namespace=NS)
+    assert cache.put(key("far"), {"op": "conv2d", "tuned_at": 1e300, "workspace_bytes": 1e300}, b"f")
+    assert cache.put(key("nan"), {"op": "conv2d", "tuned_at": float("nan"), "workspace_bytes": float("nan")}, b"n")
+    assert cache.put(key("inf"), {"op": "matmul", "engine_id": float("inf"), "spec": {"op": "matmul"}}, b"i")
+    cache.close()
+    assert cli("ls", "--namespace", NS) == 0
+    rows = {r[:12]: r.split() for r in capsys.readouterr().out.splitlines()}
+    assert rows[key("far")[:12]][-1] == "1e+300" and rows[key("far")[:12]][3] == "?"
+    assert rows[key("nan")[:12]][-1] == "nan"
+    assert cli("verify", "--namespace", NS) == 0
+    assert "checked 3 entries: 3 ok" in capsys.readouterr().out

@@ -74,3 +74,65 @@ def test_the_candidate_report_stars_the_choice_and_shows_a_runoff():
     plain = candidate_report(_meta(False, (None, None)), 1.0)  # no runoff: no runoff line, cuDNN starred
     assert "runoff" not in plain and "winner eng7_k24=41" in plain
     assert [ln for ln in plain.splitlines() if ln.lstrip().startswith("*")][0].split()[1] == "3"
+
+
+def test_a_bar_with_nothing_to_do_is_done():
+    out = io.StringIO()
+    Bar("prewarm", stream=out)(0, 0)
+    assert "0/0 100%" in out.getvalue() and out.getvalue().endswith("\n")  # "0/1   0%", the line left open
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--op", "conv2d", "--input", "8x16x8x8", "--weight", "16x16x3x3", "--activation", "swish"], "activation"),
+    (["--op", "conv2d", "--input", "8x16x8x8", "--weight", "16x8x3x3"], "channel mismatch"),
+    (["--op", "conv2d", "--input", "8x16x8x8", "--weight", "16x16x3x3", "--stride", "0", "--residual"], "stride"),
+    (["--op", "linear", "--input", "64x32", "--weight", "16x64", "--residual"], "in_features"),
+    (["--op", "linear", "--input", "64x32"], "--weight is required"),
+    (["--op", "sdpa", "--input", "64"], "scaled_dot_product_attention"),
+    (["--op", "conv2d", "--input", "1000000000000x1000000000000", "--weight", "3x3x3x3"], "argument --input"),
+    (["--op", "conv2d", "--input", "8x16x8x8", "--weight", "16x16x3x3", "--budget-s", "nan"], "argument --budget-s"),
+    # options the op does not take were dropped without a word, and another graph tuned and stored
+    (["--op", "conv2d", "--input", "8x16x8x8", "--weight", "16x16x3x3", "--causal"], "--causal not taken by --op conv2d"),
+    (["--op", "sdpa", "--input", "2x4x16x64", "--activation", "relu", "--bias"], "--activation, --bias not taken"),
+    (["--op", "linear", "--input", "64x32", "--weight", "16x32", "--stride", "2"], "--stride not taken by --op linear"),
+])
+def test_bad_arguments_are_named_on_any_machine(capsys, argv, said):
+    """Checked before the GPU is looked for (on the meta device: nothing allocated): without a GPU
+    they said "needs a CUDA GPU"; with one, a size past memory or int64, or --residual beside a bad
+    stride, raised a traceback."""
+    assert cli.main(["autotune", *argv]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_the_residual_takes_the_ops_own_output_shape():
+    """GPU-only path, run on the meta device. A residual for a b with batch dims broadcast over a
+    was made [64, 16], a's rows by b's columns, and cf refused it (a valid request that exited 2)."""
+    import cudnn_fuse
+    from cudnn_fuse.cli_autotune import _inputs
+
+    args = argparse.Namespace(op="matmul", input=(64, 32), weight=(8, 32, 16), dtype="bf16", activation="relu",
+                              bias=True, residual=True, amax=True, stride=1, padding=0, dilation=1, groups=1,
+                              nchw=False, causal=False)
+    y, amax = _inputs(args, "meta")(cudnn_fuse)
+    assert y.shape == (8, 64, 16) and amax.shape == ()
+    # an unbatched (3-D) conv input: x.to(channels_last) raised RuntimeError (a traceback on the GPU)
+    args = argparse.Namespace(**{**vars(args), "op": "conv2d", "input": (16, 8, 8), "weight": (16, 16, 3, 3)})
+    y, amax = _inputs(args, "meta")(cudnn_fuse)
+    assert y.shape == (16, 6, 6)
+
+
+def test_an_op_past_gpu_memory_is_no_traceback(capsys, monkeypatch):
+    """GPU-only path, on the CPU: the inputs' allocation is made to fail as it does on a GPU."""
+    from cudnn_fuse import cli_autotune
+
+    checked = cli_autotune._inputs
+
+    def inputs(args, device="cuda"):
+        if device == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.45 TiB")
+        return checked(args, device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli_autotune, "_inputs", inputs)
+    assert cli.main(["autotune", "--op", "linear", "--input", "1000000x1000000", "--weight", "1000000x1000000"]) == 1
+    assert "does not fit in GPU memory" in capsys.readouterr().err

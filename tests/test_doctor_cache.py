@@ -19,3 +19,17 @@ def test_doctor_flags_a_world_writable_cache(cache_dir, capsys):
     assert cli.main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "plan cache unusable" in out and "world-writable" in out
+
+
+def test_doctor_reports_a_corrupt_database_it_moved_aside(cache_dir, capsys):
+    """Opening the cache moves a corrupt cache.db aside (its entries lost) and logs a warning; the
+    doctor said "problems: none" and exited 0."""
+    from cudnn_fuse import env
+    from cudnn_fuse.cache import PlanCache
+
+    PlanCache(cache_dir).close()
+    (cache_dir / env.namespace() / "cache.db").write_bytes(b"not a database " * 500)
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "corrupt" in out.split("problems:")[1]
+    assert cli.main(["doctor"]) == 0  # the fresh one is healthy

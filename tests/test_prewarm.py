@@ -80,6 +80,20 @@ def _valid(tmp_path):
     (lambda d: d["entries"][0]["spec"].pop("x"), r"entries\[0\]\.spec .*x"),
     (lambda d: d["entries"][0]["spec"]["epilogue"].update(activation="swish"), r"entries\[0\]\.spec .*activation"),
     (lambda d: d["entries"][1].update(name=3), r"entries\[1\]\.name"),
+    # each of these was taken as valid: dropped, or kept as given until a build failed on it
+    (lambda d: d["entries"][2]["spec"].update(is_casual=True), r"entries\[2\]\.spec has unknown field.*is_casual"),
+    (lambda d: d["entries"][0]["spec"]["x"].update(strides=[1]), r"entries\[0\]\.spec\.x has unknown field"),
+    (lambda d: d["entries"][0]["spec"].update(x=5), r"entries\[0\]\.spec\.x must be an object"),
+    (lambda d: d["entries"][0]["spec"]["x"].update(shape="abcd"), r"entries\[0\]\.spec\.x\.shape must be a list"),
+    (lambda d: d["entries"][0]["spec"]["w"]["shape"].__setitem__(0, -16), r"entries\[0\]\.spec\.w\.shape"),
+    (lambda d: d["entries"][1]["spec"]["a"]["stride"].pop(), r"entries\[1\]\.spec\.a: shape .* differ in length"),
+    (lambda d: d["entries"][1]["spec"]["b"].update(dtype="float99"), r"entries\[1\]\.spec\.b\.dtype must be one of"),
+    (lambda d: d["entries"][0]["spec"].update(groups="two"), r"entries\[0\]\.spec\.groups must be a positive int"),
+    (lambda d: d["entries"][0]["spec"].update(stride="ab"), r"entries\[0\]\.spec\.stride must be a list of 2"),
+    (lambda d: d["entries"][2]["spec"].update(is_causal="yes"), r"entries\[2\]\.spec\.is_causal must be true or false"),
+    (lambda d: d["entries"][0]["spec"]["epilogue"].update(negative_slope="x"),
+     r"entries\[0\]\.spec\.epilogue\.negative_slope must be a finite number"),
+    (lambda d: d["entries"][1].update(weight=float("inf")), r"entries\[1\]\.weight"),
 ])
 def test_bad_manifests_name_the_entry_and_field(tmp_path, mutate, match):
     data = _valid(tmp_path)
@@ -88,11 +102,30 @@ def test_bad_manifests_name_the_entry_and_field(tmp_path, mutate, match):
         manifest.parse(data)
 
 
-def test_load_reports_non_json(tmp_path):
+@pytest.mark.parametrize("content", [b"{nope", b'{"schema": "\xff"}', b"[" * 100_000 + b"]" * 100_000],
+                         ids=["not-json", "not-utf8", "nested"])
+def test_load_reports_non_json(tmp_path, content):
+    """Bytes that are not UTF-8, or JSON nested past Python's recursion limit, raised
+    UnicodeDecodeError / RecursionError: `cudnn-fuse prewarm` printed a traceback."""
     p = tmp_path / "bad.json"
-    p.write_text("{nope")
+    p.write_bytes(content)
     with pytest.raises(manifest.ManifestError, match="not JSON"):
         manifest.load(p)
+
+
+def test_an_interrupted_dump_leaves_the_old_manifest(tmp_path, monkeypatch):
+    path = tmp_path / "m.json"
+    manifest.dump(_specs_from_ops(), path)
+    before = path.read_text()
+
+    def interrupted(data, f, **kw):
+        f.write('{"schema": "cudnn_fuse.manifest", "entr')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manifest.json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        manifest.dump([], path)
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
 
 class FakeCache:
@@ -167,6 +200,32 @@ def test_cli_prewarm_takes_several_manifests_and_builds_shared_specs_once(tmp_pa
     assert "missing.json" in capsys.readouterr().err
 
 
+def test_cli_prewarm_takes_a_positive_number_of_gpus(tmp_path, capsys, cache_dir):
+    path = tmp_path / "m.json"
+    manifest.dump(_specs_from_ops(), path)
+    for n in ("0", "-1", "two"):
+        assert cli.main(["prewarm", str(path), "--dry-run", "--gpus", n]) == 2  # taken as 1 GPU
+        assert f"argument --gpus: must be a positive int, got '{n}'" in capsys.readouterr().err
+
+
+def test_an_empty_manifest_ends_its_bar(tmp_path, capsys, cache_dir):
+    path = tmp_path / "m.json"
+    manifest.dump([], path)
+    assert cli.main(["prewarm", str(path), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "0/0 100%" in err and err.endswith("\n")  # "0/1   0%", and the line left open
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="checks a CPU build of torch")
+def test_cli_prewarm_on_gpus_without_cuda_says_so(tmp_path, capfd, cache_dir):
+    """--gpus N forked N workers, each of which printed a traceback, and every entry failed."""
+    path = tmp_path / "m.json"
+    manifest.dump(_specs_from_ops(), path)
+    assert cli.main(["prewarm", str(path), "--gpus", "2"]) == 2
+    err = capfd.readouterr().err
+    assert "needs a CUDA GPU" in err and "Traceback" not in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
 def test_cli_prewarm_without_gpu_says_so(tmp_path, capsys, cache_dir):
     path = tmp_path / "m.json"
@@ -188,6 +247,33 @@ def test_cli_record_runs_a_script(tmp_path, capsys):
     entries = manifest.load(out)
     assert len(entries) == 1 and entries[0].count == 4 and entries[0].spec.epilogue.activation == "tanh"
     assert "1 distinct" in capsys.readouterr().out
+
+
+def test_cli_record_checks_its_script_and_output_before_running(tmp_path, capsys):
+    """A missing script raised FileNotFoundError after an empty manifest had been written; an
+    output that could not be written raised after the whole script had run, its recording lost."""
+    ran = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    out = tmp_path / "rec.json"
+    assert cli.main(["record", "-o", str(out), "--", "python", str(tmp_path / "absent.py")]) == 2
+    assert "no such script" in capsys.readouterr().err and not out.exists()
+    assert cli.main(["record", "-o", str(tmp_path), "--", "python", str(script)]) == 2
+    assert "it is a directory" in capsys.readouterr().err
+    assert cli.main(["record", "-o", str(tmp_path / "nope" / "rec.json"), "--", str(script)]) == 2
+    assert "no directory" in capsys.readouterr().err and not ran.exists()
+
+
+def test_cli_record_reports_a_manifest_it_cannot_write(tmp_path, capsys, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(manifest, "dump", full)
+    assert cli.main(["record", "-o", str(tmp_path / "rec.json"), "--", str(script)]) == 1
+    assert "cannot write the manifest" in capsys.readouterr().err
 
 
 SHARD_CHILD = textwrap.dedent("""
@@ -264,6 +350,21 @@ def test_run_local_reports_a_failing_worker_per_entry(cache_dir):
     assert len(rows) == len(many)
     failed = [r for r in rows if r.status == "failed"]
     assert failed and all(r.rank == 1 and "engine exploded" in r.reason for r in failed)
+
+
+def _broken_worker(rank):
+    raise RuntimeError(f"no GPU {rank}")
+
+
+def test_run_local_workers_that_cannot_start_print_no_traceback(cache_dir, capfd):
+    """A worker re-raised its start error: multiprocessing printed a traceback per worker, and the
+    bar stayed at 0/N with its line open."""
+    many = [manifest.Entry(e.spec, name=f"e{i}") for i, e in enumerate(_specs_from_ops())]
+    ticks = []
+    rows = prewarm.run_local(many, 2, builder_factory=_broken_worker, progress=lambda n, t: ticks.append((n, t)))
+    assert [r.status for r in rows] == ["failed"] * 3 and "no GPU" in rows[0].reason
+    assert ticks[-1] == (3, 3)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_work_order_puts_expensive_entries_first():
