@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
+from . import envvars
 from .errors import UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,16 @@ def autotune_enabled() -> bool:
 class Config:
     """Autotune limits (env overrides: CUDNN_FUSE_TUNE_BUDGET_S, CUDNN_FUSE_WORKSPACE_CAP)."""
 
-    budget_s: float = float(os.environ.get("CUDNN_FUSE_TUNE_BUDGET_S", "10"))
+    budget_s: float = envvars.number("CUDNN_FUSE_TUNE_BUDGET_S", 10.0)
     prune_factor: float = 2.0
-    workspace_cap: int = int(os.environ.get("CUDNN_FUSE_WORKSPACE_CAP", str(1 << 30)))
+    workspace_cap: int = envvars.number("CUDNN_FUSE_WORKSPACE_CAP", 1 << 30, integer=True)
     warmup: int = 3
     repeats: int = 30
     deterministic: Optional[bool] = None  # None: torch's flags (plans.deterministic)
     # Take a precompiled engine over a runtime-compiled winner that is at most this fraction
     # faster: a runtime-compiled plan costs every process NVRTC work and its blob deserializes
     # 2-4x slower (1.5-2.7 ms vs 0.5-0.7 ms on the H200, bench/results/deserialize_probe.json).
-    prefer_precompiled: float = float(os.environ.get("CUDNN_FUSE_PREFER_PRECOMPILED", "0"))
+    prefer_precompiled: float = envvars.number("CUDNN_FUSE_PREFER_PRECOMPILED", 0.0)
     progress: Optional[Callable[[int, int], None]] = None  # (candidates done, total), e.g. a CLI bar
     # Also time torch's own implementation (cuBLAS + the epilogue, torch_engine.py) of matmul-class
     # graphs; the op runs it where it beats every cuDNN candidate.
@@ -74,7 +75,7 @@ class Config:
     # clock: on the H200 a sustained bf16 GEMM holds the 700 W cap at a median 1425 MHz within 0.5 s
     # of starting (1980 MHz idle), and a 16384x4096x16384 linear + GELU timed as a burst read 3.15 ms
     # against 3.82 sustained (bench/results/sustained_probe.json). 0 turns it off.
-    heat_s: float = float(os.environ.get("CUDNN_FUSE_TUNE_HEAT_S", "0.5"))
+    heat_s: float = envvars.number("CUDNN_FUSE_TUNE_HEAT_S", 0.5)
     heat_min_ms: float = 0.25
 
 
@@ -718,7 +719,7 @@ def torch_timing(run_once: Callable[[], None], median: Callable[[], float], cfg:
 # Below this much device time a call is launch-bound: a cuDNN plan launches through the ops'
 # per-signature memo (~15 us of host time on the H200, bench/results/host_overhead.json), a
 # TorchPlan through the validated path (~65 us), so torch must not win on device time alone.
-TORCH_MIN_MS = float(os.environ.get("CUDNN_FUSE_TORCH_MIN_MS", "0.1"))
+TORCH_MIN_MS = envvars.number("CUDNN_FUSE_TORCH_MIN_MS", 0.1)
 
 
 def torch_wins(winner: Timing, timings: Sequence[Timing]) -> bool:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from . import autotune
+from . import autotune, envvars
 from .builders import build_graph, roles_of, uids_of
 from .errors import UnsupportedError
 from .plans import STATS, Plan, barred_engines, bury, finalize, handle_for, held, pinned_mode, prepare
@@ -54,7 +54,7 @@ def is_engine_record(meta: dict) -> bool:
     return meta.get("kind") == "engine-record"
 
 
-TUNE_WAIT_S = float(os.environ.get("CUDNN_FUSE_TUNE_WAIT_S", "60"))
+TUNE_WAIT_S = envvars.number("CUDNN_FUSE_TUNE_WAIT_S", 60.0)
 
 _pin = threading.local()
 

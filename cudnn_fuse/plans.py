@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import launch_graphs
+from . import envvars, launch_graphs
 from .builders import uids_of
 from .errors import UnsupportedError
 from .spec import ConvSpec, MatmulSpec, RecomputeGradSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAPACITY = int(os.environ.get("CUDNN_FUSE_MAX_PLANS", "1024"))
+DEFAULT_CAPACITY = envvars.number("CUDNN_FUSE_MAX_PLANS", 1024, minimum=1, integer=True)
 
 # Launch through cudnn-frontend 1.32's raw-pointer entry point (private, pinned with
 # the frontend version; CUDNN_NOTES: 7.5 us against 16.7 us for the public ordered

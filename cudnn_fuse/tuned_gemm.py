@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import autotune, backward
+from . import autotune, backward, envvars
 from . import cublaslt as lt
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,12 @@ log = logging.getLogger(__name__)
 _EPILOGUE_BIAS = 4
 MIN_DIM = 64
 MAX_ALGOS = 16
-MARGIN = float(os.environ.get("CUDNN_FUSE_GEMM_TUNE_MARGIN", "0.01"))
-BUDGET_S = float(os.environ.get("CUDNN_FUSE_GEMM_TUNE_BUDGET_S", "1.0"))
+MARGIN = envvars.number("CUDNN_FUSE_GEMM_TUNE_MARGIN", 0.01)
+BUDGET_S = envvars.number("CUDNN_FUSE_GEMM_TUNE_BUDGET_S", 1.0)
 ENABLED = os.environ.get("CUDNN_FUSE_GEMM_TUNE", "1").strip().lower() not in ("0", "false", "no", "off")
 # a GEMM whose first run takes at least HEAT_MIN_MS runs back to back HEAT_S (at most a quarter of
 # the budget) before the candidates are timed, as autotune.py heats a graph (CUDNN_FUSE_TUNE_HEAT_S)
-HEAT_S = float(os.environ.get("CUDNN_FUSE_TUNE_HEAT_S", "0.5"))
+HEAT_S = envvars.number("CUDNN_FUSE_TUNE_HEAT_S", 0.5)
 HEAT_MIN_MS = 0.25
 TOLERANCE = 1e-2  # an algorithm's result against torch's, relative to max |torch's|
 FORMAT = "cublaslt_gemm/1"
