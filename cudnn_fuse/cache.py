@@ -1192,6 +1192,9 @@ class PlanCache:
                 record = json.loads(_text(line))
                 key = record["key"]
                 entry = decode_entry(key, base64.b64decode(record["entry"], validate=True))
+                pinned = record.get("pinned", False)
+                if not isinstance(pinned, bool):  # export writes true or false: "false" would pin
+                    raise ValueError(f"entry {key}: pinned must be true or false, got {pinned!r}")
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 # CorruptEntry and a byte that is not UTF-8 are ValueErrors; RecursionError: JSON
                 # nested deeper than Python's recursion limit
@@ -1200,7 +1203,7 @@ class PlanCache:
                 continue
             if self._peek(key) is not None:
                 counts["skipped"] += 1
-            elif self.put(key, entry.meta, entry.blob, pinned=bool(record.get("pinned"))):
+            elif self.put(key, entry.meta, entry.blob, pinned=pinned):
                 counts["imported"] += 1
             else:
                 counts["failed"] += 1

@@ -571,6 +571,23 @@ def test_import_rejects_tampered_entries(cache, tmp_path):
     assert [k for k, _, _ in target.entries()] == [key(2)]
 
 
+def test_import_takes_pinned_only_as_a_json_bool(cache, tmp_path):
+    """A line whose "pinned" is not true/false is rejected: "false" (a string) used to pin its entry,
+    and lines that are no JSON object are rejected too."""
+    for i in range(4):
+        assert cache.put(key(i), META, SMALL, pinned=i == 0)
+    lines = io.StringIO()
+    cache.export(lines)
+    header, *records = lines.getvalue().splitlines()
+    records[1] = json.dumps({**json.loads(records[1]), "pinned": "false"})
+    records[2] = json.dumps({**json.loads(records[2]), "pinned": 1})
+    records += ["[1, 2]", "7"]
+    target = PlanCache(tmp_path / "t", namespace=NS)
+    counts = target.import_(io.StringIO("\n".join([header, *records])))
+    assert counts == dict(imported=2, skipped=0, rejected=4, failed=0)
+    assert target.stats()["pinned"] == 1
+
+
 def test_import_of_a_non_export_file_raises(cache, tmp_path):
     (tmp_path / "x").write_text('{"hello": 1}\n')
     with pytest.raises(ValueError, match="not a cudnn_fuse plan cache export"):
