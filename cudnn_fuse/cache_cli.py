@@ -21,7 +21,7 @@ import re
 import sys
 from typing import Sequence
 
-from .cache import CacheError, PlanCache, list_namespaces
+from .cache import CacheError, PlanCache, default_cache_dir, list_namespaces
 
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -66,6 +66,17 @@ def run_cache_command(args: argparse.Namespace) -> int:
     handler = _show_warnings()
     cache = None
     try:
+        if args.dir is not None and not args.dir.strip():
+            print("error: --dir is empty (give a directory, or leave --dir out for the default)", file=sys.stderr)
+            return 2
+        if args.namespace is not None and args.cache_command in ("verify", "prune", "clear"):
+            # these open the cache for writing, so a typo created (and stats then listed) that namespace;
+            # ls, stats and export read an absent one as empty, and import may fill a new one
+            there = list_namespaces(args.dir)
+            if args.namespace not in there:
+                print(f"error: no namespace {args.namespace!r} under {args.dir or default_cache_dir()} "
+                      f"(namespaces there: {', '.join(there) or 'none'})", file=sys.stderr)
+                return 1
         read_only = True if args.cache_command in ("ls", "stats", "export") else None
         cache = PlanCache(args.dir, namespace=args.namespace, read_only=read_only)
         if cache.disabled is not None:

@@ -77,6 +77,21 @@ def test_ls_of_an_empty_cache_creates_nothing(tmp_path, capsys):
     assert not (tmp_path / "none").exists()
 
 
+@pytest.mark.parametrize("action", ["verify", "prune", "clear"])
+def test_a_writing_action_on_a_namespace_that_is_not_there_creates_nothing(warm, action, capsys):
+    """Before, `cache clear --namespace <typo>` made that namespace's directory and database."""
+    assert cli(action, "--namespace", "no_such_ns") == 1
+    err = capsys.readouterr().err
+    assert "no namespace 'no_such_ns'" in err and NS in err
+    assert not (warm / "no_such_ns").exists()
+    assert cli(action, "--namespace", NS) == 0
+
+
+def test_an_empty_dir_is_refused(warm, capsys):
+    assert cli("ls", "--dir", "") == 2
+    assert "--dir is empty" in capsys.readouterr().err
+
+
 def test_stats_show_entries_and_hit_rate(warm, capsys):
     PlanCache(warm, namespace="otherns").close()
     assert cli("stats", "--namespace", NS) == 0
