@@ -154,7 +154,9 @@ def _verify(cache: PlanCache, args) -> int:
     barred, pinned = _barred_keys(cache)
     dropped = 0 if cache.read_only else sum(bool(cache.delete(k)) for k in barred)
     if barred or pinned:
-        print(f"{_count(len(barred) + len(pinned), 'entry')} name an engine that computes their graph wrongly "
+        n = len(barred) + len(pinned)
+        print(f"{_count(n, 'entry')} {'names' if n == 1 else 'name'} an engine that computes "
+              f"{'its' if n == 1 else 'their'} graph wrongly "
               f"(plans.barred_engines): {dropped} removed, {len(pinned)} pinned left for a process to rebuild in place")
     if c["bad"] > c["removed"] or len(barred) > dropped:
         print("the cache is read-only: bad entries were left in place", file=sys.stderr)

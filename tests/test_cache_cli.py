@@ -222,6 +222,9 @@ def test_verify_removes_entries_that_name_a_barred_engine(cache_dir, capsys):
     cache = PlanCache(cache_dir, namespace=NS)
     assert cache.get(bad) is None and cache.get(loader.engine_record_key(bad)) is None
     assert cache.get(other) is not None and cache.get(fine) is not None and cache.get(leaky2.digest()) is not None
+    cache.close()
+    assert cli("verify", "--namespace", NS) == 0  # the pinned one alone is left: one entry, in the singular
+    assert "1 entry names an engine that computes its graph wrongly" in capsys.readouterr().out
 
 
 def test_ls_and_verify_take_a_tuned_gemm_record(cache_dir, capsys):
