@@ -1245,8 +1245,12 @@ def merge(docs: Sequence[dict]) -> dict:
     if not docs:
         raise ValueError("merge needs at least one document")
     for i, d in enumerate(docs):
-        if d.get("schema") != SCHEMA:
-            raise ValueError(f"document {i} is not a {SCHEMA} document (schema {d.get('schema')!r})")
+        schema = d.get("schema") if isinstance(d, dict) else None
+        if schema != SCHEMA:
+            raise ValueError(f"document {i} is not a {SCHEMA} document (schema {schema!r})")
+        if not isinstance(d.get("workloads"), list) or not all(
+                isinstance(r, dict) and isinstance(r.get("name"), str) for r in d["workloads"]):
+            raise ValueError(f"document {i}: workloads must be a list of records with a name")
     devices = sorted({d.get("device") for d in docs})
     out = {k: v for k, v in docs[0].items() if k not in ("workloads", "parts", "summary")}
     out["device"] = devices[0] if len(devices) == 1 else " | ".join(devices)
@@ -1422,7 +1426,7 @@ def main(args: argparse.Namespace, emit: Callable[[str], None], err: Callable[[s
                 with open(path) as f:
                     docs.append(json.load(f))
             doc = merge(docs)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's limit
             err(f"cudnn-fuse bench --merge: {exc}")
             return 2
         out = args.out or default_out(None)

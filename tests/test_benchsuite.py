@@ -490,6 +490,19 @@ def test_bench_list_and_merge_need_no_gpu(tmp_path, capsys):
     assert cli.main(["bench", "--merge", str(tmp_path / "missing.json")]) == 2
 
 
+@pytest.mark.parametrize("content", ["[1, 2]", '"x"', "[" * 100_000 + "]" * 100_000,
+                                     json.dumps({"schema": bs.SCHEMA, "workloads": [1]}),
+                                     json.dumps({"schema": bs.SCHEMA, "workloads": {"a": 1}})])
+def test_bench_merge_of_a_malformed_part_is_one_message(tmp_path, capsys, content):
+    """A JSON list, a string, JSON nested past the recursion limit, or workloads that are no records
+    raised AttributeError, RecursionError or TypeError tracebacks."""
+    part = tmp_path / "p.json"
+    part.write_text(content)
+    assert cli.main(["bench", "--merge", str(part), "--out", str(tmp_path / "m.json")]) == 2
+    assert "cudnn-fuse bench --merge: " in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
+
+
 def test_bench_rejects_a_bad_regex(capsys):
     assert cli.main(["bench", "--list", "--only", "("]) == 2
     assert "cudnn-fuse bench" in capsys.readouterr().err
