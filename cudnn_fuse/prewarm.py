@@ -194,6 +194,8 @@ def run_local(entries, gpus: int, *, autotune: bool = False, progress=None, buil
                 progress(len(rows), len(entries))
     for p in procs:
         p.join(timeout=30)
+    for e in errors:  # a worker that never started: its GPU did no work, though the others took its entries
+        log.warning("pre-warm worker failed, its GPU took no more entries: %s", e)
     seen, reported = {r.index for r in rows}, len(rows)
     for i, e in enumerate(entries):  # entries a dead worker never reported
         if i not in seen:

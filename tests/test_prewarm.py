@@ -4,6 +4,7 @@ its sharding over 2 processes with the gloo backend — all on the CPU."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -365,6 +366,22 @@ def test_run_local_workers_that_cannot_start_print_no_traceback(cache_dir, capfd
     assert [r.status for r in rows] == ["failed"] * 3 and "no GPU" in rows[0].reason
     assert ticks[-1] == (3, 3)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def _one_missing_gpu(rank):
+    if rank == 1:
+        raise RuntimeError("invalid device ordinal")
+    return _slow_builder(rank)
+
+
+def test_run_local_logs_a_worker_that_could_not_start(cache_dir, caplog):
+    """--gpus above the GPUs there: the others took every entry, so no row failed, and nothing said
+    that one worker never started."""
+    many = [manifest.Entry(e.spec, name=f"e{i}") for i, e in enumerate(_specs_from_ops() * 2)]
+    with caplog.at_level(logging.WARNING, logger="cudnn_fuse.prewarm"):
+        rows = prewarm.run_local(many, 2, builder_factory=_one_missing_gpu)
+    assert all(r.status == "built" and r.rank == 0 for r in rows)
+    assert "rank 1" in caplog.text and "invalid device ordinal" in caplog.text
 
 
 def test_work_order_puts_expensive_entries_first():
