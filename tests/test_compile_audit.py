@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.func import grad, vmap
 
 import cudnn_fuse as cf
@@ -77,3 +78,35 @@ def test_fallbacks_are_still_logged_in_eager(fresh_log, caplog):
     with caplog.at_level("DEBUG", logger="cudnn_fuse"):
         cf.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     assert "dropout_p > 0" in caplog.text
+
+
+# The conv's CPU backward formula, traced by AOTAutograd on symbolic sizes, read each size with int()
+# (reference.nchw's stride check), which specialized the batch and image sizes: a recompile for every
+# new shape, and with mark_dynamic a ConstraintViolationError where torch's conv trains.
+
+
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_conv_training_keeps_dynamic_sizes(unbatched):
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(6, 4, 3, 3, generator=g, dtype=F64), torch.randn(6, generator=g, dtype=F64)
+    torch._dynamo.reset()
+    counters.clear()
+    # aot_eager: AOTAutograd traces the backward formulas (the eager backend traces no backward)
+    fn = torch.compile(lambda x, w, b: cf.conv2d(x, w, b, padding=1, activation="gelu"), backend="aot_eager",
+                       fullgraph=True)
+    for n, h in ((2, 9), (3, 11)):
+        shape = (4, h, h + 1) if unbatched else (n, 4, h, h + 1)
+        x = torch.randn(shape, generator=g, dtype=F64)
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+        for t in range(1 if unbatched else 0, x.dim()):
+            if t != (0 if unbatched else 1):  # the channels stay static
+                torch._dynamo.mark_dynamic(xs, t)
+        y = fn(xs, ws, bs)
+        want = F.gelu(F.conv2d(xr, wr, br, padding=1))
+        torch.testing.assert_close(y, want)
+        y.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        for got, ref in ((xs, xr), (ws, wr), (bs, br)):
+            torch.testing.assert_close(got.grad, ref.grad)
+    assert counters["stats"]["unique_graphs"] == 1  # the second shape reused the first's graph
