@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .spec import contiguous_strides
 
 _ACT = {
     "relu": F.relu,
@@ -116,10 +117,12 @@ def _row_major_strides(shape) -> tuple:
     (torch_ops._conv2d_products_torch) are traced on symbolic sizes, and ``int()`` of one
     specialized it to its value (a recompile for every new batch or image size; with
     ``mark_dynamic`` or ``torch.export``'s dynamic dims, a ConstraintViolationError)."""
+    if all(type(n) is int for n in shape):
+        return contiguous_strides(shape)
     strides, acc = [], 1
     for n in reversed(tuple(shape)):
         strides.append(acc)
-        acc *= max(n, 1) if type(n) is int else torch.sym_max(n, 1)
+        acc *= torch.sym_max(n, 1)
     return tuple(reversed(strides))
 
 
