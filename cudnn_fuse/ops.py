@@ -70,7 +70,11 @@ _said: set = set()
 
 
 def _fallback(op: str, reason: str) -> None:
-    """Log a fallback reason once per (op, reason); count every fallback."""
+    """Log a fallback reason once per (op, reason); count every fallback. Not while torch.compile
+    traces: dynamo cannot trace a logger call (a graph break, an error under fullgraph=True, the
+    first time a reason came up), and what it traces is torch's expression, run by no fallback."""
+    if torch.compiler.is_compiling():
+        return
     plans.STATS.fallbacks += 1
     key = ("*", reason) if reason == "no CUDA GPU" else (op, reason)
     if key in _said:

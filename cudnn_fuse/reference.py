@@ -109,7 +109,21 @@ def _cpu_conv(x, weight, stride, padding, dilation, groups):
 
 def nchw(t):
     """``t`` with the standard (row-major) strides, copied only when it has other ones."""
-    return t if t.stride() == contiguous_strides(t.shape) else t.clone(memory_format=torch.contiguous_format)
+    return t if t.stride() == _row_major_strides(t.shape) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _row_major_strides(shape) -> tuple:
+    """spec.contiguous_strides without its ``int()``: under torch.compile the CPU backward formulas
+    (torch_ops._conv2d_products_torch) are traced on symbolic sizes, and ``int()`` of one
+    specialized it to its value (a recompile for every new batch or image size; with
+    ``mark_dynamic`` or ``torch.export``'s dynamic dims, a ConstraintViolationError)."""
+    if all(type(n) is int for n in shape):
+        return contiguous_strides(shape)
+    strides, acc = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= torch.sym_max(n, 1)
+    return tuple(reversed(strides))
 
 
 def is_channels_last(t) -> bool:
