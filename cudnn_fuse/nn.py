@@ -53,29 +53,48 @@ def _out_dtype(x) -> torch.dtype:
     return amp
 
 
-def _check_activation(activation) -> None:
+def _check_activation(activation, negative_slope=0.01) -> None:
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    _check_slope(negative_slope)
+
+
+def _check_slope(negative_slope) -> None:
+    """A real number (or a 0-dim real tensor, as the ops take one). Checked where it is given: a string
+    used to fail at the first training call with 'could not convert string to float', naming nothing."""
+    try:
+        ops._float_arg("", "negative_slope", negative_slope)
+    except TypeError:
+        raise TypeError(f"negative_slope must be a real number, got {negative_slope!r}") from None
 
 
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` + fused epilogue: ``act(conv(x) + bias + residual)``.
 
     ``forward(x, residual=None)``; x [N, C, H, W] (channels_last is fastest).
+
+    ``folded_bn``: the path of the BatchNorm2d that ``optimize()`` folded into this layer (eval mode
+    only), else None. Such a layer refuses to run in training mode, where the BatchNorm2d would have
+    used the batch's statistics (its output would differ from the model's without a word).
     """
+
+    folded_bn = None  # a class default: layers pickled before it existed load with it
 
     def __init__(self, *args, activation=None, negative_slope: float = 0.01, **kwargs):
         super().__init__(*args, **kwargs)
-        _check_activation(activation)
+        _check_activation(activation, negative_slope)
         self.activation = activation
         self.negative_slope = negative_slope
 
     def forward(self, x, residual=None):
+        if self.training and self.folded_bn is not None:
+            self._folded_in_training()
         act, r = self.activation, residual
-        odd = residual is not None and (not isinstance(residual, torch.Tensor) or residual.dtype != _out_dtype(x)
-                                        or residual.dim() != x.dim()
-                                        or residual.shape[-3] != self.out_channels
-                                        or (1 in residual.shape and self._broadcasts(x, residual)))
+        odd = residual is not None and isinstance(x, torch.Tensor) and (  # x not a tensor: the op names it
+            not isinstance(residual, torch.Tensor) or residual.dtype != _out_dtype(x)
+            or residual.dim() != x.dim()
+            or residual.shape[-3] != self.out_channels
+            or (1 in residual.shape and self._broadcasts(x, residual)))
         if odd:  # a broadcast or other-dtype residual: added after the op, as torch adds it
             act, r = None, None
         if self.padding_mode != "zeros":  # cuDNN pads with zeros only
@@ -91,6 +110,12 @@ class Conv2d(torch.nn.Conv2d):
                              f"got {_described(residual)}")
         return reference.activation(y + residual, self.activation, self.negative_slope)
 
+    def _folded_in_training(self):
+        raise RuntimeError(f"conv2d: optimize() folded BatchNorm2d {self.folded_bn!r} into this layer because the model "
+                           "was in eval mode; in training mode that BatchNorm2d would normalize with the batch's "
+                           "statistics, which the folded layer cannot: call .eval() on the model, or optimize() it "
+                           "in train mode to train it")
+
     def _broadcasts(self, x, residual) -> bool:
         """Whether a residual of the output's rank and channels has another shape ([1, K, P, Q] or
         [N, K, 1, 1]: a size 1 where the output's is not). Asked only of a residual with a size 1, which
@@ -103,7 +128,8 @@ class Conv2d(torch.nn.Conv2d):
             return False
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")
+        return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "") + \
+            (f", folded_bn={self.folded_bn!r}" if self.folded_bn is not None else "")
 
 
 _functorch_active = ops._functorch_on  # whether a torch.func transform is active
@@ -183,7 +209,8 @@ class ConvChain(torch.nn.Module):
         params = []
         P = torch.nn.Parameter
         for m in self._layers:
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or \
+                    (m.folded_bn is not None and m.training):  # the layer itself says why it cannot run
                 return None
             own = m._parameters
             w, b = own["weight"], own.get("bias")
@@ -221,19 +248,21 @@ class Linear(torch.nn.Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation=None,
                  recompute: bool = False, negative_slope: float = 0.01):
         super().__init__(in_features, out_features, bias, device, dtype)
-        _check_activation(activation)
+        _check_activation(activation, negative_slope)
         self.activation = activation
         self.recompute = recompute
         self.negative_slope = negative_slope
 
     def forward(self, x, residual=None):
         act = self.activation
-        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), _out_dtype(x)):
+        if residual is not None and isinstance(x, torch.Tensor) and \
+                _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), _out_dtype(x)):
             z = ops.linear(x, self.weight, self.bias)
             return reference.activation(z + residual, act, self.negative_slope)
         keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear") \
             and not _functorch_active()
-        if keep_z and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        if keep_z and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and \
+                (x.requires_grad or self.weight.requires_grad):  # x not a tensor: ops.linear names it
             from . import torch_ops
 
             w, b = self.weight, self.bias
@@ -259,6 +288,7 @@ class Linear(torch.nn.Linear):
             raise ValueError(f"linear: x has in_features={x.shape[-1] if x.dim() else None} but "
                              f"weight.shape={tuple(self.weight.shape)} expects {self.in_features}")
         ops._check_epilogue("linear", self.activation, residual, tuple(x.shape[:-1]) + (self.out_features,))
+        _check_slope(self.negative_slope)  # this path reads it as float(negative_slope)
 
     def extra_repr(self) -> str:
         extra = f", activation={self.activation!r}" if self.activation else ""
@@ -300,11 +330,12 @@ class FusedMLP(torch.nn.Module):
         if ops._inline_under_compile("linear") or torch.compiler.is_compiling() or _functorch_active():
             return False
         ps = (x, fc1.weight, fc1.bias, self.fc2.weight, self.fc2.bias, residual)
-        return any(t is not None and t.requires_grad for t in ps)
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in ps)  # x not a tensor: the op names it
 
     def forward(self, x, residual=None):
         fc1, fc2 = self.fc1, self.fc2
-        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (fc2.out_features,), _out_dtype(x)):
+        if residual is not None and isinstance(x, torch.Tensor) and \
+                _broadcast_residual(residual, tuple(x.shape[:-1]) + (fc2.out_features,), _out_dtype(x)):
             return fc2(fc1(x)) + residual
         if self._fused(x, residual):
             operands = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, residual)
@@ -336,12 +367,13 @@ class TransposedLinear(torch.nn.Module):
 
     def __init__(self, conv1d, activation=None, negative_slope: float = 0.01):
         super().__init__()
-        _check_activation(activation)
+        _check_activation(activation, negative_slope)
         self.weight, self.bias = conv1d.weight, conv1d.bias
         self.activation, self.negative_slope = activation, negative_slope
 
     def forward(self, x, residual=None):
-        if _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],), _out_dtype(x)):
+        if residual is not None and isinstance(x, torch.Tensor) and \
+                _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],), _out_dtype(x)):
             z = ops.linear(x, self.weight.t(), self.bias)
             return reference.activation(z + residual, self.activation, self.negative_slope)
         return ops.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,

@@ -111,6 +111,11 @@ for _name, _fn in _INPLACE.items():
                                                                                           (self, other), {}))
 
 
+# cf's own modules (a model already optimized, or built with them) are leaves: traced into, their forwards'
+# Python branches on tensors made the whole model untraceable, and it lost its other fusions
+_CF_MODULES = (cfnn.Conv2d, cfnn.Linear, cfnn.FusedMLP, cfnn.ConvChain, cfnn.TransposedLinear, cfnn.AlignedLinear)
+
+
 class _Tracer(fx.Tracer):
     """torch.fx's tracer, with transformers' Conv1D and activation modules kept as leaves
     (fx would trace into them and the patterns would not see the modules), and augmented
@@ -121,13 +126,39 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m, qualname) -> bool:
         name = type(m).__name__
-        if name in _HF_ACTIVATIONS or _is_hf_conv1d(m):
+        if name in _HF_ACTIVATIONS or _is_hf_conv1d(m) or isinstance(m, _CF_MODULES):
             return True
         return super().is_leaf_module(m, qualname)
 
 
 def _trace(module) -> fx.GraphModule:
-    return fx.GraphModule(module, _Tracer().trace(module))
+    gm = fx.GraphModule(module, _Tracer().trace(module))
+    _restore_unused(module, gm)
+    return gm
+
+
+def _restore_unused(module, gm) -> None:
+    """Put back what fx.GraphModule left out because the traced forward does not use it: submodules,
+    parameters and buffers (a head used only in another mode, a buffer read elsewhere, the layers of
+    a ConvChain already in the model, which the graph does not call). Left out, they left the
+    state_dict, so that the original's no longer loaded key for key, and parameters()."""
+    for name, m in module.named_modules():  # parents before their children
+        if not name:
+            target = gm
+        else:
+            try:
+                target = gm.get_submodule(name)
+            except AttributeError:
+                gm.add_submodule(name, m)  # with its own subtree
+                continue
+        if target is m:
+            continue
+        for pname, p in m._parameters.items():  # a container GraphModule rebuilt with what the graph reads
+            if p is not None and pname not in target._parameters:
+                target.register_parameter(pname, p)
+        for bname, b in m._buffers.items():
+            if b is not None and bname not in target._buffers:
+                target.register_buffer(bname, b, persistent=bname not in m._non_persistent_buffers_set)
 
 
 def _module_activation(m):
@@ -239,7 +270,7 @@ def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d):
     return w, b.to(conv.weight.dtype)
 
 
-def _new_conv(conv: nn.Conv2d, weight, bias, act, slope) -> cfnn.Conv2d:
+def _new_conv(conv: nn.Conv2d, weight, bias, act, slope, folded_bn=None) -> cfnn.Conv2d:
     m = cfnn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
                     conv.groups, bias=bias is not None, padding_mode=conv.padding_mode, device=conv.weight.device,
                     dtype=conv.weight.dtype, activation=act, negative_slope=slope)
@@ -249,6 +280,7 @@ def _new_conv(conv: nn.Conv2d, weight, bias, act, slope) -> cfnn.Conv2d:
         with torch.no_grad():
             m.weight.copy_(weight)
             m.bias.copy_(bias)
+        m.folded_bn = folded_bn  # it refuses training mode (the BatchNorm2d's batch statistics are gone)
     m.train(conv.training)
     return m
 
@@ -267,6 +299,14 @@ class _Rewriter:
         self.chain_convs = chain_convs
         self.count = 0
         self.calls_of: collections.Counter = collections.Counter()  # call sites per module path (run)
+
+    def new_name(self, prefix: str) -> str:
+        """A submodule name not taken (a model optimized before has its own cudnn_fuse_chain_0)."""
+        while True:
+            name = f"{prefix}{self.count}"
+            self.count += 1
+            if not hasattr(self.gm, name):
+                return name
 
     def where(self, node) -> str:
         return f"{self.prefix}{node.target if node.op == 'call_module' else node.name}"
@@ -297,8 +337,7 @@ class _Rewriter:
         if first.op == "call_module":
             name = first.target
         else:
-            name = f"cudnn_fuse_{self.count}"
-            self.count += 1
+            name = self.new_name("cudnn_fuse_")
         self.gm.add_submodule(name, module)
         last = fused[-1] if fused else first
         with self.gm.graph.inserting_after(last):
@@ -313,7 +352,7 @@ class _Rewriter:
         if conv.padding_mode != "zeros":
             self.summary.left_alone.append((self.where(node), f"padding_mode={conv.padding_mode!r} (cuDNN pads zeros)"))
             return
-        fused, weight, bias, pattern = [], conv.weight, conv.bias, ["Conv2d"]
+        fused, weight, bias, pattern, folded = [], conv.weight, conv.bias, ["Conv2d"], None
         last = node
         bn_node = _only_user(node)
         if bn_node is not None and bn_node.op == "call_module" and isinstance(self.gm.get_submodule(bn_node.target),
@@ -327,6 +366,7 @@ class _Rewriter:
                 self.summary.left_alone.append((self.where(bn_node), "BatchNorm2d in training mode (folded only in eval)"))
                 return
             weight, bias = _fold_bn(conv, bn)
+            folded = self.where(bn_node)
             fused.append(bn_node)
             pattern.append("BatchNorm2d(folded)")
             last = bn_node
@@ -339,7 +379,7 @@ class _Rewriter:
         if len(pattern) == 1:
             # nothing to fuse, but the plain conv still runs as one cuDNN graph
             pattern.append("(alone)")
-        m = _new_conv(conv, weight, bias, act[0] if act else None, act[1] if act else 0.01)
+        m = _new_conv(conv, weight, bias, act[0] if act else None, act[1] if act else 0.01, folded)
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
 
@@ -396,6 +436,7 @@ class _Rewriter:
     def run(self) -> None:
         # call sites per module path, counted once: a replacement calls the path it replaces
         calls_of = self.calls_of = collections.Counter(n.target for n in self.gm.graph.nodes if n.op == "call_module")
+        called_before = set(calls_of)
         for node in list(self.gm.graph.nodes):
             if node.graph is not self.gm.graph or node not in self.gm.graph.nodes:
                 continue
@@ -430,11 +471,27 @@ class _Rewriter:
                 node.target = scaled_dot_product_attention
                 self.summary.replaced.append((self.where(node), "F.scaled_dot_product_attention"))
         self.gm.graph.eliminate_dead_code()
-        self.gm.delete_all_unused_submodules()
+        self._delete_fused_away(called_before)
         if self.chain_convs:
             self.chain()  # after the clean-up: the chained layers stay the model's children
         self.gm.graph.lint()
         self.gm.recompile()
+
+    def _delete_fused_away(self, called_before) -> None:
+        """fx's delete_all_unused_submodules, for the modules the graph called before the rewrite only
+        (a folded BatchNorm2d, a fused activation module): one the forward never called (an unused
+        head, the layers of a ConvChain already in the model) stays, as in the model."""
+        used = set()
+        for node in self.gm.graph.nodes:
+            if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
+                parts = node.target.split(".")
+                used.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                if node.op == "call_module":
+                    used.update(f"{node.target}.{n}" for n, _ in self.gm.get_submodule(node.target).named_modules()
+                                if n)
+        for name, _ in list(self.gm.named_modules()):
+            if name in called_before and name not in used:
+                self.gm.delete_submodule(name)
 
     def chain(self) -> None:
         """Runs of 2+ chainable cudnn_fuse.nn.Conv2d calls (no activation or ReLU, no residual), each
@@ -459,8 +516,7 @@ class _Rewriter:
         for run in runs:
             if _inplace_between(run[0], run[-1]):
                 continue  # the chain would read its input where the last layer was: after the change
-            name = f"cudnn_fuse_chain_{self.count}"
-            self.count += 1
+            name = self.new_name("cudnn_fuse_chain_")
             layers = [self.gm.get_submodule(n.target) for n in run]
             # the ConvChain holds the layers in a plain list; add_submodule registers only the chain
             self.gm.add_submodule(name, cfnn.ConvChain(layers, chained=True))

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .spec import contiguous_strides
+from .spec import ACTIVATIONS, contiguous_strides
 
 _ACT = {
     "relu": F.relu,
@@ -29,7 +29,10 @@ def activation(z: torch.Tensor, name: Optional[str], negative_slope: float = 0.0
         return z
     if name == "leaky_relu":
         return F.leaky_relu(z, negative_slope)
-    return _ACT[name](z)
+    fn = _ACT.get(name) if isinstance(name, str) else None
+    if fn is None:  # e.g. a module's activation attribute set to an unknown name after construction
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {name!r}")
+    return fn(z)
 
 
 def amax(y: torch.Tensor) -> torch.Tensor:
