@@ -9,6 +9,7 @@ graphs and destroys the ones it drops."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import ctypes
 import types
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from cudnn_fuse import launch_graphs, plans
+from tests.racing import race
 
 
 class FakeDriver:
@@ -1112,8 +1114,6 @@ def test_the_live_graph_count_comes_back_exactly_after_captures_and_releases_on_
     happen under the GIL: every instruction of launch_graphs' code lets the other threads run
     (an opcode trace that sleeps 0). Without a lock around the updates the count drifted."""
     import gc
-    import sys
-    import threading
     import time
 
     here = launch_graphs.__file__
@@ -1149,18 +1149,9 @@ def test_the_live_graph_count_comes_back_exactly_after_captures_and_releases_on_
     gc.collect()  # no earlier test's GraphSet is released (into this count) mid-test
     was = gc.isenabled()
     gc.disable()
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    threading.settrace(tracer)
     try:
-        threads = [threading.Thread(target=device, args=(d,)) for d in range(threads_n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        race([functools.partial(device, d) for d in range(threads_n)], tracer)
     finally:
-        threading.settrace(None)
-        sys.setswitchinterval(switch)
         if was:
             gc.enable()
     assert errors == []

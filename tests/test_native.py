@@ -20,6 +20,7 @@ import torch
 
 import cudnn_fuse as cf
 from cudnn_fuse import launch_graphs, ops, plans
+from tests.racing import race
 
 native = ops._native
 needs_native = pytest.mark.skipif(native is None, reason="cudnn_fuse._native is not built")
@@ -972,16 +973,7 @@ def test_replay_counters_lose_no_update_between_the_c_and_python_paths(monkeypat
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=f) for f in (from_c, from_python) * 4]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(switch)
+    race((from_c, from_python) * 4)
     assert errors == []
     reuses, replays, native_replays = (a - b for a, b in zip(_counters(graphs), before))
     assert native_replays == 4 * calls and len(rig.raw_calls) == 2  # C replayed its calls; nothing ran raw

@@ -13,6 +13,7 @@ import torch
 from cudnn_fuse import plans, plan_stats
 from cudnn_fuse.errors import UnsupportedError
 from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+from tests.racing import race
 
 
 @pytest.fixture(autouse=True)
@@ -362,7 +363,6 @@ def test_the_loaders_time_sums_lose_no_update_across_threads(monkeypatch, fresh_
     Threads loading plans from the cache at once lost a share of their seconds. Here perf_counter is a
     stand-in that advances by exactly 1 a call in each thread, so each load adds exactly 3 and each cache
     read 1, and the sums are known."""
-    import sys
     import types
 
     from cudnn_fuse import autotune, loader
@@ -392,16 +392,7 @@ def test_the_loaders_time_sums_lose_no_update_across_threads(monkeypatch, fresh_
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=work) for _ in range(threads_n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(switch)
+    race([work] * threads_n)
     assert errors == []
     n = threads_n * loads
     assert fresh_stats.loads == n
