@@ -183,6 +183,23 @@ def _flip():
     torch.use_deterministic_algorithms(not torch.are_deterministic_algorithms_enabled(), warn_only=True)
 
 
+_REAL = object()
+
+
+def _flip_at_first(monkeypatch, name: str, returns=_REAL) -> None:
+    """ops.<name> switched for a wrapper whose first call flips the mode (``_flip``), then returns what
+    the real function returns (or ``returns``): the switch lands between the two reads around it."""
+    real, flips = getattr(ops, name), []
+
+    def wrapper(*args):
+        if not flips:
+            flips.append(1)
+            _flip()
+        return real(*args) if returns is _REAL else returns
+
+    monkeypatch.setattr(ops, name, wrapper)
+
+
 class _ModePlan:
     """A stand-in plan that notes the mode it was built under (plans.deterministic() in the builder)."""
 
@@ -222,15 +239,8 @@ def test_an_op_files_its_plan_under_the_mode_it_was_planned_under(mode_lru, monk
     under the old mode's key, and every later call of that mode launched it."""
     ran, lru = mode_lru
     real = ops._why_not_fused
-    flips = []
-
-    def why_not_fused(op, ts):  # runs after the memo key was made, before the plan is looked up
-        if not flips:
-            flips.append(1)
-            _flip()
-        return None  # the cuDNN path, on CPU tensors
-
-    monkeypatch.setattr(ops, "_why_not_fused", why_not_fused)
+    # runs after the memo key was made, before the plan is looked up; None: the cuDNN path, on CPU tensors
+    _flip_at_first(monkeypatch, "_why_not_fused", returns=None)
     x, w = torch.randn(4, 8).half(), torch.randn(16, 8).half()
     with deterministic(start), torch.no_grad():
         cf.linear(x, w, None, activation="relu")
@@ -253,16 +263,7 @@ def test_a_backward_graphs_slot_gets_the_plan_of_its_specs_mode(mode_lru, monkey
     from cudnn_fuse import backward
 
     ran, lru = mode_lru
-    real = ops._unlaunchable
-    flips = []
-
-    def unlaunchable(buffers):  # _try's first step: after _cached_spec read the mode
-        if not flips:
-            flips.append(1)
-            _flip()
-        return real(buffers)
-
-    monkeypatch.setattr(ops, "_unlaunchable", unlaunchable)
+    _flip_at_first(monkeypatch, "_unlaunchable")  # _try's first step: after _cached_spec read the mode
     cl = torch.channels_last
     dz = torch.randn(2, 8, 6, 6).half().contiguous(memory_format=cl)
     w = torch.randn(8, 8, 3, 3).half().contiguous(memory_format=cl)
@@ -282,16 +283,7 @@ def test_a_conv_backward_program_gets_plans_of_its_keys_mode(mode_lru, monkeypat
     from cudnn_fuse import backward
 
     ran, lru = mode_lru
-    real = ops._conv_layout
-    flips = []
-
-    def conv_layout(x, w):  # the program's build, before its plans are looked up
-        if not flips:
-            flips.append(1)
-            _flip()
-        return real(x, w)
-
-    monkeypatch.setattr(ops, "_conv_layout", conv_layout)
+    _flip_at_first(monkeypatch, "_conv_layout")  # the program's build, before its plans are looked up
     cl = torch.channels_last
     x = torch.randn(2, 8, 8, 8).half().contiguous(memory_format=cl)
     w = torch.randn(8, 8, 3, 3).half().contiguous(memory_format=cl)
@@ -312,16 +304,8 @@ def test_a_training_convs_remembered_call_keeps_a_forward_launch_of_its_mode(mod
     from cudnn_fuse import backward
 
     ran, lru = mode_lru
-    real = ops._via_custom_op
-    flips = []
-
-    def via_custom_op(*ts):  # after the ":grad" key was made, before the autograd forward's own lookup
-        if not flips:
-            flips.append(1)
-            _flip()
-        return real(*ts)
-
-    monkeypatch.setattr(ops, "_via_custom_op", via_custom_op)
+    # after the ":grad" key was made, before the autograd forward's own lookup
+    _flip_at_first(monkeypatch, "_via_custom_op")
     monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)  # the cuDNN path, on CPU tensors
     monkeypatch.setattr(backward, "usable", lambda *ts: False)  # torch's backward: the forward is the point
     cl = torch.channels_last
