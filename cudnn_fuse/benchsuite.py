@@ -1228,13 +1228,12 @@ def _cudnn_version():
 
 
 def write_json(path: str, doc: dict) -> None:
-    """Write atomically (temp file + os.replace), so a killed run leaves the last complete file."""
+    """Write atomically (manifest.write_json: temp file + os.replace), so a killed run leaves the last
+    complete file."""
+    from .manifest import write_json as atomic_write_json
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_json(doc, path)
 
 
 def merge(docs: Sequence[dict]) -> dict:

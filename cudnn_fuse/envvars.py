@@ -17,7 +17,11 @@ log = logging.getLogger(__name__)
 def number(var: str, default: float, *, minimum: float = 0.0, integer: bool = False):
     """``$var`` as a number >= ``minimum`` (an int where ``integer``: "1073741824" or "1e9" alike),
     else ``default`` with a warning. NaN is refused; inf passes where it is not an integer."""
-    raw = os.environ.get(var)
+    return parse(var, os.environ.get(var), default, minimum=minimum, integer=integer)
+
+
+def parse(var: str, raw, default: float, *, minimum: float = 0.0, integer: bool = False):
+    """``number``'s reading of ``raw``, the value of ``var`` (None or blank: ``default``, silently)."""
     if raw is None or not raw.strip():
         return default
     try:

@@ -40,6 +40,8 @@ import os
 import threading
 from collections import OrderedDict
 
+from . import envvars
+
 log = logging.getLogger(__name__)
 
 _OFF_WORDS = ("0", "false", "no", "off")
@@ -829,14 +831,7 @@ PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
 
 
 def _max_us(raw, var: str = "CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US", default: float = 4.0) -> float:
-    try:
-        v = float(raw)
-        if v >= 0:  # NaN compares False: refused
-            return v
-    except (TypeError, ValueError):
-        pass
-    log.warning("%s=%r: want a number >= 0; using %s", var, raw, default)
-    return default
+    return envvars.parse(var, raw, default)  # a number >= 0 (NaN refused), else the default with a warning
 
 
 MAX_US = _max_us(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US", "4"))

@@ -167,12 +167,17 @@ def load(path) -> list:
 def dump(entries, path, name: str = "", description: str = "") -> None:
     """Write a manifest to ``path`` through a temp file renamed into place, so an interrupted or
     failed write leaves the old file (or none), never half a manifest."""
-    data = {"schema": SCHEMA, "version": VERSION, "name": name, "description": description,
-            "entries": [e.to_dict() for e in entries]}
+    write_json({"schema": SCHEMA, "version": VERSION, "name": name, "description": description,
+                "entries": [e.to_dict() for e in entries]}, path)
+
+
+def write_json(doc, path) -> None:
+    """``doc`` as indented JSON in ``path``, through a temp file beside it renamed into place: an
+    interrupted or failed write leaves the old file (or none), never half of one, and no temp file."""
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=False)
+            json.dump(doc, f, indent=1, sort_keys=False)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:

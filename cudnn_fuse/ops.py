@@ -670,8 +670,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
         return reference.conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
                                       return_amax, negative_slope)
     if Cg == 0:  # no input channels: y = act(bias + residual), torch's own ops (and autograd) compute it
-        if not _is_compiling():
-            _fallback(op, "no input channels (the conv's sum is 0)")
+        _fallback(op, "no input channels (the conv's sum is 0)")
         return reference.conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
                                        return_amax, negative_slope)
     if _via_custom_op(x, weight, bias, residual):
