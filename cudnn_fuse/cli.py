@@ -315,3 +315,7 @@ def _median_ms(fn: Callable[[], object], on_gpu: bool) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+if __name__ == "__main__":  # python -m cudnn_fuse.cli (python -m cudnn_fuse is __main__.py)
+    raise SystemExit(main())

@@ -32,8 +32,10 @@ def test_version_is_single_sourced():
     assert installed == __version__
 
 
-def test_python_dash_m_runs_the_cli():
-    out = subprocess.run([sys.executable, "-m", "cudnn_fuse", "--version"],
+@pytest.mark.parametrize("module", ["cudnn_fuse", "cudnn_fuse.cli"])
+def test_python_dash_m_runs_the_cli(module):
+    # python -m cudnn_fuse.cli once exited 0 having done nothing (no __main__ guard)
+    out = subprocess.run([sys.executable, "-m", module, "--version"],
                          capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout) == (0, f"cudnn-fuse {__version__}\n")
 
