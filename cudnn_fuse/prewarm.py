@@ -135,6 +135,9 @@ def _local_worker(rank: int, entries, autotune: bool, work, results, builder_fac
         if builder_factory is None:
             import torch
 
+            visible = torch.cuda.device_count()  # in the worker: the parent makes no CUDA call before forking
+            if rank >= visible:  # one line, not torch's five-line "invalid device ordinal"
+                raise RuntimeError(f"there is no GPU {rank} ({visible} visible); lower --gpus")
             torch.cuda.set_device(rank)
             builder = default_builder(autotune, rank)
         else:  # tests: a fake builder, no GPU

@@ -384,6 +384,22 @@ def test_run_local_logs_a_worker_that_could_not_start(cache_dir, caplog):
     assert "rank 1" in caplog.text and "invalid device ordinal" in caplog.text
 
 
+def test_a_worker_beyond_the_visible_gpus_says_so_in_one_line(monkeypatch):
+    """--gpus 2 on a one-GPU H200 reported torch's five-line 'invalid device ordinal' text."""
+    import queue
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda r: pytest.fail("set_device reached"))
+    work, results = queue.Queue(), queue.Queue()
+    work.put(None)
+    prewarm._local_worker(1, [], False, work, results)
+    msgs = [results.get_nowait() for _ in range(results.qsize())]
+    assert msgs == [{"worker_error": "rank 1: RuntimeError: there is no GPU 1 (1 visible); lower --gpus"},
+                    {"worker_done": 1}]
+
+
 def test_work_order_puts_expensive_entries_first():
     entries = _specs_from_ops()
     from cudnn_fuse.spec import flops
