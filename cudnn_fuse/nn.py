@@ -249,6 +249,8 @@ class Linear(torch.nn.Linear):
                  recompute: bool = False, negative_slope: float = 0.01):
         super().__init__(in_features, out_features, bias, device, dtype)
         _check_activation(activation, negative_slope)
+        if not isinstance(recompute, bool):  # recompute="False" was on
+            raise TypeError(f"recompute must be a bool, got {recompute!r}")
         self.activation = activation
         self.recompute = recompute
         self.negative_slope = negative_slope
@@ -313,15 +315,25 @@ class FusedMLP(torch.nn.Module):
     the bias sums in their epilogues, and =cublaslt (the tanh GELU) cuBLASLt's GELU_AUX_BIAS and
     DGELU epilogues, both measured no faster than the default. Inference, ``recompute=True`` and
     torch.compile run ``fc1`` then ``fc2``, exactly what the two modules would run.
+
+    ``own=False`` (what ``optimize(model)`` builds): the layers are not this module's children but
+    stay where they were, the model's own, so the state_dict keys (``fc1.weight``, ``fc2.weight``),
+    ``.to()`` and optimizers see them as before, as with ConvChain; this module holds them as plain
+    attributes and reads their parameters at each call.
     """
 
-    def __init__(self, fc1: "Linear", fc2: torch.nn.Linear):
+    def __init__(self, fc1: "Linear", fc2: torch.nn.Linear, *, own: bool = True):
         super().__init__()
         if not isinstance(fc1, Linear) or fc1.activation is None:
             raise ValueError("FusedMLP: fc1 must be a cudnn_fuse.nn.Linear with an activation")
         if not isinstance(fc2, torch.nn.Linear) or fc2.in_features != fc1.out_features:
             raise ValueError(f"FusedMLP: fc2 must be a torch.nn.Linear taking fc1's {fc1.out_features} outputs")
-        self.fc1, self.fc2 = fc1, fc2
+        if not isinstance(own, bool):
+            raise TypeError(f"FusedMLP: own must be a bool, got {own!r}")
+        if own:
+            self.fc1, self.fc2 = fc1, fc2
+        else:  # plain attributes, found before nn.Module.__getattr__: not registered, not in state_dict
+            self.__dict__["fc1"], self.__dict__["fc2"] = fc1, fc2
 
     def _fused(self, x, residual) -> bool:
         fc1 = self.fc1
@@ -358,6 +370,13 @@ class FusedMLP(torch.nn.Module):
         from . import torch_ops
 
         return torch_ops.mlp(x, w1, b1, w2, b2, fc1.activation, residual, fc1.negative_slope)
+
+    def extra_repr(self) -> str:
+        if "fc1" in self._modules:  # its own children: printed below
+            return ""
+        fc1, fc2 = self.fc1, self.fc2
+        return (f"holds the model's layers: {fc1.in_features} -> {fc1.out_features} ({fc1.activation}) -> "
+                f"{fc2.out_features}")
 
 
 class TransposedLinear(torch.nn.Module):

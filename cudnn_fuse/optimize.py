@@ -19,8 +19,9 @@ when the whole model does not trace):
   is 7x slower there).
 
 A node is fused into its producer only when the producer's output has no other
-user. A fused module takes the replaced module's path, so parameter names (state_dict keys)
-stay the original's, except inside a FusedMLP (fc1/fc2) and where eval mode folds a BatchNorm2d;
+user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
+beside the layers they hold, which stay where they were), so parameter names (state_dict keys)
+stay the original's, except where eval mode folds a BatchNorm2d;
 a module called from several places (shared weights) is left alone. Everything replaced and
 everything left alone (with the reason) is logged once at INFO and kept on the model as
 ``cudnn_fuse_summary``.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import inspect
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -299,6 +301,7 @@ class _Rewriter:
         self.chain_convs = chain_convs
         self.count = 0
         self.calls_of: collections.Counter = collections.Counter()  # call sites per module path (run)
+        self.held: set = set()  # paths of layers a fused block holds unregistered (FusedMLP): kept
 
     def new_name(self, prefix: str) -> str:
         """A submodule name not taken (a model optimized before has its own cudnn_fuse_chain_0)."""
@@ -327,17 +330,17 @@ class _Rewriter:
                 fused.append(nxt)
         return fused, residual, act
 
-    def replace(self, first: fx.Node, fused: list, module: nn.Module, args: tuple, pattern: str) -> None:
+    def replace(self, first: fx.Node, fused: list, module: nn.Module, args: tuple, pattern: str,
+                name: str | None = None) -> bool:
+        """False (left alone, with the reason) when a tensor changes in place between the nodes."""
         # The fused module takes the replaced one's place, so parameter names (state_dict keys,
         # optimizer groups by name) stay the original's (run() leaves shared modules alone).
         if fused and _inplace_between(first, fused[-1], fused):
             self.summary.left_alone.append((self.where(first), "a tensor is changed in place between the layer "
                                             "and its epilogue"))
-            return
-        if first.op == "call_module":
-            name = first.target
-        else:
-            name = self.new_name("cudnn_fuse_")
+            return False
+        if name is None:
+            name = first.target if first.op == "call_module" else self.new_name("cudnn_fuse_")
         self.gm.add_submodule(name, module)
         last = fused[-1] if fused else first
         with self.gm.graph.inserting_after(last):
@@ -346,6 +349,7 @@ class _Rewriter:
         for n in reversed([first] + fused):
             self.gm.graph.erase_node(n)
         self.summary.replaced.append((self.where(first), pattern))
+        return True
 
     def conv(self, node: fx.Node) -> None:
         conv = self.gm.get_submodule(node.target)
@@ -416,10 +420,16 @@ class _Rewriter:
         more, residual, act2 = self.epilogue(nxt)
         if act2 is not None:
             return False
-        m = cfnn.FusedMLP(_new_linear(lin, act[0], act[1], False), lin2)
+        fc1 = _new_linear(lin, act[0], act[1], False)
+        m = cfnn.FusedMLP(fc1, lin2, own=False)
         pattern = f"Linear + {act[0]} + Linear" + (" + residual add" if residual is not None else "")
         args = (node.args[0],) + ((residual,) if residual is not None else ())
-        self.replace(node, [act_node, nxt] + more, m, args, pattern + " (fused MLP backward)")
+        if not self.replace(node, [act_node, nxt] + more, m, args, pattern + " (fused MLP backward)",
+                            name=self.new_name("cudnn_fuse_mlp_")):
+            return True  # left alone, with the reason
+        # the layers stay where they were (the block holds them, unregistered): state_dict keys unchanged
+        self.gm.add_submodule(node.target, fc1)
+        self.held.update((node.target, nxt.target))
         return True
 
     def conv1d(self, node: fx.Node) -> None:
@@ -490,7 +500,7 @@ class _Rewriter:
                     used.update(f"{node.target}.{n}" for n, _ in self.gm.get_submodule(node.target).named_modules()
                                 if n)
         for name, _ in list(self.gm.named_modules()):
-            if name in called_before and name not in used:
+            if name in called_before and name not in used and name not in self.held:
                 self.gm.delete_submodule(name)
 
     def chain(self) -> None:
@@ -533,6 +543,50 @@ def _aligned_pattern(m: cfnn.AlignedLinear) -> str:
     return f"Linear, output {m.out_features} wide padded to {m.out_features + m.pad} (aligned GEMM)"
 
 
+class OptimizedGraphModule(fx.GraphModule):
+    """What ``optimize()`` returns for a model that traced: the rewritten GraphModule, which still
+    answers to the original model's own methods, properties and class attributes (bound to this
+    module) and carries its plain instance attributes, as torch.compile's OptimizedModule answers
+    for its ``_orig_mod``. So ``model.predict(x)``, ``model.num_classes`` or ``model.config`` work
+    after ``model = cf.optimize(model)``; a method that reads a layer fused away (an activation
+    module, a folded BatchNorm2d) gets an AttributeError naming it. ``model_class`` is the
+    original's class (``isinstance`` sees the GraphModule)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError as exc:
+            cls = self.__dict__.get("model_class")
+            if cls is None or (name.startswith("__") and name.endswith("__")):
+                raise
+            try:
+                attr = inspect.getattr_static(cls, name)
+            except AttributeError:
+                raise exc from None
+            get = getattr(type(attr), "__get__", None)
+            return attr if get is None else get(attr, self, cls)  # a method bound to this module
+
+
+# nn.Module's own instance attributes (training, _parameters, ...): not the model's to carry over
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make ``gm`` (traced from ``model``) an OptimizedGraphModule that answers to ``model``'s own
+    attributes; they survive ``copy.deepcopy`` (fx's user-preserved attributes)."""
+    cls = type(gm)  # fx's per-instance subclass, which holds the generated forward
+    if cls.__bases__ != (fx.GraphModule,) or isinstance(model, fx.GraphModule):
+        return
+    cls.__bases__ = (OptimizedGraphModule,)
+    carried = {"model_class": type(model)}
+    for k, v in vars(model).items():
+        if k not in _MODULE_INTERNALS and k not in gm.__dict__ and not isinstance(v, (nn.Module, nn.Parameter)):
+            carried[k] = v
+    gm.__dict__.update(carried)
+    key = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
+    gm.meta.setdefault(key, {}).update(carried)
+
+
 def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False) -> nn.Module:
     """The traced + rewritten module, or the module with its children rewritten."""
     if type(module) is nn.Linear:  # a lone Linear child (e.g. an untraceable model's lm_head)
@@ -560,6 +614,7 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
         # code may read, e.g. transformers reads ``attn_dropout.p``)
         return module
     gm.train(module.training)
+    _keep_model_surface(gm, module)
     return gm
 
 
@@ -575,6 +630,9 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     whose training step is one autograd node (state_dict keys unchanged).
     The original model is left untouched unless ``inplace``.
     """
+    for name, flag in (("autotune", autotune), ("recompute", recompute), ("inplace", inplace)):
+        if not isinstance(flag, bool):  # inplace="False" rewrote the caller's model
+            raise TypeError(f"optimize: {name} must be a bool, got {flag!r}")
     if chain_convs is None:
         chain_convs = cfnn._conv_chain_default()
     elif not isinstance(chain_convs, bool):

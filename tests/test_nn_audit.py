@@ -226,3 +226,17 @@ def test_optimize_keeps_what_the_forward_does_not_use():
     model.load_state_dict(fast.state_dict())
     x = torch.randn(3, 4)
     _close(_grads(fast, x), _grads(model, x))
+
+
+@pytest.mark.parametrize("flag", ["recompute", "autotune", "inplace"])
+def test_optimize_flags_must_be_bools(flag):
+    """optimize(model, inplace="False") rewrote the caller's model (a non-empty string is true), and
+    cf.nn.Linear(recompute="False") recomputed."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    before = copy.deepcopy(model)
+    with pytest.raises(TypeError, match=f"optimize: {flag} must be a bool, got 'False'"):
+        cf.optimize(model, **{flag: "False"})
+    assert [type(m) for m in model] == [type(m) for m in before]  # left as it was
+    with pytest.raises(TypeError, match="recompute must be a bool, got 'False'"):
+        cfnn.Linear(4, 8, activation="gelu", recompute="False")
+    assert cfnn.Linear(4, 8, activation="gelu", recompute=True).recompute is True

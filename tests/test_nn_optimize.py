@@ -360,6 +360,11 @@ def test_fused_mlp_under_torch_compile_fullgraph():
     y.sum().backward()
     y2.sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
+    # the block holds the layers unregistered: compiled, their parameters still get their gradients
+    got, want = dict(opt.named_parameters()), dict(model.named_parameters())
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k].grad, want[k].grad, msg=k)
 
 
 def test_optimize_untraceable_model_rewrites_its_children():
@@ -720,3 +725,97 @@ def test_optimize_leaves_an_mlp_whose_second_layer_is_shared():
     x = torch.randn(3, 4)
     with torch.no_grad():
         torch.testing.assert_close(o(x), m(x))
+
+
+class _MLPModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8, dtype=torch.float64)
+        self.fc1, self.act = nn.Linear(8, 24, dtype=torch.float64), nn.GELU()
+        self.fc2 = nn.Linear(24, 8, dtype=torch.float64)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+def test_an_optimized_mlp_block_keeps_the_state_dict_keys():
+    """The FusedMLP took fc1's place and held fc1 and fc2 as its children: keys fc1.fc1.* and fc1.fc2.*,
+    and (after 04f30b4 kept unused modules) fc2.* beside them, the same tensors; the original's
+    checkpoint did not load, nor the optimized one's into the original."""
+    m = _MLPModel()  # training: where a FusedMLP is formed
+    o = optimize(copy.deepcopy(m))
+    blocks = [b for b in o.modules() if isinstance(b, cfnn.FusedMLP)]
+    assert len(blocks) == 1 and blocks[0].fc1 is o.fc1 and blocks[0].fc2 is o.fc2
+    assert list(o.state_dict()) == list(m.state_dict())
+    assert [n for n, _ in o.named_parameters()] == [n for n, _ in m.named_parameters()]
+    other = _MLPModel()
+    o.load_state_dict(other.state_dict(), strict=True)  # the block reads the loaded values
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(o(x), other(x))
+    _MLPModel().load_state_dict(o.state_dict(), strict=True)
+    assert "holds the model's layers: 8 -> 24 (gelu) -> 8" in repr(o)
+
+    twin = copy.deepcopy(o)  # the copy's block holds the copy's layers, not the original's
+    block = next(b for b in twin.modules() if isinstance(b, cfnn.FusedMLP))
+    assert block.fc1 is twin.fc1 and block.fc2 is twin.fc2 and twin.fc1 is not o.fc1
+    twin.to(torch.float32)  # .to() reaches the layers through their owner
+    assert block.fc1.weight.dtype == torch.float32
+    y = twin(x.float().detach().requires_grad_(True))
+    y.sum().backward()
+    assert twin.fc1.weight.grad is not None and twin.fc2.weight.grad is not None
+
+
+def test_a_standalone_fused_mlp_owns_its_layers_unless_told():
+    fc1, fc2 = cfnn.Linear(4, 8, activation="gelu"), nn.Linear(8, 4)
+    assert list(cfnn.FusedMLP(fc1, fc2).state_dict()) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    held = cfnn.FusedMLP(fc1, fc2, own=False)
+    assert list(held.state_dict()) == [] and held.fc1 is fc1
+    with pytest.raises(TypeError, match="own must be a bool"):
+        cfnn.FusedMLP(fc1, fc2, own="no")
+
+
+class _WithSurface(nn.Module):
+    scale = 2
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 4)
+        self.config, self.num_classes = {"hidden": 12}, 4
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+    def predict(self, x):
+        return self(x).argmax(-1) * self.scale
+
+    @property
+    def hidden(self):
+        return self.fc1.out_features
+
+    @classmethod
+    def build(cls):
+        return cls()
+
+    def activation_name(self):
+        return type(self.act).__name__
+
+
+def test_an_optimized_model_keeps_its_own_methods_and_attributes():
+    """optimize() returned a bare GraphModule: model.predict, model.config and the like were gone."""
+    m = _WithSurface()
+    o = optimize(copy.deepcopy(m))
+    from cudnn_fuse.optimize import OptimizedGraphModule
+
+    assert isinstance(o, OptimizedGraphModule)
+    x = torch.randn(3, 6)
+    assert torch.equal(o.predict(x), m.predict(x))
+    assert (o.config, o.num_classes, o.hidden, o.scale) == ({"hidden": 12}, 4, 12, 2)
+    assert type(o.build()) is _WithSurface and o.model_class is _WithSurface
+    with pytest.raises(AttributeError, match="'act'"):  # fused away: named
+        o.activation_name()
+    with pytest.raises(AttributeError, match="no_such"):
+        o.no_such
+    twin = copy.deepcopy(o)  # carried through fx's deepcopy
+    assert twin.num_classes == 4 and twin.config == {"hidden": 12} and twin.config is not o.config
+    assert torch.equal(twin.predict(x), m.predict(x))
+    assert list(o.state_dict()) == list(m.state_dict())  # the carried attributes are not state
