@@ -80,7 +80,9 @@ def run_cache_command(args: argparse.Namespace) -> int:
         read_only = True if args.cache_command in ("ls", "stats", "export") else None
         cache = PlanCache(args.dir, namespace=args.namespace, read_only=read_only)
         if cache.disabled is not None:
-            print(f"error: the plan cache is disabled: {cache.disabled}", file=sys.stderr)
+            said = handler is not None and any(cache.disabled in m for m in handler.said)
+            print("error: the plan cache is disabled" + (" (the warning above says why)" if said
+                                                         else f": {cache.disabled}"), file=sys.stderr)
             return 1
         return _ACTIONS[args.cache_command](cache, args)
     except (CacheError, ValueError, OSError) as exc:
@@ -93,14 +95,26 @@ def run_cache_command(args: argparse.Namespace) -> int:
             logging.getLogger("cudnn_fuse").removeHandler(handler)
 
 
-def _show_warnings() -> logging.Handler | None:
+class _SayingHandler(logging.StreamHandler):
+    """A stderr handler that remembers what it printed (an error need not repeat a warning's reason)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        self.said.append(record.getMessage())
+
+
+def _show_warnings() -> "_SayingHandler | None":
     """Print the cache's warnings to stderr unless the application configured logging."""
     logger = logging.getLogger("cudnn_fuse")
     configured = logging.getLogger().handlers or [
         h for h in logger.handlers if not isinstance(h, logging.NullHandler)]
     if configured:
         return None
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _SayingHandler(sys.stderr)
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter("warning: %(message)s"))
     logger.addHandler(handler)

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -162,6 +164,16 @@ def test_a_refused_directory_is_an_error(tmp_path, capsys):
     assert cli("ls", "--dir", str(tmp_path), "--namespace", NS) == 1
     err = capsys.readouterr().err
     assert "disabled" in err and "world-writable" in err
+
+
+def test_a_refused_directory_is_said_once_from_the_command_line(tmp_path):
+    """The warning and the error both gave the whole reason, one above the other."""
+    os.chmod(tmp_path, 0o777)
+    out = subprocess.run([sys.executable, "-m", "cudnn_fuse", "cache", "ls", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.count("world-writable") == 1, out.stderr
+    assert out.stderr.rstrip().endswith("error: the plan cache is disabled (the warning above says why)")
 
 
 def test_cache_needs_an_action():
