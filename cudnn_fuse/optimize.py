@@ -583,8 +583,10 @@ def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
         if k not in _MODULE_INTERNALS and k not in gm.__dict__ and not isinstance(v, (nn.Module, nn.Parameter)):
             carried[k] = v
     gm.__dict__.update(carried)
-    key = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
-    gm.meta.setdefault(key, {}).update(carried)
+    meta = getattr(gm, "meta", None)  # fx re-sets its user-preserved attributes on a deepcopy (torch 2.13)
+    if isinstance(meta, dict):
+        key = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
+        meta.setdefault(key, {}).update(carried)
 
 
 def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False) -> nn.Module:
