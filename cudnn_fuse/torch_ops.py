@@ -64,6 +64,17 @@ def _create_graph() -> bool:
     return torch.is_grad_enabled()
 
 
+def _check_unchanged(t: Optional[Tensor], version: Optional[int], what: str) -> None:
+    """Autograd's in-place error for ``t``, held by reference (not saved) for a recompute inside a
+    backward, when it changed in place since the forward read it at ``version``: the recompute
+    would read the new values and return wrong gradients without a word. torch checks the saved
+    tensors itself."""
+    if t is not None and t._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: {what} [{t.type()} {list(t.shape)}] is at version {t._version}; expected "
+                           f"version {version} instead (cudnn_fuse's backward recomputes from it)")
+
+
 # The activations whose backward aten computes from z alone, in one kernel (in float32 at least:
 # half and bfloat16 go through float opmath and are rounded once), as eager autograd runs it.
 _NATIVE_ACT_GRAD = {
@@ -384,6 +395,10 @@ class _ConvChain(torch.autograd.Function):
             hs.append(_conv_out_layout(m.forward(h), h))  # the layout the layer's own training call returns
         ctx.layers, ctx.geos = layers, geos
         weights = params[0::2]
+        # the biases only for create_graph's recompute: held by reference with the versions read here
+        # (_check_unchanged), not saved (torch's conv saves none; an in-place bias change is no error then)
+        ctx.biases = params[1::2]
+        ctx.bias_versions = [b._version if b is not None else None for b in ctx.biases]
         ctx.save_for_backward(*hs, *weights)
         return hs[-1]
 
@@ -395,7 +410,9 @@ class _ConvChain(torch.autograd.Function):
         hs, weights = saved[:n + 1], saved[n + 1:]
         need = ctx.needs_input_grad
         if _create_graph():
-            return _conv_chain_differentiable(layers, hs[0], weights, gy, need)
+            for i, (b, version) in enumerate(zip(ctx.biases, ctx.bias_versions)):
+                _check_unchanged(b, version, f"the bias of ConvChain's layer {i}")
+            return _conv_chain_differentiable(layers, hs[0], weights, ctx.biases, gy, need)
         pneed = need[3:]
         # whether layer i's input needs a gradient: the chain's input does, or a parameter before it
         up = [need[0]]
@@ -424,14 +441,15 @@ class _ConvChain(torch.autograd.Function):
         return (gy if need[0] else None, None, None, *grads)
 
 
-def _conv_chain_differentiable(layers, x, weights, gy, need):
+def _conv_chain_differentiable(layers, x, weights, biases, gy, need):
     """The chain's gradients under create_graph=True: its layers run again on torch's ops from
-    the saved input (the saved activations have no graph), differentiated with create_graph."""
+    the saved input (the saved activations have no graph), differentiated with create_graph.
+    ``biases``: the forward's own (a layer's bias attribute may have been replaced since)."""
     h = x
-    for m, w in zip(layers, weights):
-        h = torch.nn.Conv2d._conv_forward(m, h, w, m._parameters.get("bias"))
+    for m, w, b in zip(layers, weights, biases):
+        h = torch.nn.Conv2d._conv_forward(m, h, w, b)
         h = F.relu(h) if m.activation == "relu" else h
-    ins = [x] + [p for m, w in zip(layers, weights) for p in (w, m._parameters.get("bias"))]
+    ins = [x] + [p for w, b in zip(weights, biases) for p in (w, b)]
     needs = (need[0],) + tuple(need[3:])  # x, then the parameters (the Function's layers/geos need none)
     wanted = [t for t, nd in zip(ins, needs) if nd and t is not None]
     grads = iter(torch.autograd.grad(h, wanted, gy, create_graph=True, allow_unused=True))
@@ -638,7 +656,7 @@ class _MlpTrain(torch.autograd.Function):
         ctx.has = (b1 is not None, b2 is not None, residual is not None)
         # b1 only for a recompute (a second backward, or create_graph): held by reference, not saved,
         # so that the saved tensors are exactly eager's (x, w1, w2, z1, y1) and hooks never pack it
-        ctx.b1 = b1
+        ctx.b1, ctx.b1_version = b1, (b1._version if b1 is not None else None)  # _check_unchanged at a recompute
         if _saved_tensor_hooks_active():
             ctx.inter = None
             ctx.save_for_backward(x, w1, w2, z1, y1)
@@ -657,8 +675,10 @@ class _MlpTrain(torch.autograd.Function):
         else:
             inter, ctx.inter = ctx.inter, [None, None]
             if inter[0] is None:  # a second backward (retain_graph=True): recompute what the first one dropped
+                _check_unchanged(b1, ctx.b1_version, "FusedMLP's first bias")
                 inter = list(_mlp_save_z(x, w1, b1, ctx.act, ctx.slope))[::-1]
         if _create_graph():  # z1 and y1 have no graph: recompute them from the saved operands
+            _check_unchanged(b1, ctx.b1_version, "FusedMLP's first bias")
             z1 = reference.linear(x, w1, b1, None, None)
             inter = [z1, reference.activation(z1, ctx.act, ctx.slope)]
         del saved
