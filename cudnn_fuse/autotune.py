@@ -130,7 +130,7 @@ def _safe(fn, c) -> tuple[float, Optional[str]]:
     """Run a timing function; a failure scores inf instead of raising."""
     try:
         t = float(fn(c))
-        return (t if t == t else INF), None  # NaN counts as failure
+        return (t if t >= 0 else INF), None  # NaN or a negative time counts as failure (one pruned every other)
     except SkipCandidate:
         raise
     except Exception as exc:  # noqa: BLE001 - any candidate failure is a score, not an error
@@ -156,7 +156,8 @@ def select(
        ``heat(best, seconds)`` runs it back to back (``heat_gpu``) so the timings that follow all
        see a sustained run's clocks;
     4. time the survivors (``time_candidate`` -> median ms);
-    5. stop starting new candidates once ``cfg.budget_s`` is spent (the heat counts).
+    5. stop starting new candidates once ``cfg.budget_s`` is spent (the heat counts) and one has
+       run; a budget spent before that leaves the first candidate that runs as the winner.
 
     Returns (winner, every candidate's Timing). Raises UnsupportedError when no
     candidate produced a finite time.
@@ -179,7 +180,9 @@ def select(
         if deterministic and not c.deterministic:
             t.status = "skipped:nondeterministic"
             continue
-        if clock() - t0 > cfg.budget_s:
+        # the budget stops new candidates once one has run: a budget spent before (0, or a first candidate
+        # that failed slowly) had the tuning raise, and the op fall back to PyTorch for the process
+        if math.isfinite(best_first) and clock() - t0 > cfg.budget_s:
             t.status = "budget"
             continue
         try:
@@ -664,7 +667,7 @@ def gemm_timing(make_plan: Callable[[], object], sets, cfg: Config,
         for _ in range(max(1, cfg.warmup)):
             run()
         t.median_ms = t.first_ms = float(median_of(run))
-        t.status = "timed" if math.isfinite(t.median_ms) else "failed"
+        t.status = "timed" if 0 <= t.median_ms < INF else "failed"
     except Exception as exc:  # noqa: BLE001 - a failing candidate is a score, not an error
         t.status = f"failed:{type(exc).__name__}: {exc}"[:200]
     return t
@@ -710,7 +713,7 @@ def torch_timing(run_once: Callable[[], None], median: Callable[[], float], cfg:
         for _ in range(max(1, cfg.warmup)):
             run_once()
         t.median_ms = t.first_ms = float(median())
-        t.status = "timed" if math.isfinite(t.median_ms) else "failed"
+        t.status = "timed" if 0 <= t.median_ms < INF else "failed"
     except Exception as exc:  # noqa: BLE001 - a failing candidate is a score, not an error
         t.status = f"failed:{type(exc).__name__}: {exc}"[:200]
     return t

@@ -141,12 +141,16 @@ def _load_or_build(spec, device: int) -> Plan:
                 STATS.loads += 1
                 STATS.load_seconds += dt
                 return plan
-        if tuning and pc is not None:
+        # no tune lock on a read-only cache: no tuning can be stored there, so a process waiting for
+        # another's would only wait (up to TUNE_WAIT_S) and then tune the key again itself
+        if tuning and pc is not None and not getattr(pc, "read_only", False):
             with _tune_lock(pc, digest) as got_lock:
                 if not got_lock:  # another process tuned it meanwhile, or is still tuning
                     plan = _from_cache(pc, spec, digest, device, want_tuned=False)
                     if plan is not None:
+                        dt = time.perf_counter() - t0  # the wait included: the time this load took
                         STATS.loads += 1
+                        STATS.load_seconds += dt
                         return plan
                     # the holder is still tuning: run heuristics now, leave the entry to it
                     return _build_and_store(None, spec, digest, device, False, t0)
@@ -186,7 +190,10 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
                    meta.get("engine_id"), spec.op, exc)
         return None
     blob = plan.graph.serialize(as_bytes=True)
-    pc.put(digest, meta, blob, pinned=bool(meta.get("pinned")))
+    # the plan entry again, not a second record (the record's own meta said kind "engine-record", no spec)
+    restored = {k: v for k, v in meta.items() if k != "kind"}
+    restored.setdefault("spec", spec.to_dict())
+    pc.put(digest, restored, blob, pinned=bool(meta.get("pinned")))
     if meta.get("use_gemm"):
         gemm = _gemm_plan(pc, spec, device)
         if gemm is not None:
@@ -195,9 +202,16 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
 
 
 def _barred(spec, meta: dict) -> bool:
-    """Whether a cache entry's engine is one ``plans.barred_engines`` bars for ``spec``."""
+    """Whether a cache entry's engine is one ``plans.barred_engines`` bars for ``spec``, or is no
+    engine id at all (valid JSON of another type: int() raised out of the loader, failing the op)."""
     eid = meta.get("engine_id")
-    if eid is None or int(eid) not in barred_engines(spec):
+    if eid is None:
+        return False
+    if type(eid) is not int:
+        _warn_once("engine-id", "cudnn_fuse cache: entry for %s names engine %r, not an engine id; building anew",
+                   spec.op, eid)
+        return True
+    if eid not in barred_engines(spec):
         return False
     _warn_once("barred", "cudnn_fuse cache: entry for %s names engine %s, which computes it wrongly; building anew",
                spec.op, eid)
@@ -353,6 +367,15 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
         _warn_once("serialize", "cudnn_fuse cache: %s plan not serializable (%s); kept in memory only", spec.op, exc)
         return
     pinned = pinning_now()
+    old = getattr(pc, "_peek", pc.get)(digest)  # a check, not a lookup: the cache's hit rate does not count it
+    if old is not None:
+        if not tuned and old.meta.get("tuned") and not _barred(spec, old.meta):
+            # another process stored its tuned plan while this one built: a heuristic plan never replaces it
+            log.debug("cudnn_fuse cache: %s entry %s was tuned meanwhile; kept", spec.op, digest[:12])
+            return
+        # an entry pre-warmed (pinned) stays so through its tuned upgrade, in its meta and its record's, which
+        # is what a rebuild from the record pins by
+        pinned = pinned or bool(old.meta.get("pinned"))
     meta = {
         "spec": spec.to_dict(),
         "op": spec.op,
