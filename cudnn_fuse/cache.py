@@ -625,24 +625,30 @@ class PlanCache:
 
     # ------------------------------------------------------------ get
 
-    def get(self, key: str) -> CacheEntry | None:
+    def get(self, key: str, *, count: bool = True) -> CacheEntry | None:
         """The verified entry of ``key``, or None on a miss or any fault (one warning per kind).
+        ``count=False``: a secondary lookup (a plan's engine record after its entry missed) that the
+        hit and miss counts leave out, so that they count plan lookups.
 
         Raises TypeError/ValueError only for a key that is not a hex string.
         """
         _check_key(key)
+        return self._get(key, count)
+
+    def _get(self, key: str, counted: bool) -> CacheEntry | None:
+        miss = self._miss if counted else _uncounted
         if self.disabled is not None:
-            return self._miss()
+            return miss()
         for _ in range(3):  # a row rewritten between reading it and its file: read it again
             try:
                 row = self._select(key)
             except _NoDatabase:
-                return self._miss()
+                return miss()
             except Exception as exc:  # noqa: BLE001 - sqlite errors of every kind: a miss
                 self._read_fault(exc, f"looking up {key[:12]}")
-                return self._miss()
+                return miss()
             if row is None:
-                return self._miss()
+                return miss()
             rowid, mode, filename, value, store_time = row
             try:
                 entry = decode_entry(key, self._fetch(rowid, mode, filename, value))
@@ -650,17 +656,18 @@ class PlanCache:
                 continue
             except (CorruptEntry, UnsafeRow, OSError) as exc:
                 self._bad_entry(key, rowid, store_time, filename, exc)
-                return self._miss()
+                return miss()
             except Exception as exc:  # noqa: BLE001 - sqlite errors while re-checking a file
                 self._read_fault(exc, f"reading {key[:12]}")
-                return self._miss()
-            self._session["hits"] += 1
-            self._pending["hits"] += 1
+                return miss()
+            if counted:
+                self._session["hits"] += 1
+                self._pending["hits"] += 1
             self._accessed[rowid] = time.time()
             if len(self._accessed) >= 256 or time.monotonic() - self._flushed_at > ACCESS_FLUSH_S:
                 self._touch(None)
             return entry
-        return self._miss()
+        return miss()
 
     def _select(self, key: str):
         sql = self._read_sql()
@@ -1222,6 +1229,11 @@ class PlanCache:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _uncounted() -> None:
+    """A miss of a lookup made with ``count=False``."""
+    return None
 
 
 def _add_counters(sql, pending: dict) -> None:

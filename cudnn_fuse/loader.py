@@ -179,7 +179,8 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
         if plan is not None:
             return _maybe_torch(plan, entry.meta)
         pc.delete(digest)
-    record = pc.get(engine_record_key(digest))
+    # the entry's lookup counted this plan's hit or miss: the record's is not a second one
+    record = pc.get(engine_record_key(digest), count=False)
     meta = entry.meta if entry is not None else (record.meta if record is not None else None)
     if meta is None or meta.get("engine_id") is None or (want_tuned and not meta.get("tuned")) or _barred(spec, meta):
         return None

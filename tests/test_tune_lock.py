@@ -13,7 +13,7 @@ class FakeCache:
         self.dir = path
         self.entries = {}
 
-    def get(self, key):
+    def get(self, key, count=True):
         meta = self.entries.get(key)
         return None if meta is None else types.SimpleNamespace(key=key, meta=meta, blob=b"")
 

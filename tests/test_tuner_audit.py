@@ -322,3 +322,21 @@ def test_a_load_after_waiting_for_the_tune_lock_counts_its_seconds(env, monkeypa
     assert env.calls == ["deserialize"] and env.pc.get(digest).meta["tuned"] is True
     assert loader.STATS.loads == 1 and loader.STATS.builds == 0
     assert loader.STATS.load_seconds > 0 and math.isfinite(loader.STATS.load_seconds)
+
+
+def test_a_cold_plan_is_one_miss_and_a_record_rebuild_one_miss_no_hit(env):
+    """A cold build counted two misses (the entry, then its engine record), so `cache stats` read a
+    low hit rate; the record's lookup is not a plan lookup of its own."""
+    spec = _mm()
+    loader.load_or_build(spec, 0)
+    s = env.pc.stats()
+    assert (s["hits"], s["misses"]) == (0, 1)
+    env.pc.delete(loader.cache_digest(spec))  # the entry gone, its record left: rebuilt from the record
+    env.calls.clear()
+    loader.load_or_build(spec, 0)
+    assert env.calls == ["rebuild"]
+    s = env.pc.stats()
+    assert (s["hits"], s["misses"]) == (0, 2)
+    loader.load_or_build(spec, 0)  # the restored entry
+    s = env.pc.stats()
+    assert (s["hits"], s["misses"]) == (1, 2)

@@ -31,7 +31,7 @@ class DictCache:
     def __init__(self, entries):
         self.entries, self.puts = entries, []
 
-    def get(self, key):
+    def get(self, key, count=True):
         return self.entries.get(key)
 
     def delete(self, key):
