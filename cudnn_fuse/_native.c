@@ -665,7 +665,8 @@ requires_grad(PyObject *t) /* getattr(t, "requires_grad", False) as a truth valu
    two must agree): True == 1 == 1.0 with one hash, so a key of values alone served groups=True (which
    validation refuses) from the entry of groups=1. A tuple of None, bool, int, float, str and flat tuples of
    those (every op's attributes) gives an int, 3 bits an item after a leading 1: one allocation, no tuple to
-   hash; anything else (a numpy integer, a nested tuple, a long tuple) gives exact_types(attrs). */
+   hash; anything else (a numpy integer, a nested tuple, a long tuple) gives exact_types(attrs), which refuses a
+   tensor attribute (TypeError: the call is not memoized). */
 #define SIG_FULL (1ULL << 58) /* a code this large takes no further item */
 
 static int
@@ -691,6 +692,12 @@ exact_types(PyObject *v) /* type(v); for an exact tuple, the tuple of its items'
     PyObject *r;
     Py_ssize_t i, n;
     if (!PyTuple_CheckExact(v)) {
+        if (tensor_type != NULL && PyObject_TypeCheck(v, tensor_type)) {
+            /* a tensor attribute (stride=torch.tensor(2)) is keyed by its identity, and its value can change
+               in place: unkeyable, as ops._exact_types says */
+            PyErr_SetString(PyExc_TypeError, "a tensor attribute cannot key the memo (its value may change in place)");
+            return NULL;
+        }
         Py_INCREF(Py_TYPE(v));
         return (PyObject *)Py_TYPE(v);
     }

@@ -251,9 +251,11 @@ def _cached_spec(kind: str, attrs: tuple, buffers, make):
     and dtypes and of ``attrs``, which is what the key holds. Kept in the ops' memo (cleared
     with the plans), with a slot for its plan (``_try`` fills it; the slot holds the spec, so
     its id cannot be reused while the slot lives). The key holds the determinism mode too: the slot's
-    plan is chosen under the key's mode (the slot keeps it for ``_try``), and must not serve the other."""
+    plan is chosen under the key's mode (the slot keeps it for ``_try``), and must not serve the other. And the
+    buffers' device: the slot's plan is bound to one (a spec holds none), and a key without it served one device's
+    buffers (a replica of the layer on cuda:1) the plan of another (cuda:0's)."""
     det = _det_algorithms() or _det_cudnn()  # plans.deterministic(), read once: the key's and the slot's
-    key = ("spec", kind, attrs, det, tuple([(t.shape, t.stride(), t.dtype) for t in buffers]))
+    key = ("spec", kind, attrs, det, buffers[0].device, tuple([(t.shape, t.stride(), t.dtype) for t in buffers]))
     spec = plans.FAST.get(key)
     if spec is None:
         spec = make()
@@ -373,7 +375,9 @@ def gemm_dz(a3, b3, bias, r3, dy3, act, slope, src=None, want_dbias=False):
     if src is not None:
         out = _saved_dz(dy3, src.reshape(dy3.shape), act, slope, want_dbias)
     else:
-        buffers = [a3, b3] + ([bias.view(1, 1, N)] if bias is not None else []) + ([r3] if r3 is not None else [])
+        # the bias dense, as its spec declares it (ops._matmul_fused)
+        buffers = [a3, b3] + ([bias.contiguous().view(1, 1, N)] if bias is not None else []) + \
+            ([r3] if r3 is not None else [])
 
         def make_fwd():
             epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), _DT[a3.dtype]) if bias is not None else None,
@@ -549,7 +553,8 @@ def linear_save_z(x, w, bias, residual, act, slope):
     y = torch.empty((1, rows, N), dtype=x.dtype, device=x.device)
     z = torch.empty_like(y)
     r3 = residual.reshape(1, rows, N).contiguous() if residual is not None else None
-    buffers = [a3, b3] + ([bias.view(1, 1, N)] if bias is not None else []) + ([r3] if r3 is not None else []) + [y, z]
+    buffers = [a3, b3] + ([bias.contiguous().view(1, 1, N)] if bias is not None else []) + \
+        ([r3] if r3 is not None else []) + [y, z]  # the bias dense, as its spec declares it
 
     def make():
         epi = Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), _DT[x.dtype]) if bias is not None else None,
@@ -580,7 +585,9 @@ def conv_dz(x, w, bias, residual, gy, y, geo, act, slope, want_dbias):
         out = act_grad(dy, y.contiguous(memory_format=fmt), act, slope, bias_shape)
     else:
         r = residual.contiguous(memory_format=fmt) if residual is not None else None
-        buffers = [x4, w4] + ([bias.view(1, K, 1, 1)] if bias is not None else []) + ([r] if r is not None else [])
+        # the bias dense, as its spec declares it (ops._conv2d_fwd)
+        buffers = [x4, w4] + ([bias.contiguous().view(1, K, 1, 1)] if bias is not None else []) + \
+            ([r] if r is not None else [])
 
         def make_fwd():
             epi = Epilogue(bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), _DT[x.dtype]) if bias is not None else None,

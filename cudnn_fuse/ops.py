@@ -394,13 +394,19 @@ def broadcast_shapes(s1, s2) -> tuple:
 # validation refuses it). _native.attr_sig computes it in C (the C memo's key holds the same); this is its twin,
 # used where the module is not built. Attributes of None, bool, int, float, str and flat tuples of those (every
 # op's) give an int, 3 bits an item after a leading 1; anything else (a numpy integer, a nested or long tuple)
-# gives the nested tuple of exact types, _exact_types(attrs).
+# gives the nested tuple of exact types, _exact_types(attrs). A tensor attribute (torch takes stride=torch.tensor(2),
+# negative_slope=torch.tensor(0.2)) makes the call unkeyable (TypeError: no memo): the key would hold the tensor,
+# equal to itself by identity after an in-place change of its value, and served the old value's plan.
 _SIG_LEAF = {type(None): 1, bool: 2, int: 3, float: 4, str: 5}  # 6 opens a tuple
 _SIG_FULL = 1 << 58  # a code this large takes no further item
 
 
 def _exact_types(v):
-    return tuple([_exact_types(e) for e in v]) if type(v) is tuple else type(v)
+    if type(v) is tuple:
+        return tuple([_exact_types(e) for e in v])
+    if isinstance(v, torch.Tensor):
+        raise TypeError("a tensor attribute cannot key the memo (its value may change in place)")
+    return type(v)
 
 
 def _attr_sig_py(attrs):
@@ -733,7 +739,9 @@ def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation
     x, weight, channels_last = _conv_layout(x, weight)
     y_stride = channels_last_strides(out_shape) if channels_last else contiguous_strides(out_shape)
     y = torch.empty_strided(out_shape, y_stride, dtype=x.dtype, device=x.device)
-    b4 = bias.view(1, K, 1, 1) if bias is not None else None
+    # the graph declares the bias dense (epi.bias's strides): a strided or expanded [K] view is read as it is
+    # declared, not as it is laid out, so it goes in as a dense copy (then the call is not remembered)
+    b4 = bias.contiguous().view(1, K, 1, 1) if bias is not None else None
     if residual is not None:
         # the epilogue reads residual in y's layout (cuDNN rejects NCHW epilogue operands on Hopper)
         residual = residual.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
@@ -913,7 +921,7 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
         residual=_spec(r3) if r3 is not None else None,
         activation=activation, negative_slope=negative_slope, amax=return_amax)
     spec = MatmulSpec(_spec(a3), _spec(b3), _spec(y), epi, allow_tf32=a2.dtype == torch.float32)
-    b1 = bias.view(1, 1, N) if bias is not None else None
+    b1 = bias.contiguous().view(1, 1, N) if bias is not None else None  # declared dense (epi.bias), as in conv2d
     buffers = [t for t in (a3, b3, b1, r3, y, amax) if t is not None]
     plan, fallback_out = _run(op, spec, buffers, ref, memo[0] if memo else None)
     if fallback_out is not None:

@@ -68,8 +68,9 @@ class Epilogue:
     amax: bool = False
 
     def __post_init__(self):
-        # 1 and 1.0 are one slope: keep the canonical JSON (the digest) from splitting
-        object.__setattr__(self, "negative_slope", float(self.negative_slope))
+        # 1 and 1.0 are one slope, and so are -0.0 and 0.0 (equal specs, one in-memory plan): keep the
+        # canonical JSON (the digest) from splitting
+        object.__setattr__(self, "negative_slope", float(self.negative_slope) + 0.0)
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {self.activation!r}")
         if self.activation != "leaky_relu" and self.negative_slope != 0.01:
@@ -134,6 +135,13 @@ class MatmulSpec(_SpecMixin):
         return (self.a, self.b)
 
 
+def _check_sdpa_attrs(spec) -> None:
+    """An attention spec's scale as a float (1 and 1.0, -0.0 and 0.0 are one scale: equal specs, one
+    in-memory plan) and is_causal as a bool, so that equal specs have one canonical JSON (one digest)."""
+    object.__setattr__(spec, "scale", float(spec.scale) + 0.0)
+    object.__setattr__(spec, "is_causal", bool(spec.is_causal))
+
+
 @dataclass(frozen=True)
 class SdpaSpec(_SpecMixin):
     """Attention forward on [B, H, S, D] views (BHSD or BSHD memory via strides).
@@ -150,6 +158,9 @@ class SdpaSpec(_SpecMixin):
     is_causal: bool = False
     scale: float = 1.0
     op = "sdpa"
+
+    def __post_init__(self):
+        _check_sdpa_attrs(self)
 
     def operands(self):
         return (self.q, self.k, self.v)
@@ -210,7 +221,7 @@ def _check_act_grad(spec) -> None:
     """An activation-backward spec's name check (Epilogue's) and slope normalization (the
     slope means something only for leaky_relu, so other activations' specs key the same)."""
     Epilogue(activation=spec.activation)
-    object.__setattr__(spec, "negative_slope", float(spec.negative_slope) if spec.activation == "leaky_relu" else 0.01)
+    object.__setattr__(spec, "negative_slope", float(spec.negative_slope) + 0.0 if spec.activation == "leaky_relu" else 0.01)
 
 
 @dataclass(frozen=True)
@@ -307,6 +318,9 @@ class SdpaTrainSpec(_SpecMixin):
     scale: float = 1.0
     op = "sdpa_train"
 
+    def __post_init__(self):
+        _check_sdpa_attrs(self)
+
     def operands(self):
         return (self.q, self.k, self.v)
 
@@ -328,6 +342,9 @@ class SdpaBwdSpec(_SpecMixin):
     is_causal: bool = False
     scale: float = 1.0
     op = "sdpa_backward"
+
+    def __post_init__(self):
+        _check_sdpa_attrs(self)
 
     def operands(self):
         return (self.q, self.k, self.v)

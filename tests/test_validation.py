@@ -392,10 +392,14 @@ def test_the_c_and_python_attribute_signatures_agree():
         pytest.skip("cudnn_fuse._native is not built")
     samples = [(), ("relu", False, 0.01), (None, True, 0.5, False), ((1, 1), (0, 0), (1, 1), 1, None, False, 0.01),
                ((1, 1), "same", (2, 1), 2, "gelu", True, 0.2), ((), (1,), ((1,),)), ([1], 2), (np.int64(1), 1),
-               ((np.int64(1), 2),), (torch.tensor(1),), tuple(range(30)), ((1,) * 25,), (1 << 70, "x"), "not a tuple",
+               ((np.int64(1), 2),), tuple(range(30)), ((1,) * 25,), (1 << 70, "x"), "not a tuple",
                (1.5, None, "s", True, False, 3, (1.0, True, None, "t"))]
     for attrs in samples:
         assert ops._native.attr_sig(attrs) == ops._attr_sig_py(attrs), attrs
+    for attrs in ((torch.tensor(1),), ((1, torch.tensor(1)),)):  # a tensor attribute: unkeyable on both (test_keys_audit)
+        for sig in (ops._native.attr_sig, ops._attr_sig_py):
+            with pytest.raises(TypeError, match="tensor attribute"):
+                sig(attrs)
 
 
 # ------------------------------------------------- numpy integers, __index__, a 0-dim tensor scale
