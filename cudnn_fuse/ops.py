@@ -802,7 +802,26 @@ def _conv_layout(x, weight):
 
 
 def _conv_tf32(x) -> bool:
-    return x.dtype == torch.float32 and bool(torch.backends.cudnn.allow_tf32)
+    return x.dtype == torch.float32 and tf32_enabled("conv")
+
+
+def tf32_enabled(op: str) -> bool:
+    """Whether torch runs a float32 ``op`` ("conv": cuDNN, "matmul": cuBLAS) through TF32. The legacy
+    flags (``torch.backends.cudnn.allow_tf32``, ``torch.backends.cuda.matmul.allow_tf32``) answer
+    unless torch refuses to: since the ``fp32_precision`` API (torch 2.9), reading them raises
+    RuntimeError once that API set the matmul's precision, or set cuDNN's conv and RNN apart, and
+    every float32 call of cf's raised with it. Then the new API answers, resolved as torch resolves
+    it: the op's own setting, else its backend's "all", else "generic"."""
+    try:
+        return bool(torch.backends.cudnn.allow_tf32 if op == "conv" else torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        pass
+    get = torch._C._get_fp32_precision_getter
+    for backend, name in (("cuda", op), ("cuda", "all"), ("generic", "all")):
+        precision = get(backend, name)
+        if precision != "none":
+            return precision == "tf32"
+    return False
 
 
 # ----------------------------------------------------------------------- matmul
@@ -900,7 +919,7 @@ def _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, v
 def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation, return_amax, negative_slope, ref,
                   memo=None):
     why = _why_not_fused(op, (a2, b2, bias, residual))
-    if why is None and a2.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    if why is None and a2.dtype == torch.float32 and not tf32_enabled("matmul"):
         # cuDNN matmul rounds fp32 through TF32 even with tensor cores deselected
         why = "float32 matmul with TF32 disabled (cuDNN would round through TF32)"
     a3 = b3 = None

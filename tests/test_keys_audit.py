@@ -6,6 +6,9 @@ another device's buffers, a strided or expanded bias was launched as if it were 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -204,3 +207,46 @@ def test_equal_slopes_and_scales_have_one_digest():
     assert isinstance(s, SdpaSpec) and s.to_dict()["scale"] == 2.0
     # and a different slope or scale still has its own
     assert leaky(0.1).digest() != leaky(0.0).digest() and sdpa_spec(scale=0.5).digest() != sdpa_spec(scale=1).digest()
+
+
+_TF32_PROBE = r"""
+import torch
+from cudnn_fuse import ops
+
+m = torch.backends.cuda.matmul
+m.fp32_precision = "tf32"  # the API torch recommends since 2.9
+try:
+    m.allow_tf32
+    print("legacy-readable")  # an older torch: nothing to check
+    raise SystemExit(0)
+except RuntimeError:
+    pass
+out = [ops.tf32_enabled("matmul")]
+m.fp32_precision = "ieee"
+out.append(ops.tf32_enabled("matmul"))
+m.fp32_precision = "none"
+torch.backends.fp32_precision = "tf32"  # "none" defers to the backend's "all", then to "generic"
+out.append(ops.tf32_enabled("matmul"))
+c = torch.backends.cudnn
+c.conv.fp32_precision, c.rnn.fp32_precision = "ieee", "tf32"
+try:
+    c.allow_tf32
+    out.append("cudnn legacy readable")
+except RuntimeError:
+    pass
+out.append(ops.tf32_enabled("conv"))
+c.conv.fp32_precision, c.rnn.fp32_precision = "tf32", "ieee"
+out.append(ops._conv_tf32(torch.empty(1)))
+print(out)
+"""
+
+
+def test_tf32_is_read_through_the_fp32_precision_api():
+    """torch 2.13 raises RuntimeError from the legacy allow_tf32 getters once the fp32_precision API set
+    the matmul's precision (or cuDNN's conv and RNN apart), and every float32 matmul / conv of cf's
+    raised with it. Run in a subprocess: the setting is process-wide and sticks."""
+    out = subprocess.run([sys.executable, "-c", _TF32_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "legacy-readable":
+        pytest.skip("this torch answers the legacy TF32 getters whatever the fp32_precision API set")
+    assert out.stdout.strip() == "[True, False, True, False, True]"
