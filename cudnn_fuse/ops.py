@@ -808,7 +808,7 @@ def _conv_tf32(x) -> bool:
 def tf32_enabled(op: str) -> bool:
     """Whether torch runs a float32 ``op`` ("conv": cuDNN, "matmul": cuBLAS) through TF32. The legacy
     flags (``torch.backends.cudnn.allow_tf32``, ``torch.backends.cuda.matmul.allow_tf32``) answer
-    unless torch refuses to: since the ``fp32_precision`` API (torch 2.9), reading them raises
+    unless torch refuses to: with the ``fp32_precision`` API (seen on torch 2.13), reading them raises
     RuntimeError once that API set the matmul's precision, or set cuDNN's conv and RNN apart, and
     every float32 call of cf's raised with it. Then the new API answers, resolved as torch resolves
     it: the op's own setting, else its backend's "all", else "generic"."""

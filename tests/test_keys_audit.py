@@ -214,7 +214,7 @@ import torch
 from cudnn_fuse import ops
 
 m = torch.backends.cuda.matmul
-m.fp32_precision = "tf32"  # the API torch recommends since 2.9
+m.fp32_precision = "tf32"  # the API torch recommends
 try:
     m.allow_tf32
     print("legacy-readable")  # an older torch: nothing to check
