@@ -16,6 +16,7 @@ import cudnn_fuse as cf
 from cudnn_fuse import backward, ops, plans
 from cudnn_fuse.builders import roles_of
 from cudnn_fuse.spec import ActGradSpec, Epilogue, MatmulSpec, SdpaBwdSpec, SdpaSpec, SdpaTrainSpec, TensorSpec
+from tests.memo_paths import PATHS, on_memo_path
 from tests.test_spec import conv_spec, sdpa_spec
 
 
@@ -36,18 +37,12 @@ class _RecordingPlan:
         self.log.append((self, list(buffers)))
 
 
-@pytest.fixture(params=["python", "native"])
+@pytest.fixture(params=PATHS)
 def fused(request, monkeypatch):
     """The fused path on CPU tensors (plans that record), on the Python memo or the C memo; yields the log."""
-    if request.param == "native" and ops._native is None:
-        pytest.skip("cudnn_fuse._native is not built")
-    was = ops.native_enabled()
-    ops.set_native(request.param == "native")
     log = []
-    monkeypatch.setattr(plans, "get_plan", lambda spec, device: _RecordingPlan(spec, device, log))
-    monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)
-    yield log
-    ops.set_native(was)  # clears the memo
+    with on_memo_path(request.param, monkeypatch, lambda spec, device: _RecordingPlan(spec, device, log)):
+        yield log
 
 
 def _cl16(*shape):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
+from tests.memo_paths import PATHS, on_memo_path
 
 f32, f64 = torch.float32, torch.float64
 
@@ -299,19 +300,11 @@ class _NoOpPlan:
         pass
 
 
-@pytest.fixture(params=["python", "native"])
+@pytest.fixture(params=PATHS)
 def memo_path(request, monkeypatch):
     """The memo on the Python path and on the C path (cudnn_fuse._native), with no-op plans."""
-    from cudnn_fuse import ops, plans
-
-    if request.param == "native" and ops._native is None:
-        pytest.skip("cudnn_fuse._native is not built")
-    was = ops.native_enabled()
-    ops.set_native(request.param == "native")
-    monkeypatch.setattr(plans, "get_plan", lambda spec, device: _NoOpPlan(spec))
-    monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)
-    yield ops
-    ops.set_native(was)  # clears the memo
+    with on_memo_path(request.param, monkeypatch, lambda spec, device: _NoOpPlan(spec)) as ops:
+        yield ops
 
 
 def _cl16(*shape):
