@@ -161,6 +161,20 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     return epilogue(z, None, residual, activation, negative_slope, return_amax)
 
 
+def linear_save_z(x, weight, bias=None, act=None, residual=None, negative_slope=0.01):
+    """(y, z): z = x @ weight.T + bias + residual and y = act(z), each rounded once to x's dtype, y
+    from the unrounded z, as ``linear`` computes y (the epilogue's numerics): in 16 bits on the CPU
+    an activation of the rounded z differed from the inference call's y (NaN for GELU or SiLU where
+    z overflowed to -inf and the inference call gave -0.0)."""
+    if _cpu_16bit(x):
+        t = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+        if residual is not None:
+            t = t + residual.float()
+        return activation(t, act, negative_slope).to(x.dtype), t.to(x.dtype)
+    z = linear(x, weight, bias, None, residual).contiguous()
+    return activation(z, act, negative_slope), z
+
+
 def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, negative_slope=0.01):
     if _cpu_16bit(a):
         z = torch.matmul(a.float(), b.float())

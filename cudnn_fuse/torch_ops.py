@@ -540,8 +540,7 @@ def _linear_save_z_op_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], ac
             return out
     elif not x.is_cuda:
         ops._fallback("linear", "no CUDA GPU" if not torch.cuda.is_available() else "tensors are not on a CUDA device")
-    z = reference.linear(x, weight, bias, None, residual).contiguous()
-    return reference.activation(z, activation, negative_slope), z
+    return reference.linear_save_z(x, weight, bias, activation, residual, negative_slope)
 
 
 linear_save_z_op = torch.library.custom_op("cudnn_fuse::linear_save_z", mutates_args=())(_linear_save_z_op_impl)
@@ -624,7 +623,9 @@ def _mlp_save_z(x, w1, b1, act, slope):
         out = cublaslt.linear_gelu_aux(x, w1, b1)  # one GEMM, GELU in its epilogue, z its aux output
         if out is not None:
             return out
-    z = (tuned_gemm.linear(x, w1, b1) if x.is_cuda else reference.linear(x, w1, b1, None, None)).contiguous()
+    if not x.is_cuda:
+        return reference.linear_save_z(x, w1, b1, act, None, slope)
+    z = tuned_gemm.linear(x, w1, b1).contiguous()
     return reference.activation(z, act, slope), z
 
 

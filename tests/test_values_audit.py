@@ -1,0 +1,144 @@
+"""Special-values audit (CPU): the ops' results against torch's on NaN, +-inf, -0.0, float16
+overflow and empty outputs, and the output's metadata.
+
+One fault was found: a training forward of ``cf.nn.Linear`` with an activation whose backward
+needs its input (GELU, SiLU, ...; ``recompute=False``, the pre-activation kept) and of
+``cf.nn.FusedMLP`` computed, in 16 bits on the CPU, the activation of the pre-activation already
+rounded to 16 bits, where the inference call (and every other op) computes it in float32 and
+rounds once (docs/decisions.md, "Epilogue numerics"). The same layer gave another answer with
+grad on than under no_grad: NaN where z overflowed to -inf (GELU, SiLU of -inf), -0.0 under
+no_grad, and values one 16-bit ulp apart on finite inputs.
+
+The rest guards what was found right: NaN propagates through every activation (relu(NaN) is NaN,
+as torch.relu's) and into amax, as ``y.abs().amax()``; amax of an empty output is a float32 0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnn_fuse as cf
+from cudnn_fuse import reference
+
+HALF = (torch.float16, torch.bfloat16)
+KEEP_Z_ACTS = ("gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu")
+
+
+def _linear(act, dt):
+    m = cf.nn.Linear(1, 2, activation=act).to(dt)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([[1.0], [1.0]]))
+        m.bias.copy_(torch.tensor([0.0, 1.0]))
+    return m
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_keep_z_linear_overflowed_pre_activation_as_inference(act):
+    # z = -60000 + -60000: -inf once rounded to float16; act(-1.2e5) rounds to -0.0, act(-inf) is NaN
+    m = _linear(act, torch.float16)
+    x = torch.tensor([[-60000.0]], dtype=torch.float16)
+    r = torch.tensor([[-60000.0, 0.0]], dtype=torch.float16)
+    with torch.no_grad():
+        want = m(x, r)
+    got = m(x, r)
+    assert got.requires_grad
+    assert not got.isnan().any(), got
+    assert torch.equal(got.detach(), want)
+    assert torch.equal(got.detach().signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("dt", HALF)
+@pytest.mark.parametrize("act", KEEP_Z_ACTS)
+def test_keep_z_linear_training_forward_is_the_inference_forward(act, dt):
+    torch.manual_seed(0)
+    m = cf.nn.Linear(16, 32, activation=act).to(dt)
+    x = torch.randn(4, 8, 16, dtype=dt)
+    r = torch.randn(4, 8, 32, dtype=dt)
+    for res in (None, r):
+        with torch.no_grad():
+            want = m(x, res)
+        got = m(x, res)
+        assert got.requires_grad and got.dtype == dt and got.shape == want.shape
+        assert torch.equal(got.detach(), want), (got.detach().float() - want.float()).abs().max()
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_fused_mlp_training_forward_is_the_inference_forward(dt):
+    torch.manual_seed(0)
+    fc1, fc2 = cf.nn.Linear(16, 32, activation="gelu").to(dt), torch.nn.Linear(32, 8).to(dt)
+    mlp = cf.nn.FusedMLP(fc1, fc2)
+    x = torch.randn(64, 16, dtype=dt) * 3
+    with torch.no_grad():
+        want = mlp(x)
+    got = mlp(x)
+    assert got.requires_grad
+    assert torch.equal(got.detach(), want)
+
+
+def test_fused_mlp_overflowed_pre_activation_as_inference():
+    dt = torch.float16
+    fc1, fc2 = _linear("gelu", dt), torch.nn.Linear(2, 1).to(dt)
+    with torch.no_grad():
+        fc1.bias.copy_(torch.tensor([-60000.0, 1.0]))
+        fc2.weight.fill_(1.0)
+        fc2.bias.zero_()
+    mlp = cf.nn.FusedMLP(fc1, fc2)
+    x = torch.tensor([[-60000.0]], dtype=dt)
+    with torch.no_grad():
+        want = mlp(x)
+    got = mlp(x)
+    assert not got.isnan().any(), got
+    assert torch.equal(got.detach(), want)
+
+
+def test_keep_z_backward_still_matches_torch():
+    """The kept z (what the backward reads) is unchanged by the fix: gradients as torch's."""
+    torch.manual_seed(0)
+    m = cf.nn.Linear(6, 5, activation="gelu").double()
+    t = torch.nn.Linear(6, 5).double()
+    t.load_state_dict(m.state_dict())
+    x1 = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    m(x1).sum().backward()
+    F.gelu(t(x2)).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch.testing.assert_close(m.weight.grad, t.weight.grad)
+
+
+# ----------------------------------------------------------------- found right: guards
+
+
+def _ops(dt, where, val):
+    torch.manual_seed(0)
+    x, w, b, r = torch.randn(4, 8, dtype=dt), torch.randn(6, 8, dtype=dt), torch.randn(6, dtype=dt), \
+        torch.randn(4, 6, dtype=dt)
+    d = {"x": x, "w": w, "b": b, "r": r}
+    d[where].view(-1)[1] = val
+    return d["x"], d["w"], d["b"], d["r"]
+
+
+@pytest.mark.parametrize("dt", (torch.float32, torch.float64) + HALF)
+@pytest.mark.parametrize("where", ["x", "w", "b", "r"])
+@pytest.mark.parametrize("act", [None, "relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu"])
+def test_nan_propagates_into_y_and_amax_as_torch(dt, where, act):
+    x, w, b, r = _ops(dt, where, float("nan"))
+    acc = torch.float32 if dt in HALF else dt
+    want = reference.activation(F.linear(x.to(acc), w.to(acc), b.to(acc)) + r.to(acc), act).to(dt)
+    for y, amax in (cf.linear(x, w, b, activation=act, residual=r, return_amax=True),
+                    cf.matmul(x, w.t(), b, activation=act, residual=r, return_amax=True)):
+        assert y.isnan().any()
+        assert torch.equal(y.isnan(), want.isnan())
+        assert amax.dtype == torch.float32 and amax.shape == () and amax.isnan()  # as y.abs().amax()
+
+
+def test_amax_of_empty_outputs_is_a_float32_zero():
+    for dt in (torch.float32, torch.float64, torch.float16):
+        outs = [cf.linear(torch.randn(0, 8, dtype=dt), torch.randn(5, 8, dtype=dt), return_amax=True),
+                cf.matmul(torch.randn(3, 0, dtype=dt), torch.randn(0, 0, dtype=dt), return_amax=True),
+                cf.conv2d(torch.randn(0, 3, 5, 5, dtype=dt), torch.randn(4, 3, 3, 3, dtype=dt),
+                          torch.randn(4, dtype=dt), activation="relu", return_amax=True)]
+        for y, amax in outs:
+            assert y.numel() == 0 and y.dtype == dt
+            assert amax.dtype == torch.float32 and amax.shape == () and amax.device == y.device
+            assert amax.item() == 0.0
