@@ -633,10 +633,7 @@ class PlanCache:
         Raises TypeError/ValueError only for a key that is not a hex string.
         """
         _check_key(key)
-        return self._get(key, count)
-
-    def _get(self, key: str, counted: bool) -> CacheEntry | None:
-        miss = self._miss if counted else _uncounted
+        miss = self._miss if count else _uncounted
         if self.disabled is not None:
             return miss()
         for _ in range(3):  # a row rewritten between reading it and its file: read it again
@@ -660,7 +657,7 @@ class PlanCache:
             except Exception as exc:  # noqa: BLE001 - sqlite errors while re-checking a file
                 self._read_fault(exc, f"reading {key[:12]}")
                 return miss()
-            if counted:
+            if count:
                 self._session["hits"] += 1
                 self._pending["hits"] += 1
             self._accessed[rowid] = time.time()
