@@ -404,7 +404,7 @@ class PlanCache:
     """
 
     def __init__(self, path=None, *, namespace=None, read_only=None, size_limit=2**30,
-                 timeout=2.0):
+                 timeout=2.0, device=None):
         if isinstance(size_limit, bool) or not isinstance(size_limit, int) or size_limit < 1:
             raise ValueError(f"size_limit must be a positive int of bytes, got {size_limit!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -413,7 +413,9 @@ class PlanCache:
         if namespace is None:
             from . import env
 
-            self.fingerprint = env.fingerprint()
+            if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+                raise ValueError(f"device must be a CUDA device index or None, got {device!r}")
+            self.fingerprint = env.fingerprint(device)
             namespace = env.namespace(self.fingerprint)
         if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
             raise ValueError(f"namespace must be 1-64 of [0-9A-Za-z_.-], got {namespace!r}")
@@ -1359,27 +1361,35 @@ def list_namespaces(path=None) -> list[str]:
 
 
 _default_lock = threading.Lock()
-_default: tuple | None = None  # (CUDNN_FUSE_CACHE_DIR it was opened for, PlanCache | None)
+# (CUDNN_FUSE_CACHE_DIR it was opened for, namespace) -> PlanCache | None: one per directory and per
+# device environment, so a process with two GPU models keeps each one's plans under its own namespace
+_defaults: dict = {}
 
 
-def open_default_cache() -> PlanCache | None:
-    """The process-wide cache: None when CUDNN_FUSE_CACHE=0, or when it cannot be opened
-    (then one warning). Reopened when $CUDNN_FUSE_CACHE_DIR changes."""
-    global _default
+def open_default_cache(device: int | None = None) -> PlanCache | None:
+    """The process-wide cache of ``device``'s environment (default: the current CUDA device): None
+    when CUDNN_FUSE_CACHE=0, or when it cannot be opened (then one warning). Devices whose
+    fingerprints are equal (the same GPU model, driver and libraries) share one; reopened when
+    $CUDNN_FUSE_CACHE_DIR changes."""
     if os.environ.get("CUDNN_FUSE_CACHE", "").strip().lower() in _DISABLED_VALUES:
         return None
+    from . import env
+
     configured = os.environ.get("CUDNN_FUSE_CACHE_DIR", "")
+    if device is None:
+        device = env._current_device()  # once: the key and the cache name the same device
+    key = (configured, env.namespace(env.fingerprint(device)))
     with _default_lock:
-        if _default is not None and _default[0] == configured:
-            return _default[1]
+        if key in _defaults:
+            return _defaults[key]
         try:
-            cache = PlanCache()
+            cache = PlanCache(device=device)
         except Exception as exc:  # noqa: BLE001 - no cache is a slower run, not a failed one
             log.warning("cannot open the plan cache (%r); running without it", exc)
             cache = None
         if cache is not None and cache.disabled is not None:
             cache = None  # PlanCache warned with the reason
-        _default = (configured, cache)
+        _defaults[key] = cache
         return cache
 
 

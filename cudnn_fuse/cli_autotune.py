@@ -172,7 +172,7 @@ def run(args) -> int:
     spec = mem[-1].spec
     digest = loader.cache_digest(spec)
     entry = pc.get(digest) if pc is not None else None
-    if entry is None or not entry.meta.get("tuned") or args.force:
+    if entry is None or not loader.is_tuned(entry.meta) or args.force:
         if pc is not None:
             pc.delete(digest)
             pc.delete(loader.engine_record_key(digest))

@@ -33,6 +33,13 @@ from .plans import deterministic as plans_deterministic
 log = logging.getLogger(__name__)
 
 
+def is_tuned(meta: dict) -> bool:
+    """Whether an entry's metadata says its engine was autotuned: only the JSON ``true`` this package
+    writes counts. An imported or hand-made entry's ``"false"``, ``"no"`` or ``1`` is not a tuning
+    (truthiness would read the string ``"false"`` as tuned and never tune the key)."""
+    return meta.get("tuned") is True
+
+
 def cache_digest(spec) -> str:
     """The disk-cache key of ``spec``'s plan: its digest, or, while torch requires deterministic
     algorithms, a key of its own (the plan was chosen among deterministic engines only, and a plan
@@ -112,10 +119,10 @@ def _warn_once(kind: str, msg: str, *args) -> None:
         log.warning(msg, *args)
 
 
-def _cache():
+def _cache(device: int | None = None):
     from .cache import open_default_cache
 
-    return open_default_cache()
+    return open_default_cache(device)  # the namespace of the device's own environment
 
 
 def load_or_build(spec, device: int) -> Plan:
@@ -129,7 +136,7 @@ def load_or_build(spec, device: int) -> Plan:
 def _load_or_build(spec, device: int) -> Plan:
     t0 = time.perf_counter()
     tuning = autotune.autotune_enabled()
-    pc = _cache()
+    pc = _cache(device)
     digest = cache_digest(spec)
     with torch.cuda.device(device):
         if pc is not None:
@@ -166,7 +173,7 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
     entry = pc.get(digest)
     dt = time.perf_counter() - t0  # taken before the += (as in _load_or_build)
     STATS.cache_get_seconds += dt
-    if entry is not None and want_tuned and not entry.meta.get("tuned"):
+    if entry is not None and want_tuned and not is_tuned(entry.meta):
         return None  # a heuristic entry is upgraded once tuned
     if entry is not None and _barred(spec, entry.meta):
         return None  # written before its engine was barred: built anew, the entry overwritten
@@ -182,7 +189,7 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
     # the entry's lookup counted this plan's hit or miss: the record's is not a second one
     record = pc.get(engine_record_key(digest), count=False)
     meta = entry.meta if entry is not None else (record.meta if record is not None else None)
-    if meta is None or meta.get("engine_id") is None or (want_tuned and not meta.get("tuned")) or _barred(spec, meta):
+    if meta is None or meta.get("engine_id") is None or (want_tuned and not is_tuned(meta)) or _barred(spec, meta):
         return None
     try:
         plan = rebuild(spec, meta["engine_id"], meta.get("knobs", {}), device)
@@ -370,7 +377,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
     pinned = pinning_now()
     old = getattr(pc, "_peek", pc.get)(digest)  # a check, not a lookup: the cache's hit rate does not count it
     if old is not None:
-        if not tuned and old.meta.get("tuned") and not _barred(spec, old.meta):
+        if not tuned and is_tuned(old.meta) and not _barred(spec, old.meta):
             # another process stored its tuned plan while this one built: a heuristic plan never replaces it
             log.debug("cudnn_fuse cache: %s entry %s was tuned meanwhile; kept", spec.op, digest[:12])
             return
@@ -434,7 +441,7 @@ def _tune_lock(pc, digest: str):
                     return
                 time.sleep(0.05)
         waited = pc.get(digest)  # tuned by the holder we waited for?
-        if waited is not None and waited.meta.get("tuned"):
+        if waited is not None and is_tuned(waited.meta):
             yield False
             return
         yield True

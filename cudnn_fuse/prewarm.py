@@ -58,8 +58,10 @@ def default_builder(autotune: bool, device: int) -> Callable:
 def _cached(pc, digest: str, want_tuned: bool) -> bool:
     if pc is None:
         return False
+    from . import loader
+
     entry = pc.get(digest)
-    return entry is not None and (entry.meta.get("tuned") or not want_tuned)
+    return entry is not None and (loader.is_tuned(entry.meta) or not want_tuned)
 
 
 def work_order(entries) -> list:
@@ -332,8 +334,8 @@ def run(args) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("cudnn-fuse prewarm: building plans needs a CUDA GPU (none found); try --dry-run", file=sys.stderr)
         return 2
-    rank, world, _ = _dist_env()
-    cache = open_default_cache()
+    rank, world, local = _dist_env()
+    cache = open_default_cache(local if not args.dry_run else None)  # this rank's GPU's namespace
     t0 = time.perf_counter()
     rows = run_distributed(entries, autotune=args.autotune, dry_run=args.dry_run, cache=cache,
                            progress=Bar(f"prewarm {', '.join(os.path.basename(p) for p in paths)}"))

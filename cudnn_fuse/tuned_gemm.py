@@ -289,14 +289,14 @@ def _spec(sig) -> dict:
             "bias": has_bias}
 
 
-def _cache():
+def _cache(sig):
     from .cache import open_default_cache
 
-    return open_default_cache()
+    return open_default_cache(sig[0])  # the namespace of the GEMM's device
 
 
 def _store(sig, pick, meta: dict) -> None:
-    pc = _cache()
+    pc = _cache(sig)
     if pc is None:
         return
     blob = bytes(pick.algo) if isinstance(pick, _Pick) else TORCH.encode()
@@ -309,7 +309,7 @@ def _store(sig, pick, meta: dict) -> None:
 def _from_cache(sig, lib, device):
     """The stored pick of ``sig`` (verified by cuBLASLt), or None: a miss, or an entry that is
     not a GEMM record or that cuBLASLt refuses (one warning)."""
-    pc = _cache()
+    pc = _cache(sig)
     if pc is None:
         return None
     try:

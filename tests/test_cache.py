@@ -401,7 +401,7 @@ def _another_users_dir(tmp_path) -> Path:
     (_another_users_dir, "owned by uid"),
 ], ids=["world-writable", "symlink", "other-owner"])
 def test_unsafe_cache_directory_is_refused(tmp_path, caplog, monkeypatch, make, reason):
-    monkeypatch.setattr(cache_module, "_default", None)
+    monkeypatch.setattr(cache_module, "_defaults", {})
     path = make(tmp_path)
     before = sorted(os.listdir(path))
     cache = PlanCache(path, namespace=NS)
@@ -598,7 +598,7 @@ def test_import_of_a_non_export_file_raises(cache, tmp_path):
 
 
 def test_default_cache_is_one_per_directory_and_can_be_disabled(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache_module, "_default", None)  # restored after the test
+    monkeypatch.setattr(cache_module, "_defaults", {})  # restored after the test
     monkeypatch.setenv("CUDNN_FUSE_CACHE_DIR", str(tmp_path / "one"))
     first = open_default_cache()
     assert first is not None and first is open_default_cache()
@@ -608,6 +608,32 @@ def test_default_cache_is_one_per_directory_and_can_be_disabled(tmp_path, monkey
     assert open_default_cache().path == tmp_path / "two"
     monkeypatch.setenv("CUDNN_FUSE_CACHE", "0")
     assert open_default_cache() is None
+
+
+def test_default_cache_is_one_per_device_environment(tmp_path, monkeypatch):
+    """A process with two GPU models keeps each model's plans under its own namespace: the default
+    cache is opened for the device asked about (the loader's and the tuned GEMM's), not for the one
+    current when the first cache was opened; devices with equal fingerprints share one."""
+    from cudnn_fuse import loader
+    from cudnn_fuse import tuned_gemm as tg
+
+    monkeypatch.setattr(cache_module, "_defaults", {})
+    monkeypatch.setenv("CUDNN_FUSE_CACHE_DIR", str(tmp_path))
+    names = {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB", 2: "NVIDIA H200"}
+    real = env.fingerprint
+    monkeypatch.setattr(env, "fingerprint", lambda device=None: dict(real(-1), gpu_name=names.get(device)))
+    c0, c1, c2 = (open_default_cache(d) for d in (0, 1, 2))
+    assert c0 is not None and c0 is c2 and c1 is not c0
+    assert c1.namespace != c0.namespace and c1.fingerprint["gpu_name"] == "NVIDIA A100-SXM4-80GB"
+    assert c0.namespace == env.namespace(env.fingerprint(0))
+    assert c0.put(K, META, SMALL)
+    assert c1.get(K) is None and c2.get(K).blob == SMALL  # the A100 never reads the H200's plan
+    assert loader._cache(1) is c1 and loader._cache(0) is c0
+    assert tg._cache((1, 0, 64, 64, 64, 0, 64, 0, 64, False)) is c1
+    monkeypatch.setattr(env, "_current_device", lambda: 1)
+    assert open_default_cache() is c1  # no device: the current one's
+    with pytest.raises(ValueError, match="device"):
+        PlanCache(tmp_path, device="cuda:1")
 
 
 def test_threads_share_one_cache(cache):

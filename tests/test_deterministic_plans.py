@@ -379,7 +379,7 @@ def test_a_build_files_its_entry_under_the_mode_it_chose_its_engine_under(monkey
         return None, types.SimpleNamespace(index=0), []
 
     pc = _Cache(tmp_path)
-    monkeypatch.setattr(loader, "_cache", lambda: pc)
+    monkeypatch.setattr(loader, "_cache", lambda device=None: pc)
     monkeypatch.setattr(autotune, "autotune_enabled", lambda: tuned)
     monkeypatch.setattr(autotune, "tune", tune)
     monkeypatch.setattr(autotune, "torch_wins", lambda w, t: False)

@@ -377,7 +377,7 @@ def test_the_loaders_time_sums_lose_no_update_across_threads(monkeypatch, fresh_
     pc = types.SimpleNamespace(get=lambda key: entry)
     monkeypatch.setattr(loader, "STATS", fresh_stats)
     monkeypatch.setattr(loader, "time", types.SimpleNamespace(perf_counter=perf_counter))
-    monkeypatch.setattr(loader, "_cache", lambda: pc)
+    monkeypatch.setattr(loader, "_cache", lambda device=None: pc)
     monkeypatch.setattr(loader, "_deserialize", lambda spec, entry, device: ("plan", spec))
     monkeypatch.setattr(autotune, "autotune_enabled", lambda: False)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())

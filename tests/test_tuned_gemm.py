@@ -83,7 +83,7 @@ class StubLib:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     pc = PlanCache(tmp_path / "c", namespace="test")
-    monkeypatch.setattr(tg, "_cache", lambda: pc)
+    monkeypatch.setattr(tg, "_cache", lambda sig: pc)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(lt, "_local", type(lt._local)())
     tg.clear()
@@ -141,7 +141,7 @@ def test_a_pick_is_stored_as_its_algorithm_bytes(cache):
 def test_a_read_only_cache_stores_nothing_and_fails_nothing(tmp_path, monkeypatch):
     PlanCache(tmp_path / "c", namespace="test").close()
     pc = PlanCache(tmp_path / "c", namespace="test", read_only=True)
-    monkeypatch.setattr(tg, "_cache", lambda: pc)
+    monkeypatch.setattr(tg, "_cache", lambda sig: pc)
     tg._store(SIG, tg.TORCH, _meta())  # no exception
     assert pc.get(tg.cache_key(SIG)) is None
     pc.close()

@@ -57,7 +57,7 @@ def env(tmp_path, monkeypatch):
     says which of them ran."""
     pc = PlanCache(tmp_path / "cache", namespace=NS)
     calls = []
-    monkeypatch.setattr(loader, "_cache", lambda: ns.pc)
+    monkeypatch.setattr(loader, "_cache", lambda device=None: ns.pc)
     monkeypatch.setattr(loader, "STATS", plans._Stats())
     monkeypatch.setattr(loader, "_warned", set())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -250,6 +250,23 @@ def test_a_heuristic_store_never_replaces_a_tuned_entry(env, monkeypatch):
     monkeypatch.setattr(autotune, "_enabled", True)
     assert loader.load_or_build(spec, 0).graph.engine_id == TUNED  # served, not tuned again
     assert env.calls == ["heuristic build", "deserialize"]
+
+
+@pytest.mark.parametrize("flag", ["false", "no", 1, None])
+def test_only_a_json_true_marks_an_entry_tuned(env, monkeypatch, flag):
+    """An imported or hand-made entry whose "tuned" was the string "false" read as tuned (truthiness):
+    a tuning process served its heuristic plan and never tuned the key. Only True counts."""
+    spec = _mm()
+    digest = loader.cache_digest(spec)
+    meta = {"engine_id": HEURISTIC, "knobs": {}, "spec": spec.to_dict()}
+    if flag is not None:
+        meta["tuned"] = flag
+    env.pc.put(digest, meta, b"plan of engine %d" % HEURISTIC)
+    assert not loader.is_tuned(env.pc.get(digest).meta)
+    monkeypatch.setattr(autotune, "_enabled", True)
+    assert loader.load_or_build(spec, 0).graph.engine_id == TUNED
+    assert env.calls == ["tune"]  # tuned at once: the heuristic entry is not served first
+    assert env.pc.get(digest).meta["tuned"] is True
 
 
 def test_a_heuristic_store_replaces_a_tuned_entry_of_a_barred_engine(env):
