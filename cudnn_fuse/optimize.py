@@ -566,6 +566,21 @@ class OptimizedGraphModule(fx.GraphModule):
             get = getattr(type(attr), "__get__", None)
             return attr if get is None else get(attr, self, cls)  # a method bound to this module
 
+    def __reduce__(self):
+        # fx pickles the generated code and rebuilds a plain GraphModule from it (torch.save of the
+        # whole model): rebuilt, it is made an OptimizedGraphModule again; its carried attributes
+        # (model_class, config, ...) are in the pickled __dict__ and fx sets them back
+        rebuild, args = super().__reduce__()
+        return (_rebuilt_optimized, (rebuild, args))
+
+
+def _rebuilt_optimized(rebuild, args) -> fx.GraphModule:
+    gm = rebuild(*args)
+    cls = type(gm)  # fx's per-instance subclass
+    if "model_class" in gm.__dict__ and cls.__bases__ == (fx.GraphModule,):
+        cls.__bases__ = (OptimizedGraphModule,)
+    return gm
+
 
 # nn.Module's own instance attributes (training, _parameters, ...): not the model's to carry over
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))

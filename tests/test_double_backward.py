@@ -70,8 +70,38 @@ def test_kept_pre_activation_with_a_residual_names_the_way_out():
     x, w, b, r = leaf(3, 4), leaf(5, 4), leaf(5), leaf(3, 5)
     y = torch_ops.linear_save_z(x, w, b, "gelu", r, 0.01)
     y.sum().backward()  # a first-order backward is fine
-    with pytest.raises(RuntimeError, match="recompute=True"):
+    with pytest.raises(RuntimeError, match=r"cf\.nn\.Linear\(\.\.\., recompute=True\), or the model with "
+                                           r"cf\.optimize\(model, recompute=True\)"):
         torch.autograd.grad(torch_ops.linear_save_z(x, w, b, "gelu", r, 0.01).sum(), x, create_graph=True)
+
+
+def test_a_gradient_penalty_through_an_optimized_residual_tanh_layer_works_with_recompute():
+    """optimize() builds "Linear + residual + tanh" keeping z; a create_graph backward through it raises
+    and names optimize(model, recompute=True), whose layer then gives torch's second-order gradients."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(5, 5)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x) + x)
+
+    torch.manual_seed(0)
+    ref = Block().double()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+
+    def penalty(m):
+        g, = torch.autograd.grad(m(x).pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(g.pow(2).sum(), list(m.parameters()))
+
+    want = penalty(ref)
+    with pytest.raises(RuntimeError, match=r"cf\.optimize\(model, recompute=True\)"):
+        penalty(cf.optimize(copy.deepcopy(ref)))
+    opt = cf.optimize(copy.deepcopy(ref), recompute=True)
+    assert [m.recompute for m in opt.modules() if isinstance(m, cf.nn.Linear)] == [True]  # rewritten, recomputing
+    got = penalty(opt)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("act", ["gelu", "silu"])

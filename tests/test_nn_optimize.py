@@ -819,3 +819,24 @@ def test_an_optimized_model_keeps_its_own_methods_and_attributes():
     assert twin.num_classes == 4 and twin.config == {"hidden": 12} and twin.config is not o.config
     assert torch.equal(twin.predict(x), m.predict(x))
     assert list(o.state_dict()) == list(m.state_dict())  # the carried attributes are not state
+
+
+def test_an_optimized_model_saved_whole_loads_back_with_its_surface():
+    """torch.save of the whole optimized model loaded back as a plain GraphModule: model.predict and
+    the carried attributes were gone. It loads back as an OptimizedGraphModule, outputs unchanged."""
+    import io
+
+    from cudnn_fuse.optimize import OptimizedGraphModule
+
+    m = _WithSurface()
+    o = optimize(copy.deepcopy(m))
+    buf = io.BytesIO()
+    torch.save(o, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert isinstance(back, OptimizedGraphModule) and back.model_class is _WithSurface
+    x = torch.randn(3, 6)
+    assert torch.equal(back(x), o(x)) and torch.equal(back.predict(x), m.predict(x))
+    assert (back.config, back.num_classes, back.hidden) == ({"hidden": 12}, 4, 12)
+    assert list(back.state_dict()) == list(m.state_dict())
+    assert "cudnn_fuse" in back.code  # the rewrite survives: cf's modules and ops, not the originals
