@@ -138,6 +138,34 @@ def test_save_z_keeps_z_and_recompute_keeps_none():
     assert saved[False] == saved[True] + 256 * 2048
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_the_kept_z_forward_rounds_once_as_the_cpu_reference_does(act, dtype):
+    """The keep-z training forward writes z and y = act(z) from one graph. reference.linear_save_z (the
+    CPU op, 79d8e78) takes y as act of the float32 z, rounded once, and z rounded on its own: this
+    checks that cuDNN's graph does the same (y is not act of the already rounded z). Over the
+    elements where the two orders give different 16-bit values, y must agree with "once" more often
+    than with "twice", and the CPU op must agree with "once" there."""
+    from cudnn_fuse import torch_ops
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 256, device="cuda", dtype=dtype)
+    w = (torch.randn(1024, 256, device="cuda") / 16).to(dtype)
+    b = torch.randn(1024, device="cuda", dtype=dtype)
+    y, z = torch_ops.linear_save_z_op(x, w, b, act, None, 0.01)
+    f = {"gelu": F.gelu, "silu": F.silu}[act]
+    z64 = x.double() @ w.double().T + b.double()
+    once, twice = f(z64).to(dtype), f(z64.to(dtype).double()).to(dtype)
+    differ = once != twice
+    assert int(differ.sum()) > 1000  # the two orders are told apart on many elements
+    agree_once = (y[differ] == once[differ]).float().mean().item()
+    agree_twice = (y[differ] == twice[differ]).float().mean().item()
+    assert agree_once > 0.5 > agree_twice, (agree_once, agree_twice)
+    torch.testing.assert_close(z, z64.to(dtype), rtol=0, atol=float(z64.abs().max()) * 2 ** -8)
+    y_cpu, _ = torch_ops.linear_save_z_op(x.cpu(), w.cpu(), b.cpu(), act, None, 0.01)
+    assert (y_cpu.cuda()[differ] == once[differ]).float().mean().item() > 0.5
+
+
 def test_training_100_steps_bf16_tracks_eager_loss():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.SiLU(),
