@@ -162,16 +162,15 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
 
 
 def linear_save_z(x, weight, bias=None, act=None, residual=None, negative_slope=0.01):
-    """(y, z): z = x @ weight.T + bias + residual and y = act(z), each rounded once to x's dtype, y
-    from the unrounded z, as ``linear`` computes y (the epilogue's numerics): in 16 bits on the CPU
-    an activation of the rounded z differed from the inference call's y (NaN for GELU or SiLU where
-    z overflowed to -inf and the inference call gave -0.0)."""
-    if _cpu_16bit(x):
-        t = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
-        if residual is not None:
-            t = t + residual.float()
-        return activation(t, act, negative_slope).to(x.dtype), t.to(x.dtype)
+    """(y, z): z = x @ weight.T + bias + residual rounded to x's dtype, and y = act of that rounded z
+    (in float32 for 16 bits, then rounded): what the GPU's keep-z graph computes (cuDNN's graph reads
+    the 16-bit z it writes; measured on the H200, tests/test_gpu_backward.py
+    test_the_kept_z_forward_rounds_z_before_the_activation) and what eager ``nn.Linear`` -> activation
+    computes. The inference call (``linear``, no z kept) rounds once instead, so the two differ by the
+    rounding of z, and where z overflows to -inf, GELU and SiLU give NaN here and -0.0 there."""
     z = linear(x, weight, bias, None, residual).contiguous()
+    if _cpu_16bit(x):
+        return activation(z.float(), act, negative_slope).to(x.dtype), z
     return activation(z, act, negative_slope), z
 
 
