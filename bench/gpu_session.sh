@@ -46,7 +46,7 @@ for s in $STEPS; do
             step "$s" "${TESTS_TIMEOUT:-480}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE "${files[@]}" \
                 --junit-xml="$OUT/gpu_junit_${s#tests_}.xml" ;;
         pick) step "pick" "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $PICK \
-                --junit-xml="$OUT/gpu_junit_pick.xml" ;;  # PICK="tests/test_x.py tests/test_y.py -k name": chosen tests
+                --junit-xml="$OUT/gpu_junit_pick.xml" ;;  # PICK="tests/test_x.py tests/test_y.py::test_z": chosen tests (split on spaces: name tests by node id, not -k "a or b")
         threads) step thread_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_gpu_native.py \
                 tests/test_gpu_fastpath.py tests/test_gpu_launch_graphs.py  # the threaded and capture tests
             step thread_stress_c_path 70 python3 bench/thread_stress.py --seconds 45 --native 1 --out "$OUT/thread_stress_c_path.json"
