@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -68,7 +69,7 @@ def _entry(i: int, raw) -> Entry:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ManifestError(f"{where}.count must be a positive int, got {count!r}")
     weight = raw.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+    if not _is_finite(weight) or weight <= 0:
         raise ManifestError(f"{where}.weight must be a positive number, got {weight!r}")
     name = raw.get("name")
     if name is not None and not isinstance(name, str):
@@ -94,9 +95,10 @@ def _check_fields(where: str, v, kind: str) -> None:
         if kind == "TensorSpec":
             _check_tensor(where, v)
             return
-        cls = Epilogue if kind == "Epilogue" else _BY_OP.get(v.get("op"))
+        op = v.get("op")
+        cls = Epilogue if kind == "Epilogue" else _BY_OP.get(op) if isinstance(op, str) else None
         if cls is None:
-            return  # an unknown op: spec_from_dict names it
+            return  # an unknown op (or a list, which is no key): spec_from_dict names it
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
         unknown = set(v) - set(fields) - ({"schema_version", "op"} if kind == "Any" else set())
         if unknown:
@@ -105,13 +107,14 @@ def _check_fields(where: str, v, kind: str) -> None:
             if name in fields:
                 _check_fields(f"{where}.{name}", value, fields[name])
     elif kind == "Tuple[int, int]":
-        if not (isinstance(v, list) and len(v) == 2 and all(_is_int(d, 0) for d in v)):
-            raise ManifestError(f"{where} must be a list of 2 non-negative ints, got {v!r}")
+        least = 1 if where.endswith((".stride", ".dilation")) else 0  # a padding may be 0, as in cf.conv2d
+        if not (isinstance(v, list) and len(v) == 2 and all(_is_int(d, least) for d in v)):
+            raise ManifestError(f"{where} must be a list of 2 {('non-negative', 'positive')[least]} ints, got {v!r}")
     elif kind == "int" and not _is_int(v, 1):
         raise ManifestError(f"{where} must be a positive int, got {v!r}")
     elif kind == "bool" and not isinstance(v, bool):
         raise ManifestError(f"{where} must be true or false, got {v!r}")
-    elif kind == "float" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+    elif kind == "float" and not _is_finite(v):
         raise ManifestError(f"{where} must be a finite number, got {v!r}")
     elif kind == "str" and not isinstance(v, str):
         raise ManifestError(f"{where} must be a string, got {v!r}")
@@ -135,6 +138,16 @@ def _check_tensor(where: str, v: dict) -> None:
 
 def _is_int(v, least: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and least <= v < _MAX_DIM
+
+
+def _is_finite(v) -> bool:
+    """A JSON number that is a finite float: an int of 400 digits is no float (OverflowError)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def parse(data) -> list:
@@ -190,11 +203,14 @@ def write_json(doc, path) -> None:
 
 
 class Recorder:
-    """Collects the specs the ops make, deduplicated and counted (thread-safe)."""
+    """Collects the specs the ops make, deduplicated and counted (thread-safe). A recorder
+    opened inside another's block passes each spec on to it (``outer``): the outer block's
+    manifest holds every spec made inside it, the inner block's too."""
 
-    def __init__(self):
+    def __init__(self, outer: "Optional[Recorder]" = None):
         self._entries: "OrderedDict[object, Entry]" = OrderedDict()
         self._lock = threading.Lock()
+        self._outer = outer
 
     def add(self, spec) -> None:
         with self._lock:
@@ -203,6 +219,11 @@ class Recorder:
                 self._entries[spec] = Entry(spec)
             else:
                 e.count += 1
+        outer = self._outer
+        while outer is not None and outer not in _active:  # a block that ended (another thread's) takes no more
+            outer = outer._outer
+        if outer is not None:
+            outer.add(spec)
 
     @property
     def entries(self) -> list:
@@ -215,7 +236,10 @@ _active: list = []
 
 def active() -> Optional[Recorder]:
     """The innermost active recorder, or None (checked by the ops on every fused call)."""
-    return _active[-1] if _active else None
+    try:  # one read: another thread's block may end between a check and an index
+        return _active[-1]
+    except IndexError:
+        return None
 
 
 @contextlib.contextmanager
@@ -224,8 +248,13 @@ def record(path=None, name: str = "", description: str = ""):
 
         with cf.record("plans/mymodel.json"):
             model(x)
+
+    A ``path`` that is a directory, or in a directory that is not there, raises here, before the
+    block runs (it may run for hours), not when the manifest is written.
     """
-    rec = Recorder()
+    if path is not None:
+        _check_destination(path)
+    rec = Recorder(active())
     _active.append(rec)
     try:
         yield rec
@@ -233,3 +262,12 @@ def record(path=None, name: str = "", description: str = ""):
         _active.remove(rec)
         if path is not None:
             dump(rec.entries, path, name=name, description=description)
+
+
+def _check_destination(path) -> None:
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        raise IsADirectoryError(errno.EISDIR, "cannot write a manifest over a directory", p)
+    parent = os.path.dirname(os.path.abspath(p))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(errno.ENOENT, "cannot write a manifest: no directory " + parent, p)

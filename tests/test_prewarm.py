@@ -95,6 +95,16 @@ def _valid(tmp_path):
     (lambda d: d["entries"][0]["spec"]["epilogue"].update(negative_slope="x"),
      r"entries\[0\]\.spec\.epilogue\.negative_slope must be a finite number"),
     (lambda d: d["entries"][1].update(weight=float("inf")), r"entries\[1\]\.weight"),
+    # each of these raised TypeError or OverflowError: `cudnn-fuse prewarm` printed a traceback
+    (lambda d: d["entries"][2]["spec"].update(op=["sdpa"]), r"entries\[2\]\.spec .*op must be one of"),
+    (lambda d: d["entries"][1]["spec"].update(op={}), r"entries\[1\]\.spec .*op must be one of"),
+    (lambda d: d["entries"][2]["spec"].update(scale=10**400), r"entries\[2\]\.spec\.scale must be a finite number"),
+    (lambda d: d["entries"][0]["spec"]["epilogue"].update(negative_slope=-10**400),
+     r"entries\[0\]\.spec\.epilogue\.negative_slope must be a finite number"),
+    (lambda d: d["entries"][1].update(weight=10**400), r"entries\[1\]\.weight must be a positive number"),
+    # a stride or dilation of 0 (cf.conv2d refuses it) was a dry run's "would build"
+    (lambda d: d["entries"][0]["spec"].update(stride=[1, 0]), r"entries\[0\]\.spec\.stride must be .* positive ints"),
+    (lambda d: d["entries"][0]["spec"].update(dilation=[0, 1]), r"entries\[0\]\.spec\.dilation must be .* positive"),
 ])
 def test_bad_manifests_name_the_entry_and_field(tmp_path, mutate, match):
     data = _valid(tmp_path)
@@ -129,11 +139,70 @@ def test_an_interrupted_dump_leaves_the_old_manifest(tmp_path, monkeypatch):
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
 
+def test_a_nested_record_leaves_the_outer_manifest_whole(tmp_path):
+    """The specs made inside an inner cf.record went to the inner recorder only: a script recorded by
+    `cudnn-fuse record` that itself records one part lost that part from the outer manifest."""
+    x, w = torch.randn(2, 8, 6, 6).half(), torch.randn(8, 8, 1, 1).half()
+    with manifest.record(tmp_path / "outer.json") as outer:
+        cf.conv2d(x, w, activation="relu")
+        with manifest.record(tmp_path / "inner.json") as inner:
+            cf.conv2d(x, w, activation="tanh")
+            cf.conv2d(x, w, activation="relu")
+        cf.conv2d(x, w, activation="silu")
+    acts = [(e.spec.epilogue.activation, e.count) for e in manifest.load(tmp_path / "outer.json")]
+    assert acts == [("relu", 2), ("tanh", 1), ("silu", 1)]
+    assert [(e.spec.epilogue.activation, e.count) for e in manifest.load(tmp_path / "inner.json")] == \
+        [("tanh", 1), ("relu", 1)]
+    assert outer.entries[0].count == 2 and len(inner.entries) == 2
+    cf.conv2d(x, w, activation="sigmoid")  # outside both blocks: recorded by neither
+    assert len(outer.entries) == 3 and len(inner.entries) == 2
+
+
+def test_an_inner_recorder_of_an_ended_block_passes_nothing_to_it():
+    """Blocks in two threads need not end in order: one that ended takes no more specs."""
+    a = manifest.Recorder()
+    b = manifest.Recorder(outer=a)  # opened while a's block was active
+    manifest._active.append(b)  # a's block has ended, b's is on
+    try:
+        b.add("spec")
+    finally:
+        manifest._active.remove(b)
+    assert [e.count for e in b.entries] == [1] and a.entries == []
+
+
+def test_active_reads_the_list_once(monkeypatch):
+    """active() checked the list, then indexed it: a block ending in another thread between the two
+    raised IndexError out of the op that asked."""
+
+    class EndedBetween(list):
+        def __bool__(self):  # non-empty when checked, empty when read
+            return True
+
+    monkeypatch.setattr(manifest, "_active", EndedBetween())
+    assert manifest.active() is None
+
+
+def test_record_refuses_a_destination_it_cannot_write_before_the_block_runs(tmp_path):
+    """A path in a missing directory, or a directory, raised only when the manifest was written at
+    the block's end: the whole run's recording was lost."""
+    ran = []
+    with pytest.raises(FileNotFoundError, match="no directory"):
+        with manifest.record(tmp_path / "nope" / "m.json"):
+            ran.append(1)
+    with pytest.raises(IsADirectoryError, match="directory"):
+        with manifest.record(tmp_path):
+            ran.append(1)
+    assert ran == [] and manifest.active() is None
+    with manifest.record(str(tmp_path / "m.json")):  # a str path and a fresh file in a directory that is there
+        ran.append(1)
+    assert ran == [1] and manifest.load(tmp_path / "m.json") == []
+
+
 class FakeCache:
     def __init__(self, tuned=()):
         self.meta = {d: {"tuned": t} for d, t in tuned}
 
-    def get(self, digest):
+    def get(self, digest, count=True):
         m = self.meta.get(digest)
         return None if m is None else type("E", (), {"meta": m})()
 
