@@ -96,14 +96,14 @@ def _pin_cached(pc, spec) -> int:
 
     digest = cache_digest(spec)
     digests = [digest]
-    entry = pc.get(digest)
+    entry = pc.get(digest, count=False)  # a pre-warm's look, as in prewarm._cached: no plan lookup
     mspec = conv_gemm.gemm_spec(spec) if entry is not None and entry.meta.get("use_gemm") else None
     if mspec is not None:  # the conv runs as this GEMM: its entry serves the conv too
         digests.append(cache_digest(mspec))
     n = 0
     for d in digests:
         for key in (d, engine_record_key(d)):
-            e = entry if key == digest else pc.get(key)
+            e = entry if key == digest else pc.get(key, count=False)
             if e is not None and not e.meta.get("pinned") and \
                     pc.put(key, dict(e.meta, pinned=True), e.blob, pinned=True):
                 n += 1

@@ -112,3 +112,23 @@ def test_a_prewarm_pins_what_it_finds_cached_with_the_gemm_entry(tmp_path, store
     store(pc2, other)
     prewarm.prewarm([Entry(other)], dry_run=True, builder=lambda s: None, cache=pc2)
     assert not any(_pinned(pc2).values())
+
+
+def test_a_prewarm_leaves_the_caches_hit_and_miss_counts_alone(tmp_path, store):
+    """A pre-warm's own looks (is it cached? pin what is) counted as plan lookups: a dry run of a
+    manifest changed `cudnn-fuse cache stats`' hits and misses, and a pre-warm counted each built
+    entry's miss twice (its look, then the loader's)."""
+    pc = PlanCache(tmp_path / "c", namespace=NS)
+    cached, missing = _conv_spec(24), _conv_spec(32)
+    store(pc, cached)
+
+    def counts():
+        s = pc.stats()
+        return s["hits"], s["misses"]
+
+    before = counts()
+    rows = prewarm.prewarm([Entry(cached), Entry(missing)], dry_run=True, builder=lambda s: None, cache=pc)
+    assert [r.status for r in rows] == ["cached", "would build"] and counts() == before
+    rows = prewarm.prewarm([Entry(cached), Entry(missing)], builder=lambda s: None, cache=pc)
+    assert [r.status for r in rows] == ["cached", "built"] and counts() == before
+    assert _pinned(pc)[cached.digest()] is True  # the cached entry was still found, and pinned
