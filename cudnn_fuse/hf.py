@@ -114,28 +114,47 @@ def plain_positions_skip_packing(find_packed):
     return find
 
 
+class _PlainCallStart:
+    """The forward pre-hook of ``_track_plain_calls``: pushes whether the call got none of the
+    ``watched`` (name, position) arguments (False when nothing is watched: a forward without
+    position_ids). A class and not a closure so that the model still pickles (``torch.save(model)``:
+    a local function made that fail); unpickled, in a process that has switched no model yet, it
+    registers cf's attention with transformers again, which the model's config names (else the
+    model's first forward raised transformers' KeyError)."""
+
+    def __init__(self, watched):
+        self.watched = watched
+
+    def __call__(self, module, args, kwargs):
+        _plain_call_stack().append(self.watched is not None and all(
+            kwargs.get(n, args[i] if i < len(args) else None) is None for n, i in self.watched))
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if _register() and self.watched is not None:
+            _wrap_packed_detection()
+
+
+def _plain_call_end(module, args, kwargs, output):
+    """The forward hook of ``_track_plain_calls`` (module-level: picklable); runs even when the forward raises."""
+    stack = _plain_call_stack()
+    if stack:
+        stack.pop()
+
+
 def _track_plain_calls(model) -> bool:
     """Forward hooks that push/pop whether a call of ``model`` got no position_ids, attention mask
-    or cache; False when its forward takes no position_ids (nothing to track)."""
-    if getattr(model, "_cudnn_fuse_plain_hooks", False):
-        return True
+    or cache; False when its forward takes no position_ids (nothing to track: its hooks push False,
+    and are there for ``_PlainCallStart``'s unpickling)."""
     names = list(inspect.signature(model.forward).parameters)
-    if "position_ids" not in names:
-        return False
-    watched = [(n, names.index(n)) for n in ("position_ids", "attention_mask", "past_key_values") if n in names]
-
-    def before(module, args, kwargs):
-        _plain_call_stack().append(all(kwargs.get(n, args[i] if i < len(args) else None) is None for n, i in watched))
-
-    def after(module, args, kwargs, output):
-        stack = _plain_call_stack()
-        if stack:
-            stack.pop()
-
-    model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(after, with_kwargs=True, always_call=True)
-    model._cudnn_fuse_plain_hooks = True
-    return True
+    tracked = "position_ids" in names
+    if not getattr(model, "_cudnn_fuse_plain_hooks", False):
+        watched = [(n, names.index(n)) for n in ("position_ids", "attention_mask", "past_key_values")
+                   if n in names] if tracked else None
+        model.register_forward_pre_hook(_PlainCallStart(watched), with_kwargs=True)
+        model.register_forward_hook(_plain_call_end, with_kwargs=True, always_call=True)
+        model._cudnn_fuse_plain_hooks = True
+    return tracked
 
 
 def _wrap_packed_detection() -> None:
@@ -149,11 +168,9 @@ def _wrap_packed_detection() -> None:
         mu.find_packed_sequence_indices = plain_positions_skip_packing(current)
 
 
-def use_cudnn_fuse_attention(model) -> bool:
-    """Switch a transformers model that uses "sdpa" attention to cudnn_fuse's; True if switched."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
+def _register() -> bool:
+    """Register cf's attention and its masks with transformers under NAME; False where this
+    transformers cannot take them."""
     try:
         from transformers import AttentionInterface
     except ImportError:
@@ -166,6 +183,16 @@ def use_cudnn_fuse_attention(model) -> bool:
         AttentionMaskInterface.register(NAME, causal_mask)
     except ImportError:
         log.info("transformers has no AttentionMaskInterface: its models keep their sdpa attention")
+        return False
+    return True
+
+
+def use_cudnn_fuse_attention(model) -> bool:
+    """Switch a transformers model that uses "sdpa" attention to cudnn_fuse's; True if switched."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if not _register():
         return False
     try:
         model.set_attn_implementation(NAME)

@@ -604,13 +604,26 @@ def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
         meta.setdefault(key, {}).update(carried)
 
 
+_LONE = "a lone {} (its parent does not trace, so no epilogue is seen to fuse)"
+
+
 def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False) -> nn.Module:
     """The traced + rewritten module, or the module with its children rewritten."""
     if type(module) is nn.Linear:  # a lone Linear child (e.g. an untraceable model's lm_head)
-        if cfnn.AlignedLinear.wanted(module):
+        where = prefix.rstrip(".") or "Linear"
+        why = _hooked(module)  # an AlignedLinear in its place would not run the hooks
+        if why is not None:
+            summary.left_alone.append((where, why))
+        elif cfnn.AlignedLinear.wanted(module):
             m = cfnn.AlignedLinear(module)
-            summary.replaced.append((prefix.rstrip(".") or "Linear", _aligned_pattern(m)))
+            summary.replaced.append((where, _aligned_pattern(m)))
             return m
+        else:
+            summary.left_alone.append((where, _LONE.format("Linear") if prefix else
+                                       "no epilogue to fuse (torch's linear is as fast)"))
+        return module
+    if prefix and (type(module) is nn.Conv2d or _is_hf_conv1d(module)):  # a lone layer, as above: logged
+        summary.left_alone.append((prefix.rstrip("."), _LONE.format(type(module).__name__)))
         return module
     try:
         gm = _trace(module)
