@@ -17,6 +17,7 @@ import cudnn_fuse as cf
 from cudnn_fuse import autotune, conv_gemm, loader, reference, torch_engine
 from cudnn_fuse.builders import roles_of
 from cudnn_fuse.spec import ConvSpec, MatmulSpec
+from recorded import recorded_spec
 from tuning import DictCache, entry
 
 ACTS = [None, "relu", "gelu", "silu", "leaky_relu"]
@@ -35,19 +36,13 @@ def _operands(N=2, C=16, H=5, W=3, K=24, dtype=torch.float16, bias=True, residua
     return x, w, b, r
 
 
-def _recorded(fn):
-    with cf.record() as rec:
-        fn()
-    specs = [e.spec for e in rec.entries]
-    assert len(specs) == 1, specs
-    return specs[0]
 
 
 def _conv_spec(**kw):
     act, amax, slope = kw.pop("act", "relu"), kw.pop("amax", False), kw.pop("slope", 0.01)
     stride, padding = kw.pop("stride", 1), kw.pop("padding", 0)
     x, w, b, r = _operands(**kw)
-    return _recorded(lambda: cf.conv2d(x, w, b, stride=stride, padding=padding, activation=act, residual=r,
+    return recorded_spec(lambda: cf.conv2d(x, w, b, stride=stride, padding=padding, activation=act, residual=r,
                                        return_amax=amax, negative_slope=slope))
 
 
@@ -60,10 +55,10 @@ def test_the_gemm_spec_is_the_one_linear_makes_of_the_views(act, bias, residual,
     N, C, H, W = x.shape
     K = w.shape[0]
     kw = dict(activation=act, return_amax=amax, negative_slope=0.2)
-    conv = _recorded(lambda: cf.conv2d(x, w, b, residual=r, **kw))
+    conv = recorded_spec(lambda: cf.conv2d(x, w, b, residual=r, **kw))
     rows = x.permute(0, 2, 3, 1).reshape(N * H * W, C)
     r2 = r.permute(0, 2, 3, 1).reshape(N * H * W, K) if r is not None else None
-    lin = _recorded(lambda: cf.linear(rows, w.reshape(K, C), b, residual=r2, **kw))
+    lin = recorded_spec(lambda: cf.linear(rows, w.reshape(K, C), b, residual=r2, **kw))
     assert isinstance(conv, ConvSpec) and isinstance(lin, MatmulSpec)
     assert conv_gemm.gemm_spec(conv) == lin
     assert conv_gemm.gemm_spec(conv).digest() == lin.digest()  # the same cache entry
@@ -79,7 +74,7 @@ def test_convs_that_are_not_a_plain_gemm_do_not_qualify(why, kw):
     if kw is None:
         x, w, b, _ = _operands()
         w3 = _cl(torch.randn(24, 16, 3, 3).half())
-        spec = _recorded(lambda: cf.conv2d(x, w3, b, padding=1))
+        spec = recorded_spec(lambda: cf.conv2d(x, w3, b, padding=1))
     else:
         spec = _conv_spec(**kw)
     assert isinstance(spec, ConvSpec)
@@ -281,7 +276,7 @@ def test_the_loader_never_looks_for_a_gemm_of_a_spec_that_has_none(monkeypatch):
     mm = conv_gemm.gemm_spec(_conv_spec())
     w3 = _cl(torch.randn(24, 16, 3, 3).half())
     x, _, b, _ = _operands()
-    conv3 = _recorded(lambda: cf.conv2d(x, w3, b, padding=1))
+    conv3 = recorded_spec(lambda: cf.conv2d(x, w3, b, padding=1))
     for spec in (mm, conv3):
         assert loader._gemm_in_memory(spec, 0) is None
         assert loader._gemm_plan(_Cache({}), spec, 0) is None
@@ -373,7 +368,7 @@ def test_random_geometries_including_size_one_dims(seed):
     w = _cl(torch.randn(K, C, 1, 1, generator=g).to(torch.bfloat16))
     b = torch.randn(K, generator=g).to(torch.bfloat16)
     r = _cl(torch.randn(N, K, H, W, generator=g).to(torch.bfloat16)) if residual else None
-    spec = _recorded(lambda: cf.conv2d(x, w, b, activation=act, residual=r))
+    spec = recorded_spec(lambda: cf.conv2d(x, w, b, activation=act, residual=r))
     mspec = conv_gemm.gemm_spec(spec)
     assert mspec is not None, (N, C, H, W, K)  # the op makes every such call channels_last and dense
     bufs = _conv_buffers(spec, x, w, b, r)
@@ -390,7 +385,7 @@ def test_views_of_ambiguous_layouts_write_the_callers_output():
     x = torch.randn(3, 8, 1, 1).to(torch.bfloat16)  # NCHW-contiguous: strides (8, 1, 1, 1)
     w = torch.randn(5, 8, 1, 1).to(torch.bfloat16)
     b = torch.randn(5).to(torch.bfloat16)
-    spec = _recorded(lambda: cf.conv2d(x, w, b, activation="relu"))
+    spec = recorded_spec(lambda: cf.conv2d(x, w, b, activation="relu"))
     mspec = conv_gemm.gemm_spec(spec)
     assert mspec is not None and mspec.a.shape == (1, 3, 8) and mspec.y.shape == (1, 3, 5)
     y = torch.full((3, 5, 1, 1), 7.0, dtype=torch.bfloat16)  # NCHW strides too: the same memory

@@ -26,16 +26,12 @@ from cudnn_fuse import autotune, conv_gemm, ops, reference, torch_engine
 from cudnn_fuse.builders import roles_of
 from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
 
+from recorded import recorded_spec
+
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
 
 
-def _recorded(fn):
-    with cf.record() as rec:
-        fn()
-    specs = [e.spec for e in rec.entries]
-    assert len(specs) == 1, specs
-    return specs[0]
 
 
 def _gemm_reads_the_conv(spec, gen) -> bool:
@@ -105,7 +101,7 @@ def test_the_gemm_reads_the_convs_own_memory_through_its_strides(monkeypatch):
     for seed in range(120):
         policy, call = _random_conv_call(seed)
         monkeypatch.setattr(ops, "CONV_NCHW_POLICY", policy)
-        spec = _recorded(call)
+        spec = recorded_spec(call)
         if conv_gemm.gemm_spec(spec) is None:
             assert policy == "keep" and not (conv_gemm._channels_last(spec.x) and conv_gemm._channels_last(spec.y)), spec
             continue
@@ -140,7 +136,7 @@ def test_no_layout_the_gemm_would_misread_qualifies(seed):
         x = torch.randn(N, C, H, W).half().contiguous(memory_format=torch.channels_last)
         w, b = torch.randn(K, C, 1, 1).half(), torch.randn(K).half() if pick(False, True) else None
         r = torch.randn(N, K, H, W).half().contiguous(memory_format=torch.channels_last) if pick(False, True) else None
-        spec = _recorded(lambda: cf.conv2d(x, w, b, activation=pick(None, "relu"), residual=r,
+        spec = recorded_spec(lambda: cf.conv2d(x, w, b, activation=pick(None, "relu"), residual=r,
                                            return_amax=pick(False, True)))
 
         def other(t):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cudnn_fuse import launch_graphs, plans
+from recorded import recorded_spec
 from tests.racing import race
 
 
@@ -358,12 +359,6 @@ def _ts(*shape, dtype="float16"):
     return TensorSpec.contiguous(shape, dtype)
 
 
-def _recorded(fn):
-    import cudnn_fuse as cf
-
-    with cf.record() as rec:
-        fn()
-    return rec.entries[0].spec
 
 
 def _m(*s, dtype=torch.float16):
@@ -387,17 +382,17 @@ def test_only_short_kernels_get_graphs(name, worth):
 
     geo = dict(stride=(1, 1), pre_padding=(1, 1), post_padding=(1, 1), dilation=(1, 1))
     specs = {
-        "linear 64x256x256": lambda: _recorded(lambda: cf.linear(_m(64, 256), _m(256, 256), _m(256), activation="relu")),
-        "linear 2048^3": lambda: _recorded(lambda: cf.linear(_m(2048, 2048), _m(2048, 2048), _m(2048))),
-        "linear m1 1024x1024": lambda: _recorded(lambda: cf.linear(_m(1, 1024), _m(1024, 1024), _m(1024),
+        "linear 64x256x256": lambda: recorded_spec(lambda: cf.linear(_m(64, 256), _m(256, 256), _m(256), activation="relu")),
+        "linear 2048^3": lambda: recorded_spec(lambda: cf.linear(_m(2048, 2048), _m(2048, 2048), _m(2048))),
+        "linear m1 1024x1024": lambda: recorded_spec(lambda: cf.linear(_m(1, 1024), _m(1024, 1024), _m(1024),
                                                                    activation="gelu")),
-        "conv b1 c64 56x56": lambda: _recorded(lambda: cf.conv2d(_cl(_m(1, 64, 56, 56)), _cl(_m(64, 64, 3, 3)), _m(64),
+        "conv b1 c64 56x56": lambda: recorded_spec(lambda: cf.conv2d(_cl(_m(1, 64, 56, 56)), _cl(_m(64, 64, 3, 3)), _m(64),
                                                                  padding=1, activation="relu")),
-        "conv b32 c64 56x56": lambda: _recorded(lambda: cf.conv2d(_cl(_m(32, 64, 56, 56)), _cl(_m(64, 64, 3, 3)),
+        "conv b32 c64 56x56": lambda: recorded_spec(lambda: cf.conv2d(_cl(_m(32, 64, 56, 56)), _cl(_m(64, 64, 3, 3)),
                                                                   _m(64), padding=1, activation="relu")),
-        "sdpa b1 h12 s128": lambda: _recorded(lambda: cf.scaled_dot_product_attention(
+        "sdpa b1 h12 s128": lambda: recorded_spec(lambda: cf.scaled_dot_product_attention(
             _m(1, 12, 128, 64), _m(1, 12, 128, 64), _m(1, 12, 128, 64), is_causal=True)),
-        "sdpa b4 h16 s2048": lambda: _recorded(lambda: cf.scaled_dot_product_attention(
+        "sdpa b4 h16 s2048": lambda: recorded_spec(lambda: cf.scaled_dot_product_attention(
             _m(4, 16, 2048, 128), _m(4, 16, 2048, 128), _m(4, 16, 2048, 128))),
         "dgrad b32 c256 14x14": lambda: S.ConvDgradSpec(_ts(32, 256, 14, 14), _ts(256, 256, 3, 3), _ts(32, 256, 14, 14),
                                                         **geo),
@@ -444,7 +439,7 @@ def test_kernel_replay_max_us_from_the_environment(raw, want, warns, caplog):
 def _long_conv_spec():
     import cudnn_fuse as cf
 
-    return _recorded(lambda: cf.conv2d(_cl(_m(32, 128, 56, 56)), _cl(_m(128, 128, 3, 3)), _m(128), padding=1,
+    return recorded_spec(lambda: cf.conv2d(_cl(_m(32, 128, 56, 56)), _cl(_m(128, 128, 3, 3)), _m(128), padding=1,
                                        activation="relu"))
 
 
@@ -464,7 +459,7 @@ def test_a_long_kernel_gets_kernel_replays_only(monkeypatch, case):
         assert gs is None
     else:
         assert isinstance(gs, launch_graphs.GraphSet) and gs.kernel_only is True
-    short = launch_graphs.new_set(_recorded(lambda: __import__("cudnn_fuse").linear(_m(64, 256), _m(256, 256))))
+    short = launch_graphs.new_set(recorded_spec(lambda: __import__("cudnn_fuse").linear(_m(64, 256), _m(256, 256))))
     assert isinstance(short, launch_graphs.GraphSet) and short.kernel_only is False  # graphs or kernels, either
 
 
