@@ -26,6 +26,7 @@ class CapturedGraph:
     """
 
     def __init__(self, fn, example_inputs, warmup: int = 3, pool=None):
+        _check_arguments(fn, example_inputs, warmup)
         if not torch.cuda.is_available():
             raise RuntimeError("capture: CUDA graphs need a CUDA GPU")
         self.fn = fn
@@ -60,7 +61,7 @@ class CapturedGraph:
         copies = []  # every input checked before any is copied: a refused call leaves the static inputs as they were
         for i, (static, new) in enumerate(zip(self.static_inputs, inputs)):
             if not isinstance(static, torch.Tensor):
-                if new is not static and new != static:
+                if new is not static and not _equal(new, static):
                     raise ValueError(f"captured graph: non-tensor input {i} changed ({static!r} -> {new!r}); capture again")
                 continue
             if new is static:
@@ -80,6 +81,28 @@ class CapturedGraph:
         with torch.cuda.device(self.device):
             self.graph.replay()
         return self.static_outputs
+
+
+def _check_arguments(fn, example_inputs, warmup) -> None:
+    if not callable(fn):
+        raise TypeError(f"capture: fn must be callable, got {type(fn).__name__}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"capture: warmup must be a non-negative int (calls before the capture), got {warmup!r}")
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor) and any(
+                isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(x)):
+            # a list or dict of tensors would be captured as the caller's own tensors (never copied into
+            # static buffers), and a later call's container could not be checked or copied
+            raise TypeError(f"capture: example input {i} is a {type(x).__name__} holding tensors; pass each tensor "
+                            "as its own argument (fn(*tensors)), so that its static buffer is copied into on replay")
+
+
+def _equal(a, b) -> bool:
+    """Whether a non-tensor input equals the captured one; an == that raises or is no bool counts as changed."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. numpy arrays' ambiguous truth value
+        return False
 
 
 def capture(fn, *example_inputs, warmup: int = 3) -> CapturedGraph:

@@ -57,3 +57,31 @@ def test_a_changed_non_tensor_input_is_refused_before_any_copy(monkeypatch):
     assert torch.equal(a, torch.zeros(2)) and g.graph.replays == 0
     with pytest.raises(ValueError, match="takes 2 inputs, got 1"):
         g(torch.ones(2))
+
+
+@pytest.mark.parametrize("fn, inputs, warmup, error, match", [
+    ("not callable", (torch.ones(2),), 3, TypeError, "fn must be callable, got str"),
+    (lambda t: t, (torch.ones(2),), -1, ValueError, "warmup must be a non-negative int"),
+    (lambda t: t, (torch.ones(2),), 2.5, ValueError, "warmup must be a non-negative int"),
+    (lambda t: t, (torch.ones(2),), True, ValueError, "warmup must be a non-negative int"),
+    (lambda ts: ts, ([torch.ones(2), torch.ones(3)],), 3, TypeError, "example input 0 is a list holding tensors"),
+    (lambda a, d: d, (torch.ones(2), {"k": torch.ones(2)}), 3, TypeError, "example input 1 is a dict holding tensors"),
+])
+def test_bad_arguments_are_named_before_anything_runs(fn, inputs, warmup, error, match):
+    """They were found only on a GPU, after the warm-up had run, if at all: a list of tensors was captured as
+    the caller's own tensors (never copied into on replay), and a later call with another list raised
+    "Boolean value of Tensor with more than one value is ambiguous"."""
+    with pytest.raises(error, match=match):
+        cf.capture(fn, *inputs, warmup=warmup)
+
+
+def test_a_non_tensor_input_whose_equality_is_no_bool_counts_as_changed(monkeypatch):
+    class Odd:
+        def __eq__(self, other):
+            raise RuntimeError("ambiguous")
+
+    static = Odd()
+    g = _captured(monkeypatch, torch.zeros(2), static)
+    assert g(torch.ones(2), static) == ("out",)  # the same object: no comparison
+    with pytest.raises(ValueError, match="non-tensor input 1 changed"):
+        g(torch.ones(2), Odd())
