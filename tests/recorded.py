@@ -1,5 +1,5 @@
 """The one spec an op call makes, read through cf.record (no GPU needed: specs are recorded on
-CPU and meta tensors too). Shared by the conv-as-GEMM and launch-graph tests."""
+CPU and meta tensors too). Shared by the conv-as-GEMM, engines-audit and launch-graph tests."""
 
 from __future__ import annotations
 
