@@ -6,6 +6,13 @@ call into a CUDA graph over static copies of the inputs, and returns a callable
 that copies new inputs into those static buffers and replays the graph.
 Plan.run binds the cuDNN handle to torch's current stream, which under
 ``torch.cuda.graph`` is the capture stream, so the executes are recorded there.
+
+Autograd: a static input is a leaf that requires grad where its example input did, so a ``fn``
+that runs a whole training step (forward, ``backward()``, ``optimizer.step()``, as torch's
+"whole-network capture") captures the backward too and every replay repeats it. What ``fn``
+returns comes back detached: the autograd graph recorded during the capture belongs to the capture,
+and a backward through it outside a replay would read whichever replay last overwrote its saved
+tensors, once (the second raises), and send input gradients to the example inputs.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ class CapturedGraph:
         # run their ops eagerly on that GPU's stream during capture, and every replay would return those values.
         self.device = devices[0] if devices else torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(self.device):
-            self.static_inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
+            self.static_inputs = tuple(_static(x) for x in example_inputs)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -53,7 +60,8 @@ class CapturedGraph:
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                self.static_outputs = fn(*self.static_inputs)
+                outputs = fn(*self.static_inputs)
+            self.static_outputs = torch.utils._pytree.tree_map(_detached, outputs)
 
     def __call__(self, *inputs):
         if len(inputs) != len(self.static_inputs):
@@ -70,7 +78,9 @@ class CapturedGraph:
                 raise ValueError(f"captured graph: input {i} must be a tensor of shape {tuple(static.shape)} and dtype "
                                  f"{static.dtype}, got {getattr(new, 'shape', type(new).__name__)}")
             copies.append((static, new))
-        with torch.cuda.device(self.device):  # the copies and the replay on the graph's device's current stream
+        # the copies and the replay on the graph's device's current stream; the copies record no autograd
+        # history (a static input that requires grad is a leaf, which an in-place copy would refuse)
+        with torch.cuda.device(self.device), torch.no_grad():
             for static, new in copies:
                 static.copy_(new)
             self.graph.replay()
@@ -81,6 +91,18 @@ class CapturedGraph:
         with torch.cuda.device(self.device):
             self.graph.replay()
         return self.static_outputs
+
+
+def _static(x):
+    """The static buffer of an example input: a copy with no history, a leaf that requires grad
+    where the example did (its gradients, in a captured backward, land in its ``.grad``)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
+def _detached(out):
+    return out.detach() if isinstance(out, torch.Tensor) and out.requires_grad else out
 
 
 def _check_arguments(fn, example_inputs, warmup) -> None:

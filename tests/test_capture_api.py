@@ -85,3 +85,32 @@ def test_a_non_tensor_input_whose_equality_is_no_bool_counts_as_changed(monkeypa
     assert g(torch.ones(2), static) == ("out",)  # the same object: no comparison
     with pytest.raises(ValueError, match="non-tensor input 1 changed"):
         g(torch.ones(2), Odd())
+
+
+def test_a_static_input_is_a_leaf_with_the_examples_requires_grad():
+    """Before, a static input was ``x.clone()``: for an example that requires grad, a non-leaf whose
+    history led back to the example, so a captured backward sent input gradients to the caller's
+    example tensor."""
+    x = torch.randn(3, requires_grad=True)
+    s = graphs._static(x)
+    assert s.is_leaf and s.requires_grad and s.grad_fn is None
+    assert torch.equal(s, x) and s.data_ptr() != x.data_ptr()
+    ids = torch.arange(4)
+    assert not graphs._static(ids).requires_grad and graphs._static(5) == 5
+
+
+def test_new_values_are_copied_into_a_static_input_that_requires_grad(monkeypatch):
+    """An in-place copy into a leaf that requires grad is refused by autograd outside no_grad."""
+    s = graphs._static(torch.zeros(3, requires_grad=True))
+    g = _captured(monkeypatch, s)
+    new = torch.ones(3, requires_grad=True)
+    assert g(new) == ("out",)
+    assert torch.equal(s.detach(), torch.ones(3)) and s.is_leaf and s.grad_fn is None and g.graph.replays == 1
+
+
+def test_outputs_come_back_without_the_captures_autograd_graph():
+    w = torch.randn(3, requires_grad=True)
+    y = w * 2
+    out = torch.utils._pytree.tree_map(graphs._detached, {"y": y, "n": 1, "t": [torch.ones(1)]})
+    assert not out["y"].requires_grad and out["y"].grad_fn is None and out["n"] == 1
+    assert torch.equal(out["y"], y.detach())

@@ -176,6 +176,56 @@ def test_capture_replays_and_reads_new_inputs():
     assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def test_capture_of_a_module_under_grad_mode_returns_detached_outputs():
+    """A module's parameters require grad, so its capture records autograd history; the outputs come
+    back detached (before, they carried the capture's autograd graph: a backward read whichever replay
+    last ran, once, and sent input gradients to the example input)."""
+    torch.manual_seed(0)
+    m = cf.nn.Linear(256, 256, activation="gelu", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = cf.capture(m, x)
+    x2 = torch.randn_like(x)
+    out = g(x2)
+    assert not out.requires_grad and out.grad_fn is None and x.grad is None
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(x2.double(), m.weight.double(), m.bias.double()))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_capture_of_a_whole_training_step_replays_it():
+    """torch's whole-network capture with cf modules: forward, backward and the optimizer's step in one
+    graph; each replay trains on its inputs as the same steps run eagerly do."""
+    torch.manual_seed(0)
+
+    def make():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(cf.nn.Linear(256, 512, activation="gelu"), cf.nn.Linear(512, 128)).cuda()
+
+    eager, captured = make(), make()
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
+    opt_c = torch.optim.SGD(captured.parameters(), lr=0.05)  # no momentum: no optimizer state to capture
+    xs = [torch.randn(64, 256, device="cuda") for _ in range(8)]
+    ts = [torch.randn(64, 128, device="cuda") for _ in range(8)]
+
+    def step(model, opt, x, t):
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.mse_loss(model(x), t)
+        loss.backward()
+        opt.step()
+        return loss
+
+    # the capture's warm-up runs the step 3 times on its example inputs: the eager twin does the same
+    for _ in range(3):
+        step(eager, opt_e, xs[0], ts[0])
+    g = cf.capture(lambda x, t: step(captured, opt_c, x, t), xs[0], ts[0])
+    for x, t in zip(xs[1:], ts[1:]):
+        le = step(eager, opt_e, x, t)
+        lc = g(x, t)
+        assert not lc.requires_grad
+        assert abs(lc.item() - le.item()) <= 1e-3 * max(1.0, abs(le.item())), (lc.item(), le.item())
+    for pe, pc in zip(eager.parameters(), captured.parameters()):
+        assert ((pc - pe).norm() / pe.norm()).item() < 1e-3
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_capture_of_inputs_on_another_gpu_than_the_current_one_replays_them():
     """Inputs on cuda:1 with cuda:0 current: the capture records cuda:1's stream (before, the ops ran
