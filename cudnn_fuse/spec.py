@@ -200,9 +200,19 @@ class SaveZSpec(_WrapsForward):
     """A conv/matmul forward with an activation that also writes its pre-activation
     ``z = op(x) + bias + residual`` (the backward of GELU-like activations reads it)."""
 
-    fwd: Any  # ConvSpec | MatmulSpec, activation set, no amax
+    fwd: Any  # ConvSpec | MatmulSpec with an activation (amax: cuDNN's graph only; the torch engine declines it)
     z: TensorSpec
     op = "save_z"
+
+    def __post_init__(self):
+        # Without an activation z is y: the graph would mark its one tensor as both and have no
+        # tensor with z's uid, so its buffers would not match uids_of (a plumbing error at run time).
+        # Refused here, so that neither an op nor a hand-written manifest can make one.
+        if not isinstance(self.fwd, (ConvSpec, MatmulSpec)):
+            raise ValueError(f"save_z: fwd must be a ConvSpec or MatmulSpec, got {type(self.fwd).__name__}")
+        if self.fwd.epilogue.activation is None:
+            raise ValueError(f"save_z: fwd.epilogue.activation must be one of {ACTIVATIONS}, got None "
+                             "(without an activation z is y: run the forward itself)")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ the way ops.py makes them.
 """
 
 import itertools
+import json
 
 import cudnn
 import pytest
@@ -15,6 +16,7 @@ from cudnn_fuse.spec import (
     ConvSpec,
     Epilogue,
     MatmulSpec,
+    SaveZSpec,
     SdpaSpec,
     TensorSpec,
     channels_last_strides,
@@ -293,3 +295,50 @@ def test_sdpa_scale_is_passed_through_not_recomputed():
     for scale in (1.0, 0.3, 2.5):
         node = ir(SdpaSpec(q, q, q, q, None, False, scale))["nodes"][0]
         assert node["params"]["attn_scale"] == pytest.approx(scale)
+
+
+# ------------------------------------------------------------------- keep-z forward
+
+
+@pytest.mark.parametrize("amax", [False, True])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("fwd_kind", ["matmul", "conv"])
+def test_save_z_graph_writes_z_and_y_as_two_tensors_with_their_uids(fwd_kind, act, amax):
+    """The keep-z graph's real tensors are exactly roles_of's (z with its own uid, beside y)."""
+    make = matmul_spec if fwd_kind == "matmul" else conv_spec
+    fwd = make(bias=True, residual=True, act=act, amax=amax)
+    spec = SaveZSpec(fwd, fwd.y)
+    d = ir(spec)
+    assert roles_of(spec)[-1] == "z"
+    check_plumbing(d, spec)
+    assert d["tensors"]["z"]["uid"] == UIDS["z"] != d["tensors"]["y"]["uid"]
+
+
+@pytest.mark.parametrize("fwd_kind", ["matmul", "conv"])
+def test_save_z_without_an_activation_is_refused_when_the_spec_is_made(fwd_kind):
+    """With no activation z is y: the graph would mark its one tensor as both and have no tensor with
+    z's uid (its buffers would not match uids_of). The spec refuses it, naming the field."""
+    make = matmul_spec if fwd_kind == "matmul" else conv_spec
+    for amax in (False, True):
+        fwd = make(bias=True, act=None, amax=amax)
+        with pytest.raises(ValueError, match=r"save_z: fwd\.epilogue\.activation must be one of .*got None"):
+            SaveZSpec(fwd, fwd.y)
+
+
+def test_save_z_of_an_attention_forward_is_refused_when_the_spec_is_made():
+    q = TensorSpec.contiguous((1, 2, 8, 32), "float16")
+    with pytest.raises(ValueError, match="save_z: fwd must be a ConvSpec or MatmulSpec, got SdpaSpec"):
+        SaveZSpec(SdpaSpec(q, q, q, q, None, False, 0.5), q)
+
+
+def test_a_manifest_save_z_entry_without_an_activation_names_the_entry():
+    from cudnn_fuse import manifest
+
+    doc = {"schema": manifest.SCHEMA, "version": manifest.VERSION}
+    fwd = matmul_spec(bias=True, act="gelu")
+    d = json.loads(SaveZSpec(fwd, fwd.y).canonical_json())
+    assert manifest.parse({**doc, "entries": [{"spec": d}]})[0].spec.op == "save_z"
+    d["fwd"]["epilogue"]["activation"] = None
+    with pytest.raises(manifest.ManifestError, match=r"entries\[0\]\.spec is not a valid op spec: save_z: "
+                                                      r"fwd\.epilogue\.activation"):
+        manifest.parse({**doc, "entries": [{"spec": d}]})
