@@ -853,16 +853,31 @@ sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
 _SdpaFn = _eager_autograd(_sdpa_op_impl, _sdpa_setup, _sdpa_backward)
 
 
+def _sdpa_stats_shape(q) -> tuple:
+    """The softmax stats' shape: float32 [B, H, Sq, 1] (B = 1 for a 3-D query)."""
+    return (tuple(q.shape[:-3]) if q.dim() == 4 else (1,)) + tuple(q.shape[-3:-1]) + (1,)
+
+
+# Set on the stats tensor the cuDNN training forward wrote (a Python attribute: the tensor object reaches
+# setup_context unchanged, through the eager Function and the custom op's dispatch alike). Stats without it
+# (torch's forward ran, or a fake under tracing) never reach cuDNN's backward, whose graph would read them.
+_CUDNN_STATS = "_cudnn_fuse_sdpa_stats"
+
+
 def _sdpa_train_op_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                         scale: Optional[float], enable_gqa: bool) -> Tuple[Tensor, Tensor]:
-    """(o, stats): the training forward; stats float32 [B, H, Sq, 1] for the cuDNN
-    backward, or empty (0,) when cuDNN declined (the backward is then torch's)."""
+    """(o, stats): the training forward; stats float32 [B, H, Sq, 1] (the fake's), the row logsumexp
+    of the scaled scores for the cuDNN backward when cuDNN ran; -inf where cuDNN declined (torch's
+    forward ran, and the backward is then torch's)."""
     if backward.sdpa_train_usable(q, k, v, attn_mask):
         out = backward.sdpa_train_forward(q, k, v, attn_mask, is_causal, scale)
         if out is not None:
+            setattr(out[1], _CUDNN_STATS, True)
             return out
     o = sdpa_op(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-    return o, torch.empty((0,), dtype=torch.float32, device=q.device)
+    # not the stats (none were computed): a fixed value, so that equal calls give equal outputs, and -inf
+    # rather than a plausible logsumexp, so that a graph reading them by mistake gives no finite gradient
+    return o, torch.full(_sdpa_stats_shape(q), -math.inf, dtype=torch.float32, device=q.device)
 
 
 sdpa_train_op = torch.library.custom_op("cudnn_fuse::scaled_dot_product_attention_train",
@@ -871,24 +886,24 @@ sdpa_train_op = torch.library.custom_op("cudnn_fuse::scaled_dot_product_attentio
 
 @sdpa_train_op.register_fake
 def _sdpa_train_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa):
-    # used only in eager autograd (sdpa() below keeps torch.compile on sdpa_op),
-    # where the stats' shape is the fused path's
+    # used only in eager autograd (sdpa() below keeps torch.compile on sdpa_op); the real op's stats
+    # have this shape on either path
     o = _sdpa_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-    shape = (tuple(q.shape[:-3]) if q.dim() == 4 else (1,)) + tuple(q.shape[-3:-1]) + (1,)
-    return o, torch.empty(shape, dtype=torch.float32, device=q.device)
+    return o, torch.empty(_sdpa_stats_shape(q), dtype=torch.float32, device=q.device)
 
 
 def _sdpa_train_setup(ctx, inputs, output):
     q, k, v, mask, is_causal, scale, gqa = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.conf = (is_causal, scale, gqa)
+    ctx.cudnn_stats = getattr(output[1], _CUDNN_STATS, False)  # which forward wrote them (not their shape)
     ctx.save_for_backward(q, k, v, mask, output[0], output[1])
 
 
 def _sdpa_train_backward(ctx, go, _gstats):
     q, k, v, mask, o, stats = ctx.saved_tensors
     is_causal, scale, _ = ctx.conf
-    if stats.numel() > 0 and not (mask is not None and ctx.needs_input_grad[3]) and not _create_graph():
+    if ctx.cudnn_stats and not (mask is not None and ctx.needs_input_grad[3]) and not _create_graph():
         grads = backward.sdpa_grads(q, k, v, mask, o, stats, go, is_causal, scale)
         if grads is not None:
             return tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])) + (None,) * 4

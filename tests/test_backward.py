@@ -829,6 +829,45 @@ def test_sdpa_backward_plumbing(cudnn_on_cpu, monkeypatch, case):
     assert cudnn_on_cpu.ran == ["sdpa_train", "sdpa_backward"]
 
 
+def _sdpa_ref_grads(q, k, v, **kw):
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*leaves, **kw).backward(torch.ones(q.shape))
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("via", ["function", "dispatcher"])
+def test_sdpa_backward_after_a_declined_training_forward_is_torchs(cudnn_on_cpu, monkeypatch, via):
+    """Either forward returns stats of the fake's shape; which backward runs follows which forward
+    wrote them, not their shape: after torch's forward (cuDNN declined the training graph) the stats
+    are no logsumexp, and cuDNN's backward, which would read them, is never asked."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # torch_ops.sdpa picks the train op
+    cudnn_on_cpu.decline = lambda spec: spec.op in ("sdpa_train", "sdpa")
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    if via == "function":
+        o = torch_ops.sdpa(q, k, v, None, 0.0, True, None, False)
+    else:
+        o, stats = torch.ops.cudnn_fuse.scaled_dot_product_attention_train(q, k, v, None, True, None, False)
+        assert stats.shape == (2, 4, 16, 1) and stats.dtype == torch.float32
+    o.backward(torch.ones_like(o))
+    assert cudnn_on_cpu.declined[0] == "sdpa_train" and cudnn_on_cpu.ran == []
+    for got, want in zip((q.grad, k.grad, v.grad), _sdpa_ref_grads(q, k, v, is_causal=True)):
+        assert rel(got, want) < 2e-2
+
+
+def test_sdpa_training_op_through_the_dispatcher_keeps_cudnns_backward(cudnn_on_cpu, monkeypatch):
+    """The mark of cuDNN's stats reaches the backward through the custom op's own autograd (opcheck's and
+    torch.ops' path) as through the eager Function: its backward reads them."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    o, stats = torch.ops.cudnn_fuse.scaled_dot_product_attention_train(q, k, v, None, False, None, False)
+    s = (q.detach().float() @ k.detach().float().transpose(-1, -2)) / 8 ** 0.5
+    torch.testing.assert_close(stats, s.logsumexp(-1, keepdim=True))
+    o.backward(torch.ones_like(o))
+    assert cudnn_on_cpu.ran == ["sdpa_train", "sdpa_backward"]
+    for got, want in zip((q.grad, k.grad, v.grad), _sdpa_ref_grads(q, k, v)):
+        assert rel(got, want) < 2e-2
+
+
 # ------------------------------------------------------------------ the CPU path itself
 
 

@@ -55,6 +55,26 @@ def test_opcheck_sdpa(args):
     opcheck(torch_ops.sdpa_op, args)
 
 
+@pytest.mark.parametrize("args", [
+    (rg(2, 4, 5, 8), rg(2, 2, 6, 8), rg(2, 2, 6, 8), None, False, None, True),
+    (rg(2, 4, 5, 8), rg(2, 4, 5, 8), rg(2, 4, 5, 8), None, True, 0.3, False),
+    (rg(2, 4, 5, 8), rg(2, 4, 6, 8), rg(2, 4, 6, 8), torch.randn(2, 1, 5, 6, dtype=torch.float64), False, None, False),
+    (rg(3, 5, 8), rg(3, 6, 8), rg(3, 6, 8), torch.rand(5, 6) > 0.2, False, None, False),
+    (rg(2, 5, 4, 8).transpose(1, 2), rg(2, 6, 4, 8).transpose(1, 2), rg(2, 6, 4, 8).transpose(1, 2), None, False,
+     None, False),  # BSHD views
+])
+def test_opcheck_sdpa_train(args):
+    """The training op's fake gives the stats as float32 [B, H, Sq, 1]; where torch's forward runs (the
+    CPU, or cuDNN declining) the real op's stats have that shape, dtype and strides too (they were an
+    empty (0,) tensor, which opcheck's fake-tensor check failed on)."""
+    opcheck(torch_ops.sdpa_train_op, args)
+    o, stats = torch_ops.sdpa_train_op(*args)
+    q = args[0]
+    B = q.shape[0] if q.dim() == 4 else 1
+    assert stats.shape == (B, q.shape[-3], q.shape[-2], 1) and stats.dtype == torch.float32 and stats.is_contiguous()
+    torch.testing.assert_close(o, torch_ops.sdpa_op(*args))
+
+
 def test_torch_compile_fullgraph_has_no_graph_break():
     torch._dynamo.reset()
 
