@@ -24,8 +24,14 @@ _DTYPES = ("float16", "bfloat16")
 
 def gemm_spec(spec) -> Optional[MatmulSpec]:
     """The MatmulSpec that computes ``spec`` on views of its own operands, or None when ``spec``
-    is not a 1x1 stride-1 unpadded ungrouped conv over dense channels_last x, y and residual."""
+    is not a 1x1 stride-1 unpadded ungrouped conv over dense channels_last x, y and residual, with
+    its weight, output, bias and residual in x's dtype and its bias's K elements dense. The GEMM
+    reads the conv's own memory through these declarations (the raw launch gets the conv's
+    pointers), so an operand it cannot declare exactly (a hand-written manifest's) declines it:
+    the conv keeps its own plan."""
     if type(spec) is not ConvSpec or spec.x.dtype not in _DTYPES or spec.allow_tf32:
+        return None
+    if spec.w.dtype != spec.x.dtype or spec.y.dtype != spec.x.dtype:
         return None
     N, C, H, W = spec.x.shape
     K, Cw, R, S = spec.w.shape
@@ -42,8 +48,8 @@ def gemm_spec(spec) -> Optional[MatmulSpec]:
     M, dt = N * H * W, spec.x.dtype
     bias = residual = None
     if epi.bias is not None:
-        if tuple(epi.bias.shape) != (1, K, 1, 1):
-            return None
+        if tuple(epi.bias.shape) != (1, K, 1, 1) or epi.bias.dtype != dt or (K > 1 and epi.bias.stride[1] != 1):
+            return None  # the GEMM's bias is K dense elements of x's dtype
         bias = TensorSpec((1, 1, K), (K, K, 1), dt)  # what linear's epilogue names its [K] bias
     if epi.residual is not None:
         r = epi.residual

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import cudnn_fuse as cf
 from cudnn_fuse import autotune, conv_gemm, loader, reference, torch_engine
 from cudnn_fuse.builders import roles_of
-from cudnn_fuse.spec import ConvSpec, MatmulSpec
+from cudnn_fuse.spec import ConvSpec, Epilogue, MatmulSpec, TensorSpec, channels_last_strides
 from recorded import recorded_spec
 from tuning import DictCache, entry
 
@@ -97,6 +97,46 @@ def test_grouped_strided_layouts_and_other_specs_do_not_qualify():
     assert conv_gemm.gemm_spec(dataclasses.replace(res, epilogue=dataclasses.replace(res.epilogue, residual=r_nchw))) is None
     assert conv_gemm.gemm_spec(dataclasses.replace(spec, allow_tf32=True)) is None
     assert conv_gemm.gemm_spec(conv_gemm.gemm_spec(spec)) is None  # a MatmulSpec is not a conv
+
+
+def _hand_conv(K=24, dtype="float16", bias=None, w_dtype=None, y_dtype=None):
+    """A 1x1 channels_last ConvSpec written by hand, as a plan manifest may give one."""
+    x = TensorSpec((2, 16, 5, 3), channels_last_strides((2, 16, 5, 3)), dtype)
+    w = TensorSpec((K, 16, 1, 1), (16, 1, 16, 16), w_dtype or dtype)
+    y = TensorSpec((2, K, 5, 3), channels_last_strides((2, K, 5, 3)), y_dtype or dtype)
+    return ConvSpec(x, w, y, (1, 1), (0, 0), (0, 0), (1, 1), 1, Epilogue(bias=bias, activation="relu"))
+
+
+@pytest.mark.parametrize("why,bias", [
+    ("a float32 bias beside float16 operands", TensorSpec((1, 24, 1, 1), (24, 1, 24, 24), "float32")),
+    ("a bfloat16 bias beside float16 operands", TensorSpec((1, 24, 1, 1), (24, 1, 24, 24), "bfloat16")),
+    ("every other element", TensorSpec((1, 24, 1, 1), (48, 2, 48, 48), "float16")),
+    ("a broadcast (stride 0) bias", TensorSpec((1, 24, 1, 1), (0, 0, 0, 0), "float16")),
+    ("a bias read backwards", TensorSpec((1, 24, 1, 1), (24, -1, 24, 24), "float16")),
+])
+def test_a_bias_the_gemm_cannot_declare_exactly_keeps_the_convs_plan(why, bias):
+    """The GEMM declares its bias as K dense elements of x's dtype ([1, 1, K], strides (K, K, 1)) and
+    reads the conv's bias memory through that: another layout or dtype (only a hand-written
+    manifest gives one) would be misread, so gemm_spec declines."""
+    assert conv_gemm.gemm_spec(_hand_conv()) is not None
+    assert conv_gemm.gemm_spec(_hand_conv(bias=dataclasses.replace(bias, stride=(24, 1, 24, 24), dtype="float16"))) \
+        is not None
+    assert conv_gemm.gemm_spec(_hand_conv(bias=bias)) is None, why
+
+
+def test_a_dense_bias_qualifies_whatever_its_size_one_strides_and_a_single_channel_any_stride():
+    for stride in ((24, 1, 24, 24), (1, 1, 1, 1), (999, 1, 7, 0)):  # size-1 dims' strides address nothing
+        m = conv_gemm.gemm_spec(_hand_conv(bias=TensorSpec((1, 24, 1, 1), stride, "float16")))
+        assert m is not None and m.epilogue.bias == TensorSpec((1, 1, 24), (24, 24, 1), "float16")
+    m = conv_gemm.gemm_spec(_hand_conv(K=1, bias=TensorSpec((1, 1, 1, 1), (5, 5, 5, 5), "float16")))
+    assert m is not None and m.epilogue.bias == TensorSpec((1, 1, 1), (1, 1, 1), "float16")
+    assert conv_gemm.gemm_spec(_hand_conv(K=1, bias=TensorSpec((1, 1, 1, 1), (1, 1, 1, 1), "float32"))) is None
+
+
+@pytest.mark.parametrize("w_dtype,y_dtype", [("bfloat16", None), (None, "float32"), (None, "bfloat16")])
+def test_a_weight_or_output_in_another_dtype_than_x_keeps_the_convs_plan(w_dtype, y_dtype):
+    """The GEMM declares a, b and y in x's dtype: a weight or an output of another dtype would be misread."""
+    assert conv_gemm.gemm_spec(_hand_conv(w_dtype=w_dtype, y_dtype=y_dtype)) is None
 
 
 def _conv_buffers(spec, x, w, b, r):
