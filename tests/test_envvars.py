@@ -85,3 +85,42 @@ def test_number(monkeypatch, caplog, raw, kw, want):
 def test_number_unset_is_the_default(monkeypatch):
     monkeypatch.delenv("CUDNN_FUSE_TEST_NUMBER", raising=False)
     assert envvars.number("CUDNN_FUSE_TEST_NUMBER", 1 << 30, integer=True) == 1 << 30
+
+
+@pytest.mark.parametrize("raw, want", [("inf", 7), ("Infinity", 7), ("1e300", 7), ("10.5", 7), ("10", 10.0),
+                                       ("0", 0.0), ("-inf", 7), ("nan", 7)])
+def test_number_with_a_maximum(monkeypatch, caplog, raw, want):
+    monkeypatch.setenv("CUDNN_FUSE_TEST_NUMBER", raw)
+    with caplog.at_level(logging.WARNING, logger="cudnn_fuse.envvars"):
+        got = envvars.number("CUDNN_FUSE_TEST_NUMBER", 7, maximum=10)
+    assert got == want and type(got) is type(want)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == (want == 7)
+    assert all("CUDNN_FUSE_TEST_NUMBER" in m and "<= 10" in m for m in warned)
+
+
+@pytest.mark.parametrize("raw", ["inf", "+inf", "1e300", "3601"])
+def test_an_unbounded_tune_wait_is_a_logged_default(raw):
+    """The tune lock waited ``CUDNN_FUSE_TUNE_WAIT_S`` for another process's tuning: inf waited without
+    limit (the library hung as long as that process held the lock). A wait past an hour is now one
+    warning naming the variable, and the default."""
+    r = _import_with({"CUDNN_FUSE_TUNE_WAIT_S": raw})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["CUDNN_FUSE_TUNE_WAIT_S"] == 60.0
+    assert r.stderr.count("CUDNN_FUSE_TUNE_WAIT_S") == 1, r.stderr[-2000:]
+
+
+def test_a_tune_wait_up_to_an_hour_is_read():
+    r = _import_with({"CUDNN_FUSE_TUNE_WAIT_S": "3600"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["CUDNN_FUSE_TUNE_WAIT_S"] == 3600.0
+    assert "CUDNN_FUSE_TUNE_WAIT_S" not in r.stderr
+
+
+def test_the_readme_states_the_tune_waits_bound():
+    from cudnn_fuse import loader
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        row = next(line for line in f if line.startswith("| `CUDNN_FUSE_TUNE_WAIT_S`"))
+    assert f"{loader.TUNE_WAIT_MAX_S:g}" in row and "inf" in row
