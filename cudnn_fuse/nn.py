@@ -421,8 +421,14 @@ class AlignedLinear(torch.nn.Linear):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (ties kept)
-        self.pad = (-self.out_features) % 8  # zero rows that make the output 16-byte aligned in 16-bit
         self.train(linear.training)
+
+    @property
+    def pad(self) -> int:
+        """Zero rows that make the output 16-byte aligned in 16-bit, for the weight as it is now: a tied
+        weight resized in place (transformers' ``resize_token_embeddings`` replaces the embedding's
+        ``weight.data``) changes the width, and a pad fixed at construction would no longer align it."""
+        return (-self.weight.shape[0]) % 8
 
     @staticmethod
     def misaligned(out_features: int) -> bool:
@@ -436,18 +442,20 @@ class AlignedLinear(torch.nn.Linear):
         return cls.misaligned(linear.out_features) and linear.in_features * linear.out_features >= cls.MIN_WEIGHT
 
     def forward(self, x):
-        if self.pad and x.is_cuda and x.dtype in _ALIGNED_DTYPES and x.numel() * self.out_features >= self.MIN_MACS:
+        n = self.weight.shape[0]  # the width F.linear gives (out_features is only an attribute)
+        if n % 8 and x.is_cuda and x.dtype in _ALIGNED_DTYPES and x.numel() * n >= self.MIN_MACS:
             return self.padded_forward(x)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def padded_forward(self, x):
         """``F.linear`` computed at an aligned output width, then cut back to a view (on any device)."""
-        w = torch.nn.functional.pad(self.weight, (0, 0, 0, self.pad))
-        b = None if self.bias is None else torch.nn.functional.pad(self.bias, (0, self.pad))
-        return torch.nn.functional.linear(x, w, b)[..., :self.out_features]
+        n, pad = self.weight.shape[0], self.pad
+        w = torch.nn.functional.pad(self.weight, (0, 0, 0, pad))
+        b = None if self.bias is None else torch.nn.functional.pad(self.bias, (0, pad))
+        return torch.nn.functional.linear(x, w, b)[..., :n]
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", padded to {self.out_features + self.pad}"
+        return super().extra_repr() + f", padded to {self.weight.shape[0] + self.pad}"
 
 
 _ALIGNED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

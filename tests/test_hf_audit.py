@@ -113,3 +113,47 @@ def test_greedy_generation_with_left_padding_and_the_cache_gives_the_same_tokens
     with torch.no_grad():
         assert torch.equal(opt.generate(ids, **kw), model.generate(ids, **kw))
         assert torch.equal(opt.generate(ids, use_cache=False, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+@pytest.mark.parametrize("new_vocab", [50260, 50250, 50264, 50279])
+def test_the_lm_heads_pad_follows_resize_token_embeddings(new_vocab):
+    """GPT-2's lm_head is tied to wte: ``resize_token_embeddings`` replaces the shared weight's data in
+    place and sets ``out_features``, keeping the AlignedLinear. Its pad was computed once, so the padded
+    GEMM (still cut to the right width) was no longer aligned after a resize to another width (50257 ->
+    50260 kept 7 zero rows: rows 50267 wide). It now follows the weight's shape."""
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, n_positions=32, vocab_size=50257)).eval()
+    opt = cf.optimize(model)
+    assert isinstance(opt.lm_head, cf.nn.AlignedLinear) and opt.lm_head.pad == 7
+    for m in (model, opt):
+        torch.manual_seed(3)
+        m.resize_token_embeddings(new_vocab, mean_resizing=False)
+    head = opt.lm_head
+    assert isinstance(head, cf.nn.AlignedLinear) and head.weight is opt.transformer.wte.weight
+    assert head.weight.shape[0] == head.out_features == new_vocab
+    assert (new_vocab + head.pad) % 8 == 0 and 0 <= head.pad < 8
+    assert f"padded to {new_vocab + head.pad}" in repr(head)
+    head.forward = head.padded_forward  # the GPU's path, on the CPU
+    ids = torch.randint(0, new_vocab, (2, 8))
+    with torch.no_grad():
+        out, ref = opt(ids).logits, model(ids).logits
+    assert out.shape == (2, 8, new_vocab) and out.stride(-2) % 8 == 0  # rows 16-byte aligned in 16-bit
+    torch.testing.assert_close(out, ref)
+
+
+def test_an_aligned_linear_decides_to_pad_from_the_weights_width(monkeypatch):
+    """forward's choice of the padded GEMM reads the weight's current width: resized to an aligned one it
+    is plain F.linear (no pad), resized back to a misaligned one it pads again."""
+    lin = torch.nn.Linear(16, 13)
+    al = cf.nn.AlignedLinear(lin)
+    padded = []
+    monkeypatch.setattr(cf.nn.AlignedLinear, "padded_forward", lambda self, x: padded.append(self.pad) or
+                        torch.nn.functional.linear(x, self.weight, self.bias))
+    monkeypatch.setattr(cf.nn.AlignedLinear, "MIN_MACS", 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # forward's GPU test, on the CPU
+    x = torch.randn(3, 16)
+    for n, want in ((13, [3]), (16, []), (22, [2])):
+        with torch.no_grad():
+            lin.weight.data, lin.bias.data = torch.randn(n, 16), torch.randn(n)
+        padded.clear()
+        assert al(x).shape == (3, n) and padded == want and al.pad == (want[0] if want else 0)
