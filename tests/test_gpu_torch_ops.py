@@ -138,6 +138,43 @@ def test_cupy_in_cupy_out():
     assert float(cp.linalg.norm(y.astype(cp.float32) - ref) / cp.linalg.norm(ref)) < 1e-2
 
 
+def test_cupy_every_op_on_a_cupy_stream_with_amax():
+    """Each public op takes CuPy arrays made on a non-blocking CuPy stream and returns CuPy arrays whose
+    values, read on that stream, equal the torch call's (DLPack orders the two libraries' streams)."""
+    cp = pytest.importorskip("cupy")
+    torch.manual_seed(0)
+    h = torch.float16
+    x = torch.randn(4, 32, 16, 16, device="cuda", dtype=h).to(memory_format=torch.channels_last)
+    wc = (torch.randn(48, 32, 3, 3, device="cuda", dtype=h) * 0.05).to(memory_format=torch.channels_last)
+    a, b = torch.randn(128, 256, device="cuda", dtype=h), torch.randn(256, 64, device="cuda", dtype=h) * 0.1
+    q = torch.randn(2, 4, 128, 64, device="cuda", dtype=h)
+    calls = [
+        (cf.conv2d, (x, wc), dict(padding=1, activation="relu", return_amax=True)),
+        (cf.matmul, (a, b), dict(activation="gelu", return_amax=True)),
+        (cf.linear, (a, b.t().contiguous()), dict(activation="silu")),
+        (cf.scaled_dot_product_attention, (q, q, q), dict(is_causal=True)),
+    ]
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for fn, args, kw in calls:
+            want = fn(*args, **kw)
+            torch.cuda.synchronize()
+            ins = [cp.empty(tuple(t.shape), dtype=cp.float16) for t in args]
+            for arr, t in zip(ins, args):  # written on the CuPy stream: the op must wait for them
+                arr[...] = cp.asarray(t.contiguous().cpu().numpy())
+            got = fn(*ins, **kw)
+            want = want if isinstance(want, tuple) else (want,)
+            got = got if isinstance(got, tuple) else (got,)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert isinstance(g, cp.ndarray) and g.shape == tuple(w.shape), fn.__name__
+                ref = w.float().cpu().numpy()
+                val = cp.asnumpy(g.astype(cp.float32), stream=s)
+                s.synchronize()
+                err = float(abs(val - ref).max()) / max(float(abs(ref).max()), 1e-6)
+                assert err < 1e-2, (fn.__name__, err)
+
+
 @pytest.mark.parametrize("inline", [None, ()], ids=["default", "all_custom_ops"])
 def test_torch_compile_trains_on_cuda_with_eager_gradients(inline):
     """A training step under torch.compile on CUDA, with linear / matmul / attention inlined as
