@@ -104,6 +104,36 @@ def test_sdpa_gradients(dtype, case):
     check_grads(lambda q, k, v: cf.scaled_dot_product_attention(q, k, v, **kw), ref, (q, k, v), dtype)
 
 
+@pytest.mark.parametrize("via", ["function", "dispatcher"])
+def test_sdpa_backward_runs_cudnns_graph_on_the_cudnn_forwards_stats(via, monkeypatch):
+    """The training forward marks the stats cuDNN wrote; the backward reads that mark (not the stats'
+    size, which is the same on torch's path since 01d5537) and runs cuDNN's backward graph on them."""
+    from cudnn_fuse import backward, torch_ops
+
+    seen = []
+    real = backward.sdpa_grads
+
+    def counting(*args):
+        out = real(*args)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(backward, "sdpa_grads", counting)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    if via == "function":
+        o = cf.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        o, stats = torch.ops.cudnn_fuse.scaled_dot_product_attention_train(q, k, v, None, True, None, False)
+        assert getattr(stats, torch_ops._CUDNN_STATS, False) and stats.shape == (2, 4, 128, 1)
+        assert torch.isfinite(stats).all()
+    o.float().square().sum().backward()
+    assert seen == [True]
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True).square().sum().backward()
+    for t, r in zip((q, k, v), ref):
+        assert ((t.grad.double() - r.grad).norm() / r.grad.norm()).item() < 2e-2
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("act", ["gelu", "silu", "relu"])
 def test_linear_module_gradients(act, recompute):
