@@ -68,10 +68,38 @@ def _check_slope(negative_slope) -> None:
         raise TypeError(f"negative_slope must be a real number, got {negative_slope!r}") from None
 
 
+def weight_format(device):
+    """The memory format a cf conv layer's weight takes on ``device``: NCHW
+    (``torch.contiguous_format``) on the CPU, where cf's conv runs on NCHW operands (torch 2.13's CPU
+    conv corrupts the heap on channels_last ones, docs/decisions.md) and would copy a channels_last
+    weight at every call; ``torch.channels_last`` on CUDA, what cf's cuDNN conv takes without a copy
+    (``optimize()`` has always made it so), and on meta, which stands for the device a model is
+    materialized on later; None on any other device (left as it is)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return torch.contiguous_format
+    if kind in ("cuda", "meta"):
+        return torch.channels_last
+    return None
+
+
+def _plain_weight(w) -> bool:
+    """A 4-D Parameter of plain tensor data, whose ``.data`` can be given another layout (not a tensor
+    subclass such as a FakeTensor or a DTensor, not a parametrized weight: that is no Parameter here)."""
+    return isinstance(w, torch.nn.Parameter) and type(w.data) is torch.Tensor and w.dim() == 4
+
+
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` + fused epilogue: ``act(conv(x) + bias + residual)``.
 
-    ``forward(x, residual=None)``; x [N, C, H, W] (channels_last is fastest).
+    ``forward(x, residual=None)``; x [N, C, H, W] (channels_last is fastest on CUDA).
+
+    The weight's memory format follows its device (``weight_format``): moved to another device
+    (``.to()``, ``.cuda()``, ``.cpu()``, ``.to_empty()``, or ``torch.load`` with a ``map_location``
+    of a pickled layer), it becomes NCHW on the CPU and channels_last on CUDA. Only its ``.data``
+    changes: the Parameter stays the same object (optimizers and tied layers keep it), the values
+    and the state_dict are unchanged. A call that asks for a format itself
+    (``.to(memory_format=...)``, which changes the weight's strides) is left as asked.
 
     ``folded_bn``: the path of the BatchNorm2d that ``optimize()`` folded into this layer (eval mode
     only), else None. Such a layer refuses to run in training mode, where the BatchNorm2d would have
@@ -109,6 +137,43 @@ class Conv2d(torch.nn.Conv2d):
             raise ValueError(f"conv2d: residual must have the output's shape {tuple(y.shape)} or broadcast to it, "
                              f"got {_described(residual)}")
         return reference.activation(y + residual, self.activation, self.negative_slope)
+
+    def _apply(self, fn, recurse=True):
+        w = self._parameters.get("weight")
+        before = (w.device.type, w.stride()) if _plain_weight(w) else None
+        out = super()._apply(fn, recurse)
+        w = self._parameters.get("weight")  # the same Parameter, unless torch was told to make new ones
+        if before is not None and _plain_weight(w) and w.device.type != before[0] and w.stride() == before[1]:
+            self._weight_to_device_format()  # moved, with no format asked for
+        return out
+
+    def _weight_to_device_format(self) -> None:
+        """Give the weight ``weight_format(its device)`` by setting its ``.data`` (the Parameter object
+        stays: optimizers, tied layers and hooks on it keep working); nothing when it has it already."""
+        w = self._parameters.get("weight")
+        if not _plain_weight(w):
+            return
+        fmt = weight_format(w.device)
+        if fmt is None:
+            return
+        d = w.data
+        new = reference.nchw(d) if fmt is torch.contiguous_format else d.to(memory_format=fmt)
+        if new is not d:
+            w.data = new
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        w = self._parameters.get("weight")
+        if _plain_weight(w):  # where the weight was: loaded onto another device, it takes that device's format
+            state["_pickled_weight_device"] = w.device.type
+        return state
+
+    def __setstate__(self, state):
+        was = state.pop("_pickled_weight_device", None)
+        super().__setstate__(state)
+        w = self._parameters.get("weight")
+        if was is not None and _plain_weight(w) and w.device.type != was:  # torch.load's map_location moved it
+            self._weight_to_device_format()
 
     def _folded_in_training(self):
         raise RuntimeError(f"conv2d: optimize() folded BatchNorm2d {self.folded_bn!r} into this layer because the model "

@@ -648,12 +648,23 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
     return gm
 
 
+def _channels_last_off_the_cpu(t: torch.Tensor) -> torch.Tensor:
+    """What ``Module.to(memory_format=torch.channels_last)`` does to a 4-D tensor, for tensors off the
+    CPU: channels_last is what cuDNN's convs take without a copy, while on the CPU cf's conv runs on
+    NCHW operands (a channels_last one is copied at every call) and torch's own CPU conv corrupts the
+    heap on some (docs/decisions.md). Other ranks stay as they are (``Module.to`` raised on a 5-D one)."""
+    return t.to(memory_format=torch.channels_last) if t.dim() == 4 and t.device.type != "cpu" else t
+
+
 def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, inplace: bool = False,
              chain_convs: bool | None = None) -> nn.Module:
     """Return ``model`` with its fusable patterns on cudnn_fuse ops (see the module doc).
 
     Eval mode folds BatchNorm2d into the convs (inference); in train mode BN stays.
-    Convs' models are moved to channels_last once. ``autotune`` turns on
+    A model with convs has its 4-D parameters and buffers moved to channels_last once where they
+    are on a GPU (or meta); on the CPU they stay as they are, and the fused convs' weights are
+    NCHW there (cf's CPU conv runs on NCHW operands). A fused conv's weight follows its device
+    later (``cudnn_fuse.nn.Conv2d``: channels_last once moved to CUDA). ``autotune`` turns on
     autotuning of new plans; ``recompute`` is given to the Linear modules.
     ``chain_convs`` (default ``CUDNN_FUSE_CONV_CHAIN``, on): runs of fused convs with no
     activation or ReLU, each feeding only the next, become one ``cudnn_fuse.nn.ConvChain``
@@ -684,7 +695,10 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
         summary.replaced.append((type(model).__name__, "transformers sdpa attention -> cudnn_fuse attention"))
     out = _rewrite(model, summary, "", recompute, chain_convs)
     if any(isinstance(m, nn.Conv2d) for m in out.modules()):
-        out = out.to(memory_format=torch.channels_last)
+        out = out._apply(_channels_last_off_the_cpu)
+        for m in out.modules():
+            if isinstance(m, cfnn.Conv2d):
+                m._weight_to_device_format()
     out.cudnn_fuse_summary = summary
     log.info("%s", summary)
     return out
