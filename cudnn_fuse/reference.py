@@ -44,14 +44,31 @@ def amax(y: torch.Tensor) -> torch.Tensor:
 
 
 def epilogue(z, bias=None, residual=None, act=None, negative_slope=0.01, return_amax=False, bias_shape=None,
-             out_dtype=None):
+             out_dtype=None, owned=False):
     """y = act(z + bias + residual) rounded once to ``out_dtype`` (default: z's dtype); optionally (y, amax).
 
     ``bias_shape`` reshapes a 1-D bias to broadcast against z (e.g. [1, C, 1, 1]).
+    ``owned``: z is a fresh tensor no one else holds (the CPU conv's output): the adds and a ReLU or
+    leaky ReLU then run in place on it, the same arithmetic with no new tensor a step, unless autograd
+    records these operations or the residual would broadcast z to a larger shape.
     """
     out_dtype = out_dtype or z.dtype
     acc = torch.promote_types(out_dtype, torch.float32)
     t = z.to(acc)
+    if owned and (residual is None or isinstance(residual, torch.Tensor) and residual.shape == t.shape) and not (torch.is_grad_enabled() and any(
+            v is not None and v.requires_grad for v in (z, bias, residual))):
+        if bias is not None:
+            t.add_((bias.reshape(bias_shape) if bias_shape is not None else bias).to(acc))
+        if residual is not None:
+            t.add_(residual.to(acc))
+        if act == "relu":
+            t = t.relu_()
+        elif act == "leaky_relu":
+            t = F.leaky_relu(t, negative_slope, inplace=True)
+        else:
+            t = activation(t, act, negative_slope)
+        y = t.to(out_dtype)
+        return (y, amax(y)) if return_amax else y
     if bias is not None:
         t = t + (bias.reshape(bias_shape) if bias_shape is not None else bias).to(acc)
     if residual is not None:
@@ -92,9 +109,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     if _cpu_16bit(x):  # convolve in float32, round once after bias and residual
         z = _cpu_conv(x.float(), weight.float(), stride, padding, dilation, groups)
         return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape,
-                        out_dtype=x.dtype)
-    z = _cpu_conv(x, weight, stride, padding, dilation, groups)
-    return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape)
+                        out_dtype=x.dtype, owned=True)
+    z = _cpu_conv(x, weight, stride, padding, dilation, groups)  # a fresh tensor: the epilogue runs in place on it
+    return epilogue(z, bias, residual, activation, negative_slope, return_amax, bias_shape=shape, owned=True)
 
 
 def _cpu_conv(x, weight, stride, padding, dilation, groups):
@@ -103,8 +120,9 @@ def _cpu_conv(x, weight, stride, padding, dilation, groups):
     and the weight gradient of a float32 1x1 stride-2 conv of a [3, 8, 16, 16] input corrupts the
     heap ("malloc(): unaligned tcache chunk", a segfault; tests/test_reference.py runs it in a
     subprocess) when either operand has channels_last strides, including a 1x1 weight whose
-    strides say channels_last while is_contiguous() is true. optimize() makes a conv's weight
-    channels_last, so a float32 CPU training step of a plain NCHW model reached it."""
+    strides say channels_last while is_contiguous() is true. optimize() made a conv's weight
+    channels_last, so a float32 CPU training step of a plain NCHW model reached it; it no longer does
+    on the CPU (cudnn_fuse.nn.weight_format), so NCHW operands reach torch here with no copy."""
     fmt = conv_format(x, weight)
     z = F.conv2d(nchw(x), nchw(weight), None, stride, padding, dilation, groups)
     return z if fmt is None else z.contiguous(memory_format=fmt)

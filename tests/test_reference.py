@@ -562,3 +562,74 @@ def test_cpu_conv_output_and_gradient_layouts_follow_torch():
         F.silu(F.conv2d(xt, wt, None, 1, r // 2)).sum().backward()
         torch.testing.assert_close(xc.grad, xt.grad)
         torch.testing.assert_close(wc.grad, wt.grad)
+
+
+class _OpCounts:
+    """A dispatch mode counting the aten ops (by overload packet name) a call runs."""
+
+    def __enter__(self):
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[func.overloadpacket.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("act, dtype, amax", [("relu", torch.float32, False), ("leaky_relu", torch.float32, True),
+                                              ("gelu", torch.float32, False), ("relu", torch.bfloat16, False),
+                                              (None, torch.float64, False)])
+def test_the_cpu_conv_epilogue_runs_in_place_on_the_conv_output(act, dtype, amax):
+    """Outside autograd the CPU conv adds the bias and residual and applies a ReLU / leaky ReLU in place on
+    its own fresh output: the epilogue's arithmetic, with no new tensor a step (each step allocated one, 3 of
+    a bottleneck's 4 full passes over the output beside the conv's). The inputs stay as they were."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 8, 9, 9, dtype=dtype), torch.randn(16, 8, 3, 3, dtype=dtype)
+    b, r = torch.randn(16, dtype=dtype), torch.randn(2, 16, 9, 9, dtype=dtype)
+    b0, r0 = b.clone(), r.clone()
+    with torch.no_grad(), _OpCounts() as ops_run:
+        got = reference.conv2d(x, w, b, 1, 1, activation=act, residual=r, return_amax=amax, negative_slope=0.2)
+    y = got[0] if amax else got
+    assert ops_run.counts["add"] == 0 and ops_run.counts["add_"] == 2, dict(ops_run.counts)
+    if act in ("relu", "leaky_relu"):
+        assert ops_run.counts[act] == 0 and ops_run.counts[act + "_"] == 1, dict(ops_run.counts)
+    assert torch.equal(b, b0) and torch.equal(r, r0)
+    # the out-of-place epilogue on the same conv output: the same numbers, bit for bit
+    z = F.conv2d(x.float() if dtype is torch.bfloat16 else x, w.float() if dtype is torch.bfloat16 else w, None, 1, 1)
+    want = reference.epilogue(z, b, r, act, 0.2, amax, bias_shape=(1, -1, 1, 1), out_dtype=dtype)
+    assert y.dtype == dtype and torch.equal(y, want[0] if amax else want)
+    if amax:
+        assert torch.equal(got[1], want[1])
+
+
+def test_the_cpu_conv_epilogue_stays_out_of_place_where_it_must():
+    """Under autograd (the reference's operands requiring grad) and for a residual that broadcasts the
+    output to a larger shape, the epilogue makes new tensors, as before: gradients and shapes as torch's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    y = reference.conv2d(x, w, b, 1, 1, activation="relu")
+    want = F.relu(F.conv2d(x, w, b, 1, 1))
+    g = torch.randn_like(want)
+    got_grads = torch.autograd.grad(y, (x, w, b), g)
+    want_grads = torch.autograd.grad(want, (x, w, b), g)
+    for a, e in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, e)
+    with torch.no_grad():  # a [1, K, 1, 1] output against a [2, K, 3, 3] residual: torch's add broadcasts
+        x1, w1 = torch.randn(1, 4, 3, 3), torch.randn(8, 4, 3, 3)
+        r = torch.randn(2, 8, 3, 3)
+        got = reference.conv2d(x1, w1, None, 1, 0, activation="relu", residual=r)
+        assert got.shape == (2, 8, 3, 3)
+        torch.testing.assert_close(got, F.relu(F.conv2d(x1, w1) + r))
