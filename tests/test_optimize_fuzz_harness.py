@@ -33,7 +33,7 @@ def no_residual(z, bias=None, residual=None, *a, **k):
 
 
 def act_before_residual(z, bias=None, residual=None, act=None, negative_slope=0.01, return_amax=False,
-                        bias_shape=None, out_dtype=None):
+                        bias_shape=None, out_dtype=None, owned=False):
     y = _epilogue(z, bias, None, act, negative_slope, False, bias_shape, torch.float32)
     y = (y + residual.float() if residual is not None else y).to(out_dtype or z.dtype)
     return (y, reference.amax(y)) if return_amax else y
