@@ -138,6 +138,39 @@ def test_cupy_in_cupy_out():
     assert float(cp.linalg.norm(y.astype(cp.float32) - ref) / cp.linalg.norm(ref)) < 1e-2
 
 
+def test_a_model_optimized_on_the_cpu_then_moved_gets_channels_last_conv_weights():
+    """optimize() on the CPU leaves the fused convs' weights NCHW (cf's CPU conv runs on NCHW operands);
+    moved to CUDA they become channels_last, as optimize() on CUDA makes them, and both models give
+    the same outputs; moved back, NCHW again. The Parameter objects are the optimizer's still."""
+    torch.manual_seed(0)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 1), nn.SiLU()).eval()
+
+    on_cpu = cf.optimize(make())
+    convs = [m for m in on_cpu.modules() if isinstance(m, cf.nn.Conv2d)]
+    assert convs and all(m.weight.is_contiguous() for m in convs)
+    params = [m.weight for m in convs]
+    moved = on_cpu.cuda().half()
+    assert all(m.weight is p for m, p in zip(convs, params))
+    for m in convs:
+        assert m.weight.is_cuda and m.weight.is_contiguous(memory_format=torch.channels_last), m.weight.stride()
+    direct = cf.optimize(make().cuda().half())
+    for m in direct.modules():
+        if isinstance(m, cf.nn.Conv2d):
+            assert m.weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(4, 16, 20, 20, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        a, b = moved(x), direct(x)
+        ref = make().cuda().double()(x.double())
+    assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 1e-3
+    assert ((a.double() - ref).norm() / ref.norm()).item() < 1e-2
+    back = moved.cpu()
+    assert all(m.weight.device.type == "cpu" and m.weight.is_contiguous() for m in back.modules()
+               if isinstance(m, cf.nn.Conv2d))
+
+
 def test_cupy_every_op_on_a_cupy_stream_with_amax():
     """Each public op takes CuPy arrays made on a non-blocking CuPy stream and returns CuPy arrays whose
     values, read on that stream, equal the torch call's (DLPack orders the two libraries' streams)."""
