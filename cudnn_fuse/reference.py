@@ -55,25 +55,20 @@ def epilogue(z, bias=None, residual=None, act=None, negative_slope=0.01, return_
     out_dtype = out_dtype or z.dtype
     acc = torch.promote_types(out_dtype, torch.float32)
     t = z.to(acc)
-    if owned and (residual is None or isinstance(residual, torch.Tensor) and residual.shape == t.shape) and not (torch.is_grad_enabled() and any(
-            v is not None and v.requires_grad for v in (z, bias, residual))):
-        if bias is not None:
-            t.add_((bias.reshape(bias_shape) if bias_shape is not None else bias).to(acc))
-        if residual is not None:
-            t.add_(residual.to(acc))
-        if act == "relu":
-            t = t.relu_()
-        elif act == "leaky_relu":
-            t = F.leaky_relu(t, negative_slope, inplace=True)
-        else:
-            t = activation(t, act, negative_slope)
-        y = t.to(out_dtype)
-        return (y, amax(y)) if return_amax else y
+    inplace = owned and (residual is None or isinstance(residual, torch.Tensor) and residual.shape == t.shape) \
+        and not (torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (z, bias, residual)))
     if bias is not None:
-        t = t + (bias.reshape(bias_shape) if bias_shape is not None else bias).to(acc)
+        b = (bias.reshape(bias_shape) if bias_shape is not None else bias).to(acc)
+        t = t.add_(b) if inplace else t + b
     if residual is not None:
-        t = t + residual.to(acc)
-    y = activation(t, act, negative_slope).to(out_dtype)
+        t = t.add_(residual.to(acc)) if inplace else t + residual.to(acc)
+    if inplace and act == "relu":
+        t = t.relu_()
+    elif inplace and act == "leaky_relu":
+        t = F.leaky_relu(t, negative_slope, inplace=True)
+    else:
+        t = activation(t, act, negative_slope)
+    y = t.to(out_dtype)
     return (y, amax(y)) if return_amax else y
 
 
