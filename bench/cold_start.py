@@ -29,10 +29,13 @@ def child() -> None:
 
     from cudnn_fuse.cache import open_default_cache
 
-    graphs = cold_start_graphs()  # inputs made before timing
+    eager = os.environ.get("COLD_START_EAGER") == "1"
+    graphs = cold_start_graphs(eager=eager)  # inputs made before timing
     t0 = time.perf_counter()
     plans.handle_for(0)  # cuDNN library load + handle: process start-up, not per-graph cost
     open_default_cache()  # environment fingerprint + opening the cache: once per process
+    if eager:  # torch's cuBLAS handle and workspace, its own process start-up (one tiny float32 product)
+        torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
     torch.cuda.synchronize()
     setup_ms = 1e3 * (time.perf_counter() - t0)
     preload = _preload_cudnn_libraries() if os.environ.get("COLD_START_PRELOAD") == "1" else None
@@ -112,8 +115,8 @@ def _driver_cache() -> dict:
 
 
 def run_child(cache_dir: str, autotune: bool, budget_s: float, profile: bool = False, preload: bool = False,
-              extra_env: dict | None = None) -> dict:
-    env = dict(os.environ, **(extra_env or {}), COLD_START_PROFILE="1" if profile else "0", COLD_START_PRELOAD="1" if preload else "0", CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_AUTOTUNE="1" if autotune else "0",
+              extra_env: dict | None = None, eager: bool = False) -> dict:
+    env = dict(os.environ, **(extra_env or {}), COLD_START_EAGER="1" if eager else "0", COLD_START_PROFILE="1" if profile else "0", COLD_START_PRELOAD="1" if preload else "0", CUDNN_FUSE_CACHE_DIR=cache_dir, CUDNN_FUSE_AUTOTUNE="1" if autotune else "0",
                CUDNN_FUSE_TUNE_BUDGET_S=str(budget_s), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, capture_output=True, text=True,
                        timeout=900)
@@ -133,6 +136,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jit-probe", action="store_true",
                     help="one more warm process with the driver's kernel cache off (CUDA_CACHE_DISABLE=1): "
                          "do the slow first calls compile PTX?")
+    ap.add_argument("--eager-probe", action="store_true",
+                    help="one more fresh process running the same 32 computations as plain PyTorch ops: what torch's "
+                         "own first calls cost a process (its cuDNN convs load the same engines)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -150,6 +156,7 @@ def main(argv=None) -> int:
         driver_cache = _driver_cache()
         nojit = run_child(tune_dir, autotune=True, budget_s=args.budget_s,
                           extra_env={"CUDA_CACHE_DISABLE": "1"}) if args.jit_probe else None
+        eager = run_child(heur_dir, autotune=False, budget_s=args.budget_s, eager=True) if args.eager_probe else None
     n = len(heur["per_graph_ms"])
 
     def mean(r):
@@ -188,6 +195,12 @@ def main(argv=None) -> int:
         result["warm_driver_cache_off"] = {"mean_ms_per_graph": mean(nojit), "median_ms_per_graph": median(nojit),
                                            "per_graph_ms": {k: round(v, 3) for k, v in nojit["per_graph_ms"].items()},
                                            "cpu_ms": {k: v["cpu"] for k, v in nojit["parts_ms"].items()}}
+    if eager is not None:  # torch eager's first calls in a fresh process, after the same process set-up
+        result["eager_first_call"] = {"mean_ms_per_graph": mean(eager), "median_ms_per_graph": median(eager),
+                                      "process_setup_ms": round(eager["setup_ms"], 1),
+                                      "per_graph_ms": {k: round(v, 3) for k, v in eager["per_graph_ms"].items()},
+                                      "second_call_ms": {k: v["second_call"] for k, v in eager["parts_ms"].items()},
+                                      "cpu_ms": {k: v["cpu"] for k, v in eager["parts_ms"].items()}}
     write_json(os.path.join(args.out, "cold_start.json"), result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("per_graph_ms", "stats")}, indent=1))
     return 0
