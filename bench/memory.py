@@ -226,6 +226,10 @@ def main(argv=None) -> int:
     ap.add_argument("--conv-chain-ab", action="store_true",
                     help="the conv row also with its layers chained (one autograd node), interleaved in the same rounds")
     ap.add_argument("--only", choices=("mlp", "conv"), help="run only these cases")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="only the kept-z MLP row, with a third model in the same rounds: eager with its GELUs "
+                         "replaced by nn.Identity (no activation kernel forward or backward), the most any fusion "
+                         "of the activation could save; written to memory_ceiling.json")
     ap.add_argument("--calling-thread", action="store_true",
                     help="run every backward on the calling thread (torch.autograd.set_multithreading_enabled(False)), "
                          "eager's and cf's alike; written to memory_calling_thread.json")
@@ -238,6 +242,17 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     bf = torch.bfloat16
     rows = []
+    if args.ceiling:
+        base = mlp().cuda().to(bf)
+        x = torch.randn(8192, 2048, device="cuda", dtype=bf, requires_grad=True)
+        bare = copy.deepcopy(base)
+        for i, m in enumerate(bare):
+            if isinstance(m, nn.GELU):
+                bare[i] = nn.Identity()
+        rows += variant_case("mlp_linear_gelu", base, cf.optimize(copy.deepcopy(base)), x, bare,
+                             " [eager without the activation]")
+        write_json(os.path.join(args.out, "memory_ceiling.json"), {"device": device_name(), "rounds": ROUNDS, "cases": rows})
+        return 0
     if args.only != "conv":
         base = mlp().cuda().to(bf)
         x = torch.randn(8192, 2048, device="cuda", dtype=bf, requires_grad=True)

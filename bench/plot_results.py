@@ -24,7 +24,7 @@ import sys
 RECOMPUTE_TARGET = (0.70, 1.35, False)
 PLAIN_TARGET = (1.00, 1.00, True)
 WARM_TARGET_MS = 2.0  # issue 3
-COLD_MODES = ("cold_heuristic", "cold_autotune", "warm")
+COLD_MODES = ("cold_heuristic", "cold_autotune", "warm", "torch_eager_first_call")
 
 
 def _num(x) -> bool:
@@ -62,8 +62,10 @@ def memory_rows(doc: dict) -> list:
 def cold_rows(doc: dict) -> list:
     """(graph, {mode: ms}) per graph of cold_start.json, in the file's order; modes not measured
     for a graph are left out of its dict."""
+    eager = (doc.get("eager_first_call") or {}).get("per_graph_ms") or {}  # --eager-probe: torch's own first calls
     rows = []
     for name, per in (doc.get("per_graph_ms") or {}).items():
+        per = dict(per, torch_eager_first_call=eager.get(name))
         rows.append((name, {m: per[m] for m in COLD_MODES if _num(per.get(m))}))
     return rows
 
@@ -113,12 +115,14 @@ def plot_cold(doc: dict, path: str) -> int:
     rows = cold_rows(doc)
     if not rows:
         raise ValueError("cold_start.json has no per_graph_ms")
-    colors = {"cold_heuristic": "tab:orange", "cold_autotune": "tab:red", "warm": "tab:blue"}
+    colors = {"cold_heuristic": "tab:orange", "cold_autotune": "tab:red", "warm": "tab:blue",
+              "torch_eager_first_call": "tab:grey"}
     summary = cold_summary(rows)
+    modes = [m for m in COLD_MODES if m in summary]
     fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(rows) + 6), 5.5))
-    width = 0.27
-    for k, m in enumerate(COLD_MODES):
-        xs = [i + (k - 1) * width for i, (_, per) in enumerate(rows) if m in per]
+    width = 0.8 / max(1, len(modes))
+    for k, m in enumerate(modes):
+        xs = [i + (k - (len(modes) - 1) / 2) * width for i, (_, per) in enumerate(rows) if m in per]
         ys = [per[m] for _, per in rows if m in per]
         mean, median = summary.get(m, (float("nan"), float("nan")))
         ax.bar(xs, ys, width=width, color=colors[m], label=f"{m}: mean {mean:.1f}, median {median:.1f} ms")

@@ -442,7 +442,12 @@ def test_cold_rows_and_summary_over_the_graphs_measured():
     assert summary["cold_heuristic"] == pytest.approx((200.0, 200.0))
     assert summary["cold_autotune"] == pytest.approx((900.0, 900.0))
     assert summary["warm"] == pytest.approx((3.0, 2.0))
+    assert "torch_eager_first_call" not in summary  # no --eager-probe in this file
     assert pr.cold_rows({}) == [] and pr.cold_summary([]) == {}
+    doc["eager_first_call"] = {"per_graph_ms": {"a": 40.0, "c": 10.0, "gone": 99.0}}  # --eager-probe's own per-graph times
+    rows = pr.cold_rows(doc)
+    assert [r[1].get("torch_eager_first_call") for r in rows] == [40.0, None, 10.0]
+    assert pr.cold_summary(rows)["torch_eager_first_call"] == pytest.approx((25.0, 25.0))
 
 
 def test_plot_results_writes_both_pngs(tmp_path):
@@ -451,7 +456,8 @@ def test_plot_results_writes_both_pngs(tmp_path):
     mem, cold = tmp_path / "memory.json", tmp_path / "cold.json"
     mem.write_text(json.dumps({"device": "X", "cases": [_mem_case("mlp", 1.0, 0.9), _mem_case("m_recompute", 0.6, 1.2)]}))
     cold.write_text(json.dumps({"graphs": 2, "warm_plans_built": 0,
-                                "per_graph_ms": {"a": {"cold_heuristic": 30.0, "warm": 2.0}, "b": {"warm": 1.5}}}))
+                                "per_graph_ms": {"a": {"cold_heuristic": 30.0, "warm": 2.0}, "b": {"warm": 1.5}},
+                                "eager_first_call": {"per_graph_ms": {"a": 9.0, "b": 4.0}}}))
     assert pr.main(["--memory", str(mem), "--cold", str(cold), "--out-dir", str(tmp_path / "out")]) == 0
     for png in ("memory.png", "cold_start.png"):
         data = (tmp_path / "out" / png).read_bytes()
