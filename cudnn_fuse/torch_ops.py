@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backward, cublaslt, ops, reference, triton_act, triton_gemm, tuned_gemm
+from . import backward, cublaslt, cutlass_mlp, ops, reference, triton_act, triton_gemm, tuned_gemm
 
 # ------------------------------------------------------------------------ helpers
 
@@ -611,7 +611,8 @@ def _saved_tensor_hooks_active() -> bool:
 def _mlp_save_z(x, w1, b1, act, slope):
     """(y1, z1) of a FusedMLP block's first layer: cuDNN's save-z graph when backward.MLP is
     "cudnn", one Triton GEMM writing both when it is "triton" (cudnn_fuse.triton_gemm), for the
-    tanh GELU one cuBLASLt GEMM (GELU_AUX_BIAS) when it is "cublaslt", else
+    tanh GELU one cuBLASLt GEMM (GELU_AUX_BIAS) when it is "cublaslt", for the exact GELU (bf16)
+    one CUTLASS GEMM when it is "cutlass" (cudnn_fuse.cutlass_mlp), else
     eager's kernels (the GEMM with its bias, then the activation); a declined graph or kernel runs
     eager's."""
     if backward.MLP == "cudnn":
@@ -622,6 +623,10 @@ def _mlp_save_z(x, w1, b1, act, slope):
             return out
     if backward.MLP == "cublaslt" and act == "gelu_tanh" and x.is_cuda and not _create_graph():
         out = cublaslt.linear_gelu_aux(x, w1, b1)  # one GEMM, GELU in its epilogue, z its aux output
+        if out is not None:
+            return out
+    if backward.MLP == "cutlass" and act == "gelu" and x.is_cuda and not _create_graph():
+        out = cutlass_mlp.linear_gelu_aux(x, w1, b1)  # one CUTLASS GEMM, exact GELU in its epilogue, z its aux output
         if out is not None:
             return out
     if not x.is_cuda:
@@ -706,6 +711,12 @@ def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
         fused = None
         if backward.MLP == "triton" and gy.is_cuda and not _create_graph():
             fused = triton_gemm.matmul_act_grad(gy, w2, z1, act, needs[2])
+        elif backward.MLP == "cutlass" and act == "gelu" and gy.is_cuda and not _create_graph():
+            dz = cutlass_mlp.dgelu(gy, w2, z1)  # dz from one CUTLASS GEMM (exact GELU's backward in its epilogue)
+            if dz is not None:
+                del z1
+                dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
+                return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
         elif backward.MLP == "cublaslt" and act == "gelu_tanh" and gy.is_cuda and not _create_graph():
             out = cublaslt.dgelu_bgrad(gy, w2, z1, False)  # dz from one GEMM (DGELU); db1 below, z1 freed first
             if out is not None:

@@ -1,0 +1,187 @@
+// nn.FusedMLP's exact-GELU epilogues as CUTLASS 3 Hopper GEMMs (CUDNN_FUSE_MLP_KERNELS=cutlass):
+//
+//   forward  : z = x @ w1^T + b1 (stored, the aux output) and y = gelu(z) from ONE GEMM;
+//   backward : dz = (dY @ W2) * gelu'(z) from ONE GEMM, z read in the epilogue.
+//
+// Both compute each element as eager PyTorch does: GELU of the bf16-rounded z, and gelu_backward of
+// the bf16-rounded product, in float with erff/expf in aten's order (no fast math). bf16 only, sm_90a.
+// Built by bench/build_cutlass.sh into cudnn_fuse/_cutlass_mlp.so and loaded through ctypes
+// (cudnn_fuse/cutlass_mlp.py); where it is absent, the torch kernels run.
+//
+// torch's row-major [rows, n] output is CUTLASS's column-major (M = n, N = rows): the features are
+// CUTLASS's rows, so b1 is a per-row bias and both operands stay K-major except W2 in the backward.
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <type_traits>
+
+#include "cutlass/cutlass.h"
+#include "cute/tensor.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+using namespace cute;
+using BF = cutlass::bfloat16_t;
+
+namespace cf {
+
+// aten's GELU (approximate='none') of a bf16 value, in float
+__device__ __forceinline__ float gelu_bf16(float z) {
+  const float x = float(BF(z));
+  const float kAlpha = float(M_SQRT1_2);
+  return x * 0.5f * (1.0f + erff(x * kAlpha));
+}
+
+// aten's gelu_backward (approximate='none'): dy rounded to bf16 as eager's product is
+__device__ __forceinline__ float dgelu_bf16(float dy, float z) {
+  const float d = float(BF(dy));
+  const float x = z;
+  const float kBeta = float(M_2_SQRTPI * M_SQRT1_2 * 0.5);
+  const float kAlpha = float(M_SQRT1_2);
+  const float cdf = 0.5f * (1.0f + erff(x * kAlpha));
+  const float pdf = expf(-0.5f * x * x) * kBeta;
+  return d * (cdf + x * pdf);
+}
+
+template <class T> struct GeluBf16;
+template <> struct GeluBf16<float> {
+  CUTLASS_DEVICE float operator()(float z) const { return gelu_bf16(z); }
+};
+template <int N> struct GeluBf16<cutlass::Array<float, N>> {
+  CUTLASS_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& z) const {
+    cutlass::Array<float, N> y;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) y[i] = gelu_bf16(z[i]);
+    return y;
+  }
+};
+
+template <class T> struct DGeluBf16;
+template <> struct DGeluBf16<float> {
+  CUTLASS_DEVICE float operator()(float d, float z) const { return dgelu_bf16(d, z); }
+};
+template <int N> struct DGeluBf16<cutlass::Array<float, N>> {
+  CUTLASS_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& d,
+                                                     cutlass::Array<float, N> const& z) const {
+    cutlass::Array<float, N> y;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) y[i] = dgelu_bf16(d[i], z[i]);
+    return y;
+  }
+};
+
+template <bool Fwd, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+struct Gemm {
+  using LayoutA = std::conditional_t<Fwd, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::ColumnMajor;
+  using Fusion = std::conditional_t<Fwd,
+      cutlass::epilogue::fusion::LinCombPerRowBiasEltActAux<LayoutD, GeluBf16, BF, float, BF, BF>,
+      cutlass::epilogue::fusion::LinCombDeEltAct<LayoutD, DGeluBf16, BF, float, BF>>;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD, 8, BF, LayoutD, 8, EpilogueSchedule, Fusion>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, BF, LayoutA, 8, BF, LayoutB, 8, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue>;
+  using Op = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+using CoopEpi = cutlass::epilogue::TmaWarpSpecializedCooperative;
+using Ping = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using PingEpi = cutlass::epilogue::TmaWarpSpecialized;
+
+// config 0: cooperative 128x256x64, cluster 2x1; 1: pingpong 128x128x64, cluster 2x1; 2: cooperative 256x128x64, cluster 1x2
+template <bool Fwd, int Cfg> struct Pick;
+template <bool Fwd> struct Pick<Fwd, 0> { using G = Gemm<Fwd, Shape<_128, _256, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>; };
+template <bool Fwd> struct Pick<Fwd, 1> { using G = Gemm<Fwd, Shape<_128, _128, _64>, Shape<_2, _1, _1>, Ping, PingEpi>; };
+template <bool Fwd> struct Pick<Fwd, 2> { using G = Gemm<Fwd, Shape<_256, _128, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>; };
+
+template <bool Fwd, int Cfg>
+typename Pick<Fwd, Cfg>::G::Op::Arguments make_args(int M, int N, int K, const void* A, const void* B, void* D,
+                                                     const void* bias, void* aux, int sms) {
+  using Op = typename Pick<Fwd, Cfg>::G::Op;
+  using GK = typename Op::GemmKernel;
+  auto sA = cutlass::make_cute_packed_stride(typename GK::StrideA{}, make_shape(M, K, 1));
+  auto sB = cutlass::make_cute_packed_stride(typename GK::StrideB{}, make_shape(N, K, 1));
+  auto sC = cutlass::make_cute_packed_stride(typename GK::StrideC{}, make_shape(M, N, 1));
+  auto sD = cutlass::make_cute_packed_stride(typename GK::StrideD{}, make_shape(M, N, 1));
+  typename Op::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                              {M, N, K, 1},
+                              {static_cast<BF const*>(A), sA, static_cast<BF const*>(B), sB},
+                              {{}, nullptr, sC, static_cast<BF*>(D), sD}};
+  auto& f = args.epilogue.thread;
+  f.alpha = 1.0f;
+  f.beta = 0.0f;
+  if constexpr (Fwd) {
+    f.bias_ptr = static_cast<BF const*>(bias);
+    f.aux_ptr = static_cast<BF*>(aux);
+    f.dAux = sD;
+  } else {
+    f.aux_ptr = static_cast<BF const*>(aux);
+    f.dAux = sD;
+  }
+  args.hw_info.sm_count = sms;
+  return args;
+}
+
+// 0: ran; 1: cannot implement; 2: workspace too small; 3: initialize failed; 4: run failed; 5: bad config
+template <bool Fwd, int Cfg>
+int launch(int M, int N, int K, const void* A, const void* B, void* D, const void* bias, void* aux, void* ws,
+           size_t ws_bytes, int sms, cudaStream_t stream, size_t* need) {
+  using Op = typename Pick<Fwd, Cfg>::G::Op;
+  auto args = make_args<Fwd, Cfg>(M, N, K, A, B, D, bias, aux, sms);
+  size_t n = Op::get_workspace_size(args);
+  if (need) *need = n;
+  if (A == nullptr) return 0;  // a workspace query
+  Op op;
+  if (op.can_implement(args) != cutlass::Status::kSuccess) return 1;
+  if (n > ws_bytes) return 2;
+  if (op.initialize(args, ws, stream) != cutlass::Status::kSuccess) return 3;
+  if (op.run(stream) != cutlass::Status::kSuccess) return 4;
+  return cudaPeekAtLastError() == cudaSuccess ? 0 : 4;
+}
+
+template <bool Fwd>
+int dispatch(int cfg, int M, int N, int K, const void* A, const void* B, void* D, const void* bias, void* aux,
+             void* ws, size_t ws_bytes, int sms, cudaStream_t s, size_t* need) {
+  switch (cfg) {
+    case 0: return launch<Fwd, 0>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, s, need);
+    case 1: return launch<Fwd, 1>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, s, need);
+    case 2: return launch<Fwd, 2>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, s, need);
+    default: return 5;
+  }
+}
+
+}  // namespace cf
+
+extern "C" {
+
+int cf_cutlass_configs() { return 3; }
+
+// y, z [rows, n] = gelu(x [rows, k] @ w [n, k]^T + b [n]), z the pre-activation. A null x: workspace query.
+int cf_cutlass_linear_gelu_aux(int cfg, int rows, int n, int k, const void* x, const void* w, const void* b,
+                               void* y, void* z, void* ws, size_t ws_bytes, int sms, void* stream, size_t* need) {
+  return cf::dispatch<true>(cfg, n, rows, k, /*A=*/x ? w : nullptr, /*B=*/x, y, b, z, ws, ws_bytes, sms,
+                            static_cast<cudaStream_t>(stream), need);
+}
+
+// dz [rows, n] = (dy [rows, k] @ w2 [k, n]) * gelu'(z [rows, n]). A null dy: workspace query.
+int cf_cutlass_dgelu(int cfg, int rows, int n, int k, const void* dy, const void* w2, const void* z, void* dz,
+                     void* ws, size_t ws_bytes, int sms, void* stream, size_t* need) {
+  return cf::dispatch<false>(cfg, n, rows, k, /*A=*/dy ? w2 : nullptr, /*B=*/dy, dz, nullptr, const_cast<void*>(z),
+                             ws, ws_bytes, sms, static_cast<cudaStream_t>(stream), need);
+}
+
+}  // extern "C"
