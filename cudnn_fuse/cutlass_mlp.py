@@ -15,8 +15,11 @@ sums round differently. bf16 on sm_90 only, every dimension a multiple of 8, con
 The kernels are an optional, separately built shared library (``bench/build_cutlass.sh``: nvcc and
 CUTLASS's headers), loaded through ctypes from ``cudnn_fuse/_cutlass_mlp.so`` or
 ``$CUDNN_FUSE_CUTLASS_LIB``. Anything they cannot take, or a missing library, answers None and the
-caller runs torch's kernels; a failure is logged once. ``CUDNN_FUSE_CUTLASS_CONFIG`` picks the tile
-configuration (0: cooperative 128x256x64, cluster 2x1; 1: ping-pong 128x128x64; 2: cooperative 256x128x64).
+caller runs torch's kernels; a failure is logged once.
+
+``CUDNN_FUSE_CUTLASS_FWD_CONFIG`` / ``CUDNN_FUSE_CUTLASS_BWD_CONFIG`` pick each kernel's launch:
+tile + 16 * log2(swizzle) + 64 * raster order, the tiles as cutlass_mlp.cu lists them
+(``bench/cutlass_mlp_probe.py`` times them); a forward config of -1 leaves the forward to torch's kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ from . import envvars
 
 log = logging.getLogger(__name__)
 
-CONFIG = envvars.number("CUDNN_FUSE_CUTLASS_CONFIG", 0, integer=True, maximum=2)
+TILES = 6  # cutlass_mlp.cu's kConfigs
+MAX_CONFIG = 64 * 3 - 1
+FWD_CONFIG = envvars.number("CUDNN_FUSE_CUTLASS_FWD_CONFIG", 0, integer=True, minimum=-1, maximum=MAX_CONFIG)
+BWD_CONFIG = envvars.number("CUDNN_FUSE_CUTLASS_BWD_CONFIG", 0, integer=True, minimum=0, maximum=MAX_CONFIG)
 _lib = None
 _lib_tried = False
 _lock = threading.Lock()
@@ -114,6 +120,8 @@ def linear_gelu_aux(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
                     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """``(y, z)``: z = x @ w.T + bias and y = gelu(z) (exact) from ONE GEMM. x [..., K], w [N, K],
     bias [N] (required). None where the kernels cannot take it."""
+    if FWD_CONFIG < 0 or FWD_CONFIG % 16 >= TILES:
+        return None
     if bias is None or w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1] or bias.shape != (w.shape[0],):
         return None
     lib = _load()
@@ -127,7 +135,7 @@ def linear_gelu_aux(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     z = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if not _call(lib.cf_cutlass_linear_gelu_aux, "linear + GELU forward", x.device,
-                 (CONFIG, m, n, k, x2.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), z.data_ptr())):
+                 (FWD_CONFIG, m, n, k, x2.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), z.data_ptr())):
         return None
     stats["forward"] += 1
     shape = tuple(x.shape[:-1]) + (n,)
@@ -137,7 +145,7 @@ def linear_gelu_aux(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
 def dgelu(gy: torch.Tensor, w2: torch.Tensor, z: torch.Tensor) -> Optional[torch.Tensor]:
     """dz = (gy @ w2) * gelu'(z) (exact GELU) from ONE GEMM. gy [..., K], w2 [K, N] (the next layer's
     weight), z [..., N]. None where the kernels cannot take it."""
-    if w2.dim() != 2 or gy.shape[-1] != w2.shape[0] or z.shape[-1] != w2.shape[1]:
+    if BWD_CONFIG % 16 >= TILES or w2.dim() != 2 or gy.shape[-1] != w2.shape[0] or z.shape[-1] != w2.shape[1]:
         return None
     lib = _load()
     if lib is None:
@@ -150,7 +158,7 @@ def dgelu(gy: torch.Tensor, w2: torch.Tensor, z: torch.Tensor) -> Optional[torch
         return None
     dz = torch.empty((m, n), dtype=z.dtype, device=z.device)
     if not _call(lib.cf_cutlass_dgelu, "GELU backward", z.device,
-                 (CONFIG, m, n, k, gy2.data_ptr(), w2.data_ptr(), z2.data_ptr(), dz.data_ptr())):
+                 (BWD_CONFIG, m, n, k, gy2.data_ptr(), w2.data_ptr(), z2.data_ptr(), dz.data_ptr())):
         return None
     stats["backward"] += 1
     return dz.view(z.shape)

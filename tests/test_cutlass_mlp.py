@@ -68,9 +68,24 @@ def test_config_env_is_bounded(monkeypatch, caplog):
     from cudnn_fuse import envvars
 
     with caplog.at_level(logging.WARNING):
-        assert envvars.parse("CUDNN_FUSE_CUTLASS_CONFIG", "7", 0, integer=True, maximum=2) == 0
-    assert "CUDNN_FUSE_CUTLASS_CONFIG" in caplog.text
-    assert envvars.parse("CUDNN_FUSE_CUTLASS_CONFIG", "2", 0, integer=True, maximum=2) == 2
+        assert envvars.parse("CUDNN_FUSE_CUTLASS_BWD_CONFIG", "192", 0, integer=True,
+                             maximum=cutlass_mlp.MAX_CONFIG) == 0
+    assert "CUDNN_FUSE_CUTLASS_BWD_CONFIG" in caplog.text
+    assert envvars.parse("CUDNN_FUSE_CUTLASS_FWD_CONFIG", "-1", 0, integer=True, minimum=-1,
+                         maximum=cutlass_mlp.MAX_CONFIG) == -1
+
+
+def test_forward_left_to_torch_and_unknown_tiles_decline(fresh_loader, monkeypatch):
+    """FWD_CONFIG -1 (and any tile number the library does not have) declines before any launch."""
+    monkeypatch.setattr(cutlass_mlp, "_lib", _FakeLib())  # any attribute access would raise
+    monkeypatch.setattr(cutlass_mlp, "_lib_tried", True)
+    x, w, b = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8)
+    monkeypatch.setattr(cutlass_mlp, "FWD_CONFIG", -1)
+    assert cutlass_mlp.linear_gelu_aux(x, w, b) is None
+    monkeypatch.setattr(cutlass_mlp, "FWD_CONFIG", 7)  # tile 7: not built
+    assert cutlass_mlp.linear_gelu_aux(x, w, b) is None
+    monkeypatch.setattr(cutlass_mlp, "BWD_CONFIG", 16 + 6)
+    assert cutlass_mlp.dgelu(x, w, x) is None
 
 
 def test_fused_mlp_on_cpu_with_the_cutlass_mode_matches_eager(monkeypatch):

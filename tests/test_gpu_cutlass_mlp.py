@@ -29,10 +29,11 @@ def _operands(rows, n, k, k2, seed=0):
     return x, w, b, gy, w2
 
 
-@pytest.mark.parametrize("cfg", [0, 1, 2])
+@pytest.mark.parametrize("cfg", [0, 1, 2, 3, 4, 5, 3 + 16 * 3, 1 + 16 * 2 + 64 * 2])
 @pytest.mark.parametrize("rows,n,k,k2", [(136, 200, 64, 40), (1024, 4096, 1024, 1024)])
 def test_forward_and_backward_against_float64_and_eager(monkeypatch, cfg, rows, n, k, k2):
-    monkeypatch.setattr(cutlass_mlp, "CONFIG", cfg)
+    monkeypatch.setattr(cutlass_mlp, "FWD_CONFIG", cfg)
+    monkeypatch.setattr(cutlass_mlp, "BWD_CONFIG", cfg)
     x, w, b, gy, w2 = _operands(rows, n, k, k2, seed=cfg)
     y, z = cutlass_mlp.linear_gelu_aux(x, w, b)
     assert torch.equal(y, F.gelu(z)), "y must be aten's GELU of the kernel's own bf16 z, bit for bit"

@@ -102,15 +102,21 @@ using CoopEpi = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using Ping = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 using PingEpi = cutlass::epilogue::TmaWarpSpecialized;
 
-// config 0: cooperative 128x256x64, cluster 2x1; 1: pingpong 128x128x64, cluster 2x1; 2: cooperative 256x128x64, cluster 1x2
+// tile configurations (CUTLASS 3 Hopper, TMA warp-specialized): the probe times each
+// 0: ping-pong 128x128x64, cluster 2x1   1: ping-pong 128x128x64, cluster 1x1   2: ping-pong 128x128x64, cluster 1x2
+// 3: ping-pong 64x256x64, cluster 1x1    4: cooperative 128x256x64, cluster 1x1  5: cooperative 256x128x64, cluster 2x1
+constexpr int kConfigs = 6;
 template <bool Fwd, int Cfg> struct Pick;
-template <bool Fwd> struct Pick<Fwd, 0> { using G = Gemm<Fwd, Shape<_128, _256, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>; };
-template <bool Fwd> struct Pick<Fwd, 1> { using G = Gemm<Fwd, Shape<_128, _128, _64>, Shape<_2, _1, _1>, Ping, PingEpi>; };
-template <bool Fwd> struct Pick<Fwd, 2> { using G = Gemm<Fwd, Shape<_256, _128, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>; };
+template <bool Fwd> struct Pick<Fwd, 0> { using G = Gemm<Fwd, Shape<_128, _128, _64>, Shape<_2, _1, _1>, Ping, PingEpi>; };
+template <bool Fwd> struct Pick<Fwd, 1> { using G = Gemm<Fwd, Shape<_128, _128, _64>, Shape<_1, _1, _1>, Ping, PingEpi>; };
+template <bool Fwd> struct Pick<Fwd, 2> { using G = Gemm<Fwd, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Ping, PingEpi>; };
+template <bool Fwd> struct Pick<Fwd, 3> { using G = Gemm<Fwd, Shape<_64, _256, _64>, Shape<_1, _1, _1>, Ping, PingEpi>; };
+template <bool Fwd> struct Pick<Fwd, 4> { using G = Gemm<Fwd, Shape<_128, _256, _64>, Shape<_1, _1, _1>, Coop, CoopEpi>; };
+template <bool Fwd> struct Pick<Fwd, 5> { using G = Gemm<Fwd, Shape<_256, _128, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>; };
 
 template <bool Fwd, int Cfg>
 typename Pick<Fwd, Cfg>::G::Op::Arguments make_args(int M, int N, int K, const void* A, const void* B, void* D,
-                                                     const void* bias, void* aux, int sms) {
+                                                     const void* bias, void* aux, int sms, int swizzle, int raster) {
   using Op = typename Pick<Fwd, Cfg>::G::Op;
   using GK = typename Op::GemmKernel;
   auto sA = cutlass::make_cute_packed_stride(typename GK::StrideA{}, make_shape(M, K, 1));
@@ -133,15 +139,18 @@ typename Pick<Fwd, Cfg>::G::Op::Arguments make_args(int M, int N, int K, const v
     f.dAux = sD;
   }
   args.hw_info.sm_count = sms;
+  args.scheduler.max_swizzle_size = swizzle;
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  args.scheduler.raster_order = raster == 1 ? Raster::AlongM : raster == 2 ? Raster::AlongN : Raster::Heuristic;
   return args;
 }
 
 // 0: ran; 1: cannot implement; 2: workspace too small; 3: initialize failed; 4: run failed; 5: bad config
 template <bool Fwd, int Cfg>
 int launch(int M, int N, int K, const void* A, const void* B, void* D, const void* bias, void* aux, void* ws,
-           size_t ws_bytes, int sms, cudaStream_t stream, size_t* need) {
+           size_t ws_bytes, int sms, int swizzle, int raster, cudaStream_t stream, size_t* need) {
   using Op = typename Pick<Fwd, Cfg>::G::Op;
-  auto args = make_args<Fwd, Cfg>(M, N, K, A, B, D, bias, aux, sms);
+  auto args = make_args<Fwd, Cfg>(M, N, K, A, B, D, bias, aux, sms, swizzle, raster);
   size_t n = Op::get_workspace_size(args);
   if (need) *need = n;
   if (A == nullptr) return 0;  // a workspace query
@@ -156,10 +165,11 @@ int launch(int M, int N, int K, const void* A, const void* B, void* D, const voi
 template <bool Fwd>
 int dispatch(int cfg, int M, int N, int K, const void* A, const void* B, void* D, const void* bias, void* aux,
              void* ws, size_t ws_bytes, int sms, cudaStream_t s, size_t* need) {
-  switch (cfg) {
-    case 0: return launch<Fwd, 0>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, s, need);
-    case 1: return launch<Fwd, 1>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, s, need);
-    case 2: return launch<Fwd, 2>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, s, need);
+  const int tile = cfg % 16, swizzle = 1 << ((cfg / 16) % 4), raster = (cfg / 64) % 3;
+  switch (tile) {
+#define CF_CASE(i) case i: return launch<Fwd, i>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, swizzle, raster, s, need);
+    CF_CASE(0) CF_CASE(1) CF_CASE(2) CF_CASE(3) CF_CASE(4) CF_CASE(5)
+#undef CF_CASE
     default: return 5;
   }
 }
@@ -168,7 +178,8 @@ int dispatch(int cfg, int M, int N, int K, const void* A, const void* B, void* D
 
 extern "C" {
 
-int cf_cutlass_configs() { return 3; }
+// cfg = tile + 16 * log2(swizzle: 1, 2, 4, 8) + 64 * raster (0: heuristic, 1: along M, 2: along N)
+int cf_cutlass_configs() { return cf::kConfigs; }
 
 // y, z [rows, n] = gelu(x [rows, k] @ w [n, k]^T + b [n]), z the pre-activation. A null x: workspace query.
 int cf_cutlass_linear_gelu_aux(int cfg, int rows, int n, int k, const void* x, const void* w, const void* b,
