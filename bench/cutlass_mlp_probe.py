@@ -87,9 +87,8 @@ def pieces(rows=8192, d=2048, h=8192, rounds=4, candidates=CANDIDATES):
             return cutlass_mlp.dgelu(gy, w2, z)
         return run
 
-    groups = {"forward": dict({"eager": lambda: F.gelu(F.linear(x, w1, b1))}, **{c: fwd(c) for c in candidates}),
-              "backward": dict({"eager": lambda: torch.ops.aten.gelu_backward(gy @ w2, z)},
-                               **{c: bwd(c) for c in candidates})}
+    groups = {"forward": {"eager": lambda: F.gelu(F.linear(x, w1, b1)), **{c: fwd(c) for c in candidates}},
+              "backward": {"eager": lambda: torch.ops.aten.gelu_backward(gy @ w2, z), **{c: bwd(c) for c in candidates}}}
     for group in groups.values():
         for f in group.values():
             assert f() is not None
