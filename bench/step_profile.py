@@ -79,11 +79,14 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="also profile torch.compile (default mode), alone and over the optimize()d model")
     ap.add_argument("--autotune", action="store_true", help="cf.optimize(autotune=True)")
+    ap.add_argument("--mlp-kernels", nargs="*", default=[],
+                    help="also profile the optimize()d model with nn.FusedMLP on these kernels "
+                         "(CUDNN_FUSE_MLP_KERNELS values: cutlass, cublaslt, triton, cudnn), as variants cf_<kernels>")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     base, inputs, step = _case(args.case)
     opt = cf.optimize(copy.deepcopy(base), autotune=args.autotune)
-    variants = [("eager", base), ("cf", opt)]
+    variants = [("eager", base), ("cf", opt)] + [(f"cf_{k}", opt) for k in args.mlp_kernels]
     if args.case == "gpt2_infer":
         # cf.capture of the optimize()d model: which kernels a replay runs that the eager cf step does not
         # (its device time was 0.7 ms longer than eager cf's in the peers suite)
@@ -100,7 +103,11 @@ def main(argv=None) -> int:
     out = {"case": args.case, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "optimize_summary": str(getattr(opt, "cudnn_fuse_summary", ""))}
     print(out["optimize_summary"])
+    from cudnn_fuse import backward
+
+    default_mlp = backward.MLP
     for name, model in variants:
+        backward.MLP = name[3:] if name[3:] in args.mlp_kernels else default_mlp
         r = out[name] = profile_variant(model, inputs, step)
         print(f"== {name}: step {r['step_wall_ms']:.3f} ms wall, device busy {r['device_busy_ms_per_step']:.3f} ms")
         for k, ms, n in r["top_device_ms_per_step"][:18]:
