@@ -118,7 +118,7 @@ for s in $STEPS; do
         lgeluprobe) step cublaslt_gelu_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_gpu_cublaslt_gelu.py
             step cublaslt_gelu_probe "${LGELU_TIMEOUT:-360}" python3 bench/cublaslt_gelu_probe.py --out "$OUT" --rounds "${ROUNDS:-8}" ;;
         cutlassprobe) step cutlass_mlp_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_gpu_cutlass_mlp.py
-            step cutlass_mlp_probe 300 python3 bench/cutlass_mlp_probe.py --out "$OUT" --rounds "${ROUNDS:-16}" ;;  # carry cudnn_fuse/_cutlass_mlp.so (bench/build_cutlass.sh)
+            step cutlass_mlp_probe 300 python3 bench/cutlass_mlp_probe.py --out "$OUT" --rounds "${ROUNDS:-16}" ;;  # carry cudnn_fuse/_cutlass_mlp.so (cudnn-fuse build-kernels / bench/build_cutlass.sh)
         tgemmdiag) step triton_gemm_diag "${TGEMM_TIMEOUT:-420}" python3 bench/triton_gemm_diag.py --out "$OUT" ;;
         pytest:*) files=${s#pytest:}; step "$s" "${TESTS_TIMEOUT:-260}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE ${files//,/ } ;;
         gpt2probe) step gpt2_probe 240 python3 bench/gpt2_probe.py --out "$OUT" ;;

@@ -93,7 +93,16 @@ WGRAD = os.environ.get("CUDNN_FUSE_BWD_WGRAD", "torch")
 # plus the bias sums in their epilogues; the epilogues cost more than the passes they replace) and
 # "cublaslt" (the tanh GELU only: cuBLASLt's GELU_AUX_BIAS forward and DGELU backward, 0.999x eager's
 # step where the node on torch kernels read 1.020x; other activations run torch's kernels).
-MLP = os.environ.get("CUDNN_FUSE_MLP_KERNELS", "torch")
+# "cutlass" (cudnn_fuse.cutlass_mlp: CUTLASS GEMMs with the exact GELU and its backward in their
+# epilogues, bf16 on sm_90, a library built by `cudnn-fuse build-kernels`) measured 0.975-0.993x eager's
+# step in six runs on the H200 where the node on torch's kernels read 0.990-1.011x (docs/decisions.md,
+# "The MLP's exact GELU in CUTLASS epilogues"). "auto", the default: "cutlass" where that library is
+# built and the block qualifies (exact GELU, bf16, sm_90), else "torch".
+MLP = os.environ.get("CUDNN_FUSE_MLP_KERNELS", "auto")
+MLP_MODES = ("auto", "torch", "cudnn", "triton", "cublaslt", "cutlass")
+if MLP not in MLP_MODES:
+    log.warning("CUDNN_FUSE_MLP_KERNELS=%r: want one of %s; using auto", MLP, ", ".join(MLP_MODES))
+    MLP = "auto"
 # A linear layer's bias gradient on torch kernels (a column sum of dz, off the step's critical path:
 # only the optimizer reads it) on a side stream ("side"), so that it can run beside the layer's
 # weight and data gradient GEMMs, or in order on the current stream ("inline").

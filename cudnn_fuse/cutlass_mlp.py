@@ -12,10 +12,11 @@ Each element is computed as eager computes it from the rounded bf16 values (GELU
 gelu_backward of the bf16 product), so outputs differ from eager's only where the GEMMs' own fp32
 sums round differently. bf16 on sm_90 only, every dimension a multiple of 8, contiguous operands.
 
-The kernels are an optional, separately built shared library (``bench/build_cutlass.sh``: nvcc and
-CUTLASS's headers), loaded through ctypes from ``cudnn_fuse/_cutlass_mlp.so`` or
-``$CUDNN_FUSE_CUTLASS_LIB``. Anything they cannot take, or a missing library, answers None and the
-caller runs torch's kernels; a failure is logged once.
+The kernels are an optional shared library built on the user's machine by
+``cudnn-fuse build-kernels --cutlass-dir DIR`` (nvcc 12.3+ and a CUTLASS 3 checkout's headers; the
+source ships in the package), loaded through ctypes from ``$CUDNN_FUSE_CUTLASS_LIB``, else the
+package's directory, else the user data directory (``library_candidates()``). Anything they cannot
+take, or a missing library, answers None and the caller runs torch's kernels; a failure is logged once.
 
 ``CUDNN_FUSE_CUTLASS_FWD_CONFIG`` / ``CUDNN_FUSE_CUTLASS_BWD_CONFIG`` pick each kernel's launch:
 tile + 16 * log2(swizzle) + 64 * raster order, the tiles as cutlass_mlp.cu lists them
@@ -38,8 +39,11 @@ log = logging.getLogger(__name__)
 
 TILES = 6  # cutlass_mlp.cu's kConfigs
 MAX_CONFIG = 64 * 3 - 1
-FWD_CONFIG = envvars.number("CUDNN_FUSE_CUTLASS_FWD_CONFIG", 0, integer=True, minimum=-1, maximum=MAX_CONFIG)
-BWD_CONFIG = envvars.number("CUDNN_FUSE_CUTLASS_BWD_CONFIG", 0, integer=True, minimum=0, maximum=MAX_CONFIG)
+# The probe's picks at 8192 x 2048 -> 8192 bf16 on the H200 (bench/results/cutlass_mlp/cutlass_mlp_probe_d7d4ec8.json):
+# forward ping-pong 128x128x64, cluster 1x2, swizzle 8 (0.504 ms against eager's addmm + GELU 0.542);
+# backward ping-pong 128x128x64, cluster 1x1, swizzle 8 (0.522 ms against the product + gelu_backward 0.596).
+FWD_CONFIG = envvars.number("CUDNN_FUSE_CUTLASS_FWD_CONFIG", 2 + 16 * 3, integer=True, minimum=-1, maximum=MAX_CONFIG)
+BWD_CONFIG = envvars.number("CUDNN_FUSE_CUTLASS_BWD_CONFIG", 1 + 16 * 3, integer=True, minimum=0, maximum=MAX_CONFIG)
 _lib = None
 _lib_tried = False
 _lock = threading.Lock()
@@ -48,8 +52,36 @@ _ws: dict = {}  # (device index, stream) -> a uint8 workspace tensor
 stats = {"forward": 0, "backward": 0, "declined": 0}
 
 
+LIB_NAME = "_cutlass_mlp.so"
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cutlass_mlp.cu")
+
+
+def user_library_path() -> str:
+    import platformdirs
+
+    return os.path.join(platformdirs.user_data_dir("cudnn-fuse"), "kernels", LIB_NAME)
+
+
+def library_candidates() -> list:
+    """Where the library is looked for, in order: $CUDNN_FUSE_CUTLASS_LIB alone where set, else the
+    package's directory, then the user data directory."""
+    env = os.environ.get("CUDNN_FUSE_CUTLASS_LIB")
+    if env:
+        return [env]
+    return [os.path.join(os.path.dirname(__file__), LIB_NAME), user_library_path()]
+
+
 def library_path() -> str:
-    return os.environ.get("CUDNN_FUSE_CUTLASS_LIB") or os.path.join(os.path.dirname(__file__), "_cutlass_mlp.so")
+    """The first candidate that exists (the first candidate where none does)."""
+    cands = library_candidates()
+    return next((c for c in cands if os.path.exists(c)), cands[0])
+
+
+def reset() -> None:
+    """Forget the loaded (or missing) library: the next call looks again (after build-kernels)."""
+    global _lib, _lib_tried
+    with _lock:
+        _lib, _lib_tried = None, False
 
 
 def _load():
@@ -69,7 +101,10 @@ def _load():
             lib.cf_cutlass_linear_gelu_aux.restype = lib.cf_cutlass_dgelu.restype = i32
             _lib = lib
         except (OSError, AttributeError) as exc:
-            log.warning("CUTLASS MLP kernels unavailable (%s: %s); torch's kernels run", path, exc)
+            quiet = not os.path.exists(path) and not os.environ.get("CUDNN_FUSE_CUTLASS_LIB")
+            (log.debug if quiet else log.warning)(  # never built: the usual case, not worth a warning
+                "CUTLASS MLP kernels unavailable (%s: %s); torch's kernels run%s", path, exc,
+                " (cudnn-fuse build-kernels builds them)" if quiet else "")
         _lib_tried = True
     return _lib
 
@@ -162,3 +197,110 @@ def dgelu(gy: torch.Tensor, w2: torch.Tensor, z: torch.Tensor) -> Optional[torch
         return None
     stats["backward"] += 1
     return dz.view(z.shape)
+
+
+# ------------------------------------------------------------------------------- build
+
+
+def find_nvcc(nvcc: Optional[str] = None) -> str:
+    """``nvcc`` as given, else $NVCC, else on PATH, else $CUDA_HOME/bin/nvcc; ValueError naming --nvcc."""
+    import shutil
+
+    for cand in (nvcc, os.environ.get("NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+        if cand and cand == nvcc:
+            raise ValueError(f"--nvcc: {nvcc!r} is not an executable file")
+    raise ValueError("--nvcc: no nvcc found (PATH, $NVCC, $CUDA_HOME/bin); CUDA 12.3 or later is needed")
+
+
+def check_cutlass_dir(cutlass_dir: Optional[str]) -> str:
+    """The CUTLASS checkout's root; ValueError naming --cutlass-dir where its headers are missing."""
+    d = cutlass_dir or os.environ.get("CUTLASS_DIR")
+    if not d:
+        raise ValueError("--cutlass-dir: give a CUTLASS 3 checkout (git clone https://github.com/NVIDIA/cutlass) "
+                         "or set $CUTLASS_DIR")
+    for rel in ("include/cutlass/cutlass.h", "include/cute/tensor.hpp", "tools/util/include/cutlass/util/packed_stride.hpp"):
+        if not os.path.isfile(os.path.join(d, rel)):
+            raise ValueError(f"--cutlass-dir: {d!r} has no {rel} (a CUTLASS 3 checkout's root is needed)")
+    return os.path.abspath(d)
+
+
+def build_commands(nvcc: str, cutlass_dir: str, workdir: str, arch: str = "sm_90a", extra: tuple = ()) -> tuple:
+    """([(object file, compile command)], link command writing ``workdir/_cutlass_mlp.so``): one
+    translation unit per (direction, tile) and one for the dispatch, so they compile in parallel."""
+    base = [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "--expt-relaxed-constexpr", "-diag-suppress", "20012",
+            "-Xcompiler=-fPIC", "-DNDEBUG", "-I" + os.path.join(cutlass_dir, "include"),
+            "-I" + os.path.join(cutlass_dir, "tools", "util", "include"), *extra]
+    units = [(f"fwd{f}_tile{t}", [f"-DCF_TU_FWD={f}", f"-DCF_TU_TILE={t}"]) for f in (1, 0) for t in range(TILES)]
+    units.append(("main", ["-DCF_TU_MAIN"]))
+    compiles = []
+    for name, defs in units:
+        obj = os.path.join(workdir, name + ".o")
+        compiles.append((obj, base + defs + ["-c", SOURCE, "-o", obj]))
+    libdirs = [d for d in (os.path.join(os.path.dirname(os.path.dirname(nvcc)), sub) for sub in ("lib64", "lib"))
+               if os.path.isdir(d)]
+    link = [nvcc, f"-arch={arch}", "-shared", *("-L" + d for d in libdirs), *(o for o, _ in compiles),
+            "-o", os.path.join(workdir, LIB_NAME)]
+    return compiles, link
+
+
+def build(cutlass_dir: Optional[str] = None, nvcc: Optional[str] = None, output: Optional[str] = None,
+          jobs: Optional[int] = None, progress=None, extra_flags: tuple = ()) -> str:
+    """Compile and link the kernels; returns the library's path. ``output``: where to write it (default:
+    the package's directory where writable, else the user data directory). ``progress(done, total)``
+    after each step. The library is replaced atomically, and only by a complete build; a failed step
+    raises RuntimeError with nvcc's last lines."""
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    cutlass_dir = check_cutlass_dir(cutlass_dir)
+    nvcc = find_nvcc(nvcc)
+    if output is None:
+        pkg = os.path.dirname(__file__)
+        output = os.path.join(pkg, LIB_NAME) if os.access(pkg, os.W_OK) else user_library_path()
+    out_dir = os.path.dirname(os.path.abspath(output))
+    os.makedirs(out_dir, exist_ok=True)
+    if not os.access(out_dir, os.W_OK):
+        raise ValueError(f"--output: cannot write to {out_dir}")
+    with tempfile.TemporaryDirectory(prefix="cudnn_fuse_build_") as work:
+        compiles, link = build_commands(nvcc, cutlass_dir, work, extra=tuple(extra_flags))
+        total, done = len(compiles) + 1, 0
+        if progress is not None:
+            progress(0, total)
+
+        def run(cmd):
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                tail = "\n".join((p.stderr or p.stdout or "").strip().splitlines()[-15:])
+                raise RuntimeError(f"{os.path.basename(cmd[0])} failed ({p.returncode}) on "
+                                   f"{cmd[-1] if cmd[-2] == '-o' else cmd}:\n{tail}")
+
+        workers = max(1, jobs or min(len(compiles), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(run, cmd) for _, cmd in compiles]
+            try:
+                for f in as_completed(futures):
+                    f.result()
+                    done += 1
+                    if progress is not None:
+                        progress(done, total)
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        run(link)
+        built = os.path.join(work, LIB_NAME)
+        tmp = output + f".tmp{os.getpid()}"
+        import shutil
+
+        shutil.copyfile(built, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, output)
+        if progress is not None:
+            progress(total, total)
+    log.info("built %s", output)
+    reset()
+    return output

@@ -625,7 +625,7 @@ def _mlp_save_z(x, w1, b1, act, slope):
         out = cublaslt.linear_gelu_aux(x, w1, b1)  # one GEMM, GELU in its epilogue, z its aux output
         if out is not None:
             return out
-    if backward.MLP == "cutlass" and act == "gelu" and x.is_cuda and not _create_graph():
+    if _cutlass_block(act, x) and not _create_graph():
         out = cutlass_mlp.linear_gelu_aux(x, w1, b1)  # one CUTLASS GEMM, exact GELU in its epilogue, z its aux output
         if out is not None:
             return out
@@ -633,6 +633,14 @@ def _mlp_save_z(x, w1, b1, act, slope):
         return reference.linear_save_z(x, w1, b1, act, None, slope)
     z = tuned_gemm.linear(x, w1, b1).contiguous()
     return reference.activation(z, act, slope), z
+
+
+def _cutlass_block(act, t) -> bool:
+    """Whether a FusedMLP block asks the CUTLASS kernels (cudnn_fuse.cutlass_mlp): mode "cutlass", or
+    "auto" (the default) with the library built; the exact GELU on bf16 CUDA tensors. The kernels decline
+    anything else they cannot take."""
+    return (act == "gelu" and t.dtype == torch.bfloat16 and t.is_cuda
+            and (backward.MLP == "cutlass" or (backward.MLP == "auto" and cutlass_mlp.available())))
 
 
 class _MlpTrain(torch.autograd.Function):
@@ -711,7 +719,7 @@ def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
         fused = None
         if backward.MLP == "triton" and gy.is_cuda and not _create_graph():
             fused = triton_gemm.matmul_act_grad(gy, w2, z1, act, needs[2])
-        elif backward.MLP == "cutlass" and act == "gelu" and gy.is_cuda and not _create_graph():
+        elif _cutlass_block(act, gy) and not _create_graph():
             dz = cutlass_mlp.dgelu(gy, w2, z1)  # dz from one CUTLASS GEMM (exact GELU's backward in its epilogue)
             if dz is not None:
                 del z1

@@ -430,11 +430,13 @@ def test_side_stream_bias_sums_stay_inline_off_cuda(monkeypatch):
     assert torch.allclose(db, dz.sum(0)) and torch.allclose(dw, dz.t() @ x) and torch.allclose(dx, dz @ w)
 
 
-def test_mlp_kernels_default_is_torch_and_the_env_picks_cudnn():
+def test_mlp_kernels_default_is_auto_and_the_env_picks_cudnn():
     from tests.grad_check import env_setting
     code = "from cudnn_fuse import backward; print(backward.MLP)"
-    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS") == "torch"
+    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS") == "auto"
     assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS", "cudnn") == "cudnn"
+    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS", "cutlass") == "cutlass"
+    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS", "cutlas") == "auto"  # a typo: logged, the default
 
 
 def test_mlp_backward_declined_fused_graph_runs_the_product_then_act_grad(cudnn_on_cpu):

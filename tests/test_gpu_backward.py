@@ -268,7 +268,7 @@ def test_fused_mlp_on_torch_kernels_by_default(dtype, act, monkeypatch):
     every gradient matches fp32 autograd."""
     from cudnn_fuse import backward
 
-    assert backward.MLP == "torch"
+    assert backward.MLP in ("auto", "torch")  # auto: torch's kernels, or CUTLASS's for bf16 exact GELU where built
     ran = []
     monkeypatch.setattr(backward, "_try", lambda op, spec, *a, **k: ran.append(spec.op))
     torch.manual_seed(0)

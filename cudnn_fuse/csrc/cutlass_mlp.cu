@@ -162,20 +162,43 @@ int launch(int M, int N, int K, const void* A, const void* B, void* D, const voi
   return cudaPeekAtLastError() == cudaSuccess ? 0 : 4;
 }
 
-template <bool Fwd>
+// One translation unit per (direction, tile) when built in parts (cudnn-fuse build-kernels compiles
+// them in parallel): -DCF_TU_FWD=0|1 -DCF_TU_TILE=0..5 defines that launch only; -DCF_TU_MAIN the
+// dispatch and the C API only; neither (one nvcc call) defines everything.
+#define CF_LAUNCH_PARAMS int M, int N, int K, const void* A, const void* B, void* D, const void* bias, void* aux, \
+    void* ws, size_t ws_bytes, int sms, int swizzle, int raster, cudaStream_t stream, size_t* need
+#define CF_NAME(F, T) cf_launch_##F##_##T
+#define CF_DECL(F, T) int CF_NAME(F, T)(CF_LAUNCH_PARAMS);
+#define CF_DEF(F, T) int CF_NAME(F, T)(CF_LAUNCH_PARAMS) { \
+    return launch<(F) != 0, T>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, swizzle, raster, stream, need); }
+#define CF_DEF_EXPANDED(F, T) CF_DEF(F, T)
+CF_DECL(0, 0) CF_DECL(0, 1) CF_DECL(0, 2) CF_DECL(0, 3) CF_DECL(0, 4) CF_DECL(0, 5)
+CF_DECL(1, 0) CF_DECL(1, 1) CF_DECL(1, 2) CF_DECL(1, 3) CF_DECL(1, 4) CF_DECL(1, 5)
+#if defined(CF_TU_TILE)
+CF_DEF_EXPANDED(CF_TU_FWD, CF_TU_TILE)
+#elif !defined(CF_TU_MAIN)
+CF_DEF(0, 0) CF_DEF(0, 1) CF_DEF(0, 2) CF_DEF(0, 3) CF_DEF(0, 4) CF_DEF(0, 5)
+CF_DEF(1, 0) CF_DEF(1, 1) CF_DEF(1, 2) CF_DEF(1, 3) CF_DEF(1, 4) CF_DEF(1, 5)
+#endif
+
+#if !defined(CF_TU_TILE)
+template <int F>
 int dispatch(int cfg, int M, int N, int K, const void* A, const void* B, void* D, const void* bias, void* aux,
              void* ws, size_t ws_bytes, int sms, cudaStream_t s, size_t* need) {
   const int tile = cfg % 16, swizzle = 1 << ((cfg / 16) % 4), raster = (cfg / 64) % 3;
   switch (tile) {
-#define CF_CASE(i) case i: return launch<Fwd, i>(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, swizzle, raster, s, need);
+#define CF_CASE(i) case i: return F ? CF_NAME(1, i)(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, swizzle, raster, s, need) \
+                                    : CF_NAME(0, i)(M, N, K, A, B, D, bias, aux, ws, ws_bytes, sms, swizzle, raster, s, need);
     CF_CASE(0) CF_CASE(1) CF_CASE(2) CF_CASE(3) CF_CASE(4) CF_CASE(5)
 #undef CF_CASE
     default: return 5;
   }
 }
+#endif
 
 }  // namespace cf
 
+#if !defined(CF_TU_TILE)
 extern "C" {
 
 // cfg = tile + 16 * log2(swizzle: 1, 2, 4, 8) + 64 * raster (0: heuristic, 1: along M, 2: along N)
@@ -184,15 +207,16 @@ int cf_cutlass_configs() { return cf::kConfigs; }
 // y, z [rows, n] = gelu(x [rows, k] @ w [n, k]^T + b [n]), z the pre-activation. A null x: workspace query.
 int cf_cutlass_linear_gelu_aux(int cfg, int rows, int n, int k, const void* x, const void* w, const void* b,
                                void* y, void* z, void* ws, size_t ws_bytes, int sms, void* stream, size_t* need) {
-  return cf::dispatch<true>(cfg, n, rows, k, /*A=*/x ? w : nullptr, /*B=*/x, y, b, z, ws, ws_bytes, sms,
+  return cf::dispatch<1>(cfg, n, rows, k, /*A=*/x ? w : nullptr, /*B=*/x, y, b, z, ws, ws_bytes, sms,
                             static_cast<cudaStream_t>(stream), need);
 }
 
 // dz [rows, n] = (dy [rows, k] @ w2 [k, n]) * gelu'(z [rows, n]). A null dy: workspace query.
 int cf_cutlass_dgelu(int cfg, int rows, int n, int k, const void* dy, const void* w2, const void* z, void* dz,
                      void* ws, size_t ws_bytes, int sms, void* stream, size_t* need) {
-  return cf::dispatch<false>(cfg, n, rows, k, /*A=*/dy ? w2 : nullptr, /*B=*/dy, dz, nullptr, const_cast<void*>(z),
+  return cf::dispatch<0>(cfg, n, rows, k, /*A=*/dy ? w2 : nullptr, /*B=*/dy, dz, nullptr, const_cast<void*>(z),
                              ws, ws_bytes, sms, static_cast<cudaStream_t>(stream), need);
 }
 
 }  // extern "C"
+#endif
