@@ -23,21 +23,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import device_name, write_json  # noqa: E402
+from bench.common import device_name, synced_ms, write_json  # noqa: E402
 from bench import memory  # noqa: E402
 from cudnn_fuse import backward, cutlass_mlp  # noqa: E402
-
-
-def _events_ms(fn, reps=30):
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def exactness(rows, n, k, cfg):
@@ -100,7 +88,7 @@ def pieces(rows=8192, d=2048, h=8192, rounds=4, candidates=CANDIDATES):
         per = {k: [] for k in group}
         for r in range(rounds):
             for k in (list(group) if r % 2 == 0 else list(group)[::-1]):
-                per[k].append(_events_ms(group[k], reps=20))
+                per[k].append(synced_ms(group[k], 20))
         res[name] = {str(k): round(statistics.median(v), 4) for k, v in per.items()}
     return res
 

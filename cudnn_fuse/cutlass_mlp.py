@@ -122,6 +122,11 @@ def usable(*ts: Optional[torch.Tensor]) -> bool:
                              and t.is_contiguous() and t.data_ptr() % 16 == 0) for t in ts)
 
 
+def _dims_ok(m: int, n: int, k: int) -> bool:
+    """Non-empty, every dimension a multiple of 8 (16-byte rows for TMA) and within int32."""
+    return m > 0 and not (m % 8 or n % 8 or k % 8) and max(m, n, k) < 2 ** 31
+
+
 def _warn_once(what: str, rc: int) -> None:
     stats["declined"] += 1
     if what not in _warned:
@@ -165,7 +170,7 @@ def linear_gelu_aux(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     n, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m == 0 or m % 8 or n % 8 or k % 8 or max(m, n, k) >= 2 ** 31 or not usable(x2, w, bias):
+    if not _dims_ok(m, n, k) or not usable(x2, w, bias):
         return None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     z = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -189,7 +194,7 @@ def dgelu(gy: torch.Tensor, w2: torch.Tensor, z: torch.Tensor) -> Optional[torch
     gy2 = gy.reshape(-1, k)
     z2 = z.reshape(-1, n)
     m = gy2.shape[0]
-    if z2.shape[0] != m or m == 0 or m % 8 or n % 8 or k % 8 or max(m, n, k) >= 2 ** 31 or not usable(gy2, w2, z2):
+    if z2.shape[0] != m or not _dims_ok(m, n, k) or not usable(gy2, w2, z2):
         return None
     dz = torch.empty((m, n), dtype=z.dtype, device=z.device)
     if not _call(lib.cf_cutlass_dgelu, "GELU backward", z.device,

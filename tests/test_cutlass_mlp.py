@@ -240,3 +240,10 @@ def test_auto_mode_uses_cutlass_only_where_built_and_the_block_qualifies(monkeyp
     monkeypatch.setattr(backward, "MLP", "cutlass")
     monkeypatch.setattr(cutlass_mlp, "available", lambda: False)
     assert torch_ops._cutlass_block("gelu", cuda_like)  # asked for: the kernels' own decline logs it
+
+
+def test_dimension_gate():
+    assert cutlass_mlp._dims_ok(8, 16, 24)
+    assert not cutlass_mlp._dims_ok(0, 16, 24)
+    assert not cutlass_mlp._dims_ok(8, 12, 24) and not cutlass_mlp._dims_ok(8, 16, 20) and not cutlass_mlp._dims_ok(9, 16, 24)
+    assert not cutlass_mlp._dims_ok(2 ** 31, 8, 8)
