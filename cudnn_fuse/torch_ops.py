@@ -645,8 +645,9 @@ def _cutlass_block(act, t) -> bool:
 
 class _MlpTrain(torch.autograd.Function):
     """out = y1 @ w2.T + b2 [+ residual], y1 = act(z1), z1 = x @ w1.T + b1, for training
-    (cf.nn.FusedMLP). Its kernels follow backward.MLP: "torch" (the default) runs eager's
-    kernels in this one node; with "cudnn", linear_save_z's one graph writes y1 and z1, and the
+    (cf.nn.FusedMLP). Its kernels follow backward.MLP: "auto" (the default) runs the CUTLASS GEMMs
+    with the exact GELU in their epilogues where they are built (cudnn_fuse.cutlass_mlp) and eager's
+    otherwise; "torch" runs eager's kernels in this one node; with "cudnn", linear_save_z's one graph writes y1 and z1, and the
     backward (backward.mlp_grads) computes the first layer's dz as dY @ W2 with act's backward in
     the product's epilogue, one graph. The second layer runs torch's addmm (cuDNN's matmul +
     residual epilogue when there is a residual); it keeps what eager torch keeps (x, z1, y1).
