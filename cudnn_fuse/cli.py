@@ -112,7 +112,7 @@ def _build_kernels(args: argparse.Namespace) -> int:
             ["build time", f"{elapsed:.0f} s"],
             ["loads", "yes" if loaded else ("no (see the log)" if found else
                                            f"not on the search path: set CUDNN_FUSE_CUTLASS_LIB={path}")]]
-    print(format_table(["", ""], rows))
+    print(format_table(("item", "value"), rows))
     return 0 if loaded or not found else 1
 
 

@@ -37,10 +37,7 @@ def test_library_path_follows_the_environment(monkeypatch):
 
 
 class _FakeLib:
-    """Stands in for the shared library: records calls, never launches."""
-
-    def __init__(self):
-        self.calls = []
+    """Stands in for the shared library: any use of it raises (a decline must not reach it)."""
 
     def __getattr__(self, name):
         raise AttributeError(name)
