@@ -1,22 +1,18 @@
-"""The host (Python + torch) cost of cudnn_fuse's training path with cuDNN replaced by
-no-op launches, on any machine: a CPU stand-in for bench/host_breakdown.py when no GPU
-is at hand. Every plan is a fake whose launch does nothing, so what is timed is exactly
-what the library adds around the kernels: validation, memo lookups, autograd.Function
-plumbing, spec caches, output allocation. The baseline is a bare autograd.Function that
-allocates the same outputs and nothing else (the floor of any Python-level op).
+"""The host (Python + torch) cost of cudnn_fuse's calls with cuDNN replaced by no-op launches, on
+any machine, a GPU or not: the CPU side of bench/host_overhead.py. Every plan is a fake whose
+launch does nothing, so what is timed is what the library adds around the kernels: validation,
+memo lookups, autograd.Function plumbing, spec caches, output allocation. The baseline is a bare
+autograd.Function that allocates the same outputs and nothing else (the floor of any Python op).
 
-``--eager``: the memoized inference call instead (``cf.linear`` 64x256x256, the issue-6 host
-row), through a real ``plans.Plan`` whose launches go to libc stand-ins of the driver calls
-(gettimeofday for cuGraphLaunch's two pointers, memcmp of zero bytes for cuLaunchKernelEx's
-four): its launch-graph replays, its kernel replays (``KernelReplay``) and its raw launches, so
-that the Python each path adds can be compared on any machine (bench/eager_host_probe.py is the
-GPU's count). Where ``cudnn_fuse._native`` is built, the rows run the C memo, and
-``kernel_replays_python`` is the kernel replays' row on the Python path.
+``--eager``: the memoized inference call instead (``cf.linear`` 64x256x256 + ReLU, host_overhead's
+row), through a real plan whose launches go to libc stand-ins of the driver calls (gettimeofday
+for cuGraphLaunch's two pointers, memcmp of zero bytes for cuLaunchKernelEx's four): its
+launch-graph replays, its kernel replays and its raw launches. Where ``cudnn_fuse._native`` is
+built the rows run the C memo, and ``kernel_replays_python`` is the kernel replays on the Python path.
 
-Numbers from a CPU host are not H200 host numbers; use it to compare changes, and
-bench/host_breakdown.py on the GPU to quote.
+A CPU host's numbers are not a GPU host's: use it to compare changes; quote bench/host_overhead.py.
 
-    python3 bench/host_harness.py [--profile] [--eager]
+    python3 bench/host_harness.py [--profile OP] [--eager]
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""cudnn_fuse against its peers (issue 6): writes bench/results/peers.json (or a part of it).
+"""cudnn_fuse against its peers (torch eager, torch.compile, ...): writes bench/results/peers.json
+(or one part of it).
 
 A thin wrapper of `cudnn-fuse bench` (cudnn_fuse/benchsuite.py) for running from a checkout:
 
     python3 bench/peers.py --list
     python3 bench/peers.py --part core --out $OUT/peers_core.json        # one part per device call
-    python3 bench/peers.py --merge parts/peers_*.json                     # -> bench/results/peers.json
+    python3 bench/peers.py --merge bench/results/parts/peers_*.json      # -> bench/results/peers.json
     python3 bench/plot_peers.py                                           # the PNGs and the table
 """
 

@@ -1,14 +1,14 @@
-"""Plots of the issue targets' results: bench/results/memory.json and cold_start.json (made on any
-machine; needs matplotlib: `pip install ".[bench]"`).
+"""Plots of bench/results/memory.json and cold_start.json (made on any machine; needs matplotlib:
+`pip install ".[bench]"`).
 
     python3 bench/plot_results.py [--memory bench/results/memory.json]
                                   [--cold bench/results/cold_start.json] [--out-dir bench/results]
 
-writes memory.png (each case's peak memory and step time against eager's, with issue 4's targets:
-recompute cases at most 0.70x the peak and 1.35x the step, the others at most 1.0x the peak and
-under 1.0x the step) and cold_start.png (each graph's time to first result in a fresh process
-with an empty cache, heuristic and autotuned, and with a warm cache, log scale, with issue 3's
-2 ms warm target and each mode's mean and median).
+writes memory.png (each case's peak memory and step time as a ratio to eager's, against the
+targets: recompute cases at most 0.70x the peak and 1.35x the step, the others at most 1.0x the
+peak and under 1.0x the step) and cold_start.png (each graph's time to first result in a fresh
+process: empty cache with heuristic plans, empty cache autotuned, warm cache, and torch eager;
+log scale, with the 2 ms warm target and each mode's mean and median).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import os
 import statistics
 import sys
 
-# issue 4's targets, as (peak ratio at most, step ratio at most, step ratio strictly under?)
+# the memory targets, as (peak ratio at most, step ratio at most, step ratio strictly under?)
 RECOMPUTE_TARGET = (0.70, 1.35, False)
 PLAIN_TARGET = (1.00, 1.00, True)
-WARM_TARGET_MS = 2.0  # issue 3
+WARM_TARGET_MS = 2.0  # the warm cache's target, ms to first result per graph
 COLD_MODES = ("cold_heuristic", "cold_autotune", "warm", "torch_eager_first_call")
 
 
@@ -62,7 +62,7 @@ def memory_rows(doc: dict) -> list:
 def cold_rows(doc: dict) -> list:
     """(graph, {mode: ms}) per graph of cold_start.json, in the file's order; modes not measured
     for a graph are left out of its dict."""
-    eager = (doc.get("eager_first_call") or {}).get("per_graph_ms") or {}  # --eager-probe: torch's own first calls
+    eager = (doc.get("eager_first_call") or {}).get("per_graph_ms") or {}  # torch eager's first calls (cold_start.py's eager process)
     rows = []
     for name, per in (doc.get("per_graph_ms") or {}).items():
         per = dict(per, torch_eager_first_call=eager.get(name))

@@ -1,9 +1,10 @@
-"""The four anchor workloads of DESIGN.md: cf (heuristic plan) vs torch eager, plus
-the conv layout decision (NCHW described by strides vs converted to channels_last).
+"""The quick check: four anchor workloads (a 3x3 conv, a large GEMM + bias + GELU, a GEMM +
+ReLU + AMAX, causal attention), cf with its heuristic plan against torch eager, plus a conv on an
+NCHW input and the host time per call of a tiny op. Writes quick.json.
 
-cf_ms / torch_eager_ms are device times (calls queued behind a GPU spin, so the
-host's launch overhead is not in them); *_back_to_back_ms are plain back-to-back
-calls, where a host slower than the kernel shows; host_overhead is per call.
+cf_ms / torch_eager_ms are device times (calls queued behind a GPU spin, so the host's launch
+overhead is not in them); *_back_to_back_ms are plain back-to-back calls, where a host slower than
+the kernel shows; host_overhead is microseconds of host time per call.
 
     python3 bench/quick.py --out bench/results
 """
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from cudnn_fuse import ops, plans  # noqa: E402
+from cudnn_fuse import plans  # noqa: E402
 from bench.common import device_ms, device_name, host_us, time_ms, write_json  # noqa: E402
 
 
@@ -68,24 +69,18 @@ def workloads():
            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
-def layout_study():
-    """NCHW input: describe NCHW strides to cuDNN, or convert to channels_last per call."""
-    x = rnd(64, 128, 56, 56, dtype=torch.float16)  # NCHW contiguous, as a user has it
+def nchw_input():
+    """The first workload's conv on an NCHW (contiguous) input, as a user may hold it, against torch's
+    conv on the same tensors; and the cost of converting the input to channels_last alone."""
+    x = rnd(64, 128, 56, 56, dtype=torch.float16)
     w = rnd(128, 128, 3, 3, dtype=torch.float16, scale=0.03)
     b = rnd(128, dtype=torch.float16)
-    out = {}
-    default = ops.CONV_NCHW_POLICY
-    for policy in ("strides", "convert"):
-        ops.CONV_NCHW_POLICY = policy
-        fn = lambda: cf.conv2d(x, w, b, padding=1, activation="relu")  # noqa: E731
-        before = cf.plan_stats()["fallbacks"]
-        fn()
-        out[policy + "_fell_back"] = cf.plan_stats()["fallbacks"] > before
-        out[policy + "_ms"] = device_ms(fn)
-    ops.CONV_NCHW_POLICY = default
-    out["convert_x_only_ms"] = device_ms(lambda: x.contiguous(memory_format=torch.channels_last))
-    out["torch_eager_nchw_ms"] = device_ms(lambda: F.relu(F.conv2d(x, w, b, padding=1)))
-    return out
+    fn = lambda: cf.conv2d(x, w, b, padding=1, activation="relu")  # noqa: E731
+    before = cf.plan_stats()["fallbacks"]
+    fn()
+    return {"cf_fell_back": cf.plan_stats()["fallbacks"] > before, "cf_ms": device_ms(fn),
+            "convert_x_only_ms": device_ms(lambda: x.contiguous(memory_format=torch.channels_last)),
+            "torch_eager_ms": device_ms(lambda: F.relu(F.conv2d(x, w, b, padding=1)))}
 
 
 def main(argv=None) -> int:
@@ -105,16 +100,16 @@ def main(argv=None) -> int:
                      "first_call_ms": round(build, 1), "engine": engine})
         print(f"{name:50s} cf {cf_ms:8.4f} ms  torch {torch_ms:8.4f} ms  x{torch_ms / cf_ms:5.2f}  "
               f"{flops / cf_ms / 1e9:6.1f} TFLOP/s  first call {build:7.1f} ms", flush=True)
-    layout = layout_study()
-    print("conv NCHW layout:", layout)
+    nchw = nchw_input()
+    print("conv on an NCHW input:", nchw)
     x = rnd(64, 256, dtype=torch.float16)
     w = rnd(256, 256, dtype=torch.float16, scale=0.06)
     b = rnd(256, dtype=torch.float16)
     host = {"cf_linear_relu_64x256x256_us": round(host_us(lambda: cf.linear(x, w, b, activation="relu")), 2),
             "torch_relu_linear_us": round(host_us(lambda: F.relu(F.linear(x, w, b))), 2)}
     print("host time per call:", host)
-    result = {"device": device_name(), "torch": torch.__version__, "workloads": rows, "conv_nchw_layout": layout, "host_overhead": host,
-              "plan_stats": cf.plan_stats()}
+    result = {"device": device_name(), "torch": torch.__version__, "workloads": rows, "conv_nchw_input": nchw,
+              "host_overhead": host, "plan_stats": cf.plan_stats()}
     write_json(os.path.join(args.out, "quick.json"), result)
     return 0
 
