@@ -441,7 +441,7 @@ def _geometry(spec) -> dict:
 
     g = {}
     fwd = getattr(spec, "fwd", None)
-    if fwd is not None:  # training graphs around a forward (save_z, recompute_grad, matmul_act_grad)
+    if fwd is not None:  # training graphs around a forward (save_z, recompute_grad)
         g = _geometry(fwd)
         for r in ("z", "dy", "src", "dz", "dbias"):
             t = getattr(spec, r, None)

@@ -1,4 +1,4 @@
-"""The CUDA backward of the fused ops through cuDNN training graphs (issue 4).
+"""The CUDA backward of the fused ops through cuDNN training graphs.
 
 Each function here returns None (or leaves a product to torch) when cuDNN
 declines a graph; the caller in torch_ops.py then runs the reference math, and
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import threading
 from typing import Optional
 
 import torch
 
-from . import cublaslt, launch_graphs, manifest, ops, plans
+from . import manifest, ops, plans
 from .errors import UnsupportedError
 from .spec import (
     ActGradSpec,
@@ -36,7 +34,6 @@ from .spec import (
     ConvSpec,
     ConvWgradSpec,
     Epilogue,
-    MatmulActGradSpec,
     MatmulSpec,
     RecomputeGradSpec,
     SaveZSpec,
@@ -52,116 +49,10 @@ _det_algorithms, _det_cudnn = plans._det_algorithms, plans._det_cudnn
 
 log = logging.getLogger(__name__)
 
-# Which engine runs each piece, for measuring one against the other (bench/backward_probe.py):
-# the gemm products dX / dW ("cudnn" matmul graphs or "torch"), the bias gradient ("fused" as a
-# reduction in the dz graph, or a "torch" sum), conv dgrad / wgrad ("cudnn" graphs or "torch").
-MM = os.environ.get("CUDNN_FUSE_BWD_MM", "cudnn")
-DBIAS = os.environ.get("CUDNN_FUSE_BWD_DBIAS", "fused")
-CONV = os.environ.get("CUDNN_FUSE_BWD_CONV", "cudnn")
-# The bias gradient of a gemm whose dz comes from a SAVED z/y: a torch sum after the act-grad
-# graph by default. Measured on the H200 (bench/backward_probe.py, MLP 8192x2048->8192 bf16):
-# act-grad with the reduction fused 0.278 ms, act-grad alone + torch sum 0.211 ms (eager 0.185).
-GEMM_DBIAS = os.environ.get("CUDNN_FUSE_BWD_GEMM_DBIAS", "torch")
-# A Linear -> act -> Linear block (nn.FusedMLP): the first layer's dz from the second layer's data
-# gradient dY @ W2 with the activation's backward in the product's epilogue ("fused", one
-# matmul_act_grad graph), or the product, then the act-grad graph ("split", what a pair of
-# cf.nn.Linear modules runs).
-MLP_DZ = os.environ.get("CUDNN_FUSE_BWD_MLP_DZ", "fused")
-# That block's first-layer bias gradient db1: a reduction in the same matmul_act_grad graph
-# ("fused", float32 column sums of dz) or a torch sum over dz ("torch"). Measured on the H200
-# (bench/mlp_variants_probe.py, dY 8192x2048 @ W2 2048x8192, bf16, two runs): the dz graph 0.531 / 0.502
-# ms, with the reduction 0.535 / 0.541, the graph then torch's sum 0.556 / 0.558; a declined reduction
-# falls back to the sum.
-MLP_DBIAS = os.environ.get("CUDNN_FUSE_BWD_MLP_DBIAS", "fused")
-# A linear layer's weight and bias gradients together: ONE cuBLASLt GEMM whose epilogue sums dz
-# over the rows ("cublaslt", cudnn_fuse.cublaslt), or the GEMM and torch's column sum ("torch").
-# Measured on the H200 (bench/wgrad_probe.py, bf16, 8192 rows, two runs): dW2/db2 of a 8192 -> 2048
-# layer 0.473 / 0.446 ms against torch's 0.489 / 0.464, dW1/db1 of a 2048 -> 8192 layer 0.552 / 0.552
-# against 0.529 / 0.512 (the epilogue cost more than the sum it saves); the MLP step moved within its
-# rounds' spread either way. So "torch" stays the default.
-WGRAD = os.environ.get("CUDNN_FUSE_BWD_WGRAD", "torch")
-# Which kernels nn.FusedMLP's one autograd node runs: "torch" (cuBLAS's addmm + the activation
-# forward; the product, aten's activation backward, the GEMMs and sums backward: eager's kernels in
-# one node) or "cudnn" (the save-z graph forward, the fused matmul_act_grad dz graph with db1 as its
-# reduction). Measured on the H200 (memory.py's MLP, 8 blocks 8192 x 2048 -> 8192 bf16, eager and
-# both in alternating rounds in one process, bench/wgrad_probe.py): cudnn 1.039x eager's step in two
-# runs, the same node on torch 0.997x and 0.986x (bench/results/wgrad_probe_runs/wgrad_probe_ebdd0ee.json,
-# wgrad_probe.json); stop 29's mlp_variants_probe.json read the forward alone on torch 1.021x against
-# cudnn's 1.053x. cuDNN's fused GEMMs lose to cuBLAS's more than the fusion saves at that shape.
-# Two more, opt-in and measured no faster on the H200 (docs/decisions.md, "The MLP's GEMMs with their
-# passes in the epilogue"): "triton" (cudnn_fuse.triton_gemm: Triton GEMMs with act and act's backward
-# plus the bias sums in their epilogues; the epilogues cost more than the passes they replace) and
-# "cublaslt" (the tanh GELU only: cuBLASLt's GELU_AUX_BIAS forward and DGELU backward, 0.999x eager's
-# step where the node on torch kernels read 1.020x; other activations run torch's kernels).
-# "cutlass" (cudnn_fuse.cutlass_mlp: CUTLASS GEMMs with the exact GELU and its backward in their
-# epilogues, bf16 on sm_90, a library built by `cudnn-fuse build-kernels`) measured 0.975-0.993x eager's
-# step in six runs on the H200 where the node on torch's kernels read 0.990-1.011x (docs/decisions.md,
-# "The MLP's exact GELU in CUTLASS epilogues"). "auto", the default: "cutlass" where that library is
-# built and the block qualifies (exact GELU, bf16, sm_90), else "torch".
-MLP = os.environ.get("CUDNN_FUSE_MLP_KERNELS", "auto")
-MLP_MODES = ("auto", "torch", "cudnn", "triton", "cublaslt", "cutlass")
-if MLP not in MLP_MODES:
-    log.warning("CUDNN_FUSE_MLP_KERNELS=%r: want one of %s; using auto", MLP, ", ".join(MLP_MODES))
-    MLP = "auto"
-# A linear layer's bias gradient on torch kernels (a column sum of dz, off the step's critical path:
-# only the optimizer reads it) on a side stream ("side"), so that it can run beside the layer's
-# weight and data gradient GEMMs, or in order on the current stream ("inline").
-BIAS_SUM = os.environ.get("CUDNN_FUSE_BWD_BIAS_SUM", "inline")
-_sum_streams: dict = {}  # device index -> the side stream of bias sums (cf's own: None where none could be made)
-_sum_lock = threading.Lock()
-
-
-def _sum_stream(dev: torch.device):
-    """The bias sums' side stream of ``dev``: one made by the driver for them alone, not one of torch's pool
-    (which hands its streams out again to any thread, and makes a torch.cuda.graph's capture stream: a sum
-    queued there would be recorded in another thread's capture and never run), and not plans' side stream
-    (launch graphs are captured there). None where the driver cannot make one: the sums run inline."""
-    side = _sum_streams.get(dev.index, False)
-    if side is False:
-        with _sum_lock:
-            side = _sum_streams.get(dev.index, False)
-            if side is False:
-                try:
-                    side = torch.cuda.ExternalStream(launch_graphs.private_stream(dev.index), device=dev)
-                except (OSError, AttributeError, RuntimeError) as exc:
-                    log.warning("cudnn_fuse: no side stream for bias sums on %s (%s): they run inline", dev, exc)
-                    side = None
-                _sum_streams[dev.index] = side
-    return side
-
-
-def bias_sum_begin(dz2: torch.Tensor):
-    """Start ``dz2.sum(0)`` on the side stream when BIAS_SUM is "side" (CUDA, no capture, no
-    create_graph); (db, stream) to pass to ``bias_sum_end`` after the GEMMs it may overlap are
-    queued, or (None, None): the caller sums inline."""
-    if BIAS_SUM != "side" or not dz2.is_cuda or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
-        return None, None
-    dev = dz2.device
-    side = _sum_stream(dev)
-    if side is None:
-        return None, None
-    main = torch.cuda.current_stream(dev)
-    side.wait_stream(main)  # dz2 is written on the main stream
-    with torch.cuda.stream(side):
-        db = dz2.sum(0)
-    dz2.record_stream(side)  # freed by the main stream's owner: not reused before the sum has read it
-    return db, side
-
-
-def bias_sum_end(db: torch.Tensor, side) -> torch.Tensor:
-    """The main stream waits for the sum; db is then the main stream's like any gradient."""
-    main = torch.cuda.current_stream(db.device)
-    main.wait_stream(side)
-    db.record_stream(main)
-    return db
-
-
-def wgrad(dz2: torch.Tensor, x2: torch.Tensor, need_w: bool, need_b: bool):
-    """(dW [N, K] = dz2^T @ x2, db [N] = dz2.sum(0)) of one linear layer from one cuBLASLt GEMM
-    when WGRAD is "cublaslt" and both are wanted; None otherwise (the caller's GEMM and sum run)."""
-    if WGRAD != "cublaslt" or not (need_w and need_b) or not usable(dz2, x2):
-        return None
-    return cublaslt.wgrad_bgrad(dz2, x2)
+# The bias gradient of a gemm whose dz comes from a SAVED z/y is a torch sum after the act-grad
+# graph, not a reduction fused into it: the fused reduction was the slower of the two
+# (docs/decisions.md, "Backward pieces").
+GEMM_FUSE_DBIAS = False
 
 
 def usable(*tensors) -> bool:
@@ -297,7 +188,7 @@ def _with_dbias(op: str, make_spec, buffers, dz, bias_shape, attrs: tuple,
     Returns the float32 dbias (or an empty tensor when none is wanted), None if
     cuDNN declined the graph altogether. ``attrs``: what ``make_spec`` reads besides the
     buffers' geometry."""
-    if bias_shape is not None and (fuse if fuse is not None else DBIAS == "fused"):
+    if bias_shape is not None and (fuse is None or fuse):
         dbias = torch.empty_strided(bias_shape, _bias_strides(dz, bias_shape), dtype=torch.float32, device=dz.device)
         bufs = buffers + [dz, dbias]
         if _try(op, _cached_spec(op + "+dbias", attrs, bufs, lambda: make_spec(_spec(dbias))), bufs, quiet=True):
@@ -324,7 +215,7 @@ def _rows_as_nhwc(t: torch.Tensor) -> torch.Tensor:
 
 def act_grad(dy, src, act: str, slope: float, bias_shape=None, fuse_dbias: Optional[bool] = None):
     """(dz, dbias) with dz = act'(src) * dy from a saved src (z, or y for ReLU); None if declined.
-    ``fuse_dbias``: whether to try the bias reduction inside the graph (default: DBIAS)."""
+    ``fuse_dbias``: whether to try the bias reduction inside the graph (default: yes)."""
     dz = torch.empty_like(dy)
 
     def make(db):
@@ -352,8 +243,6 @@ def recompute_grad(fwd, fwd_buffers, dy, bias_shape=None):
 def mm(a3: torch.Tensor, b3: torch.Tensor) -> torch.Tensor:
     """[Ba, M, K] @ [Bb, K, N] -> [B, M, N] through a plain cuDNN matmul graph;
     torch.matmul when cuDNN declines it."""
-    if MM == "torch":
-        return torch.matmul(a3, b3)
     B = max(a3.shape[0], b3.shape[0])
     y = torch.empty((B, a3.shape[1], b3.shape[2]), dtype=a3.dtype, device=a3.device)
     spec = _cached_spec("mm", (), (a3, b3, y), lambda: MatmulSpec(_spec(a3), _spec(b3), _spec(y), Epilogue()))
@@ -367,7 +256,7 @@ def _saved_dz(dy3, src3, act, slope, want_dbias):
     N = dy3.shape[-1]
     if dy3.is_contiguous() and src3.is_contiguous():
         out = act_grad(_rows_as_nhwc(dy3), _rows_as_nhwc(src3), act, slope, (1, N, 1, 1) if want_dbias else None,
-                       fuse_dbias=GEMM_DBIAS == "fused")
+                       fuse_dbias=GEMM_FUSE_DBIAS)
         return None if out is None else (out[0].as_strided(dy3.shape, dy3.stride()),
                                          out[1].view(1, 1, N) if want_dbias else None)
     return act_grad(dy3, src3, act, slope, (1, 1, N) if want_dbias else None)
@@ -472,87 +361,6 @@ def matmul_grads(a, b, bias, residual, gy, act, slope, src, needs):
         db = db.reshape(b2.shape).reshape(b.shape)
     return (da, db, dbias.view(N).to(gy.dtype) if dbias is not None else None,
             dz.view(gy.shape) if needs[3] else None)
-
-
-def matmul_act_grad(a3, b3, src3, act, slope, dbias: bool = False):
-    """dz = act'(src3) * (a3 @ b3) in one graph (the product is never stored); None when cuDNN
-    declines it (DEBUG: the caller runs the product and the act-grad graph instead). With
-    ``dbias``: (dz, db), db the float32 column sums of dz ([1, 1, N]) as a reduction in the same
-    graph, or None in db's place when cuDNN declines the reduction (the caller sums dz)."""
-    if MLP_DZ != "fused":  # (MM="torch" moves the plain products only; this is a fusion)
-        return None
-    dz = torch.empty_like(src3)
-
-    def make(db):
-        prod = MatmulSpec(_spec(a3), _spec(b3), _spec(dz), Epilogue())
-        return MatmulActGradSpec(prod, _spec(src3), _spec(dz), act, slope, db)
-
-    if dbias:
-        db = torch.empty((1, 1, src3.shape[-1]), dtype=torch.float32, device=src3.device)
-        bufs = [a3, b3, src3, dz, db]
-        spec = _cached_spec("matmul_act_grad+dbias", (act, slope), bufs, lambda: make(_spec(db)))
-        if _try("mlp_backward", spec, bufs, quiet=True):
-            return dz, db
-    bufs = [a3, b3, src3, dz]
-    spec = _cached_spec("matmul_act_grad", (act, slope), bufs, lambda: make(None))
-    if not _try("mlp_backward", spec, bufs, quiet=True):
-        return None
-    return (dz, None) if dbias else dz
-
-
-def mlp_grads(x, w1, inter, w2, gy, act, slope, needs):
-    """The gradients of out = y1 @ w2.T + b2 [+ residual], y1 = act(z1), z1 = x @ w1.T + b1 on
-    the cuDNN graphs: (dx, dw1, db1, dw2, db2, dresidual), each None unless ``needs`` (6 bools,
-    that order) asks for it. ``inter`` is the list [z1, y1]; it is emptied here and each tensor
-    dropped once read (y1 after dW2, z1 after dz), as eager autograd frees them between its
-    nodes. The first layer's dz comes from ``matmul_act_grad`` (dY @ W2 with act's backward in
-    the epilogue) and, with MLP_DBIAS "fused", db1 from a reduction in that graph; the other bias
-    gradients are column sums. Each comes back in gy's dtype (as torch's addmm backward).
-    None when cuDNN declined the act-grad graph as well: ``inter`` is then refilled for the
-    caller's torch math."""
-    z1, y1 = inter
-    inter.clear()
-    N2, H = w2.shape
-    rows = math.prod(gy.shape[:-1])
-    dy3 = gy.contiguous().reshape(1, rows, N2)
-    z3 = z1.reshape(1, rows, H)
-    lt = wgrad(dy3.view(rows, N2), y1.reshape(rows, H), needs[3], needs[4])
-    if lt is not None:
-        dw2, db2 = lt
-    else:
-        dw2 = mm(dy3.transpose(1, 2), y1.reshape(1, rows, H)).view(N2, H) if needs[3] else None
-        db2 = dy3.view(rows, N2).sum(0) if needs[4] else None
-    # db1 with dW1 from one cuBLASLt GEMM (then not as a reduction in the dz graph)
-    lt1 = WGRAD == "cublaslt" and needs[1] and needs[2]
-    x2 = x.reshape(rows, x.shape[-1]) if lt1 else None
-    lt1 = lt1 and cublaslt.usable(x2, x2)
-    dz = db = None
-    if needs[0] or needs[1] or needs[2]:
-        w2_3 = w2.unsqueeze(0)  # [1, N2, H]: dY @ W2 reads the weight in its own layout
-        want_db = needs[2] and MLP_DBIAS == "fused" and not lt1
-        out = matmul_act_grad(dy3, w2_3, z3, act, slope, dbias=want_db) if z3.is_contiguous() else None
-        if out is not None:
-            dz, db = out if want_db else (out, None)
-        else:
-            out = _saved_dz(mm(dy3, w2_3), z3, act, slope, False)
-            if out is None:
-                inter += [z1, y1]
-                return None
-            dz = out[0]
-    del y1, z1, z3
-    dw1 = db1 = None
-    lt = wgrad(dz.reshape(rows, H), x2, True, True) if lt1 else None
-    if lt is not None:
-        dw1, db1 = lt
-    elif needs[2]:
-        db1 = db.view(H).to(gy.dtype) if db is not None else dz.reshape(rows, H).sum(0)
-    dx = None
-    if needs[0] or (needs[1] and dw1 is None):
-        _, K, _, a3, b3 = _linear_operands(x, w1)
-        dx, dw = gemm_products(a3, b3, dz, needs[0], needs[1] and dw1 is None, weight_layout=True)
-        dx = dx.view(x.shape) if dx is not None else None
-        dw1 = dw.view(H, K) if dw is not None else dw1
-    return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
 
 
 def linear_save_z(x, w, bias, residual, act, slope):
@@ -662,12 +470,12 @@ def conv_program(x, w, y, gy, geo, act, slope, need_x: bool, need_w: bool, need_
     handles, logs and records every case. What the general path converts (a gradient in another
     layout than the forward's, as a loss hands the last layer; an NCHW input or weight under the
     "convert" policy) the program converts the same way on every call."""
-    if manifest._active or CONV != "cudnn":
+    if manifest._active:
         return None
     det = _det_algorithms() or _det_cudnn()  # plans.deterministic(), read once: the key's and the plans'
     key = ("convprog", x.shape, x.stride(), w.shape, w.stride(), y.stride() if y is not None else None, gy.stride(),
            x.dtype, x.device,
-           act, slope, geo, need_x, need_w, need_b, DBIAS, det)
+           act, slope, geo, need_x, need_w, need_b, det)
     prog = plans.FAST.get(key)
     if prog is None:
         with plans.pinned_mode(det):  # its plans are chosen under the key's mode
@@ -704,7 +512,7 @@ def _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b):
     try:
         dz_s = _spec(gy)  # dz has gy's geometry (and dtype: usable() checked)
         if act == "relu":
-            if need_b and DBIAS == "fused":
+            if need_b:
                 db_geo = ((1, K, 1, 1), _bias_strides(gy, (1, K, 1, 1)))
                 try:
                     p.dz_plan = plans.get_plan(ActGradSpec(dz_s, _spec(y), dz_s, act, slope,
@@ -729,8 +537,6 @@ def _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b):
 def _conv_grad(op: str, kind: str, spec_type, a, b, like, geo) -> Optional[torch.Tensor]:
     """``spec_type(a, b) -> out`` (dgrad or wgrad), out in ``like``'s layout; None if declined.
     ``geo``'s stride, padding and dilation are tuples already (ctx.geo); the groups are in w's shape."""
-    if CONV == "torch":
-        return None
     out = torch.empty_like(like)
     g = geo[:4]
     spec = _cached_spec(kind, g, (a, b, out), lambda: spec_type(_spec(a), _spec(b), _spec(out), *g))

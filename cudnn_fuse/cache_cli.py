@@ -132,9 +132,7 @@ def _ls(cache: PlanCache, args) -> int:
             for info in infos]
     print(format_table(("key", "op", "engine", "workspace", "size", "pinned", "tuned_at"), rows))
     total = sum(info.size for info in infos)
-    gemms = sum(_op(info.meta) == "cublaslt_gemm" for info in infos)  # tuned_gemm's picks are not plans
-    picks = f", {_count(gemms, 'GEMM algorithm pick')}" if gemms else ""
-    print(f"\n{_count(len(infos) - gemms, 'plan')}{picks}, {human_bytes(total)} in {cache.dir}")
+    print(f"\n{_count(len(infos), 'plan')}, {human_bytes(total)} in {cache.dir}")
     return 0
 
 

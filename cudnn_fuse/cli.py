@@ -63,18 +63,6 @@ def _parser() -> argparse.ArgumentParser:
     rec.add_argument("--name", default="", help="a name stored in the manifest")
     rec.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS...] (or -- SCRIPT [ARGS...])")
     rec.set_defaults(run=_record)
-    bk = commands.add_parser(
-        "build-kernels", help="compile the optional CUTLASS kernels (nn.FusedMLP's exact-GELU epilogues; nvcc, sm_90)",
-        description="Compile cudnn_fuse's CUTLASS kernels (nn.FusedMLP's exact-GELU GEMM epilogues, bf16 on "
-                    "Hopper) with nvcc against a CUTLASS 3 checkout's headers. Once built, FusedMLP blocks use "
-                    "them (CUDNN_FUSE_MLP_KERNELS=auto, the default; =torch turns them off).")
-    bk.add_argument("--cutlass-dir", default=None, help="a CUTLASS 3 checkout (default: $CUTLASS_DIR)")
-    bk.add_argument("--nvcc", default=None, help="the nvcc to use (default: $NVCC, PATH, $CUDA_HOME/bin/nvcc)")
-    bk.add_argument("--output", default=None,
-                    help="where to write the library (default: the package's directory where writable, "
-                         "else the user data directory; set $CUDNN_FUSE_CUTLASS_LIB to load another place)")
-    bk.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes (default: the CPU count)")
-    bk.set_defaults(run=_build_kernels)
     from . import benchsuite
 
     bench = commands.add_parser("bench", help="time cf against torch eager, torch.compile and SDPA backends (CUDA GPU)",
@@ -82,38 +70,6 @@ def _parser() -> argparse.ArgumentParser:
     benchsuite.add_arguments(bench)
     bench.set_defaults(run=_bench)
     return parser
-
-
-def _build_kernels(args: argparse.Namespace) -> int:
-    """Compile the CUTLASS kernels with a bar over the translation units, then load the result."""
-    import sys
-
-    from . import cutlass_mlp
-    from .cli_autotune import Bar
-
-    if args.jobs is not None and args.jobs < 1:
-        print("cudnn-fuse build-kernels: --jobs: want 1 or more", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    try:
-        path = cutlass_mlp.build(args.cutlass_dir, args.nvcc, args.output, args.jobs,
-                                 progress=Bar("build-kernels (nvcc, CUTLASS)"))
-    except ValueError as exc:
-        print(f"cudnn-fuse build-kernels: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeError, OSError) as exc:
-        print(f"cudnn-fuse build-kernels: {exc}", file=sys.stderr)
-        return 1
-    elapsed = time.perf_counter() - t0
-    default_paths = cutlass_mlp.library_candidates()
-    found = os.path.abspath(path) in [os.path.abspath(p) for p in default_paths]
-    loaded = found and cutlass_mlp.available()
-    rows = [["library", path], ["size", f"{os.path.getsize(path) / 2**20:.1f} MiB"],
-            ["build time", f"{elapsed:.0f} s"],
-            ["loads", "yes" if loaded else ("no (see the log)" if found else
-                                           f"not on the search path: set CUDNN_FUSE_CUTLASS_LIB={path}")]]
-    print(format_table(("item", "value"), rows))
-    return 0 if loaded or not found else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -234,26 +190,13 @@ def _native_row() -> str:
     return "Python (CUDNN_FUSE_NATIVE=0 or set_native(False))"
 
 
-def _cutlass_row() -> str:
-    """Whether FusedMLP's CUTLASS kernels are built and loadable, and whether the mode uses them."""
-    from . import backward, cutlass_mlp
-
-    path = cutlass_mlp.library_path()
-    if not os.path.exists(path):
-        return "not built (optional: cudnn-fuse build-kernels)"
-    if not cutlass_mlp.available():
-        return f"{path} does not load (see the log)"
-    return f"{path} (CUDNN_FUSE_MLP_KERNELS={backward.MLP}{'' if backward.MLP in ('auto', 'cutlass') else ': unused'})"
-
-
 def _doctor(args: argparse.Namespace) -> int:
     fp = env.fingerprint()
     found = env.problems(fp)
     cache_rows, cache_problems = _cache_rows()
     found += cache_problems
     print(f"cudnn-fuse {__version__} doctor\n")
-    print(format_table(("item", "value"), list(env.describe(fp)) + [("memoized calls", _native_row()),
-                                                                      ("CUTLASS MLP kernels", _cutlass_row())] + cache_rows))
+    print(format_table(("item", "value"), list(env.describe(fp)) + [("memoized calls", _native_row())] + cache_rows))
     print("\nproblems:")
     for problem in found or ["none"]:
         print(f"  {problem}")

@@ -371,18 +371,10 @@ class FusedMLP(torch.nn.Module):
     ``fc1`` is a ``cudnn_fuse.nn.Linear`` with the activation, ``fc2`` a ``torch.nn.Linear``; both
     hold the original modules' Parameters. For an activation whose backward needs its input
     (GELU, SiLU, ...) with ``recompute=False``, a training step keeps the pre-activation like
-    torch does, in ONE autograd node. By default that node runs, for the exact GELU in bf16 on
-    Hopper, two CUTLASS GEMMs with the GELU and its backward in their epilogues where
-    ``cudnn-fuse build-kernels`` has built them (cudnn_fuse.cutlass_mlp; 0.975-0.993x eager's step on
-    the H200), and otherwise eager's kernels (cuBLAS GEMMs, on
-    cuBLASLt's tuned algorithm where autotuning recorded one: cudnn_fuse.tuned_gemm); with
-    CUDNN_FUSE_MLP_KERNELS=cudnn its forward is cuDNN's save-z graph and its backward computes the
-    first layer's dz in ONE cuDNN graph: the second layer's data gradient dY @ W2 with the
-    activation's backward in its epilogue (measured slower than cuBLAS on the H200 at 8192 x 2048 ->
-    8192 bf16, docs/decisions.md); =triton runs Triton GEMMs with the activation, its backward and
-    the bias sums in their epilogues, and =cublaslt (the tanh GELU) cuBLASLt's GELU_AUX_BIAS and
-    DGELU epilogues, both measured no faster than the default. Inference, ``recompute=True`` and
-    torch.compile run ``fc1`` then ``fc2``, exactly what the two modules would run.
+    torch does, in ONE autograd node on eager's kernels (cuBLAS GEMMs, aten's activation and its
+    backward), dropping each intermediate as soon as the backward has read it. Inference,
+    ``recompute=True`` and torch.compile run ``fc1`` then ``fc2``, exactly what the two modules
+    would run.
 
     ``own=False`` (what ``optimize(model)`` builds): the layers are not this module's children but
     stay where they were, the model's own, so the state_dict keys (``fc1.weight``, ``fc2.weight``),

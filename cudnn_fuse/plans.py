@@ -123,12 +123,10 @@ STATS = _Stats()
 def plan_stats() -> dict:
     """Counters of this process: builds, hits, misses, evictions, fallbacks, build_seconds, the
     launch graphs' captures, replays and failures (launch_graphs.py), the autotuner's checked
-    spin (``tune_*``: autotune.spin_stats), and the GEMMs on cuBLASLt's tuned algorithms
-    (``gemm_tuned``, ``gemm_loaded`` from the cache, ``gemm_runs``: tuned_gemm.stats)."""
-    from . import autotune, tuned_gemm
+    spin (``tune_*``: autotune.spin_stats)."""
+    from . import autotune
 
-    return {**STATS.snapshot(), **launch_graphs.STATS.snapshot(), **autotune.spin_stats(),
-            **{f"gemm_{k}": v for k, v in tuned_gemm.stats.items()}}
+    return {**STATS.snapshot(), **launch_graphs.STATS.snapshot(), **autotune.spin_stats()}
 
 
 # ---------------------------------------------------------------- handles

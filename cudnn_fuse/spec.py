@@ -235,29 +235,6 @@ def _check_act_grad(spec) -> None:
 
 
 @dataclass(frozen=True)
-class MatmulActGradSpec(_WrapsForward):
-    """dz = act'(src) * (a @ b): a gradient product with the backward of the activation that
-    produced its operand's forward input in its epilogue. In a Linear -> act -> Linear block,
-    the second layer's data gradient dY @ W2 is the activation's incoming gradient; this graph
-    turns it into the first layer's dz in one kernel (the product is never stored).
-    Optionally dbias = sum of dz over all but the bias axis."""
-
-    fwd: Any  # MatmulSpec with no epilogue; its y is the (virtual) product's geometry
-    src: TensorSpec  # the saved pre-activation z
-    dz: TensorSpec
-    activation: str
-    negative_slope: float = 0.01
-    dbias: Optional[TensorSpec] = None
-    op = "matmul_act_grad"
-
-    def __post_init__(self):
-        _check_act_grad(self)
-        e = self.fwd.epilogue if isinstance(self.fwd, MatmulSpec) else None
-        if e is None or e.bias is not None or e.residual is not None or e.activation is not None or e.amax:
-            raise ValueError("matmul_act_grad: fwd must be a MatmulSpec with no epilogue")
-
-
-@dataclass(frozen=True)
 class ActGradSpec(_SpecMixin):
     """dz = act'(src) * dy from a saved tensor: the pre-activation z, or for ReLU
     its output y (the mask y > 0 is z > 0); optionally dbias = sum of dz."""
@@ -362,7 +339,7 @@ class SdpaBwdSpec(_SpecMixin):
 
 OpSpec = Any  # ConvSpec | MatmulSpec | SdpaSpec | the training specs above
 
-_BY_OP = {c.op: c for c in (ConvSpec, MatmulSpec, SdpaSpec, SaveZSpec, RecomputeGradSpec, MatmulActGradSpec, ActGradSpec,
+_BY_OP = {c.op: c for c in (ConvSpec, MatmulSpec, SdpaSpec, SaveZSpec, RecomputeGradSpec, ActGradSpec,
                             ConvDgradSpec, ConvWgradSpec, SdpaTrainSpec, SdpaBwdSpec)}
 
 
@@ -400,7 +377,7 @@ def spec_from_dict(d: dict) -> OpSpec:
 def flops(spec) -> int:
     """2 x the multiply-adds of the main op (the epilogue is noise next to it);
     causal attention counts only the score pairs it computes; a training graph around a
-    forward (save_z, recompute_grad, matmul_act_grad) counts its forward's product."""
+    forward (save_z, recompute_grad) counts its forward's product."""
     if isinstance(getattr(spec, "fwd", None), (ConvSpec, MatmulSpec)):
         return flops(spec.fwd)
     if isinstance(spec, ConvSpec):

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backward, cublaslt, cutlass_mlp, ops, reference, triton_act, triton_gemm, tuned_gemm
+from . import backward, ops, reference
 
 # ------------------------------------------------------------------------ helpers
 
@@ -130,18 +130,10 @@ def _rows(t: Tensor) -> Tensor:
 def _linear_products(dz: Tensor, x: Tensor, w: Tensor, need_x: bool, need_w: bool, need_b: bool):
     """(dx, dw, db) of z = x @ w.T + b from dz on torch kernels, None where not needed."""
     dz2, x2 = _rows(dz), _rows(x)
-    lt = backward.wgrad(dz2, x2, need_w, need_b)  # dW and db from one cuBLASLt GEMM
-    if lt is not None:
-        return tuned_gemm.matmul(dz, w) if need_x else None, lt[0], lt[1]
-    db, side = backward.bias_sum_begin(dz2) if need_b else (None, None)  # beside the GEMMs, when BIAS_SUM asks
-    if need_b and side is None:
-        # first: the column sum's scratch (torch's reduction took 128 MiB for a 4096 x 4096 bf16 dz
-        # on the H200) then meets fewer live tensors than after dx and dw exist
-        db = dz2.sum(0)
-    dx = tuned_gemm.matmul(dz, w) if need_x else None  # cuBLASLt's tuned algorithm where one is recorded
-    dw = tuned_gemm.matmul(dz2.t(), x2) if need_w else None
-    if side is not None:
-        db = backward.bias_sum_end(db, side)
+    # the column sum first: its scratch then meets fewer live tensors than after dx and dw exist
+    db = dz2.sum(0) if need_b else None
+    dx = torch.matmul(dz, w) if need_x else None
+    dw = torch.matmul(dz2.t(), x2) if need_w else None
     return dx, dw, db
 
 
@@ -609,49 +601,19 @@ def _saved_tensor_hooks_active() -> bool:
 
 
 def _mlp_save_z(x, w1, b1, act, slope):
-    """(y1, z1) of a FusedMLP block's first layer: cuDNN's save-z graph when backward.MLP is
-    "cudnn", one Triton GEMM writing both when it is "triton" (cudnn_fuse.triton_gemm), for the
-    tanh GELU one cuBLASLt GEMM (GELU_AUX_BIAS) when it is "cublaslt", for the exact GELU (bf16)
-    one CUTLASS GEMM when it is "cutlass" (cudnn_fuse.cutlass_mlp), else
-    eager's kernels (the GEMM with its bias, then the activation); a declined graph or kernel runs
-    eager's."""
-    if backward.MLP == "cudnn":
-        return _linear_save_z_op_impl(x, w1, b1, act, None, slope)
-    if backward.MLP == "triton" and x.is_cuda and not _create_graph():
-        out = triton_gemm.linear_act(x, w1, b1, act)
-        if out is not None:
-            return out
-    if backward.MLP == "cublaslt" and act == "gelu_tanh" and x.is_cuda and not _create_graph():
-        out = cublaslt.linear_gelu_aux(x, w1, b1)  # one GEMM, GELU in its epilogue, z its aux output
-        if out is not None:
-            return out
-    if _cutlass_block(act, x) and not _create_graph():
-        out = cutlass_mlp.linear_gelu_aux(x, w1, b1)  # one CUTLASS GEMM, exact GELU in its epilogue, z its aux output
-        if out is not None:
-            return out
+    """(y1, z1) of a FusedMLP block's first layer on eager's kernels: the GEMM with its bias, then
+    the activation."""
     if not x.is_cuda:
         return reference.linear_save_z(x, w1, b1, act, None, slope)
-    z = tuned_gemm.linear(x, w1, b1).contiguous()
+    z = F.linear(x, w1, b1).contiguous()
     return reference.activation(z, act, slope), z
-
-
-def _cutlass_block(act, t) -> bool:
-    """Whether a FusedMLP block asks the CUTLASS kernels (cudnn_fuse.cutlass_mlp): mode "cutlass", or
-    "auto" (the default) with the library built; the exact GELU on bf16 CUDA tensors. The kernels decline
-    anything else they cannot take."""
-    return (act == "gelu" and t.dtype == torch.bfloat16 and t.is_cuda
-            and (backward.MLP == "cutlass" or (backward.MLP == "auto" and cutlass_mlp.available())))
 
 
 class _MlpTrain(torch.autograd.Function):
     """out = y1 @ w2.T + b2 [+ residual], y1 = act(z1), z1 = x @ w1.T + b1, for training
-    (cf.nn.FusedMLP). Its kernels follow backward.MLP: "auto" (the default) runs the CUTLASS GEMMs
-    with the exact GELU in their epilogues where they are built (cudnn_fuse.cutlass_mlp) and eager's
-    otherwise; "torch" runs eager's kernels in this one node; with "cudnn", linear_save_z's one graph writes y1 and z1, and the
-    backward (backward.mlp_grads) computes the first layer's dz as dY @ W2 with act's backward in
-    the product's epilogue, one graph. The second layer runs torch's addmm (cuDNN's matmul +
+    (cf.nn.FusedMLP), on eager's kernels in one autograd node: it saves the hand-overs between the
+    five nodes eager autograd would make. The second layer runs torch's addmm (cuDNN's matmul +
     residual epilogue when there is a residual); it keeps what eager torch keeps (x, z1, y1).
-    Anything cuDNN cannot take (CPU, float32, a declined graph) runs the torch kernels.
 
     Memory: eager autograd frees y1 after the second layer's backward and z1 after the
     activation's, before the first layer's gradients exist; one node would hold both to its
@@ -665,7 +627,7 @@ class _MlpTrain(torch.autograd.Function):
         act, slope = attrs
         y1, z1 = _mlp_save_z(x, w1, b1, act, slope)
         if residual is None:
-            out = tuned_gemm.linear(y1, w2, b2)
+            out = F.linear(y1, w2, b2)
         else:
             out = _linear_op_impl(y1, w2, b2, None, residual, False, slope)[0]
         ctx.act, ctx.slope = act, slope
@@ -701,54 +663,23 @@ class _MlpTrain(torch.autograd.Function):
         n = ctx.needs_input_grad
         has_b1, has_b2, has_r = ctx.has
         needs = (n[0], n[1], has_b1 and n[2], n[3], has_b2 and n[4], has_r and n[5])
-        if backward.MLP == "cudnn" and backward.usable(x, w1, w2, gy, *inter):
-            out = backward.mlp_grads(x, w1, inter, w2, gy, ctx.act, ctx.slope, needs)
-            if out is not None:
-                return out + (None,)
         return _mlp_grads_torch(x, w1, inter, w2, gy, ctx.act, ctx.slope, needs) + (None,)
 
 
 def _mlp_grads_torch(x, w1, inter, w2, gy, act, slope, needs):
-    """mlp_grads' six gradients on torch kernels (the CPU, float32, or a declined graph).
-    ``inter``: [z1, y1], emptied as they are read."""
+    """The block's six gradients (dx, dw1, db1, dw2, db2, dresidual) on torch kernels, None where
+    ``needs`` asks for none. ``inter``: [z1, y1], emptied and each dropped once read (y1 after dW2,
+    z1 after dz), as eager autograd frees them between its nodes."""
     z1, y1 = inter
     inter.clear()
     _, dw2, db2 = _linear_products(gy, y1, w2, False, needs[3], needs[4])
     del y1
     dx = dw1 = db1 = None
     if needs[0] or needs[1] or needs[2]:
-        fused = None
-        if backward.MLP == "triton" and gy.is_cuda and not _create_graph():
-            fused = triton_gemm.matmul_act_grad(gy, w2, z1, act, needs[2])
-        elif _cutlass_block(act, gy) and not _create_graph():
-            dz = cutlass_mlp.dgelu(gy, w2, z1)  # dz from one CUTLASS GEMM (exact GELU's backward in its epilogue)
-            if dz is not None:
-                del z1
-                dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
-                return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
-        elif backward.MLP == "cublaslt" and act == "gelu_tanh" and gy.is_cuda and not _create_graph():
-            out = cublaslt.dgelu_bgrad(gy, w2, z1, False)  # dz from one GEMM (DGELU); db1 below, z1 freed first
-            if out is not None:
-                dz = out[0]
-                del out, z1
-                dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
-                return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
-        if fused is not None:  # dz and db1 from dY @ W2 with act's backward in its epilogue (one GEMM)
-            dz, db1 = fused
-            del z1
-            dx, dw1, _ = _linear_products(dz, x, w1, needs[0], needs[1], False)
-            return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
-        dy1 = tuned_gemm.matmul(gy, w2)
-        fused = (triton_act.act_grad_dbias(dy1, z1, act, needs[2])
-                 if triton_act.MODE == "triton" and not _create_graph() else None)
-        if fused is not None:  # dz and db1 in one pass over dy1 and z1 (CUDNN_FUSE_MLP_ELEMENTWISE=triton)
-            dz, db1 = fused
-            del z1, dy1
-            dx, dw1, _ = _linear_products(dz, x, w1, needs[0], needs[1], False)
-        else:
-            dz = _act_grad(z1, dy1, act, slope)
-            del z1, dy1
-            dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
+        dy1 = torch.matmul(gy, w2)
+        dz = _act_grad(z1, dy1, act, slope)
+        del z1, dy1
+        dx, dw1, db1 = _linear_products(dz, x, w1, *needs[:3])
     return dx, dw1, db1, dw2, db2, (gy if needs[5] else None)
 
 

@@ -20,7 +20,6 @@ from cudnn_fuse.spec import (
     ConvSpec,
     ConvWgradSpec,
     Epilogue,
-    MatmulActGradSpec,
     MatmulSpec,
     RecomputeGradSpec,
     SaveZSpec,
@@ -59,7 +58,6 @@ def _specs():
         "recompute_mm": RecomputeGradSpec(_mm(), y, y, db),
         "recompute_conv": RecomputeGradSpec(_conv(), c4(2, 8, 9, 9), c4(2, 8, 9, 9), None),
         "act_grad": ActGradSpec(y, y, y, "leaky_relu", 0.2, db),
-        "matmul_act_grad": MatmulActGradSpec(_mm(None, bias=False), y, y, "gelu", 0.01, db),
         "dgrad": ConvDgradSpec(c4(2, 8, 5, 5), c4(8, 4, 3, 3), c4(2, 4, 9, 9), *geo),
         "wgrad": ConvWgradSpec(c4(2, 4, 9, 9), c4(2, 8, 5, 5), c4(8, 4, 3, 3), *geo),
         "sdpa_train": SdpaTrainSpec(q, q, q, q, st, None, True, 0.125),
@@ -101,7 +99,6 @@ NODES = {
     "recompute_mm": ["matmul", "bias_add", "act_backward", "dbias"],
     "recompute_conv": ["conv", "bias_add", "act_backward"],
     "act_grad": ["act_backward", "dbias"],
-    "matmul_act_grad": ["matmul", "act_backward", "dbias"],
     "dgrad": ["dgrad"],
     "wgrad": ["wgrad"],
     "sdpa_train": ["sdpa"],
@@ -215,10 +212,6 @@ def torch_exec(spec, buffers):
         out["dz"] = _act_grad(src, t["dy"], act, slope)
         if "dbias" in t:
             out["dbias"] = out["dz"].sum([i for i, n in enumerate(spec.dbias.shape) if n == 1], keepdim=True)
-    elif isinstance(spec, MatmulActGradSpec):
-        out["dz"] = _act_grad(t["src"], t["a"].float() @ t["b"].float(), spec.activation, spec.negative_slope)
-        if "dbias" in t:
-            out["dbias"] = out["dz"].sum([i for i, n in enumerate(spec.dbias.shape) if n == 1], keepdim=True)
     elif isinstance(spec, ConvDgradSpec):  # the groups are implied by the shapes, as cuDNN reads them
         g = spec.dx.shape[1] // spec.w.shape[1]
         out["dx"] = torch.nn.grad.conv2d_input(spec.dx.shape, t["w"].float(), t["dy"].float(), groups=g, **_pad(spec))
@@ -291,7 +284,6 @@ def cudnn_on_cpu(monkeypatch):
     monkeypatch.setattr(plans, "get_plan", get_plan)
     monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
     monkeypatch.setattr(backward, "sdpa_train_usable", lambda *ts: True)
-    monkeypatch.setattr(backward, "MLP", "cudnn")  # nn.FusedMLP's cuDNN kernels (opt-in since 2026-12-03)
     yield runner
     plans.clear()
 
@@ -369,169 +361,28 @@ def _mlp_ref(act):
     return ref
 
 
-@pytest.mark.parametrize("act", ["gelu", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["gelu", "silu", "leaky_relu", "gelu_tanh"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_mlp_backward_fuses_the_activation_into_the_second_layers_dgrad(cudnn_on_cpu, act, residual):
+def test_mlp_runs_eagers_kernels_in_one_node(cudnn_on_cpu, act, residual):
+    """The block's one node runs eager's kernels, forward and backward, even where cuDNN would take
+    every graph (a residual goes through the second layer's fused linear); the gradients are
+    autograd's."""
     x, w1, b1, w2, b2, r = _mlp_inputs(residual=residual)
     inputs = (x, w1, b1, w2, b2) + ((r,) if residual else ())
     compare(lambda *t: torch_ops.mlp(*t[:5], act, t[5] if residual else None, 0.01), _mlp_ref(act), inputs)
-    # forward: the save_z graph (the second layer is torch's addmm); backward: dW2, then the
-    # first layer's dz as ONE graph from dY @ W2, then dX and dW1
-    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul_act_grad", "matmul", "matmul"]
+    assert "act_grad" not in cudnn_on_cpu.asked and "save_z" not in cudnn_on_cpu.asked
 
 
-@pytest.mark.parametrize("act", ["gelu", "silu", "leaky_relu"])
-def test_mlp_on_torch_kernels_by_default_runs_no_cudnn_graph(cudnn_on_cpu, monkeypatch, act):
-    """backward.MLP "torch" (the default): the block's one node runs eager's kernels, forward and
-    backward, even where cuDNN would take every graph; the gradients are still autograd's."""
-    monkeypatch.setattr(backward, "MLP", "torch")
-    x, w1, b1, w2, b2, _ = _mlp_inputs()
-    compare(lambda *t: torch_ops.mlp(*t, act, None, 0.01), _mlp_ref(act), (x, w1, b1, w2, b2))
-    assert cudnn_on_cpu.ran == [] and cudnn_on_cpu.asked == []
-
-
-def test_the_bias_sums_side_stream_is_cfs_own_not_torchs_pool(monkeypatch, caplog):
-    """The side stream of bias sums is one the driver made for them (launch_graphs.private_stream),
-    made once per device: a torch pool stream is also some thread's own, and a torch.cuda.graph's
-    capture stream (a sum queued there is recorded in that capture and never runs). Where the
-    driver cannot make one, the sums run inline, with a warning."""
-    made = []
-
-    def private_stream(device):
-        made.append(device)
-        return 0x1000 + device
-
-    monkeypatch.setattr(backward, "_sum_streams", {})
-    monkeypatch.setattr(backward.launch_graphs, "private_stream", private_stream)
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: ("external", ptr, device))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a torch pool stream was taken"))
-    dev = torch.device("cuda", 1)
-    assert backward._sum_stream(dev) == ("external", 0x1001, dev)
-    assert backward._sum_stream(dev) == ("external", 0x1001, dev) and made == [1]
-
-    def no_stream(device):
-        raise OSError("libcuda.so.1: cannot open shared object file")
-
-    monkeypatch.setattr(backward.launch_graphs, "private_stream", no_stream)
-    with caplog.at_level("WARNING", logger="cudnn_fuse.backward"):
-        assert backward._sum_stream(torch.device("cuda", 0)) is None
-        assert backward._sum_stream(torch.device("cuda", 0)) is None
-    assert sum("run inline" in r.getMessage() for r in caplog.records) == 1
-
-
-def test_side_stream_bias_sums_stay_inline_off_cuda(monkeypatch):
-    """BIAS_SUM "side" only changes where a CUDA sum runs: on the CPU (and under create_graph) the
-    sum is inline, and the gradients are autograd's."""
-    monkeypatch.setattr(backward, "BIAS_SUM", "side")
-    dz = torch.randn(64, 32)
-    assert backward.bias_sum_begin(dz) == (None, None)
-    x, w, b = torch.randn(64, 16), torch.randn(32, 16), torch.randn(32)
-    dx, dw, db = torch_ops._linear_products(dz, x, w, True, True, True)
-    assert torch.allclose(db, dz.sum(0)) and torch.allclose(dw, dz.t() @ x) and torch.allclose(dx, dz @ w)
-
-
-def test_mlp_kernels_default_is_auto_and_the_env_picks_cudnn():
-    from tests.grad_check import env_setting
-    code = "from cudnn_fuse import backward; print(backward.MLP)"
-    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS") == "auto"
-    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS", "cudnn") == "cudnn"
-    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS", "cutlass") == "cutlass"
-    assert env_setting(code, "CUDNN_FUSE_MLP_KERNELS", "cutlas") == "auto"  # a typo: logged, the default
-
-
-def test_mlp_backward_declined_fused_graph_runs_the_product_then_act_grad(cudnn_on_cpu):
-    cudnn_on_cpu.decline = lambda spec: isinstance(spec, MatmulActGradSpec)
-    x, w1, b1, w2, b2, _ = _mlp_inputs()
-    compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
-    assert cudnn_on_cpu.declined == ["matmul_act_grad", "matmul_act_grad"]  # with db1's reduction, then without
-    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul", "act_grad", "matmul", "matmul"]
-
-
-def test_mlp_backward_everything_declined_runs_torch(cudnn_on_cpu):
-    cudnn_on_cpu.decline = lambda spec: spec.op != "save_z"
-    x, w1, b1, w2, b2, _ = _mlp_inputs(bias=False)
-    compare(lambda *t: torch_ops.mlp(t[0], t[1], None, t[2], None, "silu", None, 0.01),
-            lambda x, w1, w2: _mlp_ref("silu")(x, w1, None, w2, None), (x, w1, w2))
-    assert cudnn_on_cpu.ran == ["save_z"] and "act_grad" in cudnn_on_cpu.declined
-
-
-def test_mlp_backward_computes_only_the_gradients_asked_for(cudnn_on_cpu):
+def test_mlp_backward_computes_only_the_gradients_asked_for():
     x, w1, b1, w2, b2, _ = _mlp_inputs()
     x, w1, b1, w2, b2 = (t.to(torch.bfloat16) for t in (x, w1, b1, w2, b2))
-    w2 = w2.requires_grad_()  # only the second layer's weight trains: no dz for the first layer at all
+    w2 = w2.requires_grad_()  # only the second layer's weight trains: no gradient reaches the first layer
     torch_ops.mlp(x, w1, b1, w2, b2, "gelu", None, 0.01).sum().backward()
-    assert cudnn_on_cpu.ran == ["save_z", "matmul"] and w2.grad is not None and w2.grad.shape == w2.shape
-    cudnn_on_cpu.ran.clear()
+    assert w2.grad is not None and w2.grad.shape == w2.shape and w1.grad is None and x.grad is None
     x.requires_grad_()
+    w2.grad = None
     torch_ops.mlp(x, w1, b1, w2, b2, "gelu", None, 0.01).sum().backward()
-    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul_act_grad", "matmul"]  # dX, no dW1
-
-
-def _spy_dz_specs(monkeypatch, runner):
-    """The matmul_act_grad specs backward._try is asked to run, in order."""
-    seen = []
-
-    def spy(op, spec, buffers, quiet=False):
-        if spec.op == "matmul_act_grad":
-            seen.append(spec)
-        return runner(op, spec, buffers, quiet)
-
-    monkeypatch.setattr(backward, "_try", spy)
-    return seen
-
-
-@pytest.mark.parametrize("mlp_dbias", ["fused", "torch"])
-def test_mlp_first_bias_gradient_from_the_dz_graph_or_a_sum(cudnn_on_cpu, monkeypatch, mlp_dbias):
-    """db1 of a FusedMLP block: a float32 reduction in the dz graph itself (default), or a torch sum
-    over dz; the same gradients either way, and no reduction asked for when b1 needs none."""
-    monkeypatch.setattr(backward, "MLP_DBIAS", mlp_dbias)
-    seen = _spy_dz_specs(monkeypatch, cudnn_on_cpu)
-    x, w1, b1, w2, b2, _ = _mlp_inputs()
-    compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
-    assert [s.dbias is not None for s in seen] == [mlp_dbias == "fused"]
-    if mlp_dbias == "fused":
-        assert seen[0].dbias.shape == (1, 1, w1.shape[0]) and seen[0].dbias.dtype == "float32"
-    seen.clear()
-    bf = [t.to(torch.bfloat16) for t in (x, w1, b1, w2, b2)]
-    x2 = bf[0].requires_grad_()  # b1 frozen: dz for dX only, no reduction
-    torch_ops.mlp(x2, *bf[1:], "gelu", None, 0.01).sum().backward()
-    assert [s.dbias is not None for s in seen] == [False] and x2.grad is not None
-
-
-def test_mlp_declined_bias_reduction_keeps_the_fused_dz_and_sums(cudnn_on_cpu, monkeypatch):
-    """cuDNN declining the dz graph WITH the reduction (e.g. only nondeterministic engines under
-    torch.use_deterministic_algorithms) leaves the fused dz graph without it, and db1 a sum."""
-    cudnn_on_cpu.decline = lambda spec: isinstance(spec, MatmulActGradSpec) and spec.dbias is not None
-    x, w1, b1, w2, b2, _ = _mlp_inputs()
-    compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
-    assert cudnn_on_cpu.declined == ["matmul_act_grad"]
-    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul_act_grad", "matmul", "matmul"]
-
-
-def test_mlp_first_bias_gradient_is_the_dz_graphs_reduction(cudnn_on_cpu, monkeypatch):
-    """The db1 that comes back is the graph's own reduction, cast to the gradient's dtype (a
-    stand-in that writes a marker into it shows where db1 comes from)."""
-    real = cudnn_on_cpu.__call__
-
-    def marked(op, spec, buffers, quiet=False):
-        ok = real(op, spec, buffers, quiet)
-        if ok and spec.op == "matmul_act_grad" and spec.dbias is not None:
-            buffers[-1].fill_(7.0)
-        return ok
-
-    monkeypatch.setattr(backward, "_try", marked)
-    x, w1, b1, w2, b2 = (t.to(torch.bfloat16) for t in _mlp_inputs()[:5])
-    b1.requires_grad_()
-    torch_ops.mlp(x, w1, b1, w2, b2, "gelu", None, 0.01).sum().backward()
-    assert b1.grad.dtype == torch.bfloat16 and torch.equal(b1.grad, torch.full_like(b1.grad, 7.0))
-
-
-def test_mlp_dz_split_switch_measures_the_unfused_backward(cudnn_on_cpu, monkeypatch):
-    monkeypatch.setattr(backward, "MLP_DZ", "split")
-    x, w1, b1, w2, b2, _ = _mlp_inputs()
-    compare(lambda *t: torch_ops.mlp(*t, "gelu", None, 0.01), _mlp_ref("gelu"), (x, w1, b1, w2, b2))
-    assert cudnn_on_cpu.ran == ["save_z", "matmul", "matmul", "act_grad", "matmul", "matmul"]
-    assert cudnn_on_cpu.declined == []
+    assert x.grad is not None and x.grad.shape == x.shape and w1.grad is None and b1.grad is None
 
 
 def test_dbias_declined_in_the_graph_falls_back_to_a_sum(monkeypatch, cudnn_on_cpu):
@@ -971,11 +822,11 @@ def test_cached_specs_keep_their_plan_and_declines_are_asked_again(monkeypatch):
     plans.clear()
 
 
-@pytest.mark.parametrize("gemm_dbias", ["torch", "fused"])
+@pytest.mark.parametrize("gemm_dbias", [False, True])
 def test_gemm_bias_gradient_from_a_saved_z_either_way(cudnn_on_cpu, monkeypatch, gemm_dbias):
-    """The saved-z path's bias gradient: a torch sum (default, faster on the H200) or the
-    reduction fused into the act-grad graph; the same gradients either way."""
-    monkeypatch.setattr(backward, "GEMM_DBIAS", gemm_dbias)
+    """The saved-z path's bias gradient: a torch sum (the default) or the reduction fused into the
+    act-grad graph; the same gradients either way."""
+    monkeypatch.setattr(backward, "GEMM_FUSE_DBIAS", gemm_dbias)
     seen = []
     real = cudnn_on_cpu.__call__
 
@@ -988,7 +839,7 @@ def test_gemm_bias_gradient_from_a_saved_z_either_way(cudnn_on_cpu, monkeypatch,
     m = cf.nn.Linear(32, 24, activation="gelu", recompute=False)
     compare(lambda x, w, b: torch_ops.linear_save_z(x, w, b, "gelu", None, 0.01),
             lambda x, w, b: F.gelu(F.linear(x, w, b)), (torch.randn(5, 32), m.weight, m.bias))
-    assert seen == [gemm_dbias == "fused"]
+    assert seen == [gemm_dbias]
 
 
 def test_eager_autograd_runs_without_the_dispatcher(monkeypatch):
@@ -1060,16 +911,6 @@ def test_record_keeps_the_backward_graphs_that_ran(monkeypatch, tmp_path):
     assert sorted(e.spec.op for e in entries) == ["matmul", "matmul", "matmul", "recompute_grad"]
     assert all(getattr(e.spec, "dbias", None) is None for e in entries)
     assert x.grad is not None and b.grad is not None
-
-
-def test_matmul_act_grad_spec_takes_only_a_bare_product():
-    y = TensorSpec.contiguous((1, 64, 48), BF)
-    with pytest.raises(ValueError, match="no epilogue"):
-        MatmulActGradSpec(_mm("gelu"), y, y, "gelu")  # a forward with bias + activation is not a product
-    spec = MatmulActGradSpec(_mm(None, bias=False), y, y, "silu", 0.3)
-    assert spec.negative_slope == 0.01 and spec == MatmulActGradSpec(_mm(None, bias=False), y, y, "silu")
-    with pytest.raises(ValueError, match="activation"):
-        MatmulActGradSpec(_mm(None, bias=False), y, y, "mish")
 
 
 def test_conv_backward_program_takes_an_expanded_gradient(cudnn_on_cpu, monkeypatch):

@@ -612,10 +612,9 @@ def test_default_cache_is_one_per_directory_and_can_be_disabled(tmp_path, monkey
 
 def test_default_cache_is_one_per_device_environment(tmp_path, monkeypatch):
     """A process with two GPU models keeps each model's plans under its own namespace: the default
-    cache is opened for the device asked about (the loader's and the tuned GEMM's), not for the one
+    cache is opened for the device asked about (the loader's), not for the one
     current when the first cache was opened; devices with equal fingerprints share one."""
     from cudnn_fuse import loader
-    from cudnn_fuse import tuned_gemm as tg
 
     monkeypatch.setattr(cache_module, "_defaults", {})
     monkeypatch.setenv("CUDNN_FUSE_CACHE_DIR", str(tmp_path))
@@ -629,7 +628,6 @@ def test_default_cache_is_one_per_device_environment(tmp_path, monkeypatch):
     assert c0.put(K, META, SMALL)
     assert c1.get(K) is None and c2.get(K).blob == SMALL  # the A100 never reads the H200's plan
     assert loader._cache(1) is c1 and loader._cache(0) is c0
-    assert tg._cache((1, 0, 64, 64, 64, 0, 64, 0, 64, False)) is c1
     monkeypatch.setattr(env, "_current_device", lambda: 1)
     assert open_default_cache() is c1  # no device: the current one's
     with pytest.raises(ValueError, match="device"):

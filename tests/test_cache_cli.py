@@ -239,30 +239,6 @@ def test_verify_removes_entries_that_name_a_barred_engine(cache_dir, capsys):
     assert "1 entry names an engine that computes its graph wrongly" in capsys.readouterr().out
 
 
-def test_ls_and_verify_take_a_tuned_gemm_record(cache_dir, capsys):
-    """tuned_gemm's entries (op cublaslt_gemm, a 64-byte algorithm or b"torch") sit beside the plans:
-    ls names them and their pick, verify finds them sound."""
-    from cudnn_fuse import cublaslt as lt
-    from cudnn_fuse import tuned_gemm as tg
-
-    sig = (0, lt._R_16BF, 8192, 8192, 2048, lt._OP_N, 2048, lt._OP_N, 8192, False)
-    meta = {"format": tg.FORMAT, "op": "cublaslt_gemm", "spec": tg._spec(sig), "engine": "cublaslt algo 7",
-            "workspace_bytes": 4, "tuned_at": "2026-12-03T07:00:00+0000"}
-    cache = PlanCache(cache_dir, namespace=NS)
-    assert cache.put(tg.cache_key(sig), meta, bytes(64))
-    assert cache.put(tg.cache_key(sig[:-1] + (True,)), {**meta, "engine": "torch"}, b"torch")
-    cache.close()
-    assert cli("ls", "--namespace", NS) == 0
-    rows = {r[:12]: r for r in capsys.readouterr().out.splitlines()}
-    assert rows[tg.cache_key(sig)[:12]].split()[1:5] == ["cublaslt_gemm", "cublaslt", "algo", "7"]
-    assert rows[tg.cache_key(sig[:-1] + (True,))[:12]].split()[1:3] == ["cublaslt_gemm", "torch"]
-    assert any(r.startswith("0 plans, 2 GEMM algorithm picks, ") for r in rows.values())  # picks are not counted as plans
-    assert cli("verify", "--namespace", NS) == 0
-
-
-# ---------------------------------------------------------------- the command line's audit (2026-12-04)
-
-
 @pytest.fixture
 def small(cache_dir):
     """Two entries whose export (under 2 KiB) fits in a pipe's buffer."""

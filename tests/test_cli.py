@@ -124,22 +124,3 @@ def test_demo_runs_every_op(capsys):
     assert "plan stats" in out and "fallbacks=" in out
     if not torch.cuda.is_available():
         assert "no CUDA GPU" in out
-
-
-def test_doctor_reports_the_cutlass_kernels(capsys, cache_dir, monkeypatch, tmp_path):
-    from cudnn_fuse import cutlass_mlp
-
-    def row():
-        cutlass_mlp.reset()
-        assert cli.main(["doctor"]) == 0
-        return next(line for line in capsys.readouterr().out.splitlines() if "CUTLASS MLP kernels" in line)
-
-    try:
-        monkeypatch.setenv("CUDNN_FUSE_CUTLASS_LIB", str(tmp_path / "missing.so"))
-        assert "not built (optional: cudnn-fuse build-kernels)" in row()
-        bad = tmp_path / "bad.so"
-        bad.write_text("not a library")
-        monkeypatch.setenv("CUDNN_FUSE_CUTLASS_LIB", str(bad))
-        assert "does not load" in row()
-    finally:
-        cutlass_mlp.reset()

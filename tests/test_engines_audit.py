@@ -196,14 +196,12 @@ def test_the_torch_engine_against_the_reference(dtype, act):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_torch_engines_activations_are_the_references_to_one_unit(dtype):
-    """The engine's activation (``_act_out``, into another tensor and in place) and its backward
-    (``_act_backward_out``) on 16-bit z against reference.activation (and its autograd) in float32,
-    rounded once: the same function to a unit of the 16-bit result, or of fp16's smallest normal
+    """The engine's activation (``_act_out``, into another tensor and in place) on 16-bit z against
+    reference.activation in float32, rounded once: the same function to a unit of the 16-bit result, or of fp16's smallest normal
     number in the tails (torch's erf differs there in fp16 GELU). Tight enough to tell GELU from its
     tanh form, and the slope."""
     unit = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
     z = torch.linspace(-8, 8, 4001).to(dtype)
-    g = torch.randn(4001, generator=torch.Generator().manual_seed(0)).to(dtype)
 
     def near(got, want):
         return bool(((got.float() - want.float()).abs() <= unit * want.float().abs() + 2.0 ** -14).all())
@@ -215,9 +213,3 @@ def test_the_torch_engines_activations_are_the_references_to_one_unit(dtype):
         inplace = z.clone()
         torch_engine._act_out(inplace, inplace, act, 0.3)
         assert near(y, want) and near(inplace, want), act
-    for act in torch_engine._ACT_BACKWARD:
-        zf = z.float().requires_grad_()
-        (want,) = torch.autograd.grad(reference.activation(zf, act, 0.3), zf, g.float())
-        dz = g.clone()  # dz may be g itself, as the engine calls it
-        torch_engine._act_backward_out(dz, z, dz, act, 0.3)
-        assert near(dz, want.to(dtype)), act

@@ -23,13 +23,11 @@ SETTINGS = {
     "CUDNN_FUSE_TUNE_HEAT_S": ("cudnn_fuse.autotune", "Config.heat_s", 0.5),
     "CUDNN_FUSE_TORCH_MIN_MS": ("cudnn_fuse.autotune", "TORCH_MIN_MS", 0.1),
     "CUDNN_FUSE_TUNE_WAIT_S": ("cudnn_fuse.loader", "TUNE_WAIT_S", 60.0),
-    "CUDNN_FUSE_GEMM_TUNE_MARGIN": ("cudnn_fuse.tuned_gemm", "MARGIN", 0.01),
-    "CUDNN_FUSE_GEMM_TUNE_BUDGET_S": ("cudnn_fuse.tuned_gemm", "BUDGET_S", 1.0),
 }
 
 _CHILD = """
 import importlib, json, sys
-import cudnn_fuse, cudnn_fuse.tuned_gemm
+import cudnn_fuse
 out = {}
 for var, (mod, attr, _) in json.loads(sys.argv[1]).items():
     obj = importlib.import_module(mod)

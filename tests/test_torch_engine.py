@@ -245,31 +245,6 @@ def test_a_torch_plan_is_never_memoized_for_raw_launch():
     assert ("k",) not in ops._FAST
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "leaky_relu", "relu"])
-@pytest.mark.parametrize("dbias", [False, True])
-def test_matmul_act_grad_matches_autograd(act, dbias):
-    """nn.FusedMLP's backward graph on torch: dz = act'(z) * (a @ b), optionally its column sum."""
-    from cudnn_fuse.spec import MatmulActGradSpec
-
-    torch.manual_seed(2)
-    a, b, y = (TensorSpec.contiguous(s, "bfloat16") for s in ((1, 16, 24), (1, 24, 32), (1, 16, 32)))
-    spec = MatmulActGradSpec(MatmulSpec(a, b, y, Epilogue()), y, y, act, 0.2,
-                             TensorSpec.contiguous((1, 1, 32), "float32") if dbias else None)
-    assert torch_engine.supports(spec)
-    bufs = _buffers(spec)
-    torch_engine.TorchPlan(spec, 0).run(bufs)
-    t = dict(zip(roles_of(spec), bufs))
-    z = t["src"].float().requires_grad_()
-    (want,) = torch.autograd.grad(reference.activation(z, act, 0.2), z, t["a"].float() @ t["b"].float())
-    assert _close(t["dz"], want)
-    if dbias:
-        assert t["dbias"].dtype == torch.float32
-        torch.testing.assert_close(t["dbias"], t["dz"].float().sum((0, 1), keepdim=True), rtol=1e-3, atol=1e-3)
-    # torch has no one-kernel backward of tanh / sigmoid from z: those stay cuDNN's
-    for other in ("tanh", "sigmoid"):
-        assert not torch_engine.supports(MatmulActGradSpec(spec.fwd, y, y, other))
-
-
 def test_the_tuners_operands_leave_torchs_generator_alone():
     """The tuner draws its operands from a generator of its own: a tuning inside the user's first call
     must not shift the random numbers the program draws after it (run on CPU tensors here; the GPU

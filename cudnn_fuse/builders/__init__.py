@@ -11,7 +11,6 @@ from ..spec import (
     ConvDgradSpec,
     ConvSpec,
     ConvWgradSpec,
-    MatmulActGradSpec,
     MatmulSpec,
     RecomputeGradSpec,
     SaveZSpec,
@@ -26,10 +25,9 @@ _BUILDERS = {
     ConvSpec: conv.build,
     MatmulSpec: matmul.build,
     SdpaSpec: attention.build,
-    # training graphs (issue 4)
+    # training graphs
     SaveZSpec: backward.build_save_z,
     RecomputeGradSpec: backward.build_recompute_grad,
-    MatmulActGradSpec: backward.build_matmul_act_grad,
     ActGradSpec: backward.build_act_grad,
     ConvDgradSpec: backward.build_dgrad,
     ConvWgradSpec: backward.build_wgrad,

@@ -12,7 +12,6 @@ from ..spec import (
     ConvDgradSpec,
     ConvSpec,
     ConvWgradSpec,
-    MatmulActGradSpec,
     RecomputeGradSpec,
     SaveZSpec,
 )
@@ -64,15 +63,6 @@ def build_recompute_grad(spec: RecomputeGradSpec, handle=None):
     z = epilogue.pre_activation(g, _main(g, fwd), fwd.epilogue)
     dy = declare(g, "dy", spec.dy)
     _dz_and_dbias(g, act_backward(g, dy, z, fwd.epilogue.activation, fwd.epilogue.negative_slope), spec)
-    return g
-
-
-def build_matmul_act_grad(spec: MatmulActGradSpec, handle=None):
-    """act_backward(loss = a @ b, input = src): the product stays virtual."""
-    g = new_graph(spec.fwd.a.dtype, handle)
-    product = matmul.main(g, spec.fwd)
-    src = declare(g, "src", spec.src)
-    _dz_and_dbias(g, act_backward(g, product, src, spec.activation, spec.negative_slope), spec)
     return g
 
 

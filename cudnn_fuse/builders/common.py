@@ -9,7 +9,6 @@ from ..spec import (
     ConvDgradSpec,
     ConvSpec,
     ConvWgradSpec,
-    MatmulActGradSpec,
     MatmulSpec,
     RecomputeGradSpec,
     SaveZSpec,
@@ -79,8 +78,6 @@ def _training_roles(spec):
         main = ("x", "w") if isinstance(spec.fwd, ConvSpec) else ("a", "b")
         return (main + (("bias",) if epi.bias is not None else ()) + (("residual",) if epi.residual is not None else ())
                 + ("dy", "dz") + (("dbias",) if spec.dbias is not None else ()))
-    if isinstance(spec, MatmulActGradSpec):
-        return ("a", "b", "src", "dz") + (("dbias",) if spec.dbias is not None else ())
     if isinstance(spec, ActGradSpec):
         return ("dy", "src", "dz") + (("dbias",) if spec.dbias is not None else ())
     if isinstance(spec, ConvDgradSpec):
