@@ -19,9 +19,9 @@ import logging
 import os
 import re
 import sys
-from typing import Sequence
 
 from .cache import CacheError, PlanCache, default_cache_dir, list_namespaces
+from .progress import format_table, human_bytes
 
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -235,28 +235,6 @@ _ACTIONS = {"ls": _ls, "stats": _stats, "verify": _verify, "prune": _prune, "cle
 
 
 # ---------------------------------------------------------------- formatting
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Left-aligned columns, two spaces apart, a dashed rule under the headers."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-
-    def line(row):
-        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)]
-                     + [line(row) for row in cells[1:]])
-
-
-def human_bytes(n) -> str:
-    """1536 -> "1.5 KiB"."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # unreachable
 
 
 def parse_size(text: str) -> int:

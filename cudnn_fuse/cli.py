@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from . import env
 from ._version import __version__
+from .progress import format_table
 
 NO_GPU_DOCTOR = "no CUDA GPU: ops run their PyTorch reference"
 NO_GPU_DEMO = ("no CUDA GPU: the ops ran their PyTorch reference; "
@@ -125,18 +126,6 @@ def _record(args: argparse.Namespace) -> int:
         return 1
     print(f"recorded {len(entries)} distinct op specs ({sum(e.count for e in entries)} calls) into {args.output}")
     return status
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Left-aligned columns, two spaces apart, a dashed rule under the headers."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-
-    def line(row: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
 
 
 class _Warnings(logging.Handler):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
+
+from .progress import Bar, format_table
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -110,30 +111,6 @@ def _inapplicable(args) -> list:
     return given
 
 
-class Bar:
-    """A one-line progress bar on stderr: counts, percentage, elapsed and ETA."""
-
-    def __init__(self, label: str, stream=None, width: int = 30):
-        # stderr is looked up now, not at import: a redirected stderr (tests, a caller) gets the bar
-        self.label, self.stream, self.width, self.t0 = label, stream or sys.stderr, width, time.perf_counter()
-
-    def sub(self, what: str) -> "Bar":
-        """A bar of its own for nested work (a 1x1 conv's GEMM, tuned as a matmul)."""
-        return Bar(f"{self.label} ({what})", self.stream, self.width)
-
-    def __call__(self, done: int, total: int) -> None:
-        frac = done / total if total > 0 else 1.0  # nothing to do is all done: the line ends
-        elapsed = time.perf_counter() - self.t0
-        eta = 0.0 if done >= total else elapsed / done * (total - done) if done else float("nan")
-        bar = "#" * int(frac * self.width)
-        eta_s = f"{eta:5.1f}s" if eta == eta else "   ?s"
-        self.stream.write(f"\r{self.label} [{bar:<{self.width}}] {done}/{total} {100 * frac:3.0f}% "
-                          f"{elapsed:5.1f}s elapsed, eta {eta_s}")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
 def run(args) -> int:
     import torch
 
@@ -196,7 +173,6 @@ def candidate_report(meta: dict, f: float) -> str:
     """A tuned entry's candidates as a table (fastest first, the one chosen starred), the runoff
     against torch where one ran (autotune.settle_torch), and the winner; ``f``: the graph's FLOPs."""
     from cudnn_fuse import autotune
-    from cudnn_fuse.cli import format_table
 
     rows = []
     for c in sorted(meta.get("candidates", []), key=lambda c: (c["median_ms"] is None, c["median_ms"] or 0)):

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 from . import manifest
 from .errors import UnsupportedError
+from .progress import Bar, format_table
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,6 @@ def summarize(rows: list, seconds: float) -> dict:
 
 
 def format_report(rows: list, seconds: float) -> str:
-    from .cli import format_table
 
     s = summarize(rows, seconds)
     out = [format_table(list(s), [list(s.values())])]
@@ -296,7 +296,6 @@ def _positive_int(text: str) -> int:
 
 def run(args) -> int:
     from .cache import open_default_cache
-    from .cli_autotune import Bar
 
     paths = args.manifest  # nargs="+": always a list
     entries, seen = [], set()
@@ -326,8 +325,7 @@ def run(args) -> int:
         print(format_report(rows, time.perf_counter() - t0))
         per_gpu = [[r, sum(x.rank == r for x in rows), round(sum(x.seconds for x in rows if x.rank == r), 2)]
                    for r in range(args.gpus)]
-        from .cli import format_table
-
+    
         print("\n" + format_table(["gpu", "entries", "busy seconds"], per_gpu))
         return 1 if any(r.status == "failed" for r in rows) else 0
 

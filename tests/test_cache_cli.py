@@ -15,7 +15,7 @@ import pytest
 from cudnn_fuse import env
 from cudnn_fuse.cache import PlanCache
 from cudnn_fuse.cache_cli import (
-    add_cache_commands, human_bytes, parse_duration, parse_size, run_cache_command,
+    add_cache_commands, parse_duration, parse_size, run_cache_command,
 )
 
 NS = "clins"
@@ -197,11 +197,6 @@ def test_parse_duration(text, value):
 def test_bad_sizes_and_durations_are_usage_errors(parse, text):
     with pytest.raises(argparse.ArgumentTypeError, match=repr(text)):
         parse(text)
-
-
-def test_human_bytes():
-    assert [human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30)] == [
-        "0 B", "1023 B", "1.5 KiB", "5.0 GiB"]
 
 
 def test_verify_removes_entries_that_name_a_barred_engine(cache_dir, capsys):

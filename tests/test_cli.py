@@ -102,16 +102,6 @@ def test_doctor_fails_on_gpu_without_cudnn_library(capsys, monkeypatch):
     assert "no CUDA GPU" not in out
 
 
-def test_format_table_aligns_columns():
-    rows = [("conv2d", 0.09, "cpu"), ("scaled_dot_product_attention", 1, "cuda")]
-    assert cli.format_table(("op", "ms", "device"), rows).splitlines() == [
-        "op                            ms    device",
-        "----------------------------  ----  ------",
-        "conv2d                        0.09  cpu",
-        "scaled_dot_product_attention  1     cuda",
-    ]
-
-
 @pytest.mark.skipif(not hasattr(cudnn_fuse, "conv2d"), reason="cudnn_fuse ops not written yet")
 def test_demo_runs_every_op(capsys):
     assert cli.main(["demo"]) == 0

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cudnn_fuse import cli
-from cudnn_fuse.cli_autotune import Bar, shape
+from cudnn_fuse.cli_autotune import shape
+from cudnn_fuse.progress import Bar
 
 
 def test_shape_parses_and_rejects():
@@ -35,17 +36,6 @@ def test_without_gpu_says_so_and_exits_2(capsys):
     rc = cli.main(["autotune", "--op", "conv2d", "--input", "8x16x8x8", "--weight", "16x16x3x3", "--activation", "relu"])
     assert rc == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_bar_shows_counts_percent_and_eta():
-    out = io.StringIO()
-    bar = Bar("tuning conv2d", stream=out)
-    bar(0, 4)
-    bar(2, 4)
-    bar(4, 4)
-    text = out.getvalue()
-    assert "0/4" in text and "2/4" in text and "4/4 100%" in text
-    assert "eta" in text and text.endswith("\n")
 
 
 def _meta(use_torch, runoff):
@@ -74,12 +64,6 @@ def test_the_candidate_report_stars_the_choice_and_shows_a_runoff():
     plain = candidate_report(_meta(False, (None, None)), 1.0)  # no runoff: no runoff line, cuDNN starred
     assert "runoff" not in plain and "winner eng7_k24=41" in plain
     assert [ln for ln in plain.splitlines() if ln.lstrip().startswith("*")][0].split()[1] == "3"
-
-
-def test_a_bar_with_nothing_to_do_is_done():
-    out = io.StringIO()
-    Bar("prewarm", stream=out)(0, 0)
-    assert "0/0 100%" in out.getvalue() and out.getvalue().endswith("\n")  # "0/1   0%", the line left open
 
 
 @pytest.mark.parametrize("argv, said", [
