@@ -14,7 +14,6 @@ import contextvars
 import dataclasses
 import logging
 import math
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,41 +29,46 @@ INF = float("inf")
 _enabled: Optional[bool] = None
 
 
-def set_autotune(enabled: bool) -> None:
-    """Turn autotuning of new plans on or off for this process (default: $CUDNN_FUSE_AUTOTUNE)."""
+def set_autotune(enabled) -> None:
+    """Turn autotuning of new plans on or off for this process (default: $CUDNN_FUSE_AUTOTUNE).
+
+    ``enabled``: a bool, or one of the words the variable takes ("1"/"true"/"yes"/"on",
+    "0"/"false"/"no"/"off", any case); None follows the variable again. Anything else raises
+    TypeError (a string such as "no" must not turn tuning on by being truthy)."""
     global _enabled
-    _enabled = bool(enabled)
+    if enabled is None or isinstance(enabled, bool):
+        _enabled = enabled
+        return
+    value = envvars.parse_flag(enabled) if isinstance(enabled, str) else None
+    if value is None:
+        raise TypeError(f"set_autotune: enabled must be a bool or one of {envvars.ON_WORDS + envvars.OFF_WORDS}, "
+                        f"got {enabled!r}")
+    _enabled = value
 
 
 def autotune_enabled() -> bool:
     if _enabled is not None:
         return _enabled
-    return os.environ.get("CUDNN_FUSE_AUTOTUNE", "0").lower() in ("1", "true", "yes", "on")
+    return envvars.flag(envvars.AUTOTUNE, False)
 
 
 @dataclass
 class Config:
     """Autotune limits (env overrides: CUDNN_FUSE_TUNE_BUDGET_S, CUDNN_FUSE_WORKSPACE_CAP)."""
 
-    budget_s: float = envvars.number("CUDNN_FUSE_TUNE_BUDGET_S", 10.0)
+    budget_s: float = envvars.number(envvars.TUNE_BUDGET_S, 10.0)
     prune_factor: float = 2.0
-    workspace_cap: int = envvars.number("CUDNN_FUSE_WORKSPACE_CAP", 1 << 30, integer=True)
+    workspace_cap: int = envvars.number(envvars.WORKSPACE_CAP, 1 << 30, integer=True)
     warmup: int = 3
     repeats: int = 30
     deterministic: Optional[bool] = None  # None: torch's flags (plans.deterministic)
-    # Take a precompiled engine over a runtime-compiled winner that is at most this fraction
-    # faster: a runtime-compiled plan costs every process NVRTC work and its blob deserializes
-    # 2-4x slower (1.5-2.7 ms vs 0.5-0.7 ms on the H200, bench/results/deserialize_probe.json).
-    prefer_precompiled: float = envvars.number("CUDNN_FUSE_PREFER_PRECOMPILED", 0.0)
     progress: Optional[Callable[[int, int], None]] = None  # (candidates done, total), e.g. a CLI bar
     # Also time torch's own implementation (cuBLAS + the epilogue, torch_engine.py) of matmul-class
     # graphs; the op runs it where it beats every cuDNN candidate.
-    torch_candidate: bool = field(default_factory=lambda: os.environ.get("CUDNN_FUSE_TORCH_CANDIDATE", "1").strip()
-                                  .lower() not in ("0", "false", "no", "off"))
+    torch_candidate: bool = True
     # Also time a 1x1 stride-1 channels_last conv as the GEMM of its matrix views (conv_gemm.py),
     # itself tuned and cached as a matmul entry; the op runs it where it beats every conv candidate.
-    gemm_candidate: bool = field(default_factory=lambda: os.environ.get("CUDNN_FUSE_GEMM_CANDIDATE", "1").strip()
-                                 .lower() not in ("0", "false", "no", "off"))
+    gemm_candidate: bool = True
     # Where torch's time is within this fraction of the cuDNN winner's, the two are timed again
     # alternately, ``runoff_rounds`` rounds, and that decides (settle_torch).
     runoff_margin: float = 0.15
@@ -72,10 +76,8 @@ class Config:
     # A graph whose best first run takes at least ``heat_min_ms`` is run back to back for ``heat_s``
     # (at most a quarter of the budget) before its candidates are timed, so that all of them are
     # timed at the clocks a sustained run settles to, not the first ones at an idle GPU's boost
-    # clock: on the H200 a sustained bf16 GEMM holds the 700 W cap at a median 1425 MHz within 0.5 s
-    # of starting (1980 MHz idle), and a 16384x4096x16384 linear + GELU timed as a burst read 3.15 ms
-    # against 3.82 sustained (bench/results/sustained_probe.json). 0 turns it off.
-    heat_s: float = envvars.number("CUDNN_FUSE_TUNE_HEAT_S", 0.5)
+    # clock (docs/autotune.md, "Timing at a sustained run's clocks"). 0 turns it off.
+    heat_s: float = 0.5
     heat_min_ms: float = 0.25
 
 
@@ -227,15 +229,7 @@ def select(
         winner = min(firsts, key=lambda t: t.first_ms)
         winner.median_ms = winner.first_ms
         return winner, timings
-    return _prefer_precompiled(min(timed, key=lambda t: t.median_ms), timed, cfg.prefer_precompiled), timings
-
-
-def _prefer_precompiled(winner: Timing, timed: list, within: float) -> Timing:
-    """The fastest precompiled candidate when it is within ``within`` of a runtime-compiled winner."""
-    if within <= 0 or winner.runtime_compiled is not True:
-        return winner
-    near = [t for t in timed if t.runtime_compiled is False and t.median_ms <= winner.median_ms * (1 + within)]
-    return min(near, key=lambda t: t.median_ms) if near else winner
+    return min(timed, key=lambda t: t.median_ms), timings
 
 
 # ----------------------------------------------------------------------------- GPU side
@@ -617,7 +611,7 @@ def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None
                     return conv_gemm.GemmConvPlan(spec, get_plan(mspec, device))  # tuned (and stored) as a matmul
 
             timings.append(gemm_timing(gemm_plan, sets, cfg))
-            if gemm_wins(winner, timings, cfg.prefer_precompiled):
+            if gemm_wins(winner, timings):
                 log.info("autotune %s: as a GEMM %.4f ms beats the conv winner %.4f ms", spec.op,
                          timings[-1].median_ms, winner.median_ms)
     return winner.index, winner, timings
@@ -686,19 +680,12 @@ def _runtime_compiled(plan) -> Optional[bool]:
         return None
 
 
-def gemm_wins(winner: Timing, timings: Sequence[Timing], prefer_precompiled: Optional[float] = None) -> bool:
+def gemm_wins(winner: Timing, timings: Sequence[Timing]) -> bool:
     """Whether the GEMM candidate timed faster than the conv winner (both launch through raw
-    pointers, so device time decides at every size). With ``prefer_precompiled`` f > 0
-    (default: DEFAULT_CONFIG's, $CUDNN_FUSE_PREFER_PRECOMPILED) a runtime-compiled GEMM must beat
-    a precompiled conv winner by more than f, as a runtime-compiled conv candidate must."""
-    within = DEFAULT_CONFIG.prefer_precompiled if prefer_precompiled is None else prefer_precompiled
+    pointers, so device time decides at every size)."""
     for t in timings:
         if t.index == GEMM_INDEX:
-            if t.status != "timed":
-                return False
-            if within > 0 and t.runtime_compiled is True and winner.runtime_compiled is False:
-                return t.median_ms * (1 + within) < winner.median_ms
-            return t.median_ms < winner.median_ms
+            return t.status == "timed" and t.median_ms < winner.median_ms
     return False
 
 
@@ -720,9 +707,9 @@ def torch_timing(run_once: Callable[[], None], median: Callable[[], float], cfg:
 
 
 # Below this much device time a call is launch-bound: a cuDNN plan launches through the ops'
-# per-signature memo (~15 us of host time on the H200, bench/results/host_overhead.json), a
-# TorchPlan through the validated path (~65 us), so torch must not win on device time alone.
-TORCH_MIN_MS = envvars.number("CUDNN_FUSE_TORCH_MIN_MS", 0.1)
+# per-signature memo, a TorchPlan through the validated path (several times the host time), so
+# torch must not win on device time alone.
+TORCH_MIN_MS = 0.1
 
 
 def torch_wins(winner: Timing, timings: Sequence[Timing]) -> bool:

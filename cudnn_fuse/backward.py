@@ -391,8 +391,8 @@ def linear_save_z(x, w, bias, residual, act, slope):
 def conv_dz(x, w, bias, residual, gy, y, geo, act, slope, want_dbias):
     """(dz, dbias f32 [1,K,1,1] or None, x4, w4) for a batched conv, in the layout
     the forward ran; None if declined. ``geo``: (stride, pre, post, dilation, groups), as tuples (ctx.geo)."""
-    x4, w4, channels_last = ops._conv_layout(x, w)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x4, w4 = ops._conv_layout(x, w)
+    fmt = torch.channels_last
     dy = gy.contiguous(memory_format=fmt)
     K = w.shape[0]
     bias_shape = (1, K, 1, 1) if want_dbias else None
@@ -490,8 +490,8 @@ def _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b):
     """The program of this signature, or False (the general path's cases: see conv_program)."""
     if act not in (None, "relu") or x.dim() != 4:
         return False
-    x4, w4, channels_last = ops._conv_layout(x, w)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x4, w4 = ops._conv_layout(x, w)
+    fmt = torch.channels_last
     if act == "relu" and not y.is_contiguous(memory_format=fmt):
         return False
     K = w.shape[0]

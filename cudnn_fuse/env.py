@@ -18,6 +18,7 @@ import subprocess
 
 import torch
 
+from . import envvars
 from ._version import __version__
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def namespace(fp: dict | None = None) -> str:
 
 def cache_dir() -> str:
     """Where the plan cache lives: $CUDNN_FUSE_CACHE_DIR, else the user cache dir."""
-    configured = os.environ.get("CUDNN_FUSE_CACHE_DIR")
+    configured = envvars.text(envvars.CACHE_DIR)
     if configured:
         return configured
     import platformdirs

@@ -1,10 +1,9 @@
-"""Repeated raw launches replayed as one-kernel CUDA graphs.
+"""Repeated raw launches captured once and replayed.
 
-cuDNN's raw-pointer execute costs 10-14 us of host time per call on the H200 host
-(bench/results/host_breakdown.json), most of cf's eager call. A CUDA graph launch of the same
-work costs a few. So a plan's launch whose pointer set (every operand and output, and the
-workspace) has been seen ``AFTER`` times is captured once into a CUDA graph and replayed
-from then on.
+cuDNN's raw-pointer execute is most of the host time of cf's eager call; a replay of the same
+launch costs a few microseconds (docs/launch.md). So a plan's launch whose pointer set (every
+operand and output, and the workspace) has been seen ``AFTER`` times is captured once into a
+CUDA graph and replayed from then on.
 
 Why this is exact: a captured cuDNN execute is its kernel launches with those pointers as
 arguments, and the pointer set is the key. A replay therefore runs exactly the launch the
@@ -15,8 +14,9 @@ itself), so nothing else is baked in.
 A capture that is one kernel node is not replayed as a graph but launched as that kernel
 (``KernelReplay``, cuLaunchKernelEx with the node's function, dimensions, parameters and
 attributes): graph launches block the host once a few dozen are queued behind busy GPU work, and
-cost a short kernel device time there that a kernel launch does not (docs/decisions.md).
-``CUDNN_FUSE_KERNEL_REPLAY=0`` replays every capture as a graph.
+cost a short kernel device time there that a kernel launch does not (docs/launch.md). A chain of
+kernels and memsets is launched as those operations in turn (``SequenceReplay``); anything else
+replays as a graph.
 
 What it does not do:
 - It never captures while torch captures (``cf.capture``, ``torch.cuda.graph``): those
@@ -27,44 +27,25 @@ What it does not do:
 
 The graphs are driven through the CUDA driver API (libcuda, present wherever CUDA runs),
 not torch.cuda.CUDAGraph: torch's replay also re-seeds its RNG state on every replay, extra
-work that a one-kernel graph would pay per call. On by default (see ENABLED);
-``CUDNN_FUSE_LAUNCH_GRAPHS=0`` turns it off for a process; ``CUDNN_FUSE_LAUNCH_GRAPHS_AFTER``
-(default 3) is the sightings before a capture.
+work that a one-kernel graph would pay per call. On by default; ``CUDNN_FUSE_LAUNCH_GRAPHS=0``
+(or ``cf.set_launch_graphs(False)``) turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
-import os
 import threading
 from collections import OrderedDict
 
 from . import envvars
+from . import spec as S
 
 log = logging.getLogger(__name__)
 
-_OFF_WORDS = ("0", "false", "no", "off")
-
-
-def _after(raw) -> int:
-    try:
-        n = int(raw)
-    except (TypeError, ValueError):
-        log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER=%r: want an integer >= 1; using 3", raw)
-        return 3
-    if n < 1:
-        log.warning("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER=%r: want an integer >= 1; using 1", raw)
-        return 1
-    return n
-
-
-# On by default. They were opt-in while an autotuned batch-1 stack ran 0.87-1.65 ms a call with them in four
-# of seven runs; the three of those with records ran torch's candidate, chosen by a tuner timing the host
-# (autotune.device_ms, fixed since; bench/results/tune_timing_probe.json), not a fault of the graphs.
-# CUDNN_FUSE_LAUNCH_GRAPHS=0 or cf.set_launch_graphs(False) turns them off.
-ENABLED = os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS", "1").strip().lower() not in _OFF_WORDS
-AFTER = _after(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER", "3"))
+ENABLED = envvars.flag(envvars.LAUNCH_GRAPHS, True)  # also cf.set_launch_graphs
+AFTER = 3  # sightings of a pointer set before its capture
 PER_PLAN = 64  # graphs one plan keeps (least recently used dropped): a model's same-shaped layers share a plan
 MAX_LIVE = 8192  # graphs alive in the process, all plans together; past it no new capture
 SEEN_CAP = 256  # pointer sets counted per plan before the counts start over
@@ -121,10 +102,9 @@ class NotOneKernel(Exception):
 
 # ------------------------------------------------------- a one-kernel graph, launched as its kernel
 #
-# A graph launch costs the host more than the kernel launch it holds (H200 host: cuGraphLaunch 6.3-11.1
-# us against cuLaunchKernelEx's 4.5-5.9 for the same captured cuDNN kernels), and once 9-31 graph
-# launches are queued behind busy GPU work the next one waits for the GPU, where kernel launches queue
-# ~1000 (bench/results/launch_graphs/graph_queue_probe.json, kernel_replay_probe.json). So a captured
+# A graph launch costs the host more than the kernel launch it holds, and once a few dozen graph launches
+# are queued behind busy GPU work the next one waits for the GPU, where kernel launches queue ~1000
+# (docs/launch.md). So a captured
 # graph that is one kernel node is not instantiated: its kernel is launched directly, with the node's
 # function, grid, block, shared memory, parameters (the node's own copy, kept alive with the graph) and
 # launch attributes. That is the launch the capture recorded, as a graph replay is. Graphs of more than
@@ -166,27 +146,23 @@ REQUIRED_ATTRS = (2, 4)
 # A captured node carries values a plain launch would get anyway: the stream's own access policy window,
 # priority and memory sync domain (map) (what the node inherited from the capture stream), and a cluster of
 # one block with its scheduling policy (every block of a launch without clusters is a cluster of one).
-# Those are left out of the direct launch (``trim_attrs``), unless CUDNN_FUSE_KERNEL_ATTRS=all: a launch
+# Those are left out of the direct launch (``trim_attrs``): a launch
 # with a stream's values on that stream, or a 1x1x1 cluster for a kernel that does not insist on one, is
 # the launch without them. Left out, a retargeted launch gets the new stream's values, as the raw launch
 # would.
 STREAM_ATTRS = (1, 8, 9, 10)  # CUlaunchAttributeID values that are also CUstreamAttrID values
 FUNC_CLUSTER_SIZE_MUST_BE_SET = 10  # CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET
 
-KERNEL_REPLAY = os.environ.get("CUDNN_FUSE_KERNEL_REPLAY", "1").strip().lower() not in _OFF_WORDS
-TRIM_ATTRS = os.environ.get("CUDNN_FUSE_KERNEL_ATTRS", "trim").strip().lower() != "all"
-# A capture that is a chain of kernel and memset nodes (a memset before the kernel: SDPA's and AMAX's, and on
-# the H200 the 32x128x56x56 conv's forward, dz and dgrad; a kernel and its reduction) launched as those
-# operations in turn (SequenceReplay). On by default since it ran on the GPU (docs/decisions.md);
-# CUDNN_FUSE_NODE_SEQUENCES=0 replays such captures as graphs (and leaves long kernels' raw).
-NODE_SEQUENCES = os.environ.get("CUDNN_FUSE_NODE_SEQUENCES", "1").strip().lower() not in (*_OFF_WORDS, "")
+# A capture that is a chain of kernel and memset nodes (a memset before the kernel: SDPA's and AMAX's, some
+# convs' forward, dz and dgrad; a kernel and its reduction) is launched as those operations in turn
+# (SequenceReplay).
 MAX_SEQUENCE = 8  # nodes in a chain launched one by one; a longer graph replays as a graph
 NODE_TYPE_MEMSET = 2
 # Programmatic dependent launch: a kernel launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 # (6) may start once the kernel before it triggers (griddepcontrol.launch_dependents) and waits for that
 # kernel's results in its own code (cudaGridDependencySynchronize). Captured, that is an edge of type
 # PROGRAMMATIC (1) from the earlier kernel's PROGRAMMATIC port (1), which the plain edge query cannot report
-# (CUDA_ERROR_LOSSY_QUERY when it fills the arrays): cuDNN's split-K wgrad on the H200 is three kernels
+# (CUDA_ERROR_LOSSY_QUERY when it fills the arrays): cuDNN's split-K wgrad on Hopper is three kernels
 # chained so, declined for that until the edges were read with their data. Such an edge is
 # replayed as the launch that made it, the dependent kernel launched with attribute 6 set; an edge from the
 # LAUNCH_ORDER port (2) is replayed as a plain stream dependency, a stronger order whose grid-dependency wait
@@ -215,7 +191,7 @@ try:
 except ImportError as exc:  # not built (no compiler at install time), or built for another Python
     _native = None
     log.debug("cudnn_fuse._native is not available (%s): the ops' memoized calls run in Python", exc)
-NATIVE = _native is not None and os.environ.get("CUDNN_FUSE_NATIVE", "1").strip().lower() not in _OFF_WORDS
+NATIVE = _native is not None and envvars.flag(envvars.NATIVE, True)
 _KernelBase = _native.KernelLaunch if _native is not None else object
 
 
@@ -332,8 +308,8 @@ def _bare(lib, name: str):
 
 class Driver:
     """The CUDA driver entry points of one-kernel graphs, through ctypes: capture, instantiate,
-    launch, destroy, and the node queries and kernel launch of ``KernelReplay`` (optional: without
-    them, or with ``CUDNN_FUSE_KERNEL_REPLAY=0``, every capture replays as a graph)."""
+    launch, destroy, and the node queries and kernel launch of ``KernelReplay`` (optional: a driver
+    without them replays every capture as a graph)."""
 
     def __init__(self, lib=None):
         lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
@@ -359,10 +335,9 @@ class Driver:
                 _native.set_driver(ctypes.cast(lib.cuStreamIsCapturing, ctypes.c_void_p).value)
             except AttributeError:
                 pass
-        self.kernels = KERNEL_REPLAY
-        self.trim = TRIM_ATTRS
+        self.kernels = True  # one-kernel captures launched as their kernel; False where the driver cannot
         self._stream_attr = self._func_attr = None  # bound with the kernel entry points (trim_attrs)
-        self.sequences = False  # chains of kernels and memsets launched one by one (NODE_SEQUENCES)
+        self.sequences = False  # chains of kernels and memsets launched one by one (bound below)
         self._edges = self._edges_v2 = self._memset_params = None
         self._memsets: dict = {}
         try:  # every capture's node count is checked (an empty capture is refused), replays or not
@@ -396,10 +371,8 @@ class Driver:
                 self.kernels = False
 
     def _bind_sequences(self, lib, fn) -> None:
-        """The entry points of SequenceReplay (edges, memset nodes, the memsets), when NODE_SEQUENCES;
-        a driver that lacks one launches such captures as graphs."""
-        if not NODE_SEQUENCES:
-            return
+        """The entry points of SequenceReplay (edges, memset nodes, the memsets); a driver that lacks
+        one launches such captures as graphs."""
         vp, P = ctypes.c_void_p, ctypes.POINTER
         try:
             self._edges = fn("cuGraphGetEdges", vp, vp, vp, P(ctypes.c_size_t))
@@ -546,8 +519,7 @@ class Driver:
                 continue
             if any(value.bytes):
                 attrs.append((aid, value))
-        if self.trim:
-            attrs = self.trim_attrs(attrs, func, stream)
+        attrs = self.trim_attrs(attrs, func, stream)
         if programmatic:
             value = _AttrValue()
             value.words[0] = 1  # programmaticStreamSerializationAllowed
@@ -814,41 +786,26 @@ def room() -> bool:
     return STATS.live < MAX_LIVE
 
 
-# A graph launch pays off only where the host is the bottleneck: a kernel shorter than cuDNN's raw execute
-# (10-14 us of host time). On a GPU kept busy, a graph launch costs the GPU time a stream launch does not
-# (bench/results/host_overhead.json: a 2048^3 linear ran 28.5 us a call replayed, 25.4 us launched raw).
-# So only plans whose kernel is estimated (at the H200's peaks: the estimate is a floor) to take at most
-# MAX_US replay their captures as graphs. CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US sets it.
+# A graph launch pays off only where the host is the bottleneck: a kernel shorter than cuDNN's raw execute.
+# On a GPU kept busy, a graph launch costs the GPU time a stream launch does not. So only plans whose kernel
+# is estimated (at a Hopper card's peaks: the estimate is a floor) to take at most MAX_US replay their
+# captures as graphs.
 #
 # A one-kernel capture launched as its kernel (KernelReplay) is a plain kernel launch on the caller's stream,
-# with no graph-launch cost on the GPU (launch_graphs/graph_device_probe_kernel_replay.json: within 0.1 us of
-# the raw launch), and it costs the host 4-6 us against cuDNN's 10-30 us execute. So plans of longer kernels
-# (up to KERNEL_MAX_US, CUDNN_FUSE_KERNEL_REPLAY_MAX_US, default no limit) get kernel replays only: a capture
-# of theirs that is not one kernel node is dropped, and the plan launches raw from then on. This is what takes
-# host time out of a host-bound training step of long convs (every launch of it was raw before).
-PEAK_FLOPS = 989e12  # H200 dense fp16/bf16 tensor-core peak
-PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
-
-
-def _max_us(raw, var: str = "CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US", default: float = 4.0) -> float:
-    return envvars.parse(var, raw, default)  # a number >= 0 (NaN refused), else the default with a warning
-
-
-MAX_US = _max_us(os.environ.get("CUDNN_FUSE_LAUNCH_GRAPHS_MAX_US", "4"))
-KERNEL_MAX_US = _max_us(os.environ.get("CUDNN_FUSE_KERNEL_REPLAY_MAX_US", "inf"), "CUDNN_FUSE_KERNEL_REPLAY_MAX_US",
-                        float("inf"))
+# with no graph-launch cost on the GPU, and it costs the host a fraction of cuDNN's execute. So plans of
+# longer kernels get kernel replays only: a capture of theirs that is not one kernel node (or a chain of
+# them) is dropped, and the plan launches raw from then on (docs/launch.md).
+PEAK_FLOPS = 989e12  # dense fp16/bf16 tensor-core peak of an H100/H200 SXM
+PEAK_BYTES_PER_S = 4.8e12  # HBM3e of an H200 (the higher of the two: the estimate stays a floor)
+MAX_US = 4.0
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def _tensors(spec):
-    import dataclasses
-
-    from .spec import TensorSpec
-
     for f in dataclasses.fields(spec):
         v = getattr(spec, f.name)
-        if isinstance(v, TensorSpec):
+        if isinstance(v, S.TensorSpec):
             yield v
         elif dataclasses.is_dataclass(v) and hasattr(v, "operands"):  # a training graph's forward
             yield from _tensors(v)
@@ -862,8 +819,6 @@ def _prod(shape) -> int:
 
 
 def _flops(spec) -> int:
-    from . import spec as S
-
     if isinstance(spec, (S.ConvDgradSpec, S.ConvWgradSpec)):
         w = spec.w if isinstance(spec, S.ConvDgradSpec) else spec.dw
         return 2 * _prod(spec.dy.shape) * _prod(w.shape[1:])
@@ -875,7 +830,7 @@ def _flops(spec) -> int:
 
 
 def estimated_us(spec):
-    """A floor of ``spec``'s kernel time in microseconds (flops and bytes at the H200's peaks),
+    """A floor of ``spec``'s kernel time in microseconds (flops and bytes at PEAK_FLOPS, PEAK_BYTES_PER_S),
     or None when it cannot be estimated."""
     try:
         moved = sum(_prod(t.shape) * _ITEMSIZE.get(t.dtype, 4) for t in _tensors(spec))
@@ -893,16 +848,13 @@ def worth_graphs(spec) -> bool:
 def new_set(spec=None):
     """A GraphSet for a new plan of ``spec``, or None when graphs are off or its kernel cannot be
     estimated. A kernel too long for graph replays to pay (``worth_graphs``) gets a set of kernel
-    replays only (``kernel_only``), where the driver launches captured kernels (KERNEL_REPLAY) and
-    the estimate is within KERNEL_MAX_US; else None."""
+    replays only (``kernel_only``), where the driver launches captured kernels; else None."""
     if not ENABLED:
         return None
     est = estimated_us(spec) if spec is not None else 0.0
     if est is None:
         return None
     kernel_only = est > MAX_US  # not worth_graphs
-    if kernel_only and not est <= KERNEL_MAX_US:
-        return None
     drv = driver()
     if drv is None or kernel_only and not drv.kernels:
         return None

@@ -64,7 +64,7 @@ def is_engine_record(meta: dict) -> bool:
 # how long _tune_lock waits for another process tuning the same key. Bounded: the library never hangs on
 # another process (inf, or a wait past an hour, is a logged warning and the default)
 TUNE_WAIT_MAX_S = 3600.0
-TUNE_WAIT_S = envvars.number("CUDNN_FUSE_TUNE_WAIT_S", 60.0, maximum=TUNE_WAIT_MAX_S)
+TUNE_WAIT_S = envvars.number(envvars.TUNE_WAIT_S, 60.0, maximum=TUNE_WAIT_MAX_S)
 
 _pin = threading.local()
 

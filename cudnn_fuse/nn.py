@@ -207,35 +207,30 @@ def _autocast() -> bool:
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
-def _conv_chain_default() -> bool:
-    import os
-
-    return os.environ.get("CUDNN_FUSE_CONV_CHAIN", "1").strip().lower() not in ("", "0", "false", "no", "off")
-
-
 class ConvChain(torch.nn.Module):
     """Convs applied in turn (``cudnn_fuse.nn.Conv2d``, each with no activation or ReLU and no
     residual: ``optimize(model)`` builds it for such a run of layers) whose
     eager training step is ONE autograd node: the layers' forwards run in turn, and the backward
     runs each layer's replayed backward program in turn (``torch_ops._ConvChain``), where each
     layer on its own would be a Python autograd node (its apply, saved-tensor unpacking and the
-    engine's call into Python: 35 us a layer on the H200 host, bench/results/conv_host_probe).
+    engine's call into Python, tens of microseconds a layer: docs/training.md).
     Inference, torch.compile, autocast, functorch transforms, an active ``cf.record``, tensor
     subclasses and any hook on the layers (or a global module hook) run the layers one by one,
     exactly as without the chain.
 
     The layers are not this module's children: they stay where they were (the model's own
     children, so the state_dict keys, ``.to()`` and optimizers see them as before) and this module
-    holds them in a plain list. ``chained=False`` (or ``CUDNN_FUSE_CONV_CHAIN=0`` at
-    construction) makes it run them one by one always. On by default since its GPU run."""
+    holds them in a plain list. ``chained=False`` makes it run them one by one always."""
 
-    def __init__(self, layers, chained=None):
+    def __init__(self, layers, chained: bool = True):
         super().__init__()
         layers = list(layers)
         if len(layers) < 1 or not all(ConvChain.chainable(m) for m in layers):
             raise ValueError("ConvChain: layers must be cudnn_fuse.nn.Conv2d modules with no activation or ReLU")
         self._layers = layers  # a plain list: not registered, the layers stay their owner's children
-        self.chained = _conv_chain_default() if chained is None else bool(chained)
+        if not isinstance(chained, bool):
+            raise TypeError(f"ConvChain: chained must be a bool, got {chained!r}")
+        self.chained = chained
         self._geo_cache = None
 
     @staticmethod

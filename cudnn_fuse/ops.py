@@ -16,12 +16,11 @@ import logging
 import math
 import numbers
 import operator
-import os
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import launch_graphs, manifest, plans, reference
+from . import envvars, launch_graphs, manifest, plans, reference
 from .errors import UnsupportedError
 from .spec import (
     ACTIVATIONS,
@@ -31,17 +30,12 @@ from .spec import (
     SdpaSpec,
     TensorSpec,
     channels_last_strides,
-    contiguous_strides,
 )
 
 log = logging.getLogger(__name__)
 
 _FUSED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
-# How an NCHW-contiguous conv input reaches cuDNN: "strides" describes NCHW to
-# cuDNN as is; "convert" copies x and the weight to channels_last and returns a
-# channels_last output. Chosen by measurement (docs/decisions.md).
-CONV_NCHW_POLICY = os.environ.get("CUDNN_FUSE_CONV_NCHW", "convert")
 
 # ------------------------------------------------------------------------- CuPy
 
@@ -118,7 +112,7 @@ def _parse_inline(raw: Optional[str]) -> frozenset:
     return ops_ & frozenset(COMPILE_INLINE_OPS)
 
 
-compile_inline = _parse_inline(os.environ.get("CUDNN_FUSE_COMPILE_INLINE"))
+compile_inline = _parse_inline(envvars.text(envvars.COMPILE_INLINE))
 
 
 def set_compile_inline(names) -> frozenset:
@@ -736,15 +730,15 @@ def _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation
         x = x.unsqueeze(0)
         residual = residual.unsqueeze(0) if residual is not None else None
         out_shape = (1,) + out_shape
-    x, weight, channels_last = _conv_layout(x, weight)
-    y_stride = channels_last_strides(out_shape) if channels_last else contiguous_strides(out_shape)
+    x, weight = _conv_layout(x, weight)
+    y_stride = channels_last_strides(out_shape)
     y = torch.empty_strided(out_shape, y_stride, dtype=x.dtype, device=x.device)
     # the graph declares the bias dense (epi.bias's strides): a strided or expanded [K] view is read as it is
     # declared, not as it is laid out, so it goes in as a dense copy (then the call is not remembered)
     b4 = bias.contiguous().view(1, K, 1, 1) if bias is not None else None
     if residual is not None:
         # the epilogue reads residual in y's layout (cuDNN rejects NCHW epilogue operands on Hopper)
-        residual = residual.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        residual = residual.contiguous(memory_format=torch.channels_last)
     amax = _amax_buffer(x, 4) if return_amax else None
     epi = Epilogue(
         bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), _FUSED_DTYPES[x.dtype]) if bias is not None else None,
@@ -777,28 +771,16 @@ def conv_out_channels_last(x: torch.Tensor) -> bool:
         return False
     if _is_channels_last(x):
         return True
-    return (x.is_cuda or x.is_meta) and x.dtype in _FUSED_DTYPES and CONV_NCHW_POLICY == "convert"
-
-
-def _dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+    return (x.is_cuda or x.is_meta) and x.dtype in _FUSED_DTYPES
 
 
 _is_channels_last = reference.is_channels_last
 
 
 def _conv_layout(x, weight):
-    """Dense x / weight in the layout the policy picks; returns (x, weight, channels_last)."""
-    channels_last = _is_channels_last(x)
-    if not channels_last and CONV_NCHW_POLICY == "convert":
-        channels_last = True
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-        weight = weight.contiguous(memory_format=torch.channels_last)
-    else:
-        x = x if _dense(x) else x.contiguous()
-        weight = weight if _dense(weight) else weight.contiguous()
-    return x, weight, channels_last
+    """x and weight as the fused conv reads them: channels_last (an NCHW input is converted, and its
+    output is channels_last: docs/decisions.md, "Conv input layout")."""
+    return x.contiguous(memory_format=torch.channels_last), weight.contiguous(memory_format=torch.channels_last)
 
 
 def _conv_tf32(x) -> bool:

@@ -9,7 +9,7 @@ when the whole model does not trace):
 - Linear + GELU-like activation + Linear [+ residual add] (a transformer MLP) ->
   cudnn_fuse.nn.FusedMLP (its backward fuses the activation's backward into the second
   layer's data-gradient GEMM; not with ``recompute``);
-- unless ``chain_convs=False`` (``CUDNN_FUSE_CONV_CHAIN=0``): a run of 2+ of those convs with no
+- unless ``chain_convs=False``: a run of 2+ of those convs with no
   activation or ReLU and no residual, each the next one's only input -> one
   cudnn_fuse.nn.ConvChain, whose training step is one autograd node (the layers stay
   where they were: state_dict keys unchanged);
@@ -657,7 +657,7 @@ def _channels_last_off_the_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, inplace: bool = False,
-             chain_convs: bool | None = None) -> nn.Module:
+             chain_convs: bool = True) -> nn.Module:
     """Return ``model`` with its fusable patterns on cudnn_fuse ops (see the module doc).
 
     Eval mode folds BatchNorm2d into the convs (inference); in train mode BN stays.
@@ -666,18 +666,15 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     NCHW there (cf's CPU conv runs on NCHW operands). A fused conv's weight follows its device
     later (``cudnn_fuse.nn.Conv2d``: channels_last once moved to CUDA). ``autotune`` turns on
     autotuning of new plans; ``recompute`` is given to the Linear modules.
-    ``chain_convs`` (default ``CUDNN_FUSE_CONV_CHAIN``, on): runs of fused convs with no
+    ``chain_convs`` (default on): runs of fused convs with no
     activation or ReLU, each feeding only the next, become one ``cudnn_fuse.nn.ConvChain``
     whose training step is one autograd node (state_dict keys unchanged).
     The original model is left untouched unless ``inplace``.
     """
-    for name, flag in (("autotune", autotune), ("recompute", recompute), ("inplace", inplace)):
+    for name, flag in (("autotune", autotune), ("recompute", recompute), ("inplace", inplace),
+                       ("chain_convs", chain_convs)):
         if not isinstance(flag, bool):  # inplace="False" rewrote the caller's model
             raise TypeError(f"optimize: {name} must be a bool, got {flag!r}")
-    if chain_convs is None:
-        chain_convs = cfnn._conv_chain_default()
-    elif not isinstance(chain_convs, bool):
-        raise TypeError(f"optimize: chain_convs must be a bool or None, got {chain_convs!r}")
     if autotune:
         from .autotune import set_autotune
 

@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import gc
 import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,32 +26,20 @@ from .spec import ConvSpec, MatmulSpec, RecomputeGradSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAPACITY = envvars.number("CUDNN_FUSE_MAX_PLANS", 1024, minimum=1, integer=True)
+DEFAULT_CAPACITY = envvars.number(envvars.MAX_PLANS, 1024, minimum=1, integer=True)
 
-# Launch through cudnn-frontend 1.32's raw-pointer entry point (private, pinned with
-# the frontend version; CUDNN_NOTES: 7.5 us against 16.7 us for the public ordered
-# execute). Any plan it cannot describe keeps the public path; 0 turns it off.
-RAW_EXECUTE = os.environ.get("CUDNN_FUSE_RAW_EXECUTE", "1").lower() not in ("0", "false", "no", "off")
+# Launch through cudnn-frontend 1.32's raw-pointer entry point (private, pinned with the frontend
+# version; several microseconds less host time than the public ordered execute, docs/launch.md).
+# Any plan it cannot describe, or a frontend without it, keeps the public path.
+RAW_EXECUTE = True
 
 # The ops' per-signature memo (ops.py): (op, operand metadata, attributes) -> a
 # launcher bound to a plan. Lives here so that ``clear()`` forgets both together.
 FAST: dict = {}
 FAST_CAPACITY = 4096
 # cuDNN heuristic modes whose ranked engine configs become the candidates (the first that builds
-# is the heuristic plan; the autotuner times them all). B queries a second, slower model.
-HEUR_MODES_KNOWN = ("A", "B", "FALLBACK")
-
-
-def parse_heur_modes(raw) -> tuple:
-    modes = tuple(m.strip().upper() for m in (raw or "A,FALLBACK").split(",") if m.strip())
-    bad = [m for m in modes if m not in HEUR_MODES_KNOWN]
-    if bad or not modes:
-        log.warning("CUDNN_FUSE_HEUR_MODES=%r: want a list among %s; using A,FALLBACK", raw, ", ".join(HEUR_MODES_KNOWN))
-        return ("A", "FALLBACK")
-    return modes
-
-
-HEUR_MODES = parse_heur_modes(os.environ.get("CUDNN_FUSE_HEUR_MODES"))
+# is the heuristic plan; the autotuner times them all). Mode B offered the same configs.
+HEUR_MODES = ("A", "FALLBACK")
 
 _det_algorithms = getattr(torch._C, "_get_deterministic_algorithms", None) or torch.are_deterministic_algorithms_enabled
 _det_cudnn = getattr(torch._C, "_get_cudnn_deterministic", None) or (lambda: bool(torch.backends.cudnn.deterministic))

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -189,17 +186,16 @@ def test_autocast_and_record_run_them_one_by_one():
         assert type(m(x).grad_fn).__name__ != "_ConvChainBackward"
 
 
-def test_chained_false_and_the_environment():
+def test_chained_is_on_by_default_and_false_runs_the_layers_one_by_one():
     layers = [cfnn.Conv2d(4, 4, 3, padding=1, activation="relu") for _ in range(2)]
+    assert cfnn.ConvChain(layers).chained is True
     off = cfnn.ConvChain(layers, chained=False)
     x = torch.randn(1, 4, 5, 5, requires_grad=True)
     assert type(off(x).grad_fn).__name__ != "_ConvChainBackward"
-    code = "import cudnn_fuse.nn as n, torch; print(n.ConvChain([n.Conv2d(2, 2, 1)]).chained)"
-    env = {k: v for k, v in os.environ.items() if k != "CUDNN_FUSE_CONV_CHAIN"}
-    for value, want in ((None, "True"), ("1", "True"), ("0", "False")):
-        e = dict(env, **({"CUDNN_FUSE_CONV_CHAIN": value} if value else {}))
-        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
-        assert out.stdout.strip().splitlines()[-1] == want, out.stderr
+    with pytest.raises(TypeError, match="chained"):
+        cfnn.ConvChain(layers, chained="no")
+    model = cf.optimize(_stack(), chain_convs=False)
+    assert not any(isinstance(m, cfnn.ConvChain) for m in model.modules())
 
 
 def test_only_chainable_layers():

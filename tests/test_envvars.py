@@ -19,11 +19,14 @@ SETTINGS = {
     "CUDNN_FUSE_MAX_PLANS": ("cudnn_fuse.plans", "DEFAULT_CAPACITY", 1024),
     "CUDNN_FUSE_TUNE_BUDGET_S": ("cudnn_fuse.autotune", "Config.budget_s", 10.0),
     "CUDNN_FUSE_WORKSPACE_CAP": ("cudnn_fuse.autotune", "Config.workspace_cap", 1 << 30),
-    "CUDNN_FUSE_PREFER_PRECOMPILED": ("cudnn_fuse.autotune", "Config.prefer_precompiled", 0.0),
-    "CUDNN_FUSE_TUNE_HEAT_S": ("cudnn_fuse.autotune", "Config.heat_s", 0.5),
-    "CUDNN_FUSE_TORCH_MIN_MS": ("cudnn_fuse.autotune", "TORCH_MIN_MS", 0.1),
     "CUDNN_FUSE_TUNE_WAIT_S": ("cudnn_fuse.loader", "TUNE_WAIT_S", 60.0),
 }
+
+
+@pytest.fixture(autouse=True)
+def _warnings_said_anew(monkeypatch):
+    """A bad value is said once per process: each test starts with none said."""
+    monkeypatch.setattr(envvars, "_warned", set())
 
 _CHILD = """
 import importlib, json, sys
@@ -59,11 +62,11 @@ def test_a_malformed_numeric_setting_is_a_logged_default_not_an_import_error(bad
 
 def test_a_good_numeric_setting_is_read():
     r = _import_with({"CUDNN_FUSE_MAX_PLANS": "77", "CUDNN_FUSE_WORKSPACE_CAP": "2e9",
-                      "CUDNN_FUSE_TUNE_BUDGET_S": "2.5", "CUDNN_FUSE_TUNE_HEAT_S": "0"})
+                      "CUDNN_FUSE_TUNE_BUDGET_S": "2.5"})
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["CUDNN_FUSE_MAX_PLANS"] == 77 and got["CUDNN_FUSE_WORKSPACE_CAP"] == 2_000_000_000
-    assert got["CUDNN_FUSE_TUNE_BUDGET_S"] == 2.5 and got["CUDNN_FUSE_TUNE_HEAT_S"] == 0.0
+    assert got["CUDNN_FUSE_TUNE_BUDGET_S"] == 2.5
 
 
 @pytest.mark.parametrize("raw, kw, want", [
@@ -116,9 +119,102 @@ def test_a_tune_wait_up_to_an_hour_is_read():
     assert "CUDNN_FUSE_TUNE_WAIT_S" not in r.stderr
 
 
-def test_the_readme_states_the_tune_waits_bound():
-    from cudnn_fuse import loader
+def test_the_readme_table_lists_exactly_the_variables_the_library_reads():
+    """README's environment table and envvars.VARIABLES name the same variables, and every
+    CUDNN_FUSE_* name anywhere in the package is one of them (a removed switch leaves no trace)."""
+    import re
 
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        row = next(line for line in f if line.startswith("| `CUDNN_FUSE_TUNE_WAIT_S`"))
-    assert f"{loader.TUNE_WAIT_MAX_S:g}" in row and "inf" in row
+        rows = {m.group(1) for line in f if (m := re.match(r"\| `(CUDNN_FUSE_[A-Z0-9_]+)`", line))}
+    assert rows == set(envvars.VARIABLES)
+    assert len(envvars.VARIABLES) <= 12
+    named = set()
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "cudnn_fuse")):
+        for name in files:
+            if name.endswith((".py", ".c")):
+                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                    named |= set(re.findall(r"CUDNN_FUSE_[A-Z0-9_]*[A-Z0-9]", f.read()))
+    assert named <= set(envvars.VARIABLES), sorted(named - set(envvars.VARIABLES))
+
+
+def test_only_envvars_reads_the_environment():
+    """No module but envvars reads os.environ / os.getenv for a CUDNN_FUSE_ variable."""
+    import ast
+
+    pkg = os.path.join(ROOT, "cudnn_fuse")
+    readers = []
+    for name in os.listdir(pkg):
+        if not name.endswith(".py") or name == "envvars.py":
+            continue
+        with open(os.path.join(pkg, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("get", "getenv", "__getitem__") and node.args and \
+                    isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("CUDNN_FUSE_"):
+                readers.append(f"{name}:{node.lineno}")
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+                    str(node.slice.value).startswith("CUDNN_FUSE_") and isinstance(node.ctx, ast.Load):
+                readers.append(f"{name}:{node.lineno}")
+    assert readers == []
+
+
+@pytest.mark.parametrize("raw, want", [("1", True), ("TRUE", True), (" yes ", True), ("On", True), ("0", False),
+                                       ("false", False), ("NO", False), ("off", False), ("", None), ("2", None),
+                                       ("enable", None)])
+def test_parse_flag(raw, want):
+    assert envvars.parse_flag(raw) is want
+
+
+@pytest.mark.parametrize("raw, default, want, warned", [(None, True, True, False), ("", False, False, False),
+                                                        ("0", True, False, False), ("yes", False, True, False),
+                                                        ("maybe", True, True, True), ("maybe", False, False, True)])
+def test_flag_reads_a_switch_and_says_once_what_it_cannot_read(monkeypatch, caplog, raw, default, want, warned):
+    if raw is None:
+        monkeypatch.delenv("CUDNN_FUSE_TEST_FLAG", raising=False)
+    else:
+        monkeypatch.setenv("CUDNN_FUSE_TEST_FLAG", raw)
+    with caplog.at_level(logging.WARNING, logger="cudnn_fuse.envvars"):
+        assert envvars.flag("CUDNN_FUSE_TEST_FLAG", default) is want
+        assert envvars.flag("CUDNN_FUSE_TEST_FLAG", default) is want
+    assert len(caplog.records) == (1 if warned else 0)
+    assert all("CUDNN_FUSE_TEST_FLAG" in r.getMessage() for r in caplog.records)
+
+
+def test_a_switch_is_read_when_it_is_used(monkeypatch):
+    """The cache and autotune switches are read at the call, not at import: a process (or a test)
+    may set them after importing cudnn_fuse."""
+    from cudnn_fuse import autotune, cache
+
+    monkeypatch.setattr(autotune, "_enabled", None)
+    monkeypatch.setenv("CUDNN_FUSE_AUTOTUNE", "on")
+    assert autotune.autotune_enabled() is True
+    monkeypatch.setenv("CUDNN_FUSE_AUTOTUNE", "off")
+    assert autotune.autotune_enabled() is False
+    monkeypatch.setenv("CUDNN_FUSE_CACHE", "no")
+    assert cache.open_default_cache() is None
+
+
+@pytest.mark.parametrize("value, want", [(True, True), (False, False), ("no", False), ("false", False), ("0", False),
+                                         ("OFF", False), ("yes", True), ("1", True), ("on", True)])
+def test_set_autotune_takes_a_bool_or_the_variables_words(monkeypatch, value, want):
+    """set_autotune("no") turned tuning on (bool("no") is True); it now reads the words as the
+    variable does."""
+    from cudnn_fuse import autotune
+
+    monkeypatch.setattr(autotune, "_enabled", None)
+    autotune.set_autotune(value)
+    assert autotune.autotune_enabled() is want
+    monkeypatch.setenv("CUDNN_FUSE_AUTOTUNE", "1" if not want else "0")
+    autotune.set_autotune(None)  # the variable again
+    assert autotune.autotune_enabled() is (not want)
+
+
+@pytest.mark.parametrize("value", [1, 0, "maybe", "", 1.0, [True]])
+def test_set_autotune_refuses_anything_else_naming_the_argument(monkeypatch, value):
+    from cudnn_fuse import autotune
+
+    monkeypatch.setattr(autotune, "_enabled", None)
+    with pytest.raises(TypeError, match="enabled"):
+        autotune.set_autotune(value)
+    assert autotune._enabled is None

@@ -397,9 +397,8 @@ def _long_conv_step_matches_raw(hw: int):
 
 @pytest.fixture
 def node_sequences(monkeypatch):
-    """A Driver with node sequences on (launch_graphs.NODE_SEQUENCES, off by default) serving every plan
-    built in the test."""
-    monkeypatch.setattr(launch_graphs, "NODE_SEQUENCES", True)
+    """A Driver of its own (node sequences bound where the driver has them) serving every plan built in
+    the test."""
     drv = launch_graphs.Driver()
     if not drv.sequences:
         pytest.skip("this driver lacks the entry points of node sequences")

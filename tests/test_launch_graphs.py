@@ -263,13 +263,6 @@ def test_the_count_of_sightings_is_bounded(monkeypatch, after2):
         assert len(gs.seen) <= 4
 
 
-@pytest.mark.parametrize("raw,want,warns", [("2", 2, False), ("1", 1, False), ("5", 5, False), ("0", 1, True),
-                                            ("-3", 1, True), ("x", 3, True), ("", 3, True)])
-def test_after_from_the_environment(raw, want, warns, caplog):
-    assert launch_graphs._after(raw) == want
-    assert ("CUDNN_FUSE_LAUNCH_GRAPHS_AFTER" in caplog.text) is warns
-
-
 def test_no_driver_no_graphs(monkeypatch):
     monkeypatch.setattr(launch_graphs, "_driver", None)
     monkeypatch.setattr(launch_graphs, "ENABLED", True)
@@ -422,20 +415,6 @@ def test_a_spec_that_cannot_be_estimated_gets_no_graphs(monkeypatch):
     assert isinstance(launch_graphs.new_set(), launch_graphs.GraphSet)
 
 
-@pytest.mark.parametrize("raw,want", [("4", 4.0), ("0", 0.0), ("12.5", 12.5), ("-1", 4.0), ("x", 4.0), ("nan", 4.0)])
-def test_max_us_from_the_environment(raw, want):
-    assert launch_graphs._max_us(raw) == want
-
-
-@pytest.mark.parametrize("raw,want,warns", [("inf", float("inf"), False), ("100", 100.0, False),
-                                            ("-3", float("inf"), True), ("lots", float("inf"), True)])
-def test_kernel_replay_max_us_from_the_environment(raw, want, warns, caplog):
-    with caplog.at_level("WARNING", logger="cudnn_fuse.launch_graphs"):
-        got = launch_graphs._max_us(raw, "CUDNN_FUSE_KERNEL_REPLAY_MAX_US", float("inf"))
-    assert got == want
-    assert ("CUDNN_FUSE_KERNEL_REPLAY_MAX_US" in caplog.text) is warns
-
-
 def _long_conv_spec():
     import cudnn_fuse as cf
 
@@ -443,7 +422,7 @@ def _long_conv_spec():
                                        activation="relu"))
 
 
-@pytest.mark.parametrize("case", ["default", "kernel replays off", "estimate over the limit", "limit above it"])
+@pytest.mark.parametrize("case", ["default", "kernel replays off"])
 def test_a_long_kernel_gets_kernel_replays_only(monkeypatch, case):
     spec = _long_conv_spec()
     est = launch_graphs.estimated_us(spec)
@@ -452,10 +431,8 @@ def test_a_long_kernel_gets_kernel_replays_only(monkeypatch, case):
     drv.kernels = case != "kernel replays off"
     monkeypatch.setattr(launch_graphs, "ENABLED", True)
     monkeypatch.setattr(launch_graphs, "_driver", drv)
-    monkeypatch.setattr(launch_graphs, "KERNEL_MAX_US",
-                        {"estimate over the limit": est / 2, "limit above it": est * 2}.get(case, float("inf")))
     gs = launch_graphs.new_set(spec)
-    if case in ("kernel replays off", "estimate over the limit"):
+    if case == "kernel replays off":
         assert gs is None
     else:
         assert isinstance(gs, launch_graphs.GraphSet) and gs.kernel_only is True
@@ -497,9 +474,9 @@ def test_a_long_kernels_one_kernel_capture_replays_as_its_kernel(monkeypatch, af
 
 @pytest.mark.parametrize("case", ["memset and kernel", "two kernels", "kernel replay off"])
 def test_a_kernel_only_capture_of_another_graph_is_never_instantiated(monkeypatch, case):
-    monkeypatch.setattr(launch_graphs, "KERNEL_REPLAY", case != "kernel replay off")
     lib = NodeLib({"memset and kernel": (2, 0), "two kernels": (0, 0)}.get(case, (0,)))
     d = launch_graphs.Driver(lib)
+    d.kernels = case != "kernel replay off"  # a driver that cannot launch captured kernels
     with pytest.raises(launch_graphs.NotOneKernel) as err:
         d.capture(42, lambda: None, kernel_only=True)
     assert str(err.value).endswith({"memset and kernel": "(memset, kernel)", "two kernels": "(kernel, kernel)",
@@ -646,9 +623,9 @@ def test_a_capture_with_no_node_is_refused_not_replayed(monkeypatch, kernels):
     shared handle's stream) leaves an empty graph. Instantiated, it would 'replay' nothing for that
     pointer set from then on, so the output is never written: the capture fails instead (the plan
     launches raw) and the empty graph is destroyed."""
-    monkeypatch.setattr(launch_graphs, "KERNEL_REPLAY", kernels)
     lib = NodeLib(())
     d = launch_graphs.Driver(lib)
+    d.kernels = kernels
     with pytest.raises(launch_graphs.DriverError, match="no node"):
         d.capture(42, lambda: None)
     assert "cuGraphInstantiateWithFlags" not in lib.names() and lib.names()[-1] == "cuGraphDestroy"
@@ -675,9 +652,9 @@ def test_a_kernel_node_with_no_arguments_readable_is_not_launched_directly():
 def test_other_graphs_replay_as_graphs(monkeypatch, case):
     types_ = {"memset and kernel": (2, 0), "two kernels": (0, 0), "a memset": (2,)}.get(case, (0,))
     fail = {"cluster unreadable": (4,), "cooperative unreadable": (2,)}.get(case, ())
-    monkeypatch.setattr(launch_graphs, "KERNEL_REPLAY", case != "kernel replay off")
     lib = NodeLib(types_, fail_attr=fail)
     d = launch_graphs.Driver(lib)
+    d.kernels = case != "kernel replay off"
     ex = d.capture(42, lambda: None)
     assert ex == 0x900 and "cuGraphInstantiateWithFlags" in lib.names()
     assert lib.names()[-1] == "cuGraphDestroy"  # the graph, once instantiated
@@ -745,21 +722,6 @@ def test_a_failed_kernel_launch_launches_raw_and_drops_the_graphs(monkeypatch, a
     assert len(rig.drv.destroyed) == 1 and isinstance(rig.drv.destroyed[0], launch_graphs.KernelReplay)
 
 
-@pytest.mark.parametrize("var,flag,off", [("CUDNN_FUSE_KERNEL_REPLAY", "KERNEL_REPLAY", "0"),
-                                           ("CUDNN_FUSE_KERNEL_ATTRS", "TRIM_ATTRS", "all")])
-def test_kernel_replay_switches_on_by_default_and_off_by_environment(var, flag, off):
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in __import__("os").environ.items() if k != var}
-    code = f"from cudnn_fuse import launch_graphs as g; print(g.{flag})"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True"]
-    env[var] = off
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False"]
-
-
 UNIT_CLUSTER, PAIR_CLUSTER = [1 | (1 << 32), 1], [2 | (1 << 32), 1]  # (1, 1, 1) and (2, 1, 1)
 
 
@@ -804,7 +766,6 @@ DEFAULT_MAP = {9: [256]}  # the memory sync domain map (default 0, remote 1) a s
     ("no cluster, a policy", []),
     ("a map other than the stream's", [9]),
     ("a priority the stream lacks", [8]),
-    ("trim off", [4, 5, 9]),
     ("no stream or function queries", [4, 5, 9]),
 ])
 def test_a_kernel_replay_leaves_out_what_a_plain_launch_gets_anyway(monkeypatch, case, want):
@@ -823,7 +784,6 @@ def test_a_kernel_replay_leaves_out_what_a_plain_launch_gets_anyway(monkeypatch,
         node = {8: [3], **DEFAULT_MAP}
     elif case == "no stream or function queries":
         missing = ("cuStreamGetAttribute", "cuFuncGetAttribute")
-    monkeypatch.setattr(launch_graphs, "TRIM_ATTRS", case != "trim off")
     lib = AttrLib(node, stream, must, missing)
     k = launch_graphs.Driver(lib).capture(42, lambda: None)
     assert isinstance(k, launch_graphs.KernelReplay) and k.attribute_ids == want
@@ -876,30 +836,11 @@ class ChainLib(NodeLib):
         return 0
 
 
-@pytest.fixture
-def sequences(monkeypatch):
-    monkeypatch.setattr(launch_graphs, "NODE_SEQUENCES", True)
-
-
 def _plain(args):
     return [getattr(a, "value", a) for a in args]
 
 
-def test_node_sequences_are_on_by_default_and_off_by_environment():
-    import subprocess
-    import sys
-
-    code = "from cudnn_fuse import launch_graphs as g; print(g.NODE_SEQUENCES)"
-    for env, want in (({}, "True"), ({"CUDNN_FUSE_NODE_SEQUENCES": "1"}, "True"),
-                      ({"CUDNN_FUSE_NODE_SEQUENCES": "off"}, "False")):
-        import os
-
-        e = {k: v for k, v in os.environ.items() if k != "CUDNN_FUSE_NODE_SEQUENCES"}
-        out = subprocess.run([sys.executable, "-c", code], env={**e, **env}, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == want, (env, out.stderr)
-
-
-def test_a_memset_then_kernel_chain_launches_as_a_memset_then_the_kernel(sequences):
+def test_a_memset_then_kernel_chain_launches_as_a_memset_then_the_kernel():
     # nodes listed kernel first, the edge says the memset (node 1) runs before the kernel (node 0)
     lib = ChainLib((0, 2), edges=[(1, 0)], memsets={1: (0xD000, 0, 4, 256, 1, 0)})
     d = launch_graphs.Driver(lib)
@@ -918,7 +859,7 @@ def test_a_memset_then_kernel_chain_launches_as_a_memset_then_the_kernel(sequenc
 
 @pytest.mark.parametrize("size,height,name", [(1, 1, "cuMemsetD8Async"), (2, 1, "cuMemsetD16Async"),
                                                (4, 3, "cuMemsetD2D32Async"), (1, 2, "cuMemsetD2D8Async")])
-def test_a_memset_launches_with_its_element_size_and_rows(sequences, size, height, name):
+def test_a_memset_launches_with_its_element_size_and_rows(size, height, name):
     lib = ChainLib((2, 0), edges=[(0, 1)], memsets={0: (0xE000, 7, size, 64, height, 512)})
     seq = launch_graphs.Driver(lib).capture(42, lambda: None)
     seq.launch(42)
@@ -928,7 +869,7 @@ def test_a_memset_launches_with_its_element_size_and_rows(sequences, size, heigh
     assert _plain(args) == want
 
 
-def test_a_chain_of_two_kernels_launches_both_in_the_edges_order(sequences):
+def test_a_chain_of_two_kernels_launches_both_in_the_edges_order():
     class Two(ChainLib):
         def _cuGraphKernelNodeGetParams_v2(self, node, p):
             super()._cuGraphKernelNodeGetParams_v2(node, p)
@@ -945,7 +886,7 @@ def test_a_chain_of_two_kernels_launches_both_in_the_edges_order(sequences):
 
 @pytest.mark.parametrize("port,dependent", [(launch_graphs.PORT_PROGRAMMATIC, True),
                                              (launch_graphs.PORT_LAUNCH_ORDER, False)])
-def test_kernels_chained_by_programmatic_edges_launch_as_those_launches(sequences, port, dependent):
+def test_kernels_chained_by_programmatic_edges_launch_as_those_launches(port, dependent):
     # the H200's split-K wgrad: a workspace-init kernel, then two kernels each a programmatic dependent
     # of the one before; nodes listed out of order, edges 2 -> 0 -> 1
     class Three(ChainLib):
@@ -970,7 +911,7 @@ def test_kernels_chained_by_programmatic_edges_launch_as_those_launches(sequence
 
 
 @pytest.mark.parametrize("v2", [True, False])
-def test_plain_edges_read_with_either_query(sequences, v2):
+def test_plain_edges_read_with_either_query(v2):
     lib = ChainLib((2, 0), edges=[(0, 1)], memsets={0: (0xD000, 0, 4, 16, 1, 0)}, v2=v2)
     seq = launch_graphs.Driver(lib).capture(42, lambda: None)
     assert isinstance(seq, launch_graphs.SequenceReplay) and seq.kinds == ["memset", "kernel"]
@@ -987,7 +928,7 @@ def test_the_edge_data_struct_is_the_drivers_eight_bytes():
                                   "an edge of an unknown type", "a programmatic edge to a port",
                                   "a programmatic edge from a memset", "a memcpy",
                                   "an 8-byte memset", "an unreadable kernel", "too many nodes", "sequences off"])
-def test_other_graphs_still_replay_as_graphs(monkeypatch, sequences, case):
+def test_other_graphs_still_replay_as_graphs(monkeypatch, case):
     types_, edges, memsets, kw = (2, 0), [(0, 1)], {0: (0xD000, 0, 4, 16, 1, 0)}, {}
     if case == "no edges (two first nodes)":
         edges = []
@@ -1010,25 +951,27 @@ def test_other_graphs_still_replay_as_graphs(monkeypatch, sequences, case):
     elif case == "too many nodes":
         n = launch_graphs.MAX_SEQUENCE + 1
         types_, edges = (0,) * n, [(i, i + 1) for i in range(n - 1)]
-    else:
-        monkeypatch.setattr(launch_graphs, "NODE_SEQUENCES", False)
     lib = ChainLib(types_, edges, memsets, **kw)
     d = launch_graphs.Driver(lib)
+    if case == "sequences off":  # a driver without the sequences' entry points
+        d.sequences = False
     ex = d.capture(42, lambda: None)
     assert ex == 0x900 and "cuGraphInstantiateWithFlags" in lib.names(), case
     edge_query = "cuGraphGetEdges" + ("" if case == "an edge not reported whole" else "_v2")
     assert (edge_query in lib.names()) is (case not in ("sequences off", "too many nodes"))
+    long_kernels = launch_graphs.Driver(ChainLib(types_, edges, memsets, **kw))
+    long_kernels.sequences = d.sequences
     with pytest.raises(launch_graphs.NotOneKernel):  # a long kernel's capture of it: declined
-        launch_graphs.Driver(ChainLib(types_, edges, memsets, **kw)).capture(42, lambda: None, kernel_only=True)
+        long_kernels.capture(42, lambda: None, kernel_only=True)
 
 
-def test_a_long_kernels_memset_and_kernel_capture_is_kept_as_a_sequence(sequences):
+def test_a_long_kernels_memset_and_kernel_capture_is_kept_as_a_sequence():
     lib = ChainLib((2, 0), edges=[(0, 1)], memsets={0: (0xD000, 0, 4, 16, 1, 0)})
     seq = launch_graphs.Driver(lib).capture(42, lambda: None, kernel_only=True)
     assert isinstance(seq, launch_graphs.SequenceReplay)
 
 
-def test_a_failing_step_stops_the_sequence_and_returns_its_error(sequences):
+def test_a_failing_step_stops_the_sequence_and_returns_its_error():
     class Failing(ChainLib):
         def _cuMemsetD32Async(self, *a):
             return 700
@@ -1038,7 +981,7 @@ def test_a_failing_step_stops_the_sequence_and_returns_its_error(sequences):
     assert seq.launch(42) == 700 and "cuLaunchKernelEx" not in lib.names()
 
 
-def test_a_plan_replays_its_sequence_and_counts_it(monkeypatch, after2, sequences):
+def test_a_plan_replays_its_sequence_and_counts_it(monkeypatch, after2):
     class SeqDriver(FakeDriver):
         def capture(self, stream, work, kernel_only=False):
             work()
@@ -1060,7 +1003,7 @@ def test_a_plan_replays_its_sequence_and_counts_it(monkeypatch, after2, sequence
         assert plans.plan_stats()["graph_sequences"] == launch_graphs.STATS.sequences
 
 
-def test_a_failed_sequence_launch_launches_raw_and_drops_the_graphs(monkeypatch, after2, sequences):
+def test_a_failed_sequence_launch_launches_raw_and_drops_the_graphs(monkeypatch, after2):
     class Failing(ChainLib):
         def _cuLaunchKernelEx(self, *a):
             return 700

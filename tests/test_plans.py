@@ -234,16 +234,6 @@ def test_get_plan_goes_through_the_loader(monkeypatch):
     assert seen == [(spec, 0)]
 
 
-def test_heuristic_modes_parse_and_bad_names_fall_back_to_the_default(caplog):
-    from cudnn_fuse import plans
-
-    assert plans.parse_heur_modes(None) == ("A", "FALLBACK")
-    assert plans.parse_heur_modes("a, b,fallback") == ("A", "B", "FALLBACK")
-    with caplog.at_level("WARNING"):
-        assert plans.parse_heur_modes("A,C") == ("A", "FALLBACK")
-    assert "CUDNN_FUSE_HEUR_MODES" in caplog.text
-
-
 def test_plans_are_released_at_exit_before_teardown():
     """Plans still held when the process exits are freed by an atexit hook, while the
     interpreter (and cuDNN's extension) still runs: nanobind reports frontend objects alive

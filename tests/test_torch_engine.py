@@ -213,13 +213,9 @@ def test_no_runoff_where_the_medians_decide(case):
     assert autotune.torch_wins(winner, [winner, torch_t]) is (case in ("far apart", "runoff fails", "no rounds"))
 
 
-def test_torch_candidate_can_be_switched_off(monkeypatch):
+def test_the_torch_candidate_is_on_by_default_and_a_config_field():
     assert autotune.Config().torch_candidate is True
-    for off in ("0", "off", "False"):
-        monkeypatch.setenv("CUDNN_FUSE_TORCH_CANDIDATE", off)
-        assert autotune.Config().torch_candidate is False
-    monkeypatch.setenv("CUDNN_FUSE_TORCH_CANDIDATE", "1")
-    assert autotune.Config().torch_candidate is True
+    assert autotune.Config(torch_candidate=False).torch_candidate is False
 
 
 def test_loader_serves_torch_only_where_the_tuned_entry_chose_it():
