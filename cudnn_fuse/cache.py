@@ -266,6 +266,24 @@ def _unsafe_reason(path: Path) -> str | None:
     return None
 
 
+def _unreachable_reason(path: Path) -> str | None:
+    """Why this process cannot reach or read ``path`` (a cache directory or cache.db), or None;
+    an absent path is none (an empty cache). Root passes every permission check."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        parent = next((p for p in path.parents if os.path.lexists(p)), path.parent)
+        return f"{path} cannot exist: {parent} is not a directory"
+    except OSError as exc:
+        return f"{path} cannot be reached ({_describe(exc)})"
+    need = os.R_OK | os.X_OK if stat.S_ISDIR(st.st_mode) else os.R_OK
+    if not os.access(path, need):
+        return f"{path} cannot be read by this user (permissions {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def _unsafe_file_reason(path: Path) -> str | None:
     try:
         st = os.lstat(path)
@@ -399,8 +417,11 @@ class PlanCache:
     pinned ones never. ``timeout``: seconds to wait for another process's write lock before
     running without the cache.
 
-    The constructor raises only for bad arguments; an unusable directory gives a disabled
-    cache (``disabled`` holds the reason, every get misses, every put returns False).
+    The constructor raises only for bad arguments; an unusable directory (refused as unsafe, or
+    one this process cannot reach or read) gives a disabled cache (``disabled`` holds the
+    reason, every get misses, every put returns False). ``fingerprint_problem`` says why the
+    namespace's fingerprint.json is no fingerprint (not JSON, not an object, another
+    namespace's), or is None; ``verify`` repairs it and ``export`` refuses while it is set.
     """
 
     def __init__(self, path=None, *, namespace=None, read_only=None, size_limit=2**30,
@@ -410,6 +431,8 @@ class PlanCache:
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         self.fingerprint: dict | None = None
+        self.fingerprint_problem: str | None = None
+        self._probed = namespace is None  # the fingerprint is this machine's, not read from a file
         if namespace is None:
             from . import env
 
@@ -459,6 +482,13 @@ class PlanCache:
     # ------------------------------------------------------------ opening
 
     def _open(self, read_only) -> None:
+        # A root below a file, or a directory this process may not read, left the cache silently
+        # empty (a read-only open saw no database): every lookup missed and `cache ls` said "no
+        # plans cached" for a cache it could not read.
+        blocked = next(filter(None, map(_unreachable_reason, (self.path, self.dir, self.dir / DB_NAME))), None)
+        if blocked is not None:
+            self._disable("open-error", f"cannot open the plan cache: {blocked}; running without a plan cache")
+            return
         if not os.path.lexists(self.path):
             if read_only:
                 return  # nothing to read: every lookup misses
@@ -498,11 +528,33 @@ class PlanCache:
                 os.close(fd)
 
     def _load_fingerprint(self) -> None:
-        if self.fingerprint is not None:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            fp = json.loads((self.dir / FINGERPRINT_NAME).read_text())
-            self.fingerprint = fp if isinstance(fp, dict) else None
+        fp, self.fingerprint_problem = self._read_fingerprint_file()
+        if self.fingerprint is None:
+            self.fingerprint = fp
+
+    def _read_fingerprint_file(self) -> tuple[dict | None, str | None]:
+        """(the fingerprint in fingerprint.json, None), or (None, why the file holds none). No file
+        is no problem: a namespace named by hand (``namespace=``, an import) has none."""
+        path = self.dir / FINGERPRINT_NAME
+        try:
+            text = path.read_bytes()
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            return None, f"{path} cannot be read ({_describe(exc)})"
+        if not text.strip():
+            return None, f"{path} is empty"
+        try:
+            fp = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested past the recursion limit
+            return None, f"{path} is not JSON ({type(exc).__name__}: {str(exc)[:80]})"
+        if not isinstance(fp, dict):
+            return None, f"{path} holds a JSON {type(fp).__name__}, not a fingerprint object"
+        from . import env
+
+        if env.namespace(fp) != self.namespace:  # copied from another namespace, or edited
+            return None, f"{path} is the fingerprint of namespace {env.namespace(fp)}, not of {self.namespace}"
+        return fp, None
 
     def _get_store(self) -> _Store | None:
         """The writable diskcache store, opened on first use; None while it cannot be."""
@@ -969,40 +1021,81 @@ class PlanCache:
         out.update({k: self._session[k] for k in ("faults", "writes", "write_failures")})
         return out
 
-    def verify(self, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> dict:
-        """Re-check every entry and look for orphan value files; remove the bad (when writable).
+    def verify(self, *, orphan_grace_s: float = ORPHAN_GRACE_S, progress=None) -> dict:
+        """Re-check every entry, the namespace's fingerprint.json and the value files; remove the
+        bad entries and orphan files and repair fingerprint.json (when writable).
 
         Orphans are value files no row names (left by a writer killed mid-write); those younger
-        than ``orphan_grace_s`` may belong to a live writer and stay. Returns counts
-        {checked, ok, bad, removed, orphans, orphans_removed}. Raises CacheError if the cache
-        cannot be read.
+        than ``orphan_grace_s`` may belong to a live writer: they stay, and are no fault. A
+        damaged fingerprint.json is rewritten when the namespace is this machine's (the
+        fingerprint is known), else removed (it names no environment). ``progress(done, total)``
+        is called as entries are checked.
+
+        Returns counts {checked, ok, bad, removed, orphans, orphans_removed, young_orphans} and
+        ``faults``: one dict per fault found {key (None for a file), op (None if unknown), kind
+        (``CorruptEntry.kind``, ``unsafe-row``, ``missing-file``, ``read-error``, ``orphan``,
+        ``fingerprint``), detail, pinned, removed} (fingerprint.json's also has ``repair``: what
+        was done to it). Pinned entries that fail verification are
+        removed like any other (their bytes are useless); ``pinned`` says so. Raises CacheError if
+        the cache cannot be read or its bad entries cannot be removed.
         """
         self._require_usable()
-        counts = dict(checked=0, ok=0, bad=0, removed=0, orphans=0, orphans_removed=0)
-        bad, referenced = self._verify_rows(counts)
+        counts = dict(checked=0, ok=0, bad=0, removed=0, orphans=0, orphans_removed=0, young_orphans=0)
+        faults: list = []
+        self._verify_fingerprint(faults)
+        bad, referenced = self._verify_rows(counts, faults, progress)
         if bad and not self.read_only:
             with self._maintenance("removing bad entries") as (sql, doomed):
-                for rowid, store_time, filename in bad:
+                for (rowid, store_time, filename), fault in bad:
                     if sql("DELETE FROM Cache WHERE rowid = ? AND store_time IS ?",
                            (rowid, store_time)).rowcount:
                         doomed.append(filename)
                         counts["removed"] += 1
-        self._sweep_orphans(referenced, counts, orphan_grace_s)
+                        fault["removed"] = True
+        self._sweep_orphans(referenced, counts, orphan_grace_s, faults)
+        counts["faults"] = faults
         return counts
 
-    def _verify_rows(self, counts: dict):
+    def _verify_fingerprint(self, faults: list) -> None:
+        fp, problem = self._read_fingerprint_file()
+        self.fingerprint_problem = problem
+        if problem is None:
+            return
+        fault = dict(key=None, op=None, kind="fingerprint", detail=problem, pinned=False, removed=False)
+        faults.append(fault)
+        if self.read_only:
+            return
+        path = self.dir / FINGERPRINT_NAME
+        try:
+            if self._probed and self.fingerprint is not None:
+                text = json.dumps(self.fingerprint, sort_keys=True, indent=1) + "\n"
+                _atomic_private_write(path, text.encode())
+                fault["repair"] = "rewritten with this machine's fingerprint"
+            else:
+                os.unlink(path)
+                fault["repair"] = "removed (it named no environment)"
+        except OSError as exc:
+            fault["repair"] = f"left: {_describe(exc)}"
+            return
+        fault["removed"] = True
+        self.fingerprint_problem = None
+
+    def _verify_rows(self, counts: dict, faults: list, progress=None):
         try:
             sql = self._read_sql()
-            rows = sql("SELECT rowid, key, raw, mode, filename, store_time FROM Cache").fetchall()
+            rows = sql("SELECT rowid, key, raw, mode, filename, store_time, tag FROM Cache").fetchall()
         except _NoDatabase:
-            return [], set()
+            rows = []
         except sqlite3.Error as exc:
             raise CacheError(f"cannot read {self.dir / DB_NAME}: {exc}") from exc
         bad, referenced = [], set()
-        for rowid, key, raw, mode, filename, store_time in rows:
+        for n, (rowid, key, raw, mode, filename, store_time, tag) in enumerate(rows):
+            if progress is not None:
+                progress(n, len(rows))
             counts["checked"] += 1
             if isinstance(filename, str):
                 referenced.add(filename)
+            value = None
             try:
                 if raw != 1 or type(key) is not str or not _KEY_RE.match(key):
                     raise UnsafeRow("a key that is not a raw hex string")
@@ -1010,17 +1103,35 @@ class PlanCache:
                 if found is None:  # deleted meanwhile by another process
                     counts["checked"] -= 1
                     continue
-                decode_entry(key, self._disk.fetch(mode, filename, found[0], False))
+                value = found[0]
+                decode_entry(key, self._disk.fetch(mode, filename, value, False))
                 counts["ok"] += 1
             except (CorruptEntry, UnsafeRow, OSError) as exc:
                 counts["bad"] += 1
-                bad.append((rowid, store_time, filename))
-                log.info("plan cache entry %r is bad: %s", key if type(key) is str else "?", exc)
+                fault = dict(key=key if type(key) is str else None, op=self._op_of(mode, filename, value),
+                             kind=_fault_kind(exc), detail=str(exc), pinned=tag == _PINNED, removed=False)
+                faults.append(fault)
+                bad.append(((rowid, store_time, filename), fault))
+                log.info("plan cache entry %r is bad: %s", fault["key"] or "?", exc)
             except sqlite3.Error as exc:
                 raise CacheError(f"cannot read {self.dir / DB_NAME}: {exc}") from exc
+        if progress is not None:
+            progress(len(rows), len(rows))
         return bad, referenced
 
-    def _sweep_orphans(self, referenced: set, counts: dict, grace_s: float) -> None:
+    def _op_of(self, mode, filename, value) -> str | None:
+        """The op a bad entry's unverified metadata names, if its first bytes still parse."""
+        try:
+            meta = _parse_meta_prefix(self._disk.read_prefix(mode, filename, value))
+        except (OSError, UnsafeRow, ValueError, TypeError):
+            return None
+        if meta is None:
+            return None
+        spec = meta.get("spec")
+        op = meta.get("op") or (spec.get("op") if isinstance(spec, dict) else None)
+        return op if isinstance(op, str) else None
+
+    def _sweep_orphans(self, referenced: set, counts: dict, grace_s: float, faults: list) -> None:
         now, writable = time.time(), not self.read_only
         for level1 in _hex_dirs(self.dir):
             for level2 in _hex_dirs(level1.path):
@@ -1030,9 +1141,17 @@ class PlanCache:
                         continue
                     counts["orphans"] += 1
                     with contextlib.suppress(FileNotFoundError):
-                        if writable and now - item.stat(follow_symlinks=False).st_mtime >= grace_s:
+                        age = now - item.stat(follow_symlinks=False).st_mtime
+                        if age < grace_s:
+                            counts["young_orphans"] += 1
+                            continue
+                        fault = dict(key=None, op=None, kind="orphan", pinned=False, removed=False,
+                                     detail=f"value file {name} that no entry names")
+                        faults.append(fault)
+                        if writable:
                             os.unlink(item.path)
                             counts["orphans_removed"] += 1
+                            fault["removed"] = True
                 if writable:
                     with contextlib.suppress(OSError):
                         os.rmdir(level2.path)  # only if empty
@@ -1093,7 +1212,7 @@ class PlanCache:
 
     # ------------------------------------------------------------ export / import
 
-    def export(self, file) -> int:
+    def export(self, file, *, progress=None) -> int:
         """Write every valid entry to one portable file; returns how many.
 
         Format (docs/cache.md): JSON lines, UTF-8. Line 1 is a header
@@ -1103,12 +1222,18 @@ class PlanCache:
         (binary or text). A path to a regular file (or to none yet; through a symlink, its target)
         is written atomically, 0600: a temp file beside it renamed into place, so an interrupted
         export leaves the old file or none. A pipe or device (``/dev/stdout``) is written in
-        place, never replaced. Raises CacheError for a directory, OSError naming ``file`` when
-        it cannot be written.
+        place, never replaced. ``progress(done, total)`` is called as entries are written.
+
+        Raises CacheError for a directory, and for a namespace whose fingerprint.json is damaged
+        (``fingerprint_problem``: the header would carry no fingerprint, or a wrong one; ``verify``
+        repairs it); OSError naming ``file`` when it cannot be written.
         """
         self._require_usable()
+        if self.fingerprint_problem is not None:
+            raise CacheError(f"not exporting namespace {self.namespace}: {self.fingerprint_problem} "
+                             "(`cudnn-fuse cache verify` repairs it)")
         if hasattr(file, "write"):
-            return self._write_export(file.write, text=isinstance(file, io.TextIOBase))
+            return self._write_export(file.write, text=isinstance(file, io.TextIOBase), progress=progress)
         try:
             mode = os.stat(file).st_mode
         except OSError:
@@ -1117,7 +1242,7 @@ class PlanCache:
             raise CacheError(f"cannot export to {os.fspath(file)!r}: it is a directory")
         if mode is not None and not stat.S_ISREG(mode):
             with open(file, "wb") as f:  # not its realpath: /dev/stdout's is pipe:[...]
-                return self._write_export(f.write, text=False)
+                return self._write_export(f.write, text=False, progress=progress)
         path = Path(os.path.realpath(file) if os.path.islink(file) else file)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
@@ -1128,7 +1253,7 @@ class PlanCache:
         try:
             os.fchmod(fd, 0o600)
             with os.fdopen(fd, "wb") as f:
-                count = self._write_export(f.write, text=False)
+                count = self._write_export(f.write, text=False, progress=progress)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -1136,29 +1261,31 @@ class PlanCache:
             raise
         return count
 
-    def _write_export(self, write, text: bool) -> int:
+    def _write_export(self, write, text: bool, progress=None) -> int:
         header = dict(format=EXPORT_FORMAT, version=EXPORT_VERSION, namespace=self.namespace,
                       fingerprint=self.fingerprint, host=socket.gethostname(),
                       exported_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         count = 0
         for record in [header, *(dict(key=key, pinned=pinned,
                                       entry=base64.b64encode(data).decode("ascii"))
-                                 for key, pinned, data in self._valid_entries())]:
+                                 for key, pinned, data in self._valid_entries(progress))]:
             line = json.dumps(record, sort_keys=True) + "\n"
             write(line if text else line.encode())
             count += 1
         return count - 1
 
-    def _valid_entries(self) -> Iterator[tuple[str, bool, bytes]]:
+    def _valid_entries(self, progress=None) -> Iterator[tuple[str, bool, bytes]]:
         try:
             sql = self._read_sql()
             rows = sql("SELECT rowid, key, mode, filename, tag FROM Cache WHERE raw = 1"
                        " ORDER BY store_time").fetchall()
         except _NoDatabase:
-            return
+            rows = []
         except sqlite3.Error as exc:
             raise CacheError(f"cannot read {self.dir / DB_NAME}: {exc}") from exc
-        for rowid, key, mode, filename, tag in rows:
+        for n, (rowid, key, mode, filename, tag) in enumerate(rows):
+            if progress is not None:
+                progress(n, len(rows))
             try:
                 found = sql("SELECT value FROM Cache WHERE rowid = ?", (rowid,)).fetchone()
                 if found is None:  # deleted meanwhile
@@ -1171,14 +1298,22 @@ class PlanCache:
             except sqlite3.Error as exc:
                 raise CacheError(f"cannot read {self.dir / DB_NAME}: {exc}") from exc
             yield key, tag == _PINNED, data
+        if progress is not None:
+            progress(len(rows), len(rows))
 
-    def import_(self, file, *, force: bool = False) -> dict:
+    def import_(self, file, *, force: bool = False, progress=None) -> dict:
         """Import an ``export()`` file, verifying every entry; returns counts
         {imported, skipped (already here), rejected (failed verification), failed (not written)}.
+
+        ``progress(done, total)``: called as lines are read, ``total`` being the file's line
+        count (only for a path to a regular file: a pipe's length is unknown).
 
         Raises ValueError for a file that is not an export, or whose namespace differs from
         this cache's unless ``force``; CacheError if this cache cannot be written.
         """
+        total = _count_lines(file) if progress is not None else None
+        if total is None:
+            progress = None
         lines = _read_lines(file)
         header = _parse_export_header(next(lines, b""))
         theirs = header.get("namespace")
@@ -1191,7 +1326,9 @@ class PlanCache:
         if self.read_only:
             raise CacheError(f"plan cache {self.dir} is read-only; cannot import")
         counts = dict(imported=0, skipped=0, rejected=0, failed=0)
-        for line in lines:
+        for n, line in enumerate(lines, start=1):
+            if progress is not None:
+                progress(min(n, total), total)
             if not line.strip():
                 continue
             try:
@@ -1213,6 +1350,8 @@ class PlanCache:
                 counts["imported"] += 1
             else:
                 counts["failed"] += 1
+        if progress is not None:
+            progress(total, total)
         return counts
 
     def _peek(self, key: str) -> CacheEntry | None:
@@ -1228,6 +1367,15 @@ class PlanCache:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _fault_kind(exc: Exception) -> str:
+    """The fault table's name (docs/cache.md) of an entry's verification failure."""
+    if isinstance(exc, CorruptEntry):
+        return exc.kind
+    if isinstance(exc, UnsafeRow):
+        return "unsafe-row"
+    return "missing-file" if isinstance(exc, FileNotFoundError) else "read-error"
 
 
 def _uncounted() -> None:
@@ -1271,6 +1419,17 @@ def _read_lines(file) -> Iterator:
         return
     with open(file, "rb") as f:
         yield from f
+
+
+def _count_lines(file) -> int | None:
+    """The lines of an export file after its header; None for a file object, a pipe or a device."""
+    try:
+        if hasattr(file, "read") or not stat.S_ISREG(os.stat(file).st_mode):
+            return None
+        with open(file, "rb") as f:
+            return max(0, sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")) - 1)
+    except OSError:
+        return None  # import_ names the file when it opens it
 
 
 def _text(line) -> str:

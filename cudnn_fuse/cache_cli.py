@@ -6,8 +6,12 @@ cli.py wires it in::
     ...
     return args.run(args)
 
-Exit status: 0 on success; 1 when the cache cannot be used or read, an action fails, ``verify`` leaves
-bad entries behind (read-only cache) or ``import`` rejects or fails entries.
+Exit status: 0 on success; 1 when the cache cannot be opened or read (the error says why: a
+directory refused as unsafe, one this user cannot read, a path below a file), when --namespace
+names no namespace of the cache directory (the error lists those there; only ``import`` may make
+one), when an action fails, when ``verify`` found a fault (each is listed, removed or not), when
+``export`` meets a damaged fingerprint.json, or when ``import`` rejects or fails entries; 2 for a
+usage error.
 """
 
 from __future__ import annotations
@@ -20,11 +24,42 @@ import os
 import re
 import sys
 
-from .cache import CacheError, PlanCache, default_cache_dir, list_namespaces
-from .progress import format_table, human_bytes
+from .cache import ORPHAN_GRACE_S, CacheError, PlanCache, list_namespaces
+from .progress import Bar, format_table, human_bytes
 
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_READ_ONLY_ACTIONS = ("ls", "stats", "export")
+# Fewer entries than this take well under a second to verify, export or import: a bar would only
+# add lines to a log.
+BAR_MIN_ITEMS = 100
+
+_DESCRIPTIONS = {
+    "ls": "List the plans cached in one environment namespace: key, op, engine, workspace, size, "
+          "whether pinned (pre-warmed) and when tuned.",
+    "stats": "Entries, bytes against the size limit and the lifetime hit rate of one namespace, "
+             "and the other namespaces of the cache directory.",
+    "verify": "Re-check every entry's checksum, the namespace's fingerprint.json and its value files, "
+              "and list each fault found: the entry's key and op, the fault (truncated, checksum, "
+              "unsafe-row, missing-file, orphan, fingerprint, barred-engine, ...), whether it was pinned "
+              "and what was done. Bad entries are removed, pinned ones too (a corrupt plan is of no use; "
+              "pre-warm again to pin its rebuilt plan); orphan value files older than "
+              f"{ORPHAN_GRACE_S:.0f} s are removed (younger ones may be a running writer's); a damaged "
+              "fingerprint.json is rewritten (this machine's namespace) or removed; entries that name an "
+              "engine barred for their graph are removed, except pinned ones, which a process rebuilds in "
+              "place. Exit status 1 when a fault was found, 0 when the cache was sound.",
+    "prune": "Remove the entries unused for --older-than, then the least recently used ones until "
+             "--max-bytes remain (default: the size limit). Pinned (pre-warmed) entries stay unless "
+             "--include-pinned.",
+    "clear": "Remove every entry of the namespace, pinned ones too.",
+    "export": "Write every entry that passes verification to one portable file (JSON lines; a pipe "
+              "such as /dev/stdout works), under a header naming the namespace and its fingerprint. A "
+              "namespace whose fingerprint.json is damaged is refused (exit 1), since the header would "
+              "name no environment or a wrong one: `cudnn-fuse cache verify` repairs it first.",
+    "import": "Add the entries of a file written by `cache export`, verifying each; entries already "
+              "cached are skipped. The file must come from this namespace unless --force. Unlike the "
+              "other actions, --namespace may name a namespace that is not there yet: import makes it.",
+}
 
 
 def add_cache_commands(subparsers) -> argparse.ArgumentParser:
@@ -33,27 +68,31 @@ def add_cache_commands(subparsers) -> argparse.ArgumentParser:
     common.add_argument("--dir", help="cache root (default: $CUDNN_FUSE_CACHE_DIR or the user "
                                       "cache dir)")
     common.add_argument("--namespace", help="environment namespace (default: this machine's, "
-                                            "see `cudnn-fuse doctor`)")
-    cache = subparsers.add_parser("cache", help="inspect and maintain the on-disk plan cache")
+                                            "see `cudnn-fuse doctor`); one the cache root holds")
+    cache = subparsers.add_parser(
+        "cache", help="inspect and maintain the on-disk plan cache",
+        description="Inspect and maintain the on-disk plan cache: one directory per environment "
+                    "namespace (GPU, driver and library versions) under the cache root. Each action "
+                    "takes --dir and --namespace; `cudnn-fuse cache ACTION --help` says more.")
     actions = cache.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
-    actions.add_parser("ls", parents=[common], help="list the cached plans")
-    actions.add_parser("stats", parents=[common], help="entries, bytes, hit rate")
-    actions.add_parser("verify", parents=[common],
-                       help="re-check every checksum; remove bad entries and orphan files")
-    prune = actions.add_parser("prune", parents=[common],
-                               help="remove old or least recently used entries")
+
+    def action(name: str, help: str) -> argparse.ArgumentParser:
+        return actions.add_parser(name, parents=[common], help=help, description=_DESCRIPTIONS[name])
+
+    action("ls", "list the cached plans")
+    action("stats", "entries, bytes, hit rate")
+    action("verify", "re-check every entry; remove bad ones and orphan files, listing each fault")
+    prune = action("prune", "remove old or least recently used entries")
     prune.add_argument("--max-bytes", type=parse_size, metavar="SIZE",
                        help="keep at most SIZE bytes (e.g. 512M; default: the size limit)")
     prune.add_argument("--older-than", type=parse_duration, metavar="AGE",
                        help="remove entries unused for AGE (e.g. 30d, 12h, 3600)")
     prune.add_argument("--include-pinned", action="store_true",
                        help="pre-warmed (pinned) entries may go too")
-    actions.add_parser("clear", parents=[common], help="remove every entry, pinned ones too")
-    export = actions.add_parser("export", parents=[common],
-                                help="write every valid entry to one portable file")
+    action("clear", "remove every entry, pinned ones too")
+    export = action("export", "write every valid entry to one portable file")
     export.add_argument("file", help="output file (JSON lines)")
-    imp = actions.add_parser("import", parents=[common],
-                             help="add the entries of an exported file, verifying each")
+    imp = action("import", "add the entries of an exported file, verifying each")
     imp.add_argument("file", help="a file written by `cache export`")
     imp.add_argument("--force", action="store_true",
                      help="import even if the file comes from another environment namespace")
@@ -69,20 +108,19 @@ def run_cache_command(args: argparse.Namespace) -> int:
         if args.dir is not None and not args.dir.strip():
             print("error: --dir is empty (give a directory, or leave --dir out for the default)", file=sys.stderr)
             return 2
-        if args.namespace is not None and args.cache_command in ("verify", "prune", "clear"):
-            # these open the cache for writing, so a typo created (and stats then listed) that namespace;
-            # ls, stats and export read an absent one as empty, and import may fill a new one
-            there = list_namespaces(args.dir)
-            if args.namespace not in there:
-                print(f"error: no namespace {args.namespace!r} under {args.dir or default_cache_dir()} "
-                      f"(namespaces there: {', '.join(there) or 'none'})", file=sys.stderr)
-                return 1
-        read_only = True if args.cache_command in ("ls", "stats", "export") else None
-        cache = PlanCache(args.dir, namespace=args.namespace, read_only=read_only)
-        if cache.disabled is not None:
-            said = handler is not None and any(cache.disabled in m for m in handler.said)
-            print("error: the plan cache is disabled" + (" (the warning above says why)" if said
-                                                         else f": {cache.disabled}"), file=sys.stderr)
+        # A read-only open first: it creates nothing, so a cache that cannot be used is reported before
+        # anything is made, and a --namespace typo makes no namespace (verify, prune and clear open for
+        # writing; before, `clear --namespace <typo>` made one that stats then listed).
+        cache = PlanCache(args.dir, namespace=args.namespace, read_only=True)
+        problem = _unusable(cache, handler)
+        if problem is None and args.namespace is not None and args.cache_command != "import":
+            problem = _unknown_namespace(cache)
+        if problem is None and args.cache_command not in _READ_ONLY_ACTIONS:
+            cache.close()
+            cache = PlanCache(args.dir, namespace=args.namespace)
+            problem = _unusable(cache, handler)
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
             return 1
         return _ACTIONS[args.cache_command](cache, args)
     except (CacheError, ValueError, OSError) as exc:
@@ -93,6 +131,25 @@ def run_cache_command(args: argparse.Namespace) -> int:
             cache.close()
         if handler is not None:
             logging.getLogger("cudnn_fuse").removeHandler(handler)
+
+
+def _unusable(cache: PlanCache, handler) -> "str | None":
+    """Why the opened cache cannot be used (its ``disabled`` reason, said once), or None."""
+    if cache.disabled is None:
+        return None
+    said = handler is not None and any(cache.disabled in m for m in handler.said)
+    return "the plan cache is disabled" + (" (the warning above says why)" if said else f": {cache.disabled}")
+
+
+def _unknown_namespace(cache: PlanCache) -> "str | None":
+    """The error for a --namespace the cache root does not hold, listing those it does; or None."""
+    there = list_namespaces(cache.path)
+    if cache.namespace in there:
+        return None
+    if not os.path.lexists(cache.path):
+        return f"no namespace {cache.namespace!r} under {cache.path}: the directory does not exist"
+    return (f"no namespace {cache.namespace!r} under {cache.path} "
+            f"(namespaces there: {', '.join(there) or 'none'})")
 
 
 class _SayingHandler(logging.StreamHandler):
@@ -119,6 +176,22 @@ def _show_warnings() -> "_SayingHandler | None":
     handler.setFormatter(logging.Formatter("warning: %(message)s"))
     logger.addHandler(handler)
     return handler
+
+
+def _progress(label: str):
+    """A progress callback that draws a ``progress.Bar`` on stderr once the work has at least
+    BAR_MIN_ITEMS items."""
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if total < BAR_MIN_ITEMS:
+            return
+        if bar is None:
+            bar = Bar(label)
+        bar(done, total)
+
+    return update
 
 
 def _ls(cache: PlanCache, args) -> int:
@@ -158,33 +231,70 @@ def _stats(cache: PlanCache, args) -> int:
 
 
 def _verify(cache: PlanCache, args) -> int:
-    c = cache.verify()
+    c = cache.verify(progress=_progress(f"verifying {cache.namespace}"))
+    faults = c["faults"]
     print(f"checked {_count(c['checked'], 'entry')}: {c['ok']} ok, {c['bad']} bad, "
           f"{c['removed']} removed")
-    print(f"orphan value files: {c['orphans']}, {c['orphans_removed']} removed "
-          "(younger ones may belong to a running writer)")
-    barred, pinned = _barred_keys(cache)
-    dropped = 0 if cache.read_only else sum(bool(cache.delete(k)) for k in barred)
-    if barred or pinned:
-        n = len(barred) + len(pinned)
+    print(f"orphan value files: {c['orphans']}, {c['orphans_removed']} removed"
+          + (f", {c['young_orphans']} younger than {ORPHAN_GRACE_S:.0f} s left (a running writer may own them)"
+             if c["young_orphans"] else ""))
+    barred = _barred_keys(cache)
+    for fault in barred:
+        if not fault["pinned"] and not cache.read_only:
+            fault["removed"] = bool(cache.delete(fault["key"]))
+    if barred:
+        n, kept = len(barred), sum(f["pinned"] for f in barred)
         print(f"{_count(n, 'entry')} {'names' if n == 1 else 'name'} an engine that computes "
               f"{'its' if n == 1 else 'their'} graph wrongly "
-              f"(plans.barred_engines): {dropped} removed, {len(pinned)} pinned left for a process to rebuild in place")
-    if c["bad"] > c["removed"] or len(barred) > dropped:
-        print("the cache is read-only: bad entries were left in place", file=sys.stderr)
-        return 1
-    return 0
+              f"(plans.barred_engines): {sum(f['removed'] for f in barred)} removed, "
+              f"{kept} pinned left for a process to rebuild in place")
+    faults += barred
+    if not faults:
+        print(f"no faults: {cache.dir} is sound")
+        return 0
+    lost = [f for f in faults if f["pinned"] and f["removed"]]
+    if lost:
+        one = len(lost) == 1
+        print(f"warning: removed {_count(len(lost), 'pinned entry')} (pre-warmed): "
+              f"{'its plan is' if one else 'their plans are'} rebuilt at first use, unpinned; "
+              f"pre-warm again to pin {'it' if one else 'them'}", file=sys.stderr)
+    left = [f for f in faults if not f["removed"] and not (f["kind"] == "barred-engine" and f["pinned"])]
+    if cache.read_only and left:
+        print(f"the cache is read-only: {_count(len(left), 'fault')} left in place", file=sys.stderr)
+    print(f"\n{_count(len(faults), 'fault')} found in {cache.dir}:\n")
+    print(format_table(("key", "op", "fault", "pinned", "action", "detail"),
+                       [_fault_row(f, cache) for f in faults]))
+    return 1
 
 
-def _barred_keys(cache: PlanCache) -> tuple:
-    """(unpinned keys, pinned keys) of the entries whose recorded engine is barred for their
-    spec, with their engine records (which hold no spec of their own). A pinned (pre-warmed)
-    entry is not removed: the loader refuses it and rebuilds it in place, still pinned."""
+def _fault_row(fault: dict, cache: PlanCache) -> tuple:
+    """key, op, fault, pinned, action, detail; a file (an orphan, fingerprint.json) has no key or op."""
+    entry = fault["key"] is not None
+    detail = fault["detail"].removeprefix(f"{fault['kind']}: ")  # CorruptEntry's text starts with its kind
+    return (fault["key"][:12] if entry else "-", fault["op"] or ("?" if entry else "-"), fault["kind"],
+            ("yes" if fault["pinned"] else "no") if entry else "-", _action(fault, cache), detail)
+
+
+def _action(fault: dict, cache: PlanCache) -> str:
+    if fault.get("repair"):
+        return fault["repair"]
+    if fault["removed"]:
+        return "removed"
+    if fault["kind"] == "barred-engine" and fault["pinned"]:
+        return "left: pinned, a process rebuilds it in place"
+    return "left (read-only cache)" if cache.read_only else "left"
+
+
+def _barred_keys(cache: PlanCache) -> list:
+    """A verify fault (as ``PlanCache.verify`` lists them) for each entry whose recorded engine is
+    barred for its spec, and for its engine record (which holds no spec of its own, and goes or
+    stays with its entry). A pinned (pre-warmed) entry is not removed: the loader refuses it and
+    rebuilds it in place, still pinned."""
     from .loader import engine_record_key
     from .plans import barred_engines
     from .spec import spec_from_dict
 
-    out, pinned = [], []
+    out = []
     infos = list(cache.entry_info())
     keys = {info.key for info in infos}
     for info in infos:
@@ -196,11 +306,13 @@ def _barred_keys(cache: PlanCache) -> tuple:
                 continue
         except (TypeError, ValueError, KeyError, OverflowError):  # OverflowError: an engine id of Infinity
             continue  # a spec or engine id this version cannot read: not ours to judge
-        into = pinned if info.pinned else out
-        into.append(info.key)
+        fault = dict(key=info.key, op=_op(info.meta), kind="barred-engine", pinned=info.pinned, removed=False,
+                     detail=f"engine {eid} computes this graph wrongly (plans.barred_engines)")
+        out.append(fault)
         if engine_record_key(info.key) in keys:
-            into.append(engine_record_key(info.key))
-    return out, pinned
+            out.append(dict(fault, key=engine_record_key(info.key),
+                            detail=f"the engine record of {info.key[:12]}, whose engine {eid} is barred"))
+    return out
 
 
 def _prune(cache: PlanCache, args) -> int:
@@ -216,7 +328,7 @@ def _clear(cache: PlanCache, args) -> int:
 
 
 def _export(cache: PlanCache, args) -> int:
-    n = cache.export(args.file)
+    n = cache.export(args.file, progress=_progress(f"exporting {cache.namespace}"))
     # into a pipe (/dev/stdout | ssh host cudnn-fuse cache import /dev/stdin) the export goes alone
     out = sys.stdout if os.path.isfile(args.file) else sys.stderr
     print(f"exported {_count(n, 'entry')} of namespace {cache.namespace} to {args.file}", file=out)
@@ -224,9 +336,10 @@ def _export(cache: PlanCache, args) -> int:
 
 
 def _import(cache: PlanCache, args) -> int:
-    c = cache.import_(args.file, force=args.force)
-    print(f"imported {c['imported']}, skipped {c['skipped']} (already cached), rejected "
-          f"{c['rejected']} (failed verification), failed {c['failed']} (not written)")
+    c = cache.import_(args.file, force=args.force, progress=_progress(f"importing {os.path.basename(args.file)}"))
+    print(f"into {cache.dir}:\n")
+    print(format_table(("imported", "skipped (already cached)", "rejected (failed verification)",
+                        "failed (not written)"), [(c["imported"], c["skipped"], c["rejected"], c["failed"])]))
     return 1 if c["rejected"] or c["failed"] else 0
 
 

@@ -1,7 +1,7 @@
 """The plan cache in one process: entry format, verification, faults injected into files and
 rows, namespaces, permissions, size limit and pinning, maintenance, export/import.
 
-RELIABILITY.md cases 1, 2, 3 (the cache's part), 4, 5, 10, 12 (forced), 13 and 15 are here;
+The fault cases of docs/cache.md 1, 2, 3 (the cache's part), 4, 5, 10, 12 (forced), 13 and 15 are here;
 the multi-process cases are in test_cache_faults.py. Every test gets its own cache directory.
 """
 
@@ -511,9 +511,16 @@ def test_verify_removes_bad_entries_and_old_orphans(cache, cache_dir):
     orphan = cache_dir / NS / "ee" / "ff" / ("1" * 28 + ".val")
     orphan.parent.mkdir(parents=True)
     orphan.write_bytes(b"half a plan")
-    assert cache.verify() == dict(checked=3, ok=2, bad=1, removed=1, orphans=1, orphans_removed=0)
+    counts = cache.verify()
+    faults = counts.pop("faults")
+    assert counts == dict(checked=3, ok=2, bad=1, removed=1, orphans=1, orphans_removed=0, young_orphans=1)
+    assert faults == [dict(key=key(1), op="conv2d", kind="checksum", detail="checksum: sha256 mismatch",
+                           pinned=False, removed=True)]  # the young orphan may be a live writer's: no fault
     os.utime(orphan, (time.time() - 3600,) * 2)
-    assert cache.verify() == dict(checked=2, ok=2, bad=0, removed=0, orphans=1, orphans_removed=1)
+    counts = cache.verify()
+    faults = counts.pop("faults")
+    assert counts == dict(checked=2, ok=2, bad=0, removed=0, orphans=1, orphans_removed=1, young_orphans=0)
+    assert [(f["kind"], f["removed"], "ee/ff/" in f["detail"]) for f in faults] == [("orphan", True, True)]
     assert not orphan.parent.exists() and len(list(cache_dir.rglob("*.val"))) == 1
 
 

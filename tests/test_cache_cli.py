@@ -27,6 +27,12 @@ def key(name) -> str:
     return hashlib.sha256(str(name).encode()).hexdigest()
 
 
+def import_counts(out: str) -> dict:
+    """import's table: {"imported": n, "skipped": n, "rejected": n, "failed": n}."""
+    *_, header, rule, row = out.strip().splitlines()
+    return dict(zip(("imported", "skipped", "rejected", "failed"), map(int, row.split())))
+
+
 def cli(*argv) -> int:
     parser = argparse.ArgumentParser(prog="cudnn-fuse")
     add_cache_commands(parser.add_subparsers(dest="command"))
@@ -74,19 +80,29 @@ def test_ls_names_what_a_tuned_entry_runs_instead_of_its_cudnn_plan(cache_dir, c
 
 
 def test_ls_of_an_empty_cache_creates_nothing(tmp_path, capsys):
-    assert cli("ls", "--dir", str(tmp_path / "none"), "--namespace", NS) == 0
+    assert cli("ls", "--dir", str(tmp_path / "none")) == 0  # this machine's namespace, not made yet
     assert "no plans cached" in capsys.readouterr().out
+    assert cli("ls", "--dir", str(tmp_path / "none"), "--namespace", NS) == 1  # one asked for by name
+    assert "the directory does not exist" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
 
 
-@pytest.mark.parametrize("action", ["verify", "prune", "clear"])
-def test_a_writing_action_on_a_namespace_that_is_not_there_creates_nothing(warm, action, capsys):
-    """Before, `cache clear --namespace <typo>` made that namespace's directory and database."""
-    assert cli(action, "--namespace", "no_such_ns") == 1
-    err = capsys.readouterr().err
-    assert "no namespace 'no_such_ns'" in err and NS in err
-    assert not (warm / "no_such_ns").exists()
-    assert cli(action, "--namespace", NS) == 0
+ACTIONS_ON_A_NAMESPACE = [["ls"], ["stats"], ["verify"], ["prune"], ["clear"], ["export", "out.jsonl"]]
+
+
+@pytest.mark.parametrize("argv", ACTIONS_ON_A_NAMESPACE, ids=lambda a: a[0])
+def test_a_namespace_that_is_not_there_is_named_and_nothing_is_made(warm, argv, capsys, monkeypatch, tmp_path):
+    """`cache ls --namespace <typo>` said "no plans cached" and exited 0; `cache clear --namespace
+    <typo>` made that namespace's directory and database."""
+    monkeypatch.chdir(tmp_path)
+    PlanCache(warm, namespace="otherns").close()
+    assert cli(*argv, "--namespace", "no_such_ns") == 1
+    captured = capsys.readouterr()
+    assert "no plans cached" not in captured.out and "exported" not in captured.out + captured.err
+    assert f"error: no namespace 'no_such_ns' under {warm} (namespaces there: clins, otherns)" in captured.err
+    assert sorted(p.name for p in warm.iterdir()) == [NS, "otherns"]
+    assert not (tmp_path / "out.jsonl").exists()
+    assert cli(*argv, "--namespace", NS) == 0
 
 
 def test_an_empty_dir_is_refused(warm, capsys):
@@ -108,15 +124,47 @@ def test_stats_default_to_this_machines_namespace(cache_dir, capsys):
     assert env.namespace() in capsys.readouterr().out
 
 
-def test_verify_removes_a_corrupt_entry(warm, capsys):
+def fault_rows(out: str) -> dict:
+    """verify's fault table: {key prefix or file: [op, fault, pinned, action...]}."""
+    lines = out.split("found in")[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["key", "op", "fault"])
+    rows = {}
+    for line in lines[start + 2:]:
+        key_, op, kind, pinned, rest = line.split(maxsplit=4)
+        rows[key_ if key_ != "-" else kind] = [op, kind, pinned, rest]
+    return rows
+
+
+def test_verify_names_the_corrupt_entry_it_removes_and_fails(warm, capsys):
+    """verify said only "1 bad, 1 removed" (no key, no fault) and exited 0."""
     value = next(warm.rglob("*.val"))
     data = bytearray(value.read_bytes())
     data[-1] ^= 1
     value.write_bytes(bytes(data))
-    assert cli("verify", "--namespace", NS) == 0
+    assert cli("verify", "--namespace", NS) == 1
     out = capsys.readouterr().out
     assert "checked 2 entries: 1 ok, 1 bad, 1 removed" in out
+    op, kind, pinned, action = fault_rows(out)[key("mm")[:12]]
+    assert (op, kind, pinned) == ("matmul", "checksum", "no") and action.startswith("removed")
     assert [k for k, _, _ in PlanCache(warm, namespace=NS).entries()] == [key("conv")]
+    assert cli("verify", "--namespace", NS) == 0  # sound now
+    assert "no faults" in capsys.readouterr().out
+
+
+def test_verify_says_it_removed_a_pinned_entry(cache_dir, capsys):
+    """A corrupt pre-warmed (pinned) entry went with exit 0 and not a word."""
+    cache = PlanCache(cache_dir, namespace=NS)
+    assert cache.put(key("pinned"), META, b"p" * 40_000, pinned=True)
+    assert cache.put(key("fine"), META, b"f" * 100)
+    cache.close()
+    value = next(cache_dir.rglob("*.val"))
+    value.write_bytes(value.read_bytes()[:-10])  # truncated
+    assert cli("verify", "--namespace", NS) == 1
+    captured = capsys.readouterr()
+    op, kind, pinned, action = fault_rows(captured.out)[key("pinned")[:12]]
+    assert (op, kind, pinned) == ("conv2d", "truncated", "yes") and action.startswith("removed")
+    assert "warning: removed 1 pinned entry (pre-warmed)" in captured.err
+    assert [k for k, _, _ in PlanCache(cache_dir, namespace=NS).entries()] == [key("fine")]
 
 
 def test_prune_and_clear(warm, capsys):
@@ -134,7 +182,7 @@ def test_export_then_import_elsewhere(warm, tmp_path, capsys):
     assert "exported 2 entries" in capsys.readouterr().out
     target = tmp_path / "target"
     assert cli("import", str(out_file), "--dir", str(target), "--namespace", NS) == 0
-    assert "imported 2, skipped 0" in capsys.readouterr().out
+    assert import_counts(capsys.readouterr().out) == dict(imported=2, skipped=0, rejected=0, failed=0)
     assert PlanCache(target, namespace=NS).stats()["pinned"] == 1
 
 
@@ -145,7 +193,7 @@ def test_import_from_another_namespace_needs_force(warm, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"'{NS}'" in err and "'elsewhere'" in err and "--force" in err
     assert cli("import", str(out_file), "--namespace", "elsewhere", "--force") == 0
-    assert "imported 2" in capsys.readouterr().out
+    assert import_counts(capsys.readouterr().out)["imported"] == 2
 
 
 def test_import_reports_rejected_entries(warm, tmp_path, capsys):
@@ -156,7 +204,7 @@ def test_import_reports_rejected_entries(warm, tmp_path, capsys):
     record["entry"] = record["entry"][:-6] + "AAAA=="
     out_file.write_text("\n".join([header, json.dumps(record), second]) + "\n")
     assert cli("import", str(out_file), "--dir", str(tmp_path / "t"), "--namespace", NS) == 1
-    assert "imported 1, skipped 0 (already cached), rejected 1" in capsys.readouterr().out
+    assert import_counts(capsys.readouterr().out) == dict(imported=1, skipped=0, rejected=1, failed=0)
 
 
 def test_a_refused_directory_is_an_error(tmp_path, capsys):
@@ -200,7 +248,7 @@ def test_bad_sizes_and_durations_are_usage_errors(parse, text):
 
 
 def test_verify_removes_entries_that_name_a_barred_engine(cache_dir, capsys):
-    """An entry written before its engine was barred (plans.barred_engines) and its engine
+    """An entry written before its engine was barred (engines.barred_engines) and its engine
     record go; an entry of another engine, or of eng0 for a graph it computes right, stays."""
     from cudnn_fuse import loader
     from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
@@ -222,15 +270,20 @@ def test_verify_removes_entries_that_name_a_barred_engine(cache_dir, capsys):
     assert cache.put(leaky2.digest(), {"op": "matmul", "spec": leaky2.to_dict(), "engine_id": 0}, b"p" * 10,
                      pinned=True)  # pre-warmed: rebuilt in place by the loader, never removed here
     cache.close()
-    assert cli("verify", "--namespace", NS) == 0
+    assert cli("verify", "--namespace", NS) == 1
     out = capsys.readouterr().out
     assert "3 entries name an engine that computes their graph wrongly" in out
     assert ": 2 removed, 1 pinned left" in out
+    rows = fault_rows(out)
+    assert rows[bad[:12]][:3] == ["matmul", "barred-engine", "no"] and rows[bad[:12]][3].startswith("removed")
+    assert rows[loader.engine_record_key(bad)[:12]][1:3] == ["barred-engine", "no"]
+    assert rows[leaky2.digest()[:12]][2] == "yes"
+    assert rows[leaky2.digest()[:12]][3].startswith("left: pinned, a process rebuilds it in place")
     cache = PlanCache(cache_dir, namespace=NS)
     assert cache.get(bad) is None and cache.get(loader.engine_record_key(bad)) is None
     assert cache.get(other) is not None and cache.get(fine) is not None and cache.get(leaky2.digest()) is not None
     cache.close()
-    assert cli("verify", "--namespace", NS) == 0  # the pinned one alone is left: one entry, in the singular
+    assert cli("verify", "--namespace", NS) == 1  # the pinned one alone is left: one entry, in the singular
     assert "1 entry names an engine that computes its graph wrongly" in capsys.readouterr().out
 
 
@@ -285,8 +338,8 @@ def test_ctrl_c_mid_export_leaves_the_old_file_and_no_temp(small, tmp_path, caps
     out_file.write_text("the old export\n")
     valid = PlanCache._valid_entries
 
-    def interrupted(self):
-        yield next(valid(self))
+    def interrupted(self, *args):
+        yield next(valid(self, *args))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(PlanCache, "_valid_entries", interrupted)
@@ -308,7 +361,7 @@ def test_import_rejects_a_line_that_is_not_utf8_and_goes_on(small, tmp_path, cap
     header, first, second = out_file.read_bytes().splitlines()
     out_file.write_bytes(b"\n".join([header, first, b"\xff\xfe{not utf-8}", second]) + b"\n")
     assert cli("import", str(out_file), "--dir", str(tmp_path / "t"), "--namespace", NS) == 1
-    assert "imported 2, skipped 0 (already cached), rejected 1" in capsys.readouterr().out
+    assert import_counts(capsys.readouterr().out) == dict(imported=2, skipped=0, rejected=1, failed=0)
 
 
 @pytest.mark.parametrize("content", [b"\x7fELF\x02\x01\x01\x00\xb0\xff" * 50, b"[" * 100_000 + b"]" * 100_000],
@@ -328,7 +381,7 @@ def test_import_rejects_a_deeply_nested_entry_line(small, tmp_path, capsys):
     with open(out_file, "a") as f:
         f.write("[" * 100_000 + "]" * 100_000 + "\n")
     assert cli("import", str(out_file), "--dir", str(tmp_path / "t"), "--namespace", NS) == 1
-    assert "imported 2, skipped 0 (already cached), rejected 1" in capsys.readouterr().out
+    assert import_counts(capsys.readouterr().out) == dict(imported=2, skipped=0, rejected=1, failed=0)
 
 
 def test_stats_of_an_unreadable_database_fail(small, capsys):

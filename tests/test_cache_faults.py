@@ -1,5 +1,5 @@
 """Plan cache faults that need other processes: concurrency, SIGKILL, a held lock, a file-size
-limit, a read-only mount, fork (RELIABILITY.md cases 6, 7, 8, 9, 11, 12, 14).
+limit, a read-only mount, fork (docs/cache.md's fault cases 6, 7, 8, 9, 11, 12, 14).
 
 Faults are injected for real: children are spawned with multiprocessing and killed with
 SIGKILL. Children import cudnn_fuse.cache without the package __init__ (which imports torch,

@@ -1,7 +1,8 @@
-"""Pre-warmed entries are pinned (RELIABILITY case 15): what a pre-warm stores, through the
-loader's own store, is never evicted for space, nor are the entries it finds already cached
-(with the GEMM entry a 1x1 conv entry runs as); plain runs store unpinned entries. A real
-PlanCache in a temporary directory and the loader's real write path; the plan is a stand-in."""
+"""Pre-warmed entries are pinned (docs/cache.md's fault case 15): what a pre-warm stores,
+through the loader's own store, is never evicted for space, nor are the entries it finds
+already cached (with the GEMM entry a 1x1 conv entry runs as); plain runs store unpinned
+entries. A real PlanCache in a temporary directory and the loader's real write path; the plan
+is a stand-in."""
 
 from __future__ import annotations
 
