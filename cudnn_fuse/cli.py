@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from . import env
 from ._version import __version__
-from .progress import format_table
+from .progress import Bar, format_table
 
 NO_GPU_DOCTOR = "no CUDA GPU: ops run their PyTorch reference"
 NO_GPU_DEMO = ("no CUDA GPU: the ops ran their PyTorch reference; "
@@ -46,10 +46,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cudnn-fuse {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     doctor = commands.add_parser(
-        "doctor", help="show versions, GPU and cache dir; exit 1 if something is broken")
+        "doctor", help="show versions, GPU and cache dir; exit 1 if something is broken",
+        description="Print the versions of Python, torch, CUDA, the driver and cuDNN (frontend and "
+                    "backend), the GPU and its environment namespace, the path the ops' memoized calls "
+                    "take, and the plan cache (directory, mode, entries, hit rate); then the problems "
+                    "found. Exit status 1 when something is broken: an unsupported cuDNN frontend, a GPU "
+                    "whose cuDNN library cannot be loaded, a plan cache that cannot be used, one whose "
+                    "database was corrupt, or a damaged fingerprint.json. No GPU is no problem: the ops "
+                    "then run their PyTorch reference.")
     doctor.set_defaults(run=_doctor)
     demo = commands.add_parser(
-        "demo", help="run each public op against its plain torch expression")
+        "demo", help="run each public op against its plain torch expression",
+        description="Time each public op (conv2d, linear, matmul, scaled_dot_product_attention) against "
+                    "its plain torch expression and print the relative error; then run a small "
+                    "ResNet-style CNN and a transformer block through cf.optimize(): the op specs each "
+                    "records in the dtype a GPU runs, the cold start (empty plan cache) against the warm "
+                    "start (a cache pre-warmed from those specs), and the error against eager. Without a "
+                    "CUDA GPU the ops run their PyTorch reference in fp32, nothing is built, and the demo "
+                    "says so.")
     demo.set_defaults(run=_demo)
     from . import cache_cli, cli_autotune, prewarm
 
@@ -59,7 +73,12 @@ def _parser() -> argparse.ArgumentParser:
                              description=prewarm.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     prewarm.add_arguments(pw)
     pw.set_defaults(run=prewarm.run)
-    rec = commands.add_parser("record", help="run a Python script and write the op specs it used as a manifest")
+    rec = commands.add_parser(
+        "record", help="run a Python script and write the op specs it used as a manifest",
+        description="Run a Python script in this process with cf.record active and write every op spec "
+                    "it made (deduplicated, with call counts) as a plan manifest, the input of "
+                    "`cudnn-fuse prewarm`. The manifest is written also when the script fails; the exit "
+                    "status is the script's (1 when the manifest cannot be written).")
     rec.add_argument("-o", "--output", required=True, help="the manifest to write")
     rec.add_argument("--name", default="", help="a name stored in the manifest")
     rec.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS...] (or -- SCRIPT [ARGS...])")
@@ -151,7 +170,7 @@ def _cache_rows() -> tuple[list, list]:
         st = pc.stats()
     finally:
         logger.removeHandler(seen)
-    rows = [("cache directory", str(pc.dir))]
+    rows = [("cache dir", str(pc.dir))]
     if pc.disabled:
         return rows, [f"plan cache unusable ({pc.disabled}): ops run without it"]
     try:
@@ -165,6 +184,8 @@ def _cache_rows() -> tuple[list, list]:
     problems = list(seen.messages)
     if st.get("error"):
         problems.append(f"plan cache database {pc.dir / 'cache.db'} cannot be read: {st['error']}")
+    if pc.fingerprint_problem:  # an export of this namespace would carry no fingerprint, or a wrong one
+        problems.append(f"plan cache {pc.fingerprint_problem}: `cudnn-fuse cache verify` repairs it")
     return rows, problems
 
 
@@ -185,7 +206,9 @@ def _doctor(args: argparse.Namespace) -> int:
     cache_rows, cache_problems = _cache_rows()
     found += cache_problems
     print(f"cudnn-fuse {__version__} doctor\n")
-    print(format_table(("item", "value"), list(env.describe(fp)) + [("memoized calls", _native_row())] + cache_rows))
+    # env's "cache dir" is the root; the cache's own row names this machine's directory under it
+    env_rows = [row for row in env.describe(fp) if row[0] != "cache dir"]
+    print(format_table(("item", "value"), env_rows + [("memoized calls", _native_row())] + cache_rows))
     print("\nproblems:")
     for problem in found or ["none"]:
         print(f"  {problem}")
@@ -197,21 +220,23 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import cudnn_fuse as cf
 
+    from . import demo
+
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
-    rows = []
+    rows, steps = [], len(_DEMO_CASES) + len(demo.GPU_FORMS)
+    bar = Bar("demo")
     with torch.no_grad():
-        for name, shape, gpu_dtype, make in _DEMO_CASES:
+        for i, (name, shape, gpu_dtype, make) in enumerate(_DEMO_CASES):
+            bar(i, steps)
             dtype = gpu_dtype if on_gpu else torch.float32
             torch.manual_seed(0)
             fused, plain = make(cf, device, dtype)
             rows.append((name, shape, f"{device.type} {_DTYPE_NAMES[dtype]}",
                          f"{_median_ms(fused, on_gpu):.3f}", f"{_median_ms(plain, on_gpu):.3f}",
                          f"{_rel_err(fused(), plain()):.2e}"))
+    model_rows, notes = demo.run(on_gpu, progress=lambda done, total: bar(len(_DEMO_CASES) + done, steps))
     print(format_table(("op", "shape", "device", "cf ms", "torch ms", "rel err"), rows))
-    from . import demo
-
-    model_rows, notes = demo.run(on_gpu)
     print("\nmodels through cf.optimize(): record -> pre-warm -> warm start\n")
     print(format_table(demo.HEADERS, model_rows))
     for note in notes:

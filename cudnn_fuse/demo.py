@@ -1,13 +1,20 @@
 """The model half of ``cudnn-fuse demo``: a small ResNet-style CNN and a transformer
 block, built in memory, through ``optimize()`` -> record -> pre-warm -> warm start.
 
-For each model: eager ms vs cf ms per forward, the cold start (empty cache: every
-plan built) against the warm start (in-memory plans dropped, a pre-warmed disk
-cache: every plan loaded), and the largest relative error against eager.
+For each model: eager ms vs cf ms per forward, the op specs it records, the cold start
+(empty cache: every plan built) against the warm start (in-memory plans dropped, a
+pre-warmed disk cache: every plan loaded), and the largest relative error against eager.
+
+The specs are recorded on the meta device in the dtype and layout the GPU runs (fp16
+channels_last CNN, bf16 transformer), so a machine without a GPU records what one would
+build: on the CPU the models run fp32 through the ops' PyTorch reference, and cf records a
+spec only where a GPU would build a cuDNN graph, which fp32 linear, matmul and attention
+never do.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import tempfile
@@ -58,17 +65,41 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
+# name -> (dtype on the GPU, channels_last on the GPU)
+GPU_FORMS = {"resnet-style CNN": (torch.float16, True), "transformer block": (torch.bfloat16, False)}
+
+
 def _models(device, on_gpu):
-    cnn_dt = torch.float16 if on_gpu else torch.float32
-    tr_dt = torch.bfloat16 if on_gpu else torch.float32
+    """(name, model, input) of each model, in the GPU's dtype and layout on a GPU, fp32 elsewhere."""
     torch.manual_seed(0)
-    cnn = SmallResNet().to(device, cnn_dt).eval()
-    x = torch.randn(32 if on_gpu else 2, 3, 64, 64, device=device, dtype=cnn_dt)
-    if on_gpu:
-        cnn, x = cnn.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
-    block = Block().to(device, tr_dt).eval()
-    t = torch.randn(8 if on_gpu else 1, 512 if on_gpu else 64, 512, device=device, dtype=tr_dt)
-    return [("resnet-style CNN", cnn, x), ("transformer block", block, t)]
+    cnn = SmallResNet()
+    x = torch.randn(32 if on_gpu else 2, 3, 64, 64)
+    torch.manual_seed(0)
+    block = Block()
+    t = torch.randn(8 if on_gpu else 1, 512 if on_gpu else 64, 512)
+    out = []
+    for name, model, inp in (("resnet-style CNN", cnn, x), ("transformer block", block, t)):
+        dtype, channels_last = GPU_FORMS[name] if on_gpu else (torch.float32, False)
+        model, inp = model.to(device, dtype).eval(), inp.to(device, dtype)
+        if channels_last:
+            model, inp = model.to(memory_format=torch.channels_last), inp.to(memory_format=torch.channels_last)
+        out.append((name, model, inp))
+    return out
+
+
+def record_specs(name: str, model: nn.Module, x: torch.Tensor) -> list:
+    """The manifest entries of ``cf.optimize(model)(x)`` as a GPU runs it (``GPU_FORMS[name]``):
+    recorded on the meta device, where the ops make every spec as on the GPU and compute nothing."""
+    import cudnn_fuse as cf
+    from cudnn_fuse import manifest
+
+    dtype, channels_last = GPU_FORMS[name]
+    form = torch.channels_last if channels_last else torch.contiguous_format
+    meta_model = copy.deepcopy(model).to("meta", dtype).to(memory_format=form)
+    meta_x = torch.empty(x.shape, dtype=dtype, device="meta", memory_format=form)
+    with torch.no_grad(), manifest.record() as rec:
+        cf.optimize(meta_model)(meta_x)
+    return rec.entries
 
 
 def _median_ms(fn, on_gpu, n=20) -> float:
@@ -87,29 +118,36 @@ def _first_call_ms(fn, on_gpu) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
-def run(on_gpu: bool) -> tuple[list, list]:
-    """Returns (table rows, notes)."""
+def run(on_gpu: bool, progress=None) -> tuple[list, list]:
+    """Returns (table rows, notes); ``progress(done, total)`` is called as each model ends."""
     import cudnn_fuse as cf
-    from cudnn_fuse import manifest, plans, prewarm
+    from cudnn_fuse import envvars, plans, prewarm
+
+    # torch's decompositions import torch._dynamo at their first use (about 1.3 s): imported here,
+    # it is not timed as the cold start, which is the plans' work
+    import torch._dynamo  # noqa: F401
 
     device = torch.device("cuda" if on_gpu else "cpu")
     rows, notes = [], []
-    saved = os.environ.get("CUDNN_FUSE_CACHE_DIR")
+    saved = envvars.text(envvars.CACHE_DIR)
+    models = _models(device, on_gpu)
     with tempfile.TemporaryDirectory() as cold_dir, tempfile.TemporaryDirectory() as warm_dir:
         try:
-            for name, model, x in _models(device, on_gpu):
+            for n, (name, model, x) in enumerate(models):
+                if progress is not None:
+                    progress(n, len(models))
+                entries = record_specs(name, model, x)
                 with torch.no_grad():
                     opt = cf.optimize(model)
-                    os.environ["CUDNN_FUSE_CACHE_DIR"] = cold_dir  # an empty cache: a true cold start
+                    os.environ[envvars.CACHE_DIR] = cold_dir  # an empty cache: a true cold start
                     plans.clear()
                     before = cf.plan_stats()
-                    with manifest.record() as rec:
-                        cold_ms = _first_call_ms(lambda: opt(x), on_gpu)
+                    cold_ms = _first_call_ms(lambda: opt(x), on_gpu)
                     built = cf.plan_stats()["builds"] - before["builds"]
                     # pre-warm a second cache from the recorded manifest, then start warm from it
-                    os.environ["CUDNN_FUSE_CACHE_DIR"] = warm_dir
+                    os.environ[envvars.CACHE_DIR] = warm_dir
                     if on_gpu:
-                        prewarm.prewarm(rec.entries, cache=cf.PlanCache())
+                        prewarm.prewarm(entries, cache=cf.PlanCache())
                     plans.clear()
                     before = cf.plan_stats()
                     warm_ms = _first_call_ms(lambda: opt(x), on_gpu)
@@ -118,18 +156,23 @@ def run(on_gpu: bool) -> tuple[list, list]:
                     ref, out = model(x).float(), opt(x).float()
                 err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                 rows.append([name, f"{device.type} {str(x.dtype).replace('torch.', '')}", f"{eager_ms:.3f}",
-                             f"{cf_ms:.3f}", f"{eager_ms / cf_ms:.2f}x", len(rec.entries),
+                             f"{cf_ms:.3f}", f"{eager_ms / cf_ms:.2f}x", len(entries),
                              f"{cold_ms:.0f} ({built} built)",
                              f"{warm_ms:.0f} ({after['builds'] - before['builds']} built, "
                              f"{after['loads'] - before['loads']} loaded)", f"{err:.1e}"])
         finally:
             if saved is None:
-                os.environ.pop("CUDNN_FUSE_CACHE_DIR", None)
+                os.environ.pop(envvars.CACHE_DIR, None)
             else:
-                os.environ["CUDNN_FUSE_CACHE_DIR"] = saved
+                os.environ[envvars.CACHE_DIR] = saved
             plans.clear()
+    if progress is not None:
+        progress(len(models), len(models))
+    forms = ", ".join(f"{name} {str(dtype).replace('torch.', '')}" for name, (dtype, _) in GPU_FORMS.items())
+    notes.append(f"specs: the op specs each model records as a GPU runs it ({forms}), recorded on the meta device")
     if not on_gpu:
-        notes.append("no GPU: nothing was built or pre-warmed; cold/warm starts and plan counts need a CUDA GPU")
+        notes.append("no GPU: the models ran fp32 through the ops' PyTorch reference; nothing was built or "
+                     "pre-warmed, so the cold and warm starts hold no plan work (that needs a CUDA GPU)")
     return rows, notes
 
 

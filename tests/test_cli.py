@@ -57,9 +57,19 @@ def test_doctor_without_gpu_is_healthy(capsys, cache_dir):
     assert "no CUDA GPU" in out
     for label, value in env.describe():
         assert label in out and value in out
-    assert str(cache_dir) in out
+    assert str(cache_dir / env.namespace()) in out
     problems = out.split("problems:")[1]
     assert problems.split()[0] == "none"
+
+
+def test_doctor_names_the_cache_directory_once(capsys, cache_dir):
+    """The doctor printed a "cache dir" row (env's: the root) and a "cache directory" row (the
+    namespace's folder under it): two names, two values, for one thing."""
+    cli.main(["doctor"])
+    rows = [line.split(None, 2) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("cache dir")]
+    assert [r[:2] for r in rows] == [["cache", "dir"]], rows
+    assert rows[0][2] == str(cache_dir / env.namespace())
 
 
 def test_doctor_says_which_path_the_memoized_calls_take(capsys, cache_dir):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from cudnn_fuse import cli
+import pytest
+
+from cudnn_fuse import cli, env
 
 
 def test_doctor_reports_a_healthy_cache(cache_dir, capsys):
@@ -33,3 +35,18 @@ def test_doctor_reports_a_corrupt_database_it_moved_aside(cache_dir, capsys):
     out = capsys.readouterr().out
     assert "corrupt" in out.split("problems:")[1]
     assert cli.main(["doctor"]) == 0  # the fresh one is healthy
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b""], ids=["not-json", "a-list", "empty"])
+def test_doctor_reports_a_damaged_fingerprint(cache_dir, capsys, content):
+    """A fingerprint.json that is no fingerprint passed the doctor ("problems: none", exit 0)."""
+    from cudnn_fuse.cache import PlanCache
+
+    PlanCache(cache_dir).close()
+    (cache_dir / env.namespace() / "fingerprint.json").write_bytes(content)
+    assert cli.main(["doctor"]) == 1
+    problems = capsys.readouterr().out.split("problems:")[1]
+    assert "fingerprint.json" in problems and "cudnn-fuse cache verify" in problems
+    assert cli.main(["cache", "verify"]) == 1  # rewrites it
+    capsys.readouterr()
+    assert cli.main(["doctor"]) == 0
