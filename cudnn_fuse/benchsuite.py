@@ -1,11 +1,11 @@
-"""Benchmark suite (issue 6): cudnn_fuse against PyTorch's peers, workload by workload.
+"""Benchmark suite: cudnn_fuse against PyTorch's peers, workload by workload.
 
 For each workload: cf with heuristic plans, cf autotuned, torch eager, torch.compile (default)
 and torch.compile max-autotune-no-cudagraphs, all in one process; attention adds torch SDPA on
 each backend (flash, cuDNN, efficient); batch-1 small ops and whole models add CUDA-graph
 variants (cf.capture, torch eager captured, torch.compile reduce-overhead).
 
-Timing (the device tool's METHOD.md): CUDA events, warm-up, medians, fresh random inputs
+Timing: CUDA events, warm-up, medians, fresh random inputs
 (never zeros), L2 rotation of input sets for small working sets (plus an L2 flush between
 calls where rotation alone cannot leave the cache), the bf16 matmul ceiling and the HBM copy
 rate measured in the same run, and cf timed twice (``cf_ms_repeat``) as a noise gauge.
@@ -49,7 +49,7 @@ CF_VARIANTS = ("cf", "cf_autotuned", "cf_repeat", "cf_captured", "cf_compiled")
 PEER_VARIANTS = ("torch_eager", "torch_compile", "torch_compile_max_autotune", "sdpa_flash", "sdpa_cudnn",
                  "sdpa_efficient", "torch_eager_captured", "torch_compile_reduce_overhead")
 MAX_AUTOTUNE = "torch_compile_max_autotune"
-COMPUTE_BOUND_TARGET = 0.85  # issue 6: compute-bound workloads >= 85% of the measured bf16 ceiling
+COMPUTE_BOUND_TARGET = 0.85  # the suite's target: compute-bound workloads >= 85% of the measured bf16 ceiling
 # Under this roofline floor a kernel is latency-bound whatever its intensity (a batch-1 conv's 8 us
 # against a 0.3 us floor): it does not count as compute-bound for the 85% target.
 MIN_COMPUTE_BOUND_FLOOR_MS = 0.01
@@ -90,7 +90,7 @@ class Workload:
     flops: int  # per call
     bytes: Optional[int]  # fewest bytes a call must move (inputs read once, outputs written once)
     build: Callable[["Options"], Case] = field(repr=False, compare=False)
-    anchor: bool = False  # one of DESIGN.md's anchor workloads
+    anchor: bool = False  # one of the four headline shapes (bench/quick.py times them alone); marked in the JSON
     info: dict = field(default_factory=dict)
 
 
@@ -243,7 +243,7 @@ def _small_workloads() -> list:
 
 def _attention_workloads() -> list:
     """S = 512..8192 at 16k tokens per batch, causal and not, D = 64 (32 heads) and 128 (16 heads);
-    GQA (4 kv heads, causal, D = 128). The B4 H16 S4096 D128 causal one is DESIGN.md's anchor."""
+    GQA (4 kv heads, causal, D = 128). The B4 H16 S4096 D128 causal one is the attention anchor."""
     out = []
     for s in (512, 1024, 2048, 4096, 8192):
         b = 16384 // s
@@ -411,8 +411,8 @@ COMPILED_VARIANTS = ("torch_compile", MAX_AUTOTUNE, "torch_compile_reduce_overhe
 def compiled_last(variants) -> list:
     """``variants`` with every torch.compile mode moved to the end, the rest in their order, for
     wall-clock cases: once torch.compile has run in a process, an eager op's host time rises
-    (bench/repeat_probe.py; in the small part of 2026-12-01 the 8-layer stack's heuristic plan read
-    0.101 ms before the compile variants and 0.152 after, parts/peers_attention_rerun.json), so
+    (in the small part of 2026-12-01 the 8-layer stack's heuristic plan read 0.101 ms before the
+    compile variants and 0.152 after, bench/results/parts/peers_attention_rerun.json), so
     every eager variant, cf's autotuned one included, is timed before any compile."""
     return sorted(variants, key=lambda v: v.name in COMPILED_VARIANTS)
 
@@ -631,7 +631,7 @@ def _model_variants(model, example, forward, tuned_est_s, max_autotune_est_s, ca
     tuned = _memo(cf_setup(True))
     # every variant that runs eager Python first, torch.compile's last: once torch.compile has run
     # in a process, an eager model's host time per step rises (GPT-2 8x1024 through optimize():
-    # the same kernels, 7.8 -> 11.3 ms a step, bench/repeat_probe.py), and a model's step is
+    # the same kernels, 7.8 -> 11.3 ms a step), and a model's step is
     # host-sensitive (wall-clock timing), so cf and eager are timed before any compile
     out = [Variant("torch_eager", eager), Variant("cf", cf_heur)]
     if captured:
@@ -1022,7 +1022,7 @@ def geomean(xs) -> Optional[float]:
 
 
 def summarize(doc: dict) -> dict:
-    """Per-workload roofline fields and the run's summary against issue 6's targets. A record merged
+    """Per-workload roofline fields and the run's summary against the suite's targets. A record merged
     from a part carries that run's ceilings (``run_ceiling_tflops``, ``run_hbm_tbps``, see ``merge``)
     and is judged against them: the ceiling measured in the same run, on the same GPU, not another
     part's (two H200 machines' sustained bf16 matmuls differed by 12%, 757.6 against 673.7 TFLOP/s)."""

@@ -1,7 +1,11 @@
 """Pre-warm: build (and optionally autotune) every entry of a manifest into the plan cache.
 
-    cudnn-fuse prewarm plans/resnet50_fp16.json [more.json ...] [--autotune] [--dry-run] [--gpus N]
-    torchrun --nproc-per-node N -m cudnn_fuse.prewarm plans/resnet50_fp16.json --autotune
+    cudnn-fuse prewarm plans/resnet50_fp16_bs32.json [more.json ...] [--autotune] [--dry-run] [--gpus N]
+    torchrun --nproc-per-node N -m cudnn_fuse.prewarm plans/resnet50_fp16_bs32.json --autotune
+
+The repository ships manifests for ResNet-50 (plans/resnet50_fp16_bs1.json,
+plans/resnet50_fp16_bs32.json), a GPT-2 block (plans/gpt2_block_bf16.json) and a Llama
+block (plans/llama_block_bf16.json); ``cudnn-fuse record`` writes one for any script.
 
 With several ranks the manifest is sharded round-robin over them
 (torch.distributed; NCCL on GPUs, gloo otherwise); every rank writes into the
