@@ -410,3 +410,27 @@ def test_ls_and_verify_take_odd_numbers_in_an_entrys_metadata(cache_dir, capsys)
     assert rows[key("nan")[:12]][-1] == "nan"
     assert cli("verify", "--namespace", NS) == 0
     assert "checked 3 entries: 3 ok" in capsys.readouterr().out
+
+
+def test_long_actions_draw_a_bar_and_short_ones_do_not(cache_dir, tmp_path, capsys):
+    """verify, export and import of a large cache show progress (progress.Bar: plain lines off a
+    terminal) and end with their report; a handful of entries gets no bar."""
+    cache = PlanCache(cache_dir, namespace=NS)
+    for i in range(120):
+        assert cache.put(key(i), META, bytes([i]) * 64)
+    cache.close()
+    out_file = tmp_path / "plans.jsonl"
+    assert cli("verify", "--namespace", NS) == 0
+    captured = capsys.readouterr()
+    assert "verifying clins: 120/120 100%" in captured.err and "no faults" in captured.out
+    assert cli("export", str(out_file), "--namespace", NS) == 0
+    assert "exporting clins: 120/120 100%" in capsys.readouterr().err
+    assert cli("import", str(out_file), "--dir", str(tmp_path / "t"), "--namespace", NS) == 0
+    captured = capsys.readouterr()
+    assert "importing plans.jsonl: 120/120 100%" in captured.err
+    assert import_counts(captured.out)["imported"] == 120
+    small = PlanCache(tmp_path / "small", namespace=NS)
+    assert small.put(key("one"), META, b"1")
+    small.close()
+    assert cli("verify", "--dir", str(tmp_path / "small"), "--namespace", NS) == 0
+    assert capsys.readouterr().err == ""
