@@ -27,13 +27,13 @@ def child() -> None:
 
     import cudnn_fuse as cf
     from bench.workloads import cold_start_graphs
-    from cudnn_fuse import plans
+    from cudnn_fuse import handles
     from cudnn_fuse.cache import open_default_cache
 
     eager = os.environ.get("COLD_START_EAGER") == "1"
     graphs = cold_start_graphs(eager=eager)  # inputs made before timing
     t0 = time.perf_counter()
-    plans.handle_for(0)  # cuDNN library load + handle: process start-up, not per-graph cost
+    handles.handle_for(0)  # cuDNN library load + handle: process start-up, not per-graph cost
     open_default_cache()  # environment fingerprint + opening the cache: once per process
     if eager:  # torch's cuBLAS handle and workspace, its own process start-up (one tiny float32 product)
         torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")

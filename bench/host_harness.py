@@ -31,7 +31,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
-from cudnn_fuse import backward, ops, plans  # noqa: E402
+from cudnn_fuse import backward, loader, ops, plans  # noqa: E402
 
 
 class FakePlan:
@@ -203,13 +203,13 @@ def main(argv=None) -> int:
     def chain_step():
         chain(x).backward(gy)
 
-    patches = [mock.patch.object(plans, "get_plan", _fake_get_plan),
+    patches = [mock.patch.object(loader, "get_plan", _fake_get_plan),
                mock.patch.object(ops, "_why_not_fused", lambda op, ts: None),
                mock.patch.object(backward, "usable", lambda *ts: True)]
     for p in patches:
         p.start()
     try:
-        plans.clear()
+        loader.clear()
         res = {name: per_call_us(fn, args.calls) for name, fn in
                (("bare_function_step", bare_step), ("cf_conv2d_step", conv_step), ("cf_linear_step", linear_step),
                 ("cf_conv_stack8_step", stack_step), ("cf_conv_chain8_step", chain_step))}
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     finally:
         for p in patches:
             p.stop()
-        plans.clear()
+        loader.clear()
     return 0
 
 

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import cudnn_fuse as cf  # noqa: E402
 from bench.common import host_row_calls, host_row_operands, host_us, write_json  # noqa: E402
-from cudnn_fuse import ops, plans  # noqa: E402
+from cudnn_fuse import loader, ops  # noqa: E402
 
 ROWS = ("eager", "eager_python", "eager_no_launch_graphs", "captured", "captured_single_op", "torch_eager")
 
@@ -69,20 +69,20 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             rows["torch_eager"].append(host_us(torch_op, args.calls))
             cf.set_launch_graphs(True)
-            plans.clear()  # plans are reloaded, so that launch graphs serve them
+            loader.clear()  # plans are reloaded, so that launch graphs serve them
             rows["eager"].append(host_us(cf_op, args.calls))
             if native:  # the same calls on the Python path (set_native clears the memo)
                 ops.set_native(False)
-                plans.clear()
+                loader.clear()
                 rows["eager_python"].append(host_us(cf_op, args.calls))
                 ops.set_native(True)
-                plans.clear()
+                loader.clear()
             dev["graphs"].append(device_us())
             cf.set_launch_graphs(False)
             rows["eager_no_launch_graphs"].append(host_us(cf_op, args.calls))
             dev["no_graphs"].append(device_us())
             cf.set_launch_graphs(True)
-            plans.clear()
+            loader.clear()
             cf_op()
             rows["captured"].append(host_us(captured.replay, max(1, args.calls // chain)) / chain)
             rows["captured_single_op"].append(host_us(single.replay, args.calls))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from cudnn_fuse import plans  # noqa: E402
+from cudnn_fuse import loader  # noqa: E402
 from bench.common import device_ms, device_name, host_us, time_ms, write_json  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     rows = []
     for name, flops, cf_fn, torch_fn in workloads():
         build = first_call_ms(cf_fn)
-        engine = plans.plans_in_memory()[-1].engine
+        engine = loader.plans_in_memory()[-1].engine
         cf_ms, torch_ms = device_ms(cf_fn), device_ms(torch_fn)
         cf_b2b, torch_b2b = time_ms(cf_fn), time_ms(torch_fn)
         rows.append({"name": name, "cf_ms": round(cf_ms, 4), "torch_eager_ms": round(torch_ms, 4),

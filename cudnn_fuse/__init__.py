@@ -14,8 +14,9 @@ from .graphs import capture
 from .launch_graphs import set_launch_graphs
 from .manifest import record
 from .optimize import optimize
-from .ops import conv2d, linear, matmul, scaled_dot_product_attention, set_compile_inline
-from .plans import plan_stats
+from .functional import conv2d, linear, matmul, scaled_dot_product_attention
+from .loader import plan_stats
+from .ops import set_compile_inline
 
 
 def cache_stats() -> dict:

@@ -19,8 +19,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
-from . import envvars
+from . import conv_gemm, engines, envvars, torch_engine
 from .errors import UnsupportedError
+from .handles import held
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Config:
     workspace_cap: int = envvars.number(envvars.WORKSPACE_CAP, 1 << 30, integer=True)
     warmup: int = 3
     repeats: int = 30
-    deterministic: Optional[bool] = None  # None: torch's flags (plans.deterministic)
+    deterministic: Optional[bool] = None  # None: torch's flags (engines.deterministic)
     progress: Optional[Callable[[int, int], None]] = None  # (candidates done, total), e.g. a CLI bar
     # Also time torch's own implementation (cuBLAS + the epilogue, torch_engine.py) of matmul-class
     # graphs; the op runs it where it beats every cuDNN candidate.
@@ -472,149 +473,163 @@ def _working_set_bytes(bufs) -> int:
     return sum(t.untyped_storage().nbytes() for t in bufs)
 
 
-def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None) -> tuple[int, Timing, list[Timing]]:
+def tune(g, spec, handle, device: int, uids, roles, cfg: Optional[Config] = None,
+         get_plan: Optional[Callable] = None) -> tuple[int, Timing, list[Timing]]:
     """Build and time the candidate plans of the operation graph ``g``.
 
-    ``g`` must have run ``plans.prepare`` (validate, operation graph, candidates).
-    Returns (winner index, winner timing, all timings); the winner is built
-    and selected on ``g`` (``g.serialize()`` then stores it).
+    ``g`` must have run ``engines.prepare`` (validate, operation graph, candidates). ``handle``: the
+    device's shared handle (``handles.handle_for``) or a raw handle of the caller's own. Besides
+    cuDNN's candidates, torch's implementation of a matmul-class graph is timed (``torch_candidate``)
+    and, given ``get_plan`` (the plan lookup, which tunes and stores the GEMM as a matmul entry of
+    its own), a 1x1 conv as the GEMM of its matrix views (``gemm_candidate``).
+    Returns (winner index, winner timing, all timings); the winner is built and selected on ``g``
+    (``g.serialize()`` then stores it).
     """
-    import cudnn
-    import torch
-
     cfg = cfg or current_config()
-    from .plans import deterministic as torch_deterministic
-
-    deterministic = cfg.deterministic if cfg.deterministic is not None else torch_deterministic()
-    # ``handle``: the device's shared handle (plans' record of it: its lock and the stream it is bound
-    # to), or a raw handle of the caller's own. The shared one serves every thread's launches: each timed
-    # launch binds it to this stream under its lock, as Plan.launch does, so that neither a launch of
-    # another thread nor this tuning runs on the other's stream; each build (and the candidates' notes,
-    # which may place a plan in the backend) holds it as plans.held does, on the side stream.
-    state = handle if hasattr(handle, "lock") else None
-    h = state.handle if state is not None else handle
-    lock = state.lock if state is not None else contextlib.nullcontext()
-    from .plans import held
-
-    def holding():
-        return held(state, device) if state is not None else contextlib.nullcontext()
-    # Candidates are built lazily inside the budget: building all of them up front
-    # took 11 s for one matmul (CUDNN_NOTES).
-    candidates = []
-    with holding():
-        if deterministic:
-            g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
-        for i in range(g.get_execution_plan_count()):
-            c = Candidate(index=i, deterministic=not _has_note(g, i, "NONDETERMINISTIC"),
-                          runtime_compiled=_has_note(g, i, "RUNTIME_COMPILATION", kind="behavior", unknown=None))
-            try:
-                c.name = str(g.get_plan_name_at_index(i))
-                eid, knobs = g.get_engine_and_knobs_at_index(i)
-                c.engine_id, c.knobs = int(eid), knobs_to_json(knobs)
-            except Exception as exc:  # noqa: BLE001 - a candidate we cannot describe is still timed
-                c.name = c.name or f"plan{i}"
-                log.debug("autotune: candidate %d has no engine record: %s", i, exc)
-            candidates.append(c)
-    built: set = set()
-    from .plans import barred_engines
-
-    barred = barred_engines(spec)  # prepare() deselected them; a skip names the reason
-
-    sets = random_buffers(spec, roles, device, 1)
-    ws_bytes = _working_set_bytes(sets[0])
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    if ws_bytes < 2 * l2:  # small working set: rotate input sets so timings don't measure L2
-        sets += random_buffers(spec, roles, device, min(7, (2 * l2) // max(ws_bytes, 1)))
-    stream = torch.cuda.current_stream(device).cuda_stream
-    workspaces = {}
-
-    def build(c: Candidate) -> None:
-        if c.index in built:
-            return
-        if c.engine_id in barred:
-            raise SkipCandidate(f"engine {c.engine_id} computes this graph wrongly (plans.barred_engines)")
-        with holding():
-            g.build_plan_at_index(c.index)
-            c.workspace = int(g.get_workspace_size_plan_at_index(c.index))
-        built.add(c.index)
-        if c.workspace > cfg.workspace_cap:
-            raise SkipCandidate(f"workspace {c.workspace} > cap {cfg.workspace_cap}")
-
-    def launch(c: Candidate, k: int):
-        ws = workspaces.get(c.index)
-        if ws is None and c.workspace:
-            ws = workspaces[c.index] = torch.empty(c.workspace, dtype=torch.uint8, device=torch.device("cuda", device))
-        with lock:
-            if state is None or state.stream != stream:
-                cudnn.set_stream(handle=h, stream=stream)
-                if state is not None:
-                    state.stream = stream
-            g.execute_plan_at_index(sets[k % len(sets)], ws, index=c.index, handle=h, tensor_uids=uids)
-
-    def run_once(c: Candidate) -> float:
-        build(c)
-        launch(c, 0)
-        torch.cuda.synchronize()
-        return device_ms(lambda: launch(c, 1), 1)[0]
-
-    def time_candidate(c: Candidate) -> float:
-        counter = iter(range(10**9))
-        for _ in range(cfg.warmup):
-            launch(c, next(counter))
-        return statistics.median(device_ms(lambda: launch(c, next(counter)), cfg.repeats))
-
-    def heat(c: Candidate, seconds: float) -> None:
-        counter = iter(range(10**9))
-        heat_gpu(lambda: launch(c, next(counter)), seconds)
-
+    deterministic = cfg.deterministic if cfg.deterministic is not None else engines.deterministic()
+    timer = _GraphTimer(g, spec, handle, device, uids, roles, cfg)
+    candidates = timer.candidates(deterministic)
     try:
-        winner, timings = select(candidates, run_once, time_candidate, cfg, deterministic, heat=heat)
+        winner, timings = select(candidates, timer.run_once, timer.time_candidate, cfg, deterministic, heat=timer.heat)
     finally:
-        workspaces.clear()
-    with holding():
+        timer.workspaces.clear()
+    with timer.holding():
         g.build_plan_at_index(winner.index)
     log.info("autotune %s: %d candidates, winner %s %.4f ms", spec.op, len(candidates), winner.name, winner.median_ms)
-    if cfg.torch_candidate and not deterministic:
-        from . import torch_engine
+    if cfg.torch_candidate and not deterministic and torch_engine.supports(spec):
+        _time_torch(timer, winner, next(c for c in candidates if c.index == winner.index), timings)
+    mspec = conv_gemm.gemm_spec(spec) if cfg.gemm_candidate and get_plan is not None else None
+    if mspec is not None:
+        def gemm_plan():
+            with _sub_progress(cfg, "as a GEMM"):
+                return conv_gemm.GemmConvPlan(spec, get_plan(mspec, device))  # tuned (and stored) as a matmul
 
-        if torch_engine.supports(spec):
-            tp = torch_engine.TorchPlan(spec, device)
-            counter = iter(range(10**9))
-
-            def run_torch():
-                tp.run(sets[next(counter) % len(sets)])
-
-            def torch_median():
-                return statistics.median(device_ms(run_torch, cfg.repeats))
-
-            timings.append(torch_timing(run_torch, torch_median, cfg))
-            won = next(c for c in candidates if c.index == winner.index)
-
-            def winner_median():
-                return time_candidate(won)
-
-            try:
-                settle_torch(winner, timings[-1], winner_median, torch_median, cfg)
-            finally:
-                workspaces.clear()
-            if torch_wins(winner, timings):
-                log.info("autotune %s: torch (cuBLAS) %.4f ms beats the cuDNN winner", spec.op, timings[-1].median_ms)
-    if cfg.gemm_candidate:
-        from . import conv_gemm
-
-        mspec = conv_gemm.gemm_spec(spec)
-        if mspec is not None:
-            def gemm_plan():
-                from .plans import get_plan
-
-                with _sub_progress(cfg, "as a GEMM"):
-                    return conv_gemm.GemmConvPlan(spec, get_plan(mspec, device))  # tuned (and stored) as a matmul
-
-            timings.append(gemm_timing(gemm_plan, sets, cfg))
-            if gemm_wins(winner, timings):
-                log.info("autotune %s: as a GEMM %.4f ms beats the conv winner %.4f ms", spec.op,
-                         timings[-1].median_ms, winner.median_ms)
+        timings.append(gemm_timing(gemm_plan, timer.sets, cfg))
+        if gemm_wins(winner, timings):
+            log.info("autotune %s: as a GEMM %.4f ms beats the conv winner %.4f ms", spec.op,
+                     timings[-1].median_ms, winner.median_ms)
     return winner.index, winner, timings
+
+
+class _GraphTimer:
+    """The candidates of one operation graph, built lazily inside the budget (building all of them
+    up front took 11 s for one matmul), launched on rotated random operand sets and timed.
+
+    ``handle``: the device's shared handle (its lock and the stream it is bound to), or a raw handle
+    of the caller's own. The shared one serves every thread's launches: each timed launch binds it to
+    this stream under its lock, as Plan.launch does, so that neither a launch of another thread nor
+    this tuning runs on the other's stream; each build (and the candidates' notes, which may place a
+    plan in the backend) holds it as handles.held does, on the side stream."""
+
+    def __init__(self, g, spec, handle, device: int, uids, roles, cfg: Config):
+        import torch
+
+        self.g, self.spec, self.device, self.uids, self.cfg = g, spec, device, uids, cfg
+        self.state = handle if hasattr(handle, "lock") else None
+        self.h = self.state.handle if self.state is not None else handle
+        self.lock = self.state.lock if self.state is not None else contextlib.nullcontext()
+        self.built: set = set()
+        self.barred = engines.barred_engines(spec)  # prepare() deselected them; a skip names the reason
+        self.workspaces: dict = {}
+        self.sets = random_buffers(spec, roles, device, 1)
+        ws_bytes = _working_set_bytes(self.sets[0])
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+        if ws_bytes < 2 * l2:  # small working set: rotate input sets so timings don't measure L2
+            self.sets += random_buffers(spec, roles, device, min(7, (2 * l2) // max(ws_bytes, 1)))
+        self.stream = torch.cuda.current_stream(device).cuda_stream
+
+    def holding(self):
+        return held(self.state, self.device) if self.state is not None else contextlib.nullcontext()
+
+    def candidates(self, deterministic: bool) -> list:
+        """Every execution plan of the graph as a Candidate, with its engine record and notes."""
+        import cudnn
+
+        g, out = self.g, []
+        with self.holding():
+            if deterministic:
+                g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
+            for i in range(g.get_execution_plan_count()):
+                c = Candidate(index=i, deterministic=not _has_note(g, i, "NONDETERMINISTIC"),
+                              runtime_compiled=_has_note(g, i, "RUNTIME_COMPILATION", kind="behavior", unknown=None))
+                try:
+                    c.name = str(g.get_plan_name_at_index(i))
+                    eid, knobs = g.get_engine_and_knobs_at_index(i)
+                    c.engine_id, c.knobs = int(eid), knobs_to_json(knobs)
+                except Exception as exc:  # noqa: BLE001 - a candidate we cannot describe is still timed
+                    c.name = c.name or f"plan{i}"
+                    log.debug("autotune: candidate %d has no engine record: %s", i, exc)
+                out.append(c)
+        return out
+
+    def build(self, c: Candidate) -> None:
+        if c.index in self.built:
+            return
+        if c.engine_id in self.barred:
+            raise SkipCandidate(f"engine {c.engine_id} computes this graph wrongly (engines.barred_engines)")
+        with self.holding():
+            self.g.build_plan_at_index(c.index)
+            c.workspace = int(self.g.get_workspace_size_plan_at_index(c.index))
+        self.built.add(c.index)
+        if c.workspace > self.cfg.workspace_cap:
+            raise SkipCandidate(f"workspace {c.workspace} > cap {self.cfg.workspace_cap}")
+
+    def launch(self, c: Candidate, k: int) -> None:
+        import cudnn
+        import torch
+
+        ws = self.workspaces.get(c.index)
+        if ws is None and c.workspace:
+            ws = self.workspaces[c.index] = torch.empty(c.workspace, dtype=torch.uint8,
+                                                        device=torch.device("cuda", self.device))
+        with self.lock:
+            state = self.state
+            if state is None or state.stream != self.stream:
+                cudnn.set_stream(handle=self.h, stream=self.stream)
+                if state is not None:
+                    state.stream = self.stream
+            self.g.execute_plan_at_index(self.sets[k % len(self.sets)], ws, index=c.index, handle=self.h,
+                                         tensor_uids=self.uids)
+
+    def run_once(self, c: Candidate) -> float:
+        import torch
+
+        self.build(c)
+        self.launch(c, 0)
+        torch.cuda.synchronize()
+        return device_ms(lambda: self.launch(c, 1), 1)[0]
+
+    def time_candidate(self, c: Candidate) -> float:
+        counter = iter(range(10**9))
+        for _ in range(self.cfg.warmup):
+            self.launch(c, next(counter))
+        return statistics.median(device_ms(lambda: self.launch(c, next(counter)), self.cfg.repeats))
+
+    def heat(self, c: Candidate, seconds: float) -> None:
+        counter = iter(range(10**9))
+        heat_gpu(lambda: self.launch(c, next(counter)), seconds)
+
+
+def _time_torch(timer: _GraphTimer, winner: Timing, won: Candidate, timings: list) -> None:
+    """Time torch's implementation of the graph (torch_engine) and append its Timing; where it is
+    close to the cuDNN winner, the two are timed again alternately (settle_torch)."""
+    cfg, sets = timer.cfg, timer.sets
+    tp = torch_engine.TorchPlan(timer.spec, timer.device)
+    counter = iter(range(10**9))
+
+    def run_torch():
+        tp.run(sets[next(counter) % len(sets)])
+
+    def torch_median():
+        return statistics.median(device_ms(run_torch, cfg.repeats))
+
+    timings.append(torch_timing(run_torch, torch_median, cfg))
+    try:
+        settle_torch(winner, timings[-1], lambda: timer.time_candidate(won), torch_median, cfg)
+    finally:
+        timer.workspaces.clear()
+    if torch_wins(winner, timings):
+        log.info("autotune %s: torch (cuBLAS) %.4f ms beats the cuDNN winner", timer.spec.op, timings[-1].median_ms)
 
 
 GEMM_INDEX = -2  # the GEMM candidate's index in a tuned conv entry's timings

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from . import manifest, ops, plans
+from . import engines, loader, manifest, ops, plans
 from .errors import UnsupportedError
 from .spec import (
     ActGradSpec,
@@ -43,9 +43,9 @@ from .spec import (
 )
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# plans.deterministic()'s two getters, called here directly as ops' memo calls them: the keys below read
-# the mode on every backward call, and pin what they read for the plans they look up (plans.pinned_mode)
-_det_algorithms, _det_cudnn = plans._det_algorithms, plans._det_cudnn
+# engines.deterministic()'s two getters, called here directly as ops' memo calls them: the keys below read
+# the mode on every backward call, and pin what they read for the plans they look up (engines.pinned_mode)
+_det_algorithms, _det_cudnn = engines._det_algorithms, engines._det_cudnn
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,10 @@ def _try(op: str, spec, buffers, quiet: bool = False) -> bool:
     else:
         try:
             if slot is not None and slot[0] is spec:  # planned under the mode the spec was remembered under
-                with plans.pinned_mode(slot[2]):
-                    plan = plans.get_plan(spec, buffers[0].device.index)
+                with engines.pinned_mode(slot[2]):
+                    plan = loader.get_plan(spec, buffers[0].device.index)
             else:
-                plan = plans.get_plan(spec, buffers[0].device.index)
+                plan = loader.get_plan(spec, buffers[0].device.index)
         except UnsupportedError as exc:
             if quiet:
                 log.debug("%s: cuDNN declined a variant, trying another: %s", op, exc)
@@ -154,7 +154,7 @@ def _cached_spec(kind: str, attrs: tuple, buffers, make):
     plan is chosen under the key's mode (the slot keeps it for ``_try``), and must not serve the other. And the
     buffers' device: the slot's plan is bound to one (a spec holds none), and a key without it served one device's
     buffers (a replica of the layer on cuda:1) the plan of another (cuda:0's)."""
-    det = _det_algorithms() or _det_cudnn()  # plans.deterministic(), read once: the key's and the slot's
+    det = _det_algorithms() or _det_cudnn()  # engines.deterministic(), read once: the key's and the slot's
     key = ("spec", kind, attrs, det, buffers[0].device, tuple([(t.shape, t.stride(), t.dtype) for t in buffers]))
     spec = plans.FAST.get(key)
     if spec is None:
@@ -472,13 +472,13 @@ def conv_program(x, w, y, gy, geo, act, slope, need_x: bool, need_w: bool, need_
     "convert" policy) the program converts the same way on every call."""
     if manifest._active:
         return None
-    det = _det_algorithms() or _det_cudnn()  # plans.deterministic(), read once: the key's and the plans'
+    det = _det_algorithms() or _det_cudnn()  # engines.deterministic(), read once: the key's and the plans'
     key = ("convprog", x.shape, x.stride(), w.shape, w.stride(), y.stride() if y is not None else None, gy.stride(),
            x.dtype, x.device,
            act, slope, geo, need_x, need_w, need_b, det)
     prog = plans.FAST.get(key)
     if prog is None:
-        with plans.pinned_mode(det):  # its plans are chosen under the key's mode
+        with engines.pinned_mode(det):  # its plans are chosen under the key's mode
             prog = _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b)
         if len(plans.FAST) >= plans.FAST_CAPACITY - 1:
             plans.FAST.clear()
@@ -515,20 +515,20 @@ def _build_conv_program(x, w, y, gy, geo, act, slope, need_x, need_w, need_b):
             if need_b:
                 db_geo = ((1, K, 1, 1), _bias_strides(gy, (1, K, 1, 1)))
                 try:
-                    p.dz_plan = plans.get_plan(ActGradSpec(dz_s, _spec(y), dz_s, act, slope,
+                    p.dz_plan = loader.get_plan(ActGradSpec(dz_s, _spec(y), dz_s, act, slope,
                                                            TensorSpec(*db_geo, "float32")), device)
                     p.dbias_geo = db_geo
                 except UnsupportedError:
                     pass
             if p.dz_plan is None:
-                p.dz_plan = plans.get_plan(ActGradSpec(dz_s, _spec(y), dz_s, act, slope, None), device)
+                p.dz_plan = loader.get_plan(ActGradSpec(dz_s, _spec(y), dz_s, act, slope, None), device)
         if need_b and p.dbias_geo is None:
             p.bias_dims = (0, 2, 3)
         g = geo[:4]
         if need_x:
-            p.dgrad = plans.get_plan(ConvDgradSpec(dz_s, _spec(w), _spec(x), *g), device)
+            p.dgrad = loader.get_plan(ConvDgradSpec(dz_s, _spec(w), _spec(x), *g), device)
         if need_w:
-            p.wgrad = plans.get_plan(ConvWgradSpec(_spec(x), dz_s, _spec(w), *g), device)
+            p.wgrad = loader.get_plan(ConvWgradSpec(_spec(x), dz_s, _spec(w), *g), device)
     except UnsupportedError:
         return False
     return p

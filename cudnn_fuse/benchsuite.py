@@ -377,9 +377,9 @@ def _cf_setup(fn, autotune: bool):
 
     def setup():
         if autotune:
-            from . import plans
+            from . import loader
 
-            plans.clear()  # the in-memory heuristic plan would be reused; the disk entry is upgraded when tuned
+            loader.clear()  # the in-memory heuristic plan would be reused; the disk entry is upgraded when tuned
         cf.set_autotune(autotune)
         return fn
     return setup
@@ -607,9 +607,9 @@ def _model_variants(model, example, forward, tuned_est_s, max_autotune_est_s, ca
     def cf_setup(autotune):
         def setup():
             if autotune:
-                from . import plans
+                from . import loader
 
-                plans.clear()
+                loader.clear()
             cf.set_autotune(autotune)
             opt = cf.optimize(model, autotune=autotune, **kw)
             return lambda *a: forward(opt, *a)
@@ -849,7 +849,7 @@ def skip_reason(v: Variant, opts: Options, elapsed_s: float) -> Optional[str]:
 
 
 def _fallbacks() -> int:
-    from .plans import plan_stats
+    from .loader import plan_stats
 
     return plan_stats()["fallbacks"]
 
@@ -953,7 +953,7 @@ ENGINES_LISTED = 12  # distinct engines listed a variant (a model builds dozens 
 
 
 def _plan_ids() -> set:
-    from .plans import plans_in_memory
+    from .loader import plans_in_memory
 
     return {id(p) for p in plans_in_memory()}
 
@@ -961,7 +961,7 @@ def _plan_ids() -> set:
 def _new_engines(held: set) -> dict:
     """{"plans": n, "engines": [distinct engine names, at most ENGINES_LISTED]} of the plans in
     memory now that were not in ``held`` (ids); {} when there are none."""
-    from .plans import plans_in_memory
+    from .loader import plans_in_memory
 
     new = [p for p in plans_in_memory() if id(p) not in held]
     if not new:
@@ -1119,7 +1119,7 @@ def measure_host_overhead(calls: int = 10000, ops_per_graph: int = 100) -> tuple
     x, w, b = _rand(64, 256, dtype=h), _rand(256, 256, dtype=h, scale=1 / 16), _rand(256, dtype=h)
     eager = host_us(lambda: cf.linear(x, w, b, activation="relu"), calls)
     torch_eager = host_us(lambda: F.relu(F.linear(x, w, b)), calls)
-    from . import plans as _plans
+    from . import loader as _plans
     from .launch_graphs import ENABLED as graphs_were_on
 
     cf.set_launch_graphs(False)  # without launch graphs (CUDNN_FUSE_LAUNCH_GRAPHS=0), for the record

@@ -37,6 +37,8 @@ from typing import Iterator, NamedTuple
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
 
+from . import envvars
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -64,7 +66,6 @@ _HEX2_RE = re.compile(r"[0-9a-f]{2}\Z")
 _PINNED = 1  # the diskcache `tag` column holds 1 for pinned entries, NULL otherwise
 # An entry's size without reading it: inline values by SQL length(), files by diskcache's size.
 _SIZE_SQL = "CASE WHEN filename IS NULL THEN length(value) ELSE size END"
-_DISABLED_VALUES = ("0", "false", "no", "off")
 _FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
@@ -1530,11 +1531,11 @@ def open_default_cache(device: int | None = None) -> PlanCache | None:
     when CUDNN_FUSE_CACHE=0, or when it cannot be opened (then one warning). Devices whose
     fingerprints are equal (the same GPU model, driver and libraries) share one; reopened when
     $CUDNN_FUSE_CACHE_DIR changes."""
-    if os.environ.get("CUDNN_FUSE_CACHE", "").strip().lower() in _DISABLED_VALUES:
+    if not envvars.flag(envvars.CACHE, True):
         return None
     from . import env
 
-    configured = os.environ.get("CUDNN_FUSE_CACHE_DIR", "")
+    configured = envvars.text(envvars.CACHE_DIR, "")
     if device is None:
         device = env._current_device()  # once: the key and the cache name the same device
     key = (configured, env.namespace(env.fingerprint(device)))

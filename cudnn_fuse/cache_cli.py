@@ -246,7 +246,7 @@ def _verify(cache: PlanCache, args) -> int:
         n, kept = len(barred), sum(f["pinned"] for f in barred)
         print(f"{_count(n, 'entry')} {'names' if n == 1 else 'name'} an engine that computes "
               f"{'its' if n == 1 else 'their'} graph wrongly "
-              f"(plans.barred_engines): {sum(f['removed'] for f in barred)} removed, "
+              f"(engines.barred_engines): {sum(f['removed'] for f in barred)} removed, "
               f"{kept} pinned left for a process to rebuild in place")
     faults += barred
     if not faults:
@@ -291,7 +291,7 @@ def _barred_keys(cache: PlanCache) -> list:
     stays with its entry). A pinned (pre-warmed) entry is not removed: the loader refuses it and
     rebuilds it in place, still pinned."""
     from .loader import engine_record_key
-    from .plans import barred_engines
+    from .engines import barred_engines
     from .spec import spec_from_dict
 
     out = []
@@ -307,7 +307,7 @@ def _barred_keys(cache: PlanCache) -> list:
         except (TypeError, ValueError, KeyError, OverflowError):  # OverflowError: an engine id of Infinity
             continue  # a spec or engine id this version cannot read: not ours to judge
         fault = dict(key=info.key, op=_op(info.meta), kind="barred-engine", pinned=info.pinned, removed=False,
-                     detail=f"engine {eid} computes this graph wrongly (plans.barred_engines)")
+                     detail=f"engine {eid} computes this graph wrongly (engines.barred_engines)")
         out.append(fault)
         if engine_record_key(info.key) in keys:
             out.append(dict(fault, key=engine_record_key(info.key),

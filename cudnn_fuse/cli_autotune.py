@@ -115,7 +115,7 @@ def run(args) -> int:
     import torch
 
     import cudnn_fuse as cf
-    from cudnn_fuse import autotune, loader, plans
+    from cudnn_fuse import autotune, loader
     from cudnn_fuse.cache import open_default_cache
     from cudnn_fuse.spec import flops
 
@@ -142,7 +142,7 @@ def run(args) -> int:
     except (ValueError, TypeError) as exc:
         print(f"cudnn-fuse autotune: {exc}", file=sys.stderr)
         return 2
-    mem = plans.plans_in_memory()
+    mem = loader.plans_in_memory()
     if not mem:
         print("cudnn-fuse autotune: cuDNN cannot run this op; it falls back to PyTorch (see logs)", file=sys.stderr)
         return 1
@@ -153,7 +153,7 @@ def run(args) -> int:
         if pc is not None:
             pc.delete(digest)
             pc.delete(loader.engine_record_key(digest))
-        plans.clear()
+        loader.clear()
         cfg = autotune.Config(progress=Bar(f"tuning {spec.op}"))
         if args.budget_s is not None:
             cfg.budget_s = args.budget_s

@@ -121,7 +121,7 @@ def _first_call_ms(fn, on_gpu) -> float:
 def run(on_gpu: bool, progress=None) -> tuple[list, list]:
     """Returns (table rows, notes); ``progress(done, total)`` is called as each model ends."""
     import cudnn_fuse as cf
-    from cudnn_fuse import envvars, plans, prewarm
+    from cudnn_fuse import envvars, loader, prewarm
 
     # torch's decompositions import torch._dynamo at their first use (about 1.3 s): imported here,
     # it is not timed as the cold start, which is the plans' work
@@ -140,7 +140,7 @@ def run(on_gpu: bool, progress=None) -> tuple[list, list]:
                 with torch.no_grad():
                     opt = cf.optimize(model)
                     os.environ[envvars.CACHE_DIR] = cold_dir  # an empty cache: a true cold start
-                    plans.clear()
+                    loader.clear()
                     before = cf.plan_stats()
                     cold_ms = _first_call_ms(lambda: opt(x), on_gpu)
                     built = cf.plan_stats()["builds"] - before["builds"]
@@ -148,7 +148,7 @@ def run(on_gpu: bool, progress=None) -> tuple[list, list]:
                     os.environ[envvars.CACHE_DIR] = warm_dir
                     if on_gpu:
                         prewarm.prewarm(entries, cache=cf.PlanCache())
-                    plans.clear()
+                    loader.clear()
                     before = cf.plan_stats()
                     warm_ms = _first_call_ms(lambda: opt(x), on_gpu)
                     after = cf.plan_stats()
@@ -165,7 +165,7 @@ def run(on_gpu: bool, progress=None) -> tuple[list, list]:
                 os.environ.pop(envvars.CACHE_DIR, None)
             else:
                 os.environ[envvars.CACHE_DIR] = saved
-            plans.clear()
+            loader.clear()
     if progress is not None:
         progress(len(models), len(models))
     forms = ", ".join(f"{name} {str(dtype).replace('torch.', '')}" for name, (dtype, _) in GPU_FORMS.items())

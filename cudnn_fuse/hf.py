@@ -24,7 +24,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     query/key/value: [B, H, S, D] (key/value with their own head count: GQA needs no
     repeat); returns (attn_output [B, S, H, D] contiguous, None).
     """
-    from .ops import scaled_dot_product_attention
+    from .functional import scaled_dot_product_attention
 
     if position_bias is not None or kwargs.get("output_attentions", False):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -774,7 +774,7 @@ class GraphSet:
 def set_launch_graphs(enabled: bool) -> None:
     """Whether repeated launches replay as CUDA graphs (default on; ``CUDNN_FUSE_LAUNCH_GRAPHS=0``
     starts a process with them off). Turning them off takes effect at the next launch; turning
-    them on serves plans built from then on (``cudnn_fuse.plans.clear()`` reloads the others)."""
+    them on serves plans built from then on (``cudnn_fuse.loader.clear()`` reloads the others)."""
     global ENABLED
     if not isinstance(enabled, bool):
         raise TypeError(f"set_launch_graphs: enabled must be a bool, got {enabled!r}")

@@ -1,4 +1,4 @@
-"""The load order behind ``plans.get_plan`` on an in-memory miss:
+"""A spec's plan: from memory (a bounded LRU), else through the load order
 
     disk cache (verified blob -> deserialize)
       -> rebuild the recorded engine + knobs (create_execution_plan), no re-tuning
@@ -7,28 +7,34 @@
 Any cache fault is a miss plus one warning (the cache logs it); a blob that
 deserializes badly is dropped and rebuilt from its engine record. Across
 processes, one process tunes a key while the others wait (bounded) for its
-result or go on with the heuristic plan.
+result or go on with the heuristic plan. ``get_plan(spec, device)`` returns a ``plans.Plan`` (or
+torch's stand-in) or raises ``UnsupportedError``, remembered too, so an unsupported spec costs one
+build attempt, not one per call.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import fcntl
+import gc
 import hashlib
 import logging
 import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 
 import torch
 
-from . import autotune, envvars
+from . import autotune, conv_gemm, envvars, handles, launch_graphs, torch_engine
 from .builders import build_graph, roles_of, uids_of
+from .engines import barred_engines, deterministic, finalize, pinned_mode, prepare
 from .errors import UnsupportedError
-from .plans import STATS, Plan, barred_engines, bury, finalize, handle_for, held, pinned_mode, prepare
-from .plans import deterministic as plans_deterministic
+from .handles import bury, handle_for, held
+from .plans import FAST, STATS, Plan
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +50,6 @@ def cache_digest(spec) -> str:
     """The disk-cache key of ``spec``'s plan: its digest, or, while torch requires deterministic
     algorithms, a key of its own (the plan was chosen among deterministic engines only, and a plan
     tuned without that filter, or torch's cuBLAS stand-in, must not serve such a process)."""
-    from .plans import deterministic
-
     digest = spec.digest()
     if deterministic():
         return hashlib.sha256((digest + ":deterministic").encode()).hexdigest()
@@ -95,8 +99,6 @@ def pin_cached(pc, spec) -> int:
 
 
 def _pin_cached(pc, spec) -> int:
-    from . import conv_gemm
-
     digest = cache_digest(spec)
     digests = [digest]
     entry = pc.get(digest, count=False)  # a pre-warm's look, as in prewarm._cached: no plan lookup
@@ -123,7 +125,7 @@ def _warn_once(kind: str, msg: str, *args) -> None:
 
 
 def _cache(device: int | None = None):
-    from .cache import open_default_cache
+    from .cache import open_default_cache  # at the first load: diskcache (sqlite) stays out of the import
 
     return open_default_cache(device)  # the namespace of the device's own environment
 
@@ -213,7 +215,7 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
 
 
 def _barred(spec, meta: dict) -> bool:
-    """Whether a cache entry's engine is one ``plans.barred_engines`` bars for ``spec``, or is no
+    """Whether a cache entry's engine is one ``engines.barred_engines`` bars for ``spec``, or is no
     engine id at all (valid JSON of another type: int() raised out of the loader, failing the op)."""
     eid = meta.get("engine_id")
     if eid is None:
@@ -234,8 +236,6 @@ def _maybe_torch(plan, meta: dict):
     found torch faster (``use_torch``; the cuDNN plan stays the entry's blob)."""
     if not meta.get("use_torch"):
         return plan
-    from . import torch_engine
-
     if not torch_engine.supports(plan.spec):  # an entry written by a newer cudnn_fuse: trust cuDNN
         return plan
     return torch_engine.TorchPlan(plan.spec, plan.device, plan)
@@ -245,8 +245,6 @@ def _gemm_plan(pc, spec, device):
     """The GEMM plan a tuned conv entry chose (``use_gemm``, conv_gemm.py), from the GEMM's own
     tuned entry, wrapped to take the conv's operands; None (one warning) when that entry is
     gone or untuned, and the conv's own plan serves."""
-    from . import conv_gemm
-
     mspec = conv_gemm.gemm_spec(spec)
     if mspec is None:  # an entry written by a newer cudnn_fuse: the conv's plan
         return None
@@ -292,7 +290,7 @@ def _deserialize(spec, entry, device):
 def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
     """Build exactly the recorded engine + knobs (no heuristics, no tuning)."""
     if int(engine_id) in barred_engines(spec):
-        raise UnsupportedError(f"engine {engine_id} computes {spec.op} wrongly (plans.barred_engines)")
+        raise UnsupportedError(f"engine {engine_id} computes {spec.op} wrongly (engines.barred_engines)")
     h = handle_for(device)
     g = None
     try:
@@ -326,7 +324,8 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
         if tuning:
             tt = time.perf_counter()
             try:
-                _, winner, timings = autotune.tune(g, spec, h, device, uids_of(spec), roles_of(spec))
+                _, winner, timings = autotune.tune(g, spec, h, device, uids_of(spec), roles_of(spec),
+                                                   get_plan=get_plan)
             except UnsupportedError:
                 raise
             except Exception as exc:  # noqa: BLE001
@@ -357,9 +356,6 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
 
 
 def _gemm_in_memory(spec, device):
-    from . import conv_gemm
-    from .plans import get_plan
-
     mspec = conv_gemm.gemm_spec(spec)
     if mspec is None:
         return None
@@ -399,7 +395,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
         "winner_index": winner_index,
         "use_torch": bool(use_torch),  # torch (cuBLAS) timed faster than the cuDNN winner: the op runs it
         "use_gemm": bool(use_gemm),  # a 1x1 conv's GEMM (conv_gemm.py) timed faster than the conv winner
-        "deterministic": bool(plans_deterministic()),  # chosen among deterministic engines only (cache_digest)
+        "deterministic": bool(deterministic()),  # chosen among deterministic engines only (cache_digest)
         "build_ms": round(1e3 * build_s, 3),
         "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -450,3 +446,147 @@ def _tune_lock(pc, digest: str):
         yield True
     finally:
         os.close(fd)  # releases the flock; a killed holder's lock dies with it
+
+
+# ------------------------------------------------------------------ plans in memory
+
+DEFAULT_CAPACITY = envvars.number(envvars.MAX_PLANS, 1024, minimum=1, integer=True)
+
+
+def plan_stats() -> dict:
+    """Counters of this process: builds, hits, misses, evictions, fallbacks, build_seconds, the
+    launch graphs' captures, replays and failures (launch_graphs.py), the autotuner's checked
+    spin (``tune_*``: autotune.spin_stats)."""
+    return {**STATS.snapshot(), **launch_graphs.STATS.snapshot(), **autotune.spin_stats()}
+
+
+class PlanLRU:
+    """Bounded, thread-safe map (spec, device) -> Plan | remembered decline.
+
+    Keyed by the frozen spec itself: hashing its fields is far cheaper per call
+    than its sha256 digest, which is computed only where it is stored.
+
+    Each key is built once even when threads race for it (a per-key lock).
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, builder=None):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._builder = builder
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def plans(self) -> list:
+        """The built plans held now, least recently used first."""
+        with self._lock:
+            return [p for p in self._items.values() if not isinstance(p, _Declined)]  # Plan or TorchPlan
+
+    def _lookup(self, key):
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+            return item
+
+    def _store(self, key, item) -> None:
+        with self._lock:
+            self._items[key] = item
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+                STATS.evictions += 1
+
+    def get(self, spec, device: int):
+        det = deterministic()  # read once (or this thread's pin): the key's mode is the mode the plan is built under
+        key = (spec, device, det)  # a plan built deterministic-only serves only that mode, and back
+        item = self._lookup(key)
+        if item is None:
+            with self._lock:  # one lock per key while anyone waits on it: one build at a time, even across a clear()
+                building = self._building.get(key)
+                if building is None:
+                    building = self._building[key] = [threading.Lock(), 0]
+                building[1] += 1
+            try:
+                with building[0]:
+                    item = self._lookup(key)  # another thread may have built it meanwhile
+                    if item is None:
+                        STATS.misses += 1
+                        try:
+                            with pinned_mode(det):  # every read of the mode in the load or build is the key's
+                                item = (self._builder or load_or_build)(spec, device)
+                        except UnsupportedError as exc:
+                            # keep the message only: the exception's traceback would pin
+                            # this caller's frames (and its tensors) for the entry's life
+                            item = _Declined(str(exc))
+                        self._store(key, item)
+                    else:
+                        STATS.hits += 1
+            finally:
+                with self._lock:
+                    building[1] -= 1
+                    if building[1] == 0 and self._building.get(key) is building:
+                        del self._building[key]
+        else:
+            STATS.hits += 1
+        if isinstance(item, _Declined):
+            raise UnsupportedError(item.reason)
+        return item
+
+
+class _Declined:
+    """A remembered 'cuDNN cannot run this spec'."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+_LRU = PlanLRU()
+
+
+def get_plan(spec, device: int) -> Plan:
+    """The plan of ``spec`` on ``device``: from memory, else loaded or built. Raises UnsupportedError."""
+    return _LRU.get(spec, device)
+
+
+def plans_in_memory() -> list:
+    """The built plans this process holds, least recently used first."""
+    return _LRU.plans()
+
+
+def clear() -> None:
+    """Forget every in-memory plan (tests; a later cache layer refills it). Their cuDNN objects are
+    released here, under each device's handle lock, unless this thread's stream is capturing."""
+    FAST.clear()
+    _LRU.clear()
+    handles.drain_all()
+
+
+def _release_at_exit() -> None:
+    """Drop the process's plans while the interpreter, CUDA and cuDNN are all still up.
+
+    cudnn-frontend's objects (graphs, tensors, plans) still alive when its extension module
+    is torn down are reported on stderr by nanobind as leaked instances, dozens of lines
+    after a run that built plans; freed here, they are destroyed normally instead. Plans the
+    collection finds are released in it, not buried: a graveyard left to the interpreter's teardown
+    would be destroyed after CUDA and cuDNN are gone (the likely reading of a segmentation fault in
+    the final collection of a GPU pytest run)."""
+    try:
+        handles.exiting()
+        clear()
+        gc.collect()
+    except Exception as exc:  # noqa: BLE001 - exit must go on whatever a destructor raised
+        log.debug("releasing plans at exit: %s: %s", type(exc).__name__, exc)
+
+
+atexit.register(_release_at_exit)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as _torch_module
 
-from . import manifest, ops, reference
+from . import functional, manifest, ops, reference, torch_ops
 from .backward import _traced
 from .spec import ACTIVATIONS
 
@@ -129,7 +129,7 @@ class Conv2d(torch.nn.Conv2d):
             z = self._conv_forward(x, self.weight, self.bias)
             y = reference.epilogue(z, None, r, act, self.negative_slope)
         else:
-            y = ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+            y = functional.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
                            activation=act, residual=r, negative_slope=self.negative_slope)
         if not odd:
             return y
@@ -283,8 +283,6 @@ class ConvChain(torch.nn.Module):
     def forward(self, x):
         params = self._one_node(x)
         if params is not None:
-            from . import torch_ops  # at first use, as ops imports it: it registers the custom ops
-
             return torch_ops.conv_chain(x, self._layers, self._geos(), params)
         for m in self._layers:
             x = m(x)
@@ -319,14 +317,12 @@ class Linear(torch.nn.Linear):
         act = self.activation
         if residual is not None and isinstance(x, torch.Tensor) and \
                 _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), _out_dtype(x)):
-            z = ops.linear(x, self.weight, self.bias)
+            z = functional.linear(x, self.weight, self.bias)
             return reference.activation(z + residual, act, self.negative_slope)
         keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear") \
             and not _functorch_active()
         if keep_z and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and \
-                (x.requires_grad or self.weight.requires_grad):  # x not a tensor: ops.linear names it
-            from . import torch_ops
-
+                (x.requires_grad or self.weight.requires_grad):  # x not a tensor: functional.linear names it
             w, b = self.weight, self.bias
             cast = ops.autocast_args(x, x, w, b, residual)  # the op bypassed casts as autocast would
             if cast is None:
@@ -336,11 +332,11 @@ class Linear(torch.nn.Linear):
             with ops._autocast_off(dev):
                 self._check(x, residual, w, b)
                 return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
-        return ops.linear(x, self.weight, self.bias, activation=act, residual=residual,
+        return functional.linear(x, self.weight, self.bias, activation=act, residual=residual,
                           negative_slope=self.negative_slope)
 
     def _check(self, x, residual, *params) -> None:
-        """ops.linear's argument checks, for the path that bypasses it (``params``: the weight and
+        """functional.linear's argument checks, for the path that bypasses it (``params``: the weight and
         bias as cast under autocast; the module's own by default)."""
         weight, bias = params or (self.weight, self.bias)
         ops._check_tensor("x", x, "linear")
@@ -414,16 +410,14 @@ class FusedMLP(torch.nn.Module):
         h = fc1(x)
         if residual is None:
             return fc2(h)
-        return ops.linear(h, fc2.weight, fc2.bias, residual=residual)
+        return functional.linear(h, fc2.weight, fc2.bias, residual=residual)
 
     def _mlp(self, x, w1, b1, w2, b2, residual):
-        """The fused training block on (cast) operands, after ops.linear's checks."""
+        """The fused training block on (cast) operands, after functional.linear's checks."""
         fc1, fc2 = self.fc1, self.fc2
         fc1._check(x, None, w1, b1)
         ops._check_same("linear", "x", x, weight=w2, bias=b2, residual=residual)
         ops._check_epilogue("linear", None, residual, tuple(x.shape[:-1]) + (fc2.out_features,))
-        from . import torch_ops
-
         return torch_ops.mlp(x, w1, b1, w2, b2, fc1.activation, residual, fc1.negative_slope)
 
     def extra_repr(self) -> str:
@@ -448,9 +442,9 @@ class TransposedLinear(torch.nn.Module):
     def forward(self, x, residual=None):
         if residual is not None and isinstance(x, torch.Tensor) and \
                 _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],), _out_dtype(x)):
-            z = ops.linear(x, self.weight.t(), self.bias)
+            z = functional.linear(x, self.weight.t(), self.bias)
             return reference.activation(z + residual, self.activation, self.negative_slope)
-        return ops.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,
+        return functional.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,
                           negative_slope=self.negative_slope)
 
     def extra_repr(self) -> str:

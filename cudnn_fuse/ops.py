@@ -1,12 +1,14 @@
-"""The functional ops: validate like torch, make a spec, run its plan or the reference.
+"""What the functional ops stand on: validation, the memoized launch, and the fused forward.
 
-Each op:
-  1. validates its arguments (ValueError / TypeError naming the argument and its
-     values, where torch would raise);
-  2. decides whether a fused cuDNN graph can run it (CUDA tensors, a supported
-     dtype, no zero-size dimension, ...); if not, it runs ``reference`` and logs
-     the reason once;
-  3. canonicalizes layouts, builds the spec, fetches the plan and runs it.
+The public entry points (functional.py) and the autograd ops (torch_ops.py) call into this:
+  1. argument checks (ValueError / TypeError naming the argument and its values, where torch
+     would raise);
+  2. whether a fused cuDNN graph can run the call (CUDA tensors, a supported dtype, no zero-size
+     dimension, ...); if not, ``reference`` runs and the reason is logged once;
+  3. the forward on validated arguments (``_conv2d_fwd``, ``_matmul_fwd``, ``_linear_fwd``,
+     ``_sdpa_fwd``): layouts canonicalized, the spec made, its plan found and run;
+  4. the per-signature memo, whose remembered launch a repeated call takes (in C where
+     ``cudnn_fuse._native`` is built).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import envvars, launch_graphs, manifest, plans, reference
+from . import engines, envvars, launch_graphs, loader, manifest, plans, reference
 from .errors import UnsupportedError
 from .spec import (
     ACTIVATIONS,
@@ -328,12 +330,12 @@ def _run(op: str, spec, buffers, ref_fn, memo=None):
     if why is not None:
         _fallback(op, why)
         return None, ref_fn()
-    mode = _mode  # plans.pinned_mode(memo[-1]) spelled out (a third of its cost: fp32 calls come here every time)
+    mode = _mode  # engines.pinned_mode(memo[-1]) spelled out (a third of its cost: fp32 calls come here every time)
     old = mode.det
     if memo is not None:
         mode.det = memo[-1]
     try:
-        plan = plans.get_plan(spec, buffers[0].device.index)
+        plan = loader.get_plan(spec, buffers[0].device.index)
     except UnsupportedError as exc:
         plan, why = None, str(exc)
     finally:
@@ -358,9 +360,9 @@ def _run(op: str, spec, buffers, ref_fn, memo=None):
 # the memo.
 
 _FAST = plans.FAST
-# plans.deterministic()'s two getters, inlined into the key: a launch remembered in one mode never serves the other
-_det_algorithms, _det_cudnn = plans._det_algorithms, plans._det_cudnn
-_mode = plans._mode  # the mode a plan lookup of this thread is pinned to (_run pins the memo key's)
+# engines.deterministic()'s two getters, inlined into the key: a launch remembered in one mode never serves the other
+_det_algorithms, _det_cudnn = engines._det_algorithms, engines._det_cudnn
+_mode = engines._mode  # the mode a plan lookup of this thread is pinned to (_run pins the memo key's)
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
@@ -368,8 +370,8 @@ _FAST_DTYPES = (torch.float16, torch.bfloat16)
 
 def broadcast_shapes(s1, s2) -> tuple:
     """torch.broadcast_shapes of two shapes, in plain Python for int shapes: torch's imports
-    torch.fx's symbolic shapes (and sympy) on its first call, ~2 s of a process's first
-    matmul on the H200 host (bench/results/cold_start.json). Symbolic shapes (tracing) go
+    torch.fx's symbolic shapes (and sympy) on its first call, seconds of a process's first
+    matmul (docs/decisions.md). Symbolic shapes (tracing) go
     to torch's. Raises RuntimeError when they do not broadcast, as torch's does."""
     if not all(type(n) is int for n in (*s1, *s2)):
         return tuple(torch.broadcast_shapes(s1, s2))
@@ -612,87 +614,6 @@ def _conv_padding(padding, ksize, dilation, stride, op="conv2d"):
     return p, p
 
 
-def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
-           return_amax=False, *, negative_slope=0.01):
-    """Fused ``act(conv2d(x, weight) + bias + residual)``, optionally with ``amax = max|y|``.
-
-    x: [N, C, H, W] or unbatched [C, H, W], NCHW or channels_last memory;
-    weight: [K, C/groups, R, S]; bias: [K]; residual: the output's shape
-    [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
-    float32 0-dim tensor.
-    """
-    if _any_autocast() and (cast := autocast_args(x, x, weight, bias, residual)) is not None:
-        dev, (x, weight, bias, residual) = cast
-        with _autocast_off(dev):
-            return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
-                              negative_slope=negative_slope)
-    attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
-    if _native_call is not None and not _is_compiling() and \
-            (out := _native_call("conv2d", "conv2d:grad", x, weight, bias, residual, attrs)) is not None:
-        return out
-    key, launch = _memo("conv2d", x, weight, bias, residual, attrs)
-    if launch is not None:
-        return launch(x, weight, bias, residual)
-    if _is_cupy(x):
-        return _cupy_call(conv2d, (x, weight, bias, stride, padding, dilation, groups, activation, residual,
-                                   return_amax), {"negative_slope": negative_slope})
-    op = "conv2d"
-    _check_tensor("x", x, op)
-    _check_tensor("weight", weight, op)
-    _check_floating(op, "x", x)
-    _check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
-    if x.dim() not in (3, 4):
-        raise ValueError(f"{op}: expected 3-D (unbatched) or 4-D (batched) input x, got x.shape={tuple(x.shape)}")
-    if weight.dim() != 4:
-        raise ValueError(f"{op}: weight must be 4-D [K, C/groups, R, S], got weight.shape={tuple(weight.shape)}")
-    g = _index(groups)
-    if g is None:
-        raise TypeError(f"{op}: groups must be an int, got groups={groups!r}")
-    groups = g
-    if groups < 1:
-        raise ValueError(f"{op}: groups must be a positive int, got groups={groups!r}")
-    stride = _pair("stride", stride, op, 1)
-    dilation = _pair("dilation", dilation, op, 1)
-    C = x.shape[-3]
-    K, Cg, R, S = weight.shape
-    if C != Cg * groups:
-        raise ValueError(f"{op}: channel mismatch: x has C={C} but weight expects C/groups*groups={Cg}*{groups}={Cg * groups}")
-    if K % groups != 0:
-        raise ValueError(f"{op}: out channels K={K} must be divisible by groups={groups}")
-    pre, post = _conv_padding(padding, (R, S), dilation, stride)
-    out_shape = conv_out_shape(x.shape, weight.shape, stride, pre, post, dilation)
-    if any(o <= 0 for o in out_shape[-2:]):
-        raise ValueError(f"{op}: output size {out_shape[-2:]} is too small for x.shape={tuple(x.shape)}, "
-                         f"weight.shape={tuple(weight.shape)}, padding={padding!r}, dilation={dilation}, stride={stride}")
-    _check_epilogue(op, activation, residual, out_shape, bias, K)
-
-    if _under_functorch(op):
-        return reference.conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
-                                      return_amax, negative_slope)
-    if Cg == 0:  # no input channels: y = act(bias + residual), torch's own ops (and autograd) compute it
-        _fallback(op, "no input channels (the conv's sum is 0)")
-        return reference.conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
-                                       return_amax, negative_slope)
-    if _via_custom_op(x, weight, bias, residual):
-        from . import torch_ops
-
-        if return_amax:
-            def call(x, weight, bias, residual):
-                return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
-                                        return_amax, negative_slope)
-        else:
-            attrs_t = (tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups, activation, float(negative_slope))
-            slot = [None, key[-1] if key is not None else None]  # the launch, and the mode it must be of
-
-            def call(x, weight, bias, residual):
-                return torch_ops.conv2d_train(x, weight, bias, residual, attrs_t, slot)
-
-        _remember_call(key, call)
-        return call(x, weight, bias, residual)
-    return _conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
-                       negative_slope, memo=key)
-
-
 def _as_meta(v):
     if isinstance(v, torch.Tensor):
         return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
@@ -825,51 +746,6 @@ def _as_batched(t: torch.Tensor, batch: Tuple[int, ...]) -> Optional[torch.Tenso
     return t
 
 
-def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
-    """Fused ``act(a @ b + bias + residual)`` with torch.matmul's batching and broadcasting.
-
-    a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
-    residual: the output's shape. Returns y, or (y, amax).
-    """
-    if _any_autocast() and (cast := autocast_args(a, a, b, bias, residual)) is not None:
-        dev, (a, b, bias, residual) = cast
-        with _autocast_off(dev):
-            return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
-    attrs = (activation, return_amax, negative_slope)
-    if _native_call is not None and not _is_compiling() and \
-            (out := _native_call("matmul", "matmul:grad", a, b, bias, residual, attrs)) is not None:
-        return out
-    key, launch = _memo("matmul", a, b, bias, residual, attrs)
-    if launch is not None:
-        return launch(a, b, bias, residual)
-    if _is_cupy(a):
-        return _cupy_call(matmul, (a, b, bias, activation, residual, return_amax), {"negative_slope": negative_slope})
-    op = "matmul"
-    _check_tensor("a", a, op)
-    _check_tensor("b", b, op)
-    _check_floating(op, "a", a)
-    _check_same(op, "a", a, b=b, bias=bias, residual=residual)
-    if a.dim() == 0 or b.dim() == 0:
-        raise ValueError(f"{op}: both arguments need at least 1 dimension, got a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}")
-    views = matmul_views(a, b)
-    out_shape, N = views[5], views[4]
-    if bias is not None and b.dim() == 1:
-        raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
-    _check_epilogue(op, activation, residual, out_shape, bias, N)
-
-    if _inline_under_compile("matmul") or _under_functorch(op):
-        return reference.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
-    if _via_custom_op(a, b, bias, residual):
-        from . import torch_ops
-
-        def call(a, b, bias, residual):
-            return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
-
-        _remember_call(key, call)
-        return call(a, b, bias, residual)
-    return _matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views, memo=key)
-
-
 def matmul_views(a, b, op: str = "matmul"):
     """torch.matmul's geometry: (a2, b2, batch, M, N, out_shape), with 1-D operands
     lifted to matrices. Raises ValueError for mismatched inner or batch dims. The
@@ -934,54 +810,6 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
     return out
 
 
-def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
-    """Fused ``act(x @ weight.T + bias + residual)``; the [out, in] weight is read
-    through strides, never copied.
-
-    x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
-    """
-    if _any_autocast() and (cast := autocast_args(x, x, weight, bias, residual)) is not None:
-        dev, (x, weight, bias, residual) = cast
-        with _autocast_off(dev):
-            return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
-    attrs = (activation, return_amax, negative_slope)
-    if _native_call is not None and not _is_compiling() and \
-            (out := _native_call("linear", "linear:grad", x, weight, bias, residual, attrs)) is not None:
-        return out
-    key, launch = _memo("linear", x, weight, bias, residual, attrs)
-    if launch is not None:
-        return launch(x, weight, bias, residual)
-    if _is_cupy(x):
-        return _cupy_call(linear, (x, weight, bias, activation, residual, return_amax), {"negative_slope": negative_slope})
-    op = "linear"
-    _check_tensor("x", x, op)
-    _check_tensor("weight", weight, op)
-    _check_floating(op, "x", x)
-    _check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
-    if weight.dim() != 2:
-        raise ValueError(f"{op}: weight must be 2-D [out_features, in_features], got weight.shape={tuple(weight.shape)}")
-    if x.dim() == 0:
-        raise ValueError(f"{op}: x needs at least 1 dimension, got a 0-dim tensor")
-    K = x.shape[-1]
-    N = weight.shape[0]
-    if weight.shape[1] != K:
-        raise ValueError(f"{op}: x has in_features={K} but weight.shape={tuple(weight.shape)} expects {weight.shape[1]}")
-    out_shape = tuple(x.shape[:-1]) + (N,)
-    _check_epilogue(op, activation, residual, out_shape, bias, N)
-
-    if _inline_under_compile("linear") or _under_functorch(op):
-        return reference.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
-    if _via_custom_op(x, weight, bias, residual):
-        from . import torch_ops
-
-        def call(x, weight, bias, residual):
-            return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
-
-        _remember_call(key, call)
-        return call(x, weight, bias, residual)
-    return _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=key)
-
-
 def _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=None):
     """linear on validated arguments: the fused graph, or the reference."""
     _record_as_gpu(_linear_fwd, x, weight, bias, activation, residual, return_amax, negative_slope)
@@ -1040,51 +868,6 @@ def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
                 raise RuntimeError
         except RuntimeError:
             raise ValueError(f"{op}: attn_mask.shape={tuple(attn_mask.shape)} does not broadcast to {target}") from None
-
-
-def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Fused attention forward, torch.nn.functional.scaled_dot_product_attention's semantics.
-
-    q: [B, Hq, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv] (BHSD or BSHD
-    memory, e.g. ``x.view(B, S, H, D).transpose(1, 2)``); 3-D inputs [B, S, D]
-    are one head. Hq != Hkv needs enable_gqa=True. attn_mask: bool (True takes
-    part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
-    Returns o [B, Hq, Sq, Dv] in q's memory layout.
-    """
-    if _any_autocast() and (cast := autocast_args(q, q, k, v, attn_mask)) is not None:
-        dev, (q, k, v, attn_mask) = cast
-        with _autocast_off(dev):
-            return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if scale is not None and type(scale) is not float:  # an int, numpy's, a 0-dim tensor: read as torch reads it
-        scale = _float_arg("scaled_dot_product_attention", "scale", scale)
-    attrs = (dropout_p, is_causal, scale, enable_gqa)
-    if _native_call is not None and not _is_compiling() and \
-            (out := _native_call("sdpa", "sdpa:grad", q, k, v, attn_mask, attrs)) is not None:
-        return out
-    key, launch = _memo("sdpa", q, k, v, attn_mask, attrs)
-    if launch is not None:
-        return launch(q, k, v, attn_mask)
-    if _is_cupy(q):
-        return _cupy_call(scaled_dot_product_attention, (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa), {})
-    op = "scaled_dot_product_attention"
-    _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-        # torch takes a float32 mask beside 16-bit q, k, v (its rule: bool, float32 or the query's dtype),
-        # which the fused graph does not: torch's own op runs it
-        _fallback(op, "a float32 attn_mask beside another query dtype")
-        return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
-        _fallback(op, "dropout_p > 0")
-        return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if _inline_under_compile("sdpa"):
-        return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
-    if _under_functorch(op):
-        return reference.scaled_dot_product_attention_math(q, k, v, attn_mask, is_causal, scale, enable_gqa)
-    if _via_custom_op(q, k, v, attn_mask):
-        from . import torch_ops
-
-        return torch_ops.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=key)
 
 
 def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=None):

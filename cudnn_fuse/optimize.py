@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import nn as cfnn
-from .ops import scaled_dot_product_attention
+from .functional import scaled_dot_product_attention
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ Every case runs twice with fresh values of the same shapes and strides, so the s
 goes through the per-signature memo (a cached launch) and must be right too. A subset also
 checks gradients against float64 autograd of the reference. The later calls draw every operand
 at unit scale (the first scales weights by 1/sqrt(fan-in)), so pre-activations reach the tens and
-hundreds: that is how the float32 conv engine's tanh overflow showed (plans.barred_engines).
+hundreds: that is how the float32 conv engine's tanh overflow showed (engines.barred_engines).
 
 Used by tests/test_fuzz.py (the CPU path, in CI) and tests/test_gpu_fuzz.py (cuDNN on the GPU).
 """
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
+
 
 ACTS = [None, "relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu"]
 # Norm-wise relative error against float64. 16-bit outputs round at 2^-11 (fp16) / 2^-8 (bf16)

@@ -7,6 +7,8 @@ import contextlib
 
 import pytest
 
+from cudnn_fuse import loader
+
 PATHS = ["python", "native"]
 
 
@@ -15,13 +17,13 @@ def on_memo_path(path: str, monkeypatch, make_plan):
     """Inside: ``ops`` on the ``path`` memo ("python" or "native"; skipped where the C module is not
     built), every plan ``make_plan(spec, device)``, every call fused. The memo path is restored (which
     clears the memo) after."""
-    from cudnn_fuse import ops, plans
+    from cudnn_fuse import ops
 
     if path == "native" and ops._native is None:
         pytest.skip("cudnn_fuse._native is not built")
     was = ops.native_enabled()
     ops.set_native(path == "native")
-    monkeypatch.setattr(plans, "get_plan", make_plan)
+    monkeypatch.setattr(loader, "get_plan", make_plan)
     monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)
     try:
         yield ops

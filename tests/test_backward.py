@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
-from cudnn_fuse import backward, reference, torch_ops
+from cudnn_fuse import backward, loader, reference, torch_ops
 from cudnn_fuse.builders import UIDS, build_graph, roles_of, uids_of
 from cudnn_fuse.errors import UnsupportedError
 from cudnn_fuse.spec import (
@@ -265,8 +265,8 @@ class ExecPlan:
 @pytest.fixture
 def cudnn_on_cpu(monkeypatch):
     """The cuDNN backward path on CPU bf16 tensors, graphs run by torch_exec (through _try, and
-    through plans.get_plan for the replayed programs; ``runner.asked`` counts get_plan calls)."""
-    from cudnn_fuse import plans
+    through loader.get_plan for the replayed programs; ``runner.asked`` counts get_plan calls)."""
+    from cudnn_fuse import loader
 
     torch.manual_seed(0)
     runner = Runner()
@@ -279,13 +279,13 @@ def cudnn_on_cpu(monkeypatch):
             raise UnsupportedError("declined by the test")
         return ExecPlan(spec, runner)
 
-    plans.clear()  # no program or plan kept from another test's stand-ins
+    loader.clear()  # no program or plan kept from another test's stand-ins
     monkeypatch.setattr(backward, "_try", runner)
-    monkeypatch.setattr(plans, "get_plan", get_plan)
+    monkeypatch.setattr(loader, "get_plan", get_plan)
     monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
     monkeypatch.setattr(backward, "sdpa_train_usable", lambda *ts: True)
     yield runner
-    plans.clear()
+    loader.clear()
 
 
 def rel(a, b) -> float:
@@ -625,8 +625,8 @@ def test_conv_backward_under_record_takes_the_general_path_and_records_its_graph
             torch_exec(self.spec, list(buffers))
             ran.append(self.spec.op)
 
-    plans.clear()
-    monkeypatch.setattr(plans, "get_plan", lambda spec, device: Plan(spec))
+    loader.clear()
+    monkeypatch.setattr(loader, "get_plan", lambda spec, device: Plan(spec))
     monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
     x, w, b = _cl(torch.randn(2, 4, 9, 9), torch.randn(8, 4, 3, 3) / 6, torch.randn(8))
     for t in (x, w, b):
@@ -639,7 +639,7 @@ def test_conv_backward_under_record_takes_the_general_path_and_records_its_graph
     _same(first, recorded)
     ops_recorded = sorted(e.spec.op for e in manifest.load(str(out)))
     assert ops_recorded == ["act_grad", "conv2d", "conv_dgrad", "conv_wgrad"]  # the forward and the three
-    plans.clear()
+    loader.clear()
 
 
 @pytest.mark.parametrize("groups", [2, 4])
@@ -765,18 +765,17 @@ def test_opcheck_linear_save_z():
 
 
 def test_unsupported_error_is_what_try_catches(monkeypatch):
-    from cudnn_fuse import plans
 
     def declined(spec, device):
         raise UnsupportedError("no engine")
 
-    monkeypatch.setattr(plans, "get_plan", declined)
+    monkeypatch.setattr(loader, "get_plan", declined)
     t = torch.empty(1)
     assert backward._try("matmul_backward", _mm(), [t]) is False
 
 
 def test_cached_specs_keep_their_plan_and_declines_are_asked_again(monkeypatch):
-    from cudnn_fuse import plans
+    from cudnn_fuse import loader
 
     class FakePlan:
         def __init__(self):
@@ -794,8 +793,8 @@ def test_cached_specs_keep_their_plan_and_declines_are_asked_again(monkeypatch):
             raise UnsupportedError("no engine")
         return plan
 
-    monkeypatch.setattr(plans, "get_plan", get_plan)
-    plans.clear()
+    monkeypatch.setattr(loader, "get_plan", get_plan)
+    loader.clear()
     a, b = torch.empty(2, 4, 8), torch.empty(2, 8, 3)
     made = []
 
@@ -813,13 +812,13 @@ def test_cached_specs_keep_their_plan_and_declines_are_asked_again(monkeypatch):
     backward._try("matmul_backward", _mm(), [a])
     assert len(asked) == 4
     # a declined cached spec keeps no plan: the next call asks again (the LRU remembers the decline)
-    plans.clear()
+    loader.clear()
     decline["now"] = True
     s3 = spec_of((a, b))
     assert not backward._try("matmul_backward", s3, [a], quiet=True)
     assert not backward._try("matmul_backward", s3, [a], quiet=True)
     assert asked[-2:] == [s3, s3]
-    plans.clear()
+    loader.clear()
 
 
 @pytest.mark.parametrize("gemm_dbias", [False, True])
@@ -898,7 +897,7 @@ def test_record_keeps_the_backward_graphs_that_ran(monkeypatch, tmp_path):
             raise UnsupportedError("no fused dbias here")
         return Plan(spec)
 
-    monkeypatch.setattr(backward.plans, "get_plan", get_plan)
+    monkeypatch.setattr(backward.loader, "get_plan", get_plan)
     monkeypatch.setattr(backward, "usable", lambda *ts: all(t.dtype in backward._DT for t in ts if t is not None))
     x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(24, 32) / 5).to(torch.bfloat16).requires_grad_()

@@ -1,4 +1,4 @@
-"""Engines that compute a graph wrongly are barred (plans.barred_engines): cuDNN 9.19's GEMM
+"""Engines that compute a graph wrongly are barred (engines.barred_engines): cuDNN 9.19's GEMM
 eng0 runs leaky_relu as a plain ReLU and GELU as its tanh approximation, its float32 conv eng0
 returns NaN for tanh past z ~ 44 (bench/results/leaky_probe.json, act_range_probe.json). CPU: which
 specs bar it, that prepare() deselects it before any candidate is built, and that a cache entry
@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from cudnn_fuse import loader, plans
+from cudnn_fuse import engines, loader
 from cudnn_fuse.errors import UnsupportedError
 from cudnn_fuse.spec import (ActGradSpec, ConvSpec, Epilogue, MatmulSpec, RecomputeGradSpec, SaveZSpec,
                              TensorSpec)
@@ -35,25 +35,25 @@ def _conv(act="leaky_relu"):
 
 def test_eng0_is_barred_where_it_was_measured_wrong():
     # conv: tanh (NaN past z ~ 44 in float32), in every graph wrapping that forward
-    assert plans.barred_engines(_conv("tanh")) == {0}
-    assert plans.barred_engines(SaveZSpec(_conv("tanh"), _conv().y)) == {0}
+    assert engines.barred_engines(_conv("tanh")) == {0}
+    assert engines.barred_engines(SaveZSpec(_conv("tanh"), _conv().y)) == {0}
     for act in (None, "relu", "sigmoid", "leaky_relu", "gelu"):
-        assert plans.barred_engines(_conv(act)) == frozenset()
+        assert engines.barred_engines(_conv(act)) == frozenset()
     # GEMM: GELU run as its tanh approximation
-    assert plans.barred_engines(_mm(act="gelu")) == {0}
-    assert plans.barred_engines(_mm(act="gelu_tanh")) == frozenset()
+    assert engines.barred_engines(_mm(act="gelu")) == {0}
+    assert engines.barred_engines(_mm(act="gelu_tanh")) == frozenset()
 
 
 def test_eng0_is_barred_from_every_matmul_graph_with_a_leaky_relu():
-    assert plans.barred_engines(_mm()) == {0}
-    assert plans.barred_engines(_mm(bias=True)) == {0}
+    assert engines.barred_engines(_mm()) == {0}
+    assert engines.barred_engines(_mm(bias=True)) == {0}
     z = TensorSpec.contiguous((1, 64, 48), "float16")
-    assert plans.barred_engines(SaveZSpec(_mm(), z)) == {0}
+    assert engines.barred_engines(SaveZSpec(_mm(), z)) == {0}
     # not for other activations, and not for convs or the elementwise activation backward
     for act in (None, "relu", "tanh", "silu"):
-        assert plans.barred_engines(_mm(act=act)) == frozenset()
-    assert plans.barred_engines(_conv()) == frozenset()
-    assert plans.barred_engines(ActGradSpec(z, z, z, "leaky_relu", 0.2)) == frozenset()
+        assert engines.barred_engines(_mm(act=act)) == frozenset()
+    assert engines.barred_engines(_conv()) == frozenset()
+    assert engines.barred_engines(ActGradSpec(z, z, z, "leaky_relu", 0.2)) == frozenset()
 
 
 _FakeGraph = RecordingGraph
@@ -61,13 +61,13 @@ _FakeGraph = RecordingGraph
 
 def test_prepare_deselects_the_barred_engine_after_the_heuristics_and_before_any_build():
     g = _FakeGraph()
-    plans.prepare(g, _mm())
+    engines.prepare(g, _mm())
     names = [c[0] for c in g.calls]
     assert names[:3] == ["validate", "build_operation_graph", "create_execution_plans"]
     assert ("deselect_engines", (["eng0"],)) in g.calls
     assert not any(n.startswith("build_plan") for n in names)
     g2 = _FakeGraph()
-    plans.prepare(g2, _mm(act="relu"))
+    engines.prepare(g2, _mm(act="relu"))
     assert "deselect_engines" not in [c[0] for c in g2.calls]
 
 
@@ -75,10 +75,10 @@ def test_the_deselect_pattern_cannot_bar_another_engine():
     names = ["eng0", "eng0_k24=0", "eng4_k24=50", "eng10_k2=8_k13=1", "eng40", "eng7_k24=0", "eng20_k2=0",
              "eng8", "eng8_k24=0", "eng8_k24=29_k25=1", "eng80_k2=1", "eng18_k24=0", "eng28"]
     # cuDNN-frontend's substring match
-    assert [n for n in names if plans._bar_name(0) in n] == ["eng0", "eng0_k24=0"]
-    assert [n for n in names if plans._bar_name(8) in n] == ["eng8_k24=0", "eng8_k24=29_k25=1"]  # not eng80/eng18
+    assert [n for n in names if engines._bar_name(0) in n] == ["eng0", "eng0_k24=0"]
+    assert [n for n in names if engines._bar_name(8) in n] == ["eng8_k24=0", "eng8_k24=29_k25=1"]  # not eng80/eng18
     with pytest.raises(ValueError, match="-1"):
-        plans._bar_name(-1)
+        engines._bar_name(-1)
 
 
 class _BuiltGraph(_FakeGraph):
@@ -93,9 +93,9 @@ class _BuiltGraph(_FakeGraph):
 def test_finalize_refuses_a_knobless_plan_of_a_barred_engine():
     # the "eng8_" pattern cannot name a plan "eng8" without knobs: finalize checks the built plan's id
     with pytest.raises(UnsupportedError, match="engine 8"):
-        plans.finalize(_BuiltGraph(8), _recompute())
-    plans.finalize(_BuiltGraph(4), _recompute())  # another engine: fine
-    plans.finalize(_BuiltGraph(8), _conv("silu"))  # eng8 runs the forward right: not barred there
+        engines.finalize(_BuiltGraph(8), _recompute())
+    engines.finalize(_BuiltGraph(4), _recompute())  # another engine: fine
+    engines.finalize(_BuiltGraph(8), _conv("silu"))  # eng8 runs the forward right: not barred there
 
 
 def _recompute(act="silu", groups=2):
@@ -109,16 +109,16 @@ def test_eng8_is_barred_from_conv_recompute_graphs():
     # a grouped fp16 conv's silu/sigmoid/GELU backward came out NaN or 60-330 (relative) off on eng8
     # (bench/results/grouped_grad_probe_before_fix.json); barred grouped or not, forward untouched
     for act in ("silu", "sigmoid", "gelu", "gelu_tanh"):
-        assert plans.barred_engines(_recompute(act)) == {8}
-        assert plans.barred_engines(_recompute(act, groups=1)) == {8}
-        assert plans.barred_engines(_recompute(act).fwd) == frozenset()
-    assert plans.barred_engines(_recompute("tanh")) == {0, 8}
+        assert engines.barred_engines(_recompute(act)) == {8}
+        assert engines.barred_engines(_recompute(act, groups=1)) == {8}
+        assert engines.barred_engines(_recompute(act).fwd) == frozenset()
+    assert engines.barred_engines(_recompute("tanh")) == {0, 8}
     g = _FakeGraph()
-    plans.prepare(g, _recompute())
+    engines.prepare(g, _recompute())
     assert ("deselect_engines", (["eng8_"],)) in g.calls
     # the GEMM recompute graph is not implicated
     z = TensorSpec.contiguous((1, 64, 48), "float16")
-    assert plans.barred_engines(RecomputeGradSpec(_mm(act="silu"), z, z)) == frozenset()
+    assert engines.barred_engines(RecomputeGradSpec(_mm(act="silu"), z, z)) == frozenset()
 
 
 _Cache, _entry = DictCache, entry

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from cudnn_fuse import benchsuite as bs
+from cudnn_fuse import benchsuite as bs, loader
 from cudnn_fuse import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,10 +233,9 @@ def test_small_ops_time_every_eager_variant_before_any_torch_compile(monkeypatch
 
 
 def test_the_record_names_the_engines_cf_and_its_autotuned_variant_built(monkeypatch):
-    from cudnn_fuse import plans
 
     held = [types.SimpleNamespace(engine="eng9_old")]  # a plan of an earlier workload
-    monkeypatch.setattr(plans, "plans_in_memory", lambda: list(held))
+    monkeypatch.setattr(loader, "plans_in_memory", lambda: list(held))
 
     def variant(name, action):
         def setup():

@@ -1,4 +1,4 @@
-"""Dropped plans are released outside launch-graph captures (plans._graveyard, plans.no_gc).
+"""Dropped plans are released outside launch-graph captures (plans._graveyard, handles.no_gc).
 
 cudnn-frontend 1.32 names the hazard (cudnn/_pygraph.py): a cuDNN release timed by the garbage
 collector inside another thread's stream capture poisons later launches. (The threaded faults the
@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 
-from cudnn_fuse import launch_graphs, plans
+from cudnn_fuse import handles, launch_graphs, loader, plans
 from tests.test_launch_graphs import FakeDriver, Rig
 
 
@@ -34,7 +34,9 @@ class CudnnObject:
 @pytest.fixture
 def empty_graveyard(monkeypatch):
     gc.collect()  # earlier tests' plans freed now, into the real graveyard, not this test's
-    monkeypatch.setattr(plans, "_graveyard", {})
+    graveyard = {}  # the plans' launches drain what handles.bury keeps: one dict, as in the package
+    monkeypatch.setattr(handles, "_graveyard", graveyard)
+    monkeypatch.setattr(plans, "_graveyard", graveyard)
     monkeypatch.setattr(launch_graphs, "AFTER", 2)
 
 
@@ -52,13 +54,13 @@ def test_a_dropped_plan_waits_for_a_launch_outside_captures(monkeypatch, empty_g
     rig = Rig(monkeypatch, FakeDriver())
     log = []
     ref = dropped_plan(rig, log)
-    assert ref() is not None and plans.released() == 1 and log == []  # freed with the plan: not yet
+    assert ref() is not None and handles.released() == 1 and log == []  # freed with the plan: not yet
     rig.capturing = True  # torch captures this launch: nothing is released inside it
     rig.plan.launch([1, 2, 3])
-    assert ref() is not None and plans.released() == 1
+    assert ref() is not None and handles.released() == 1
     rig.capturing = False
     rig.plan.launch([1, 2, 3])  # a raw launch: under the handle's lock, no capture open
-    assert ref() is None and plans.released() == 0 and log == [("released", True)]
+    assert ref() is None and handles.released() == 0 and log == [("released", True)]
 
 
 def test_a_capture_opens_with_nothing_to_release_the_collector_off_and_the_side_stream_bound(
@@ -68,7 +70,7 @@ def test_a_capture_opens_with_nothing_to_release_the_collector_off_and_the_side_
     class Driver(FakeDriver):
         def capture(self, stream, work, kernel_only=False):
             seen.append({"released": list(log), "gc": gc.isenabled(), "bound": rig.handle.stream,
-                         "waiting": plans.released()})
+                         "waiting": handles.released()})
             binds_before = len(binds)
             out = super().capture(stream, work, kernel_only)
             seen[-1]["binds_inside"] = len(binds) - binds_before
@@ -93,19 +95,19 @@ def test_a_capture_opens_with_nothing_to_release_the_collector_off_and_the_side_
 
 def test_the_collector_stays_off_for_a_caller_who_turned_it_off_and_nested_blocks_count():
     assert gc.isenabled()
-    with plans.no_gc():
-        with plans.no_gc():
+    with handles.no_gc():
+        with handles.no_gc():
             assert not gc.isenabled()
         assert not gc.isenabled()  # the outer block is still open
     assert gc.isenabled()
     gc.disable()
     try:
-        with plans.no_gc():
+        with handles.no_gc():
             assert not gc.isenabled()
         assert not gc.isenabled()  # the caller's own setting is kept
     finally:
         gc.enable()
-    with pytest.raises(RuntimeError), plans.no_gc():
+    with pytest.raises(RuntimeError), handles.no_gc():
         raise RuntimeError("a failed capture")
     assert gc.isenabled()  # given back on the way out of an error too
 
@@ -115,13 +117,13 @@ def test_overlapping_blocks_in_two_threads_turn_the_collector_back_on_once_both_
     states = []
 
     def other():
-        with plans.no_gc():
+        with handles.no_gc():
             inside.set()
             release.wait(10)
         states.append(("other ended", gc.isenabled()))
 
     t = threading.Thread(target=other)
-    with plans.no_gc():
+    with handles.no_gc():
         t.start()
         assert inside.wait(10)
     states.append(("first ended", gc.isenabled()))  # the other block is still open
@@ -143,31 +145,31 @@ def test_a_plan_freed_by_the_collector_waits_too(monkeypatch, empty_graveyard):
     p.graph, p._raw, p._graphs = Held(), None, None
     p.spec.plan = p  # a reference cycle: only a collection frees the plan
     del p
-    assert plans.released() == 0  # the cycle holds the plan
+    assert handles.released() == 0  # the cycle holds the plan
     gc.collect()
-    assert plans.released() == 1  # collected: its graph waits, alive
+    assert handles.released() == 1  # collected: its graph waits, alive
     kept = plans._graveyard[0][-1][0]
     assert type(kept) is Held
     ref = weakref.ref(kept)
     del kept
     rig.plan.launch([1, 2, 3])
-    assert ref() is None and plans.released() == 0
+    assert ref() is None and handles.released() == 0
 
 
 def test_clear_releases_under_each_handles_lock(monkeypatch, empty_graveyard):
     rig = Rig(monkeypatch, FakeDriver())
-    monkeypatch.setattr(plans, "_handles", {0: rig.handle})
-    monkeypatch.setattr(plans, "_LRU", plans.PlanLRU(4))
+    monkeypatch.setattr(handles, "_handles", {0: rig.handle})
+    monkeypatch.setattr(loader, "_LRU", loader.PlanLRU(4))
     log = []
     ref = dropped_plan(rig, log)
-    plans.clear()
-    assert ref() is None and log == [("released", True)] and plans.released() == 0
+    loader.clear()
+    assert ref() is None and log == [("released", True)] and handles.released() == 0
 
 
 def test_a_plan_whose_init_failed_is_dropped_quietly(empty_graveyard):
     p = object.__new__(plans.Plan)  # no attribute set: __init__ raised before any
     del p
-    assert plans.released() == 0
+    assert handles.released() == 0
 
 
 @pytest.fixture
@@ -175,10 +177,11 @@ def stand_in_handle(monkeypatch, empty_graveyard):
     """Device 0's handle, a stand-in bound to another thread's stream 7; cuDNN's set_stream a no-op."""
     import cudnn
 
-    h = plans._Handle(handle=0x1234, stream=7)
-    monkeypatch.setitem(plans._handles, 0, h)
+    h = handles._Handle(handle=0x1234, stream=7)
+    monkeypatch.setitem(handles._handles, 0, h)
     monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: None)
     monkeypatch.setattr(plans, "_side_stream", lambda device: 99)
+    monkeypatch.setattr(handles, "_side_stream", lambda device: 99)
     return h
 
 
@@ -195,10 +198,10 @@ def test_a_graph_a_deserialize_gave_up_on_waits_too(monkeypatch, stand_in_handle
     monkeypatch.setattr(loader, "_warned", set())  # the process's one warning stays for the tests that read it
     entry = types.SimpleNamespace(blob=b"blob", meta={}, key="0123456789abcdef")
     assert loader._deserialize(object(), entry, 0) is None
-    assert plans.released() == 1 and type(plans._graveyard[0][0][0]) is Broken
-    with plans.held(stand_in_handle, 0):  # the next build or deserialize releases it, under the lock
+    assert handles.released() == 1 and type(handles._graveyard[0][0][0]) is Broken
+    with handles.held(stand_in_handle, 0):  # the next build or deserialize releases it, under the lock
         pass
-    assert plans.released() == 0
+    assert handles.released() == 0
 
 
 def test_no_capture_opens_while_a_collection_runs_in_another_thread(monkeypatch, empty_graveyard):
@@ -241,7 +244,7 @@ def test_a_graph_a_rebuild_gave_up_on_waits_too(monkeypatch, stand_in_handle):
     monkeypatch.setattr(loader, "build_graph", lambda spec, handle: Refused())
     with pytest.raises(RuntimeError, match="engine refused"):
         loader.rebuild(object(), 7, {}, 0)
-    assert plans.released() == 1 and type(plans._graveyard[0][0][0]) is Refused
+    assert handles.released() == 1 and type(plans._graveyard[0][0][0]) is Refused
 
 
 def test_a_callers_capture_defers_releases_from_other_threads_until_it_ends(monkeypatch, empty_graveyard):
@@ -249,38 +252,38 @@ def test_a_callers_capture_defers_releases_from_other_threads_until_it_ends(monk
     capturing is noted, and no thread releases anything on the device until that capture has ended."""
     rig = Rig(monkeypatch, FakeDriver())
     open_streams = set()
-    monkeypatch.setattr(plans, "_caller_captures", {})
-    monkeypatch.setattr(plans, "_stream_capturing", lambda s: s in open_streams)
+    monkeypatch.setattr(handles, "_caller_captures", {})
+    monkeypatch.setattr(handles, "_stream_capturing", lambda s: s in open_streams)
     rig.capturing, rig.stream = True, 7
     open_streams.add(7)
     rig.plan.launch([1, 2, 3])  # inside the caller's capture: noted
-    assert plans._caller_captures == {0: {7: 1}}
+    assert handles._caller_captures == {0: {7: 1}}
     log = []
     ref = dropped_plan(rig, log)
     rig.capturing, rig.stream = False, 8  # another thread, its own stream, no capture of its own
     for _ in range(3):
         rig.plan.launch([4, 5, 6])  # raw launches and a capture of ours: none releases
-        plans.clear()
-    assert ref() is not None and plans.released() == 1 and log == []
+        loader.clear()
+    assert ref() is not None and handles.released() == 1 and log == []
     assert rig.replays()  # the second launch was captured (on our side stream), the third replayed
     open_streams.discard(7)  # the caller's capture ended
     rig.plan.launch([7, 8, 9])  # a raw launch (a pointer set not seen before)
-    assert ref() is None and plans.released() == 0 and log == [("released", True)]
-    assert plans._caller_captures == {0: {}}  # the ended capture is forgotten
+    assert ref() is None and handles.released() == 0 and log == [("released", True)]
+    assert handles._caller_captures == {0: {}}  # the ended capture is forgotten
 
 
 def test_a_stream_that_cannot_be_asked_counts_as_ended(monkeypatch, empty_graveyard):
     rig = Rig(monkeypatch, FakeDriver())
-    monkeypatch.setattr(plans, "_caller_captures", {0: {7: 1}})
+    monkeypatch.setattr(handles, "_caller_captures", {0: {7: 1}})
 
     def gone(stream):
         raise RuntimeError("invalid resource handle")
 
-    monkeypatch.setattr(plans, "_stream_capturing", gone)
+    monkeypatch.setattr(handles, "_stream_capturing", gone)
     log = []
     ref = dropped_plan(rig, log)
     rig.plan.launch([1, 2, 3])
-    assert ref() is None and log == [("released", True)] and plans._caller_captures == {0: {}}
+    assert ref() is None and log == [("released", True)] and handles._caller_captures == {0: {}}
 
 
 def test_the_drivers_capture_query_reads_the_status_it_is_given():
@@ -316,9 +319,9 @@ def test_at_exit_plans_in_cycles_are_released_by_the_exits_collection_not_buried
     p.spec.plan = p  # a cycle: only the collector frees it
     ref = weakref.ref(p.graph)
     del p
-    monkeypatch.setattr(plans, "_exiting", False)
-    plans._release_at_exit()
-    assert plans._exiting and ref() is None and plans.released() == 0 and log == [("released", False)]
+    monkeypatch.setattr(handles, "_exiting", False)
+    loader._release_at_exit()
+    assert handles._exiting and ref() is None and handles.released() == 0 and log == [("released", False)]
 
 
 def test_a_capture_noted_while_its_stream_is_asked_is_not_forgotten(monkeypatch, empty_graveyard):
@@ -327,15 +330,15 @@ def test_a_capture_noted_while_its_stream_is_asked_is_not_forgotten(monkeypatch,
     already), and the graveyard was then drained inside it. A stream is forgotten only if it was not
     noted again while it was asked."""
     state = {"capturing": False}
-    monkeypatch.setattr(plans, "_caller_captures", {})
-    plans._note_capture(0, 5)  # a caller's capture on stream 5, since ended
+    monkeypatch.setattr(handles, "_caller_captures", {})
+    handles._note_capture(0, 5)  # a caller's capture on stream 5, since ended
 
     def asked(stream):
         v = state["capturing"]
         state["capturing"] = True  # meanwhile a new capture begins on stream 5 ...
-        plans._note_capture(0, 5)  # ... and its first launch of ours notes it
+        handles._note_capture(0, 5)  # ... and its first launch of ours notes it
         return v
 
-    monkeypatch.setattr(plans, "_stream_capturing", asked)
-    assert plans._caller_capture_open(0) is True
-    assert plans._caller_captures == {0: {5: 2}}
+    monkeypatch.setattr(handles, "_stream_capturing", asked)
+    assert handles._caller_capture_open(0) is True
+    assert handles._caller_captures == {0: {5: 2}}

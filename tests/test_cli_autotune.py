@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import io
 
 import pytest
 import torch
 
 from cudnn_fuse import cli
 from cudnn_fuse.cli_autotune import shape
-from cudnn_fuse.progress import Bar
 
 
 def test_shape_parses_and_rejects():

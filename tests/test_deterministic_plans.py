@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import loader, ops, plans, prewarm
+from cudnn_fuse import engines, loader, ops, plans, prewarm
 from cudnn_fuse.manifest import Entry
 from tuning import RecordingGraph
 
@@ -42,16 +42,16 @@ _RecordingGraph = RecordingGraph
 def test_the_flag_is_torchs():
     for on in (True, False, True):
         with deterministic(on):
-            assert plans.deterministic() is on
-    assert plans.deterministic() is torch.are_deterministic_algorithms_enabled()
+            assert engines.deterministic() is on
+    assert engines.deterministic() is torch.are_deterministic_algorithms_enabled()
     old = torch.backends.cudnn.deterministic
     try:  # torch's own cuDNN switch counts too
         torch.backends.cudnn.deterministic = True
-        assert plans.deterministic() is True
+        assert engines.deterministic() is True
         with deterministic(False):
-            assert plans.deterministic() is True
+            assert engines.deterministic() is True
         torch.backends.cudnn.deterministic = False
-        assert plans.deterministic() is False
+        assert engines.deterministic() is False
     finally:
         torch.backends.cudnn.deterministic = old
 
@@ -62,14 +62,14 @@ def test_prepare_deselects_nondeterministic_engines_only_while_torch_requires_it
     spec = _spec()
     with deterministic(True):
         g = _RecordingGraph()
-        plans.prepare(g, spec)
+        engines.prepare(g, spec)
     assert ("deselect_numeric_notes", ([cudnn.numerical_note.NONDETERMINISTIC],)) in g.calls
     names = [c[0] for c in g.calls]
     assert names.index("create_execution_plans") < names.index("deselect_numeric_notes")  # before any build
     assert not any(n.startswith("build_plan") for n in names)
     with deterministic(False):
         g = _RecordingGraph()
-        plans.prepare(g, spec)
+        engines.prepare(g, spec)
     assert "deselect_numeric_notes" not in [c[0] for c in g.calls]  # a 16-bit spec: no TF32 filter either
 
 
@@ -87,10 +87,10 @@ def test_the_plan_lru_keeps_one_plan_per_mode():
     built = []
 
     def builder(spec, device):
-        built.append(plans.deterministic())
+        built.append(engines.deterministic())
         return object()
 
-    lru = plans.PlanLRU(8, builder=builder)
+    lru = loader.PlanLRU(8, builder=builder)
     spec = _spec()
     with deterministic(False):
         a = lru.get(spec, 0)
@@ -113,13 +113,13 @@ def test_a_backward_graphs_remembered_plan_serves_only_its_mode(monkeypatch):
 
     class StandIn:
         def __init__(self):
-            self.det = plans.deterministic()
+            self.det = engines.deterministic()
 
         def run(self, buffers):
             ran.append(self.det)
 
-    monkeypatch.setattr(plans._LRU, "_builder", lambda spec, device: StandIn())
-    plans.clear()
+    monkeypatch.setattr(loader._LRU, "_builder", lambda spec, device: StandIn())
+    loader.clear()
     cl = torch.channels_last
     dz = torch.randn(2, 8, 6, 6).half().contiguous(memory_format=cl)
     w = torch.randn(8, 8, 3, 3).half().contiguous(memory_format=cl)
@@ -130,7 +130,7 @@ def test_a_backward_graphs_remembered_plan_serves_only_its_mode(monkeypatch):
             with deterministic(on):
                 backward.conv_dgrad(dz, w, x, geo)
     finally:
-        plans.clear()
+        loader.clear()
     assert ran == [False, True, False, True]
 
 
@@ -201,13 +201,13 @@ def _flip_at_first(monkeypatch, name: str, returns=_REAL) -> None:
 
 
 class _ModePlan:
-    """A stand-in plan that notes the mode it was built under (plans.deterministic() in the builder)."""
+    """A stand-in plan that notes the mode it was built under (engines.deterministic() in the builder)."""
 
     raw = True
     engine = "stand-in"
 
     def __init__(self, spec, ran):
-        self.spec, self.det, self.ran = spec, plans.deterministic(), ran
+        self.spec, self.det, self.ran = spec, engines.deterministic(), ran
 
     def launch(self, ptrs):
         self.ran.append((self.spec.op, self.det))
@@ -220,8 +220,8 @@ class _ModePlan:
 def mode_lru(monkeypatch):
     """The process's plan LRU building _ModePlans; (ran, lru): what ran under which plan's mode."""
     ran = []
-    lru = plans.PlanLRU(64, builder=lambda spec, device: _ModePlan(spec, ran))
-    monkeypatch.setattr(plans, "_LRU", lru)
+    lru = loader.PlanLRU(64, builder=lambda spec, device: _ModePlan(spec, ran))
+    monkeypatch.setattr(loader, "_LRU", lru)
     monkeypatch.setattr(ops, "_native_call", None)  # the Python memo (the C call files nothing: it only serves)
     plans.FAST.clear()
     yield ran, lru
@@ -234,7 +234,7 @@ def _lru_modes(lru):
 
 @pytest.mark.parametrize("start", [False, True], ids=["to deterministic", "from deterministic"])
 def test_an_op_files_its_plan_under_the_mode_it_was_planned_under(mode_lru, monkeypatch, start):
-    """ops._memo reads the mode into the memo key; the plan was then looked up (plans.get_plan) under the
+    """ops._memo reads the mode into the memo key; the plan was then looked up (loader.get_plan) under the
     mode read again. Switched between the two reads, the plan chosen under the new mode was remembered
     under the old mode's key, and every later call of that mode launched it."""
     ran, lru = mode_lru
@@ -344,7 +344,7 @@ class _Cache:
         return True
 
 
-class _FlipLRU(plans.PlanLRU):
+class _FlipLRU(loader.PlanLRU):
     """The plan LRU, the mode switched right after it made its key (its first lookup), before the load."""
 
     def _lookup(self, key):
@@ -358,7 +358,7 @@ class _FlipLRU(plans.PlanLRU):
 @pytest.mark.parametrize("where", ["plan lru, before the load", "plan lru, during the build", "load_or_build"])
 def test_a_build_files_its_entry_under_the_mode_it_chose_its_engine_under(monkeypatch, tmp_path, tuned, where):
     """The plan LRU read the mode for its key; the loader read it again for the disk cache's key, again
-    for the engine filter (plans.prepare), again in the autotuner and again for the entry's record.
+    for the engine filter (engines.prepare), again in the autotuner and again for the entry's record.
     Switched between two of those reads, a plan chosen among all engines was stored under the
     deterministic key (or the other way round), with a record of the other mode, and kept in the plan
     LRU under the first mode."""
@@ -374,8 +374,8 @@ def test_a_build_files_its_entry_under_the_mode_it_chose_its_engine_under(monkey
         graphs.append(_BuiltGraph())
         return graphs[-1]
 
-    def tune(g, spec, h, device, uids, roles):
-        tuner_modes.append(plans.deterministic())  # autotune.tune reads it so for its own filter
+    def tune(g, spec, h, device, uids, roles, get_plan=None):
+        tuner_modes.append(engines.deterministic())  # autotune.tune reads it so for its own filter
         return None, types.SimpleNamespace(index=0), []
 
     pc = _Cache(tmp_path)
@@ -393,7 +393,7 @@ def test_a_build_files_its_entry_under_the_mode_it_chose_its_engine_under(monkey
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "stand-in")
     spec = _spec()
     for start in (False, True):
-        lru = _FlipLRU(4) if where == "plan lru, before the load" else plans.PlanLRU(4)  # builder: load_or_build
+        lru = _FlipLRU(4) if where == "plan lru, before the load" else loader.PlanLRU(4)  # builder: load_or_build
         pc.puts.clear()
         with deterministic(start):
             plain = spec.digest()

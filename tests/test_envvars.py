@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # variable -> (module, attribute) it sets at import, and that attribute's default
 SETTINGS = {
-    "CUDNN_FUSE_MAX_PLANS": ("cudnn_fuse.plans", "DEFAULT_CAPACITY", 1024),
+    "CUDNN_FUSE_MAX_PLANS": ("cudnn_fuse.loader", "DEFAULT_CAPACITY", 1024),
     "CUDNN_FUSE_TUNE_BUDGET_S": ("cudnn_fuse.autotune", "Config.budget_s", 10.0),
     "CUDNN_FUSE_WORKSPACE_CAP": ("cudnn_fuse.autotune", "Config.workspace_cap", 1 << 30),
     "CUDNN_FUSE_TUNE_WAIT_S": ("cudnn_fuse.loader", "TUNE_WAIT_S", 60.0),

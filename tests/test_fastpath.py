@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import ops, plans
+from cudnn_fuse import loader, ops, plans
 
 
 class FakePlan:
@@ -134,7 +134,7 @@ def test_cpu_calls_never_memoize_and_clear_forgets():
             cf.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert plans.FAST == {}
     plans.FAST["k"] = object()
-    plans.clear()
+    loader.clear()
     assert plans.FAST == {}
 
 
@@ -208,7 +208,7 @@ def _count(monkeypatch, name):
 
 @pytest.mark.parametrize("op", ["conv2d", "linear", "matmul"])
 def test_training_calls_validate_once_per_signature(monkeypatch, op):
-    plans.clear()
+    loader.clear()
     checks = _count(monkeypatch, "_check_epilogue")
     torch.manual_seed(0)
     if op == "conv2d":
@@ -251,20 +251,20 @@ def test_training_calls_validate_once_per_signature(monkeypatch, op):
     with pytest.raises((ValueError, TypeError)):
         getattr(cf, op)(x.detach().requires_grad_(), w, torch.randn(7), activation="relu")
     assert len(checks) == 4
-    plans.clear()  # forgets the training entries too
+    loader.clear()  # forgets the training entries too
     grads(call, x, w, b)
     assert len(checks) == 5
 
 
 def test_training_memo_is_off_while_recording(monkeypatch, tmp_path):
-    plans.clear()
+    loader.clear()
     checks = _count(monkeypatch, "_check_epilogue")
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
     cf.linear(x, w, activation="relu").sum().backward()
     with cf.record(str(tmp_path / "m.json")):
         cf.linear(x, w, activation="relu").sum().backward()
     assert len(checks) == 2
-    plans.clear()
+    loader.clear()
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
@@ -293,8 +293,8 @@ def test_training_conv_keeps_its_forward_launch_in_the_validated_call(monkeypatc
         def run(self, buffers):
             launched.append(self.spec.op)
 
-    plans.clear()
-    monkeypatch.setattr(plans, "get_plan", lambda spec, device: Plan(spec))
+    loader.clear()
+    monkeypatch.setattr(loader, "get_plan", lambda spec, device: Plan(spec))
     monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)  # the cuDNN path, on CPU tensors
     monkeypatch.setattr(backward, "usable", lambda *ts: True)
     names = []
@@ -315,4 +315,4 @@ def test_training_conv_keeps_its_forward_launch_in_the_validated_call(monkeypatc
     assert names == (["conv2d", "conv2d:train"] if native else ["conv2d", "conv2d:train", "conv2d", "conv2d"])
     assert launched.count("conv2d") == 3  # the forward graph ran on every call
     assert launched.count("conv_dgrad") == 3 and launched.count("conv_wgrad") == 3  # the replayed backward
-    plans.clear()
+    loader.clear()

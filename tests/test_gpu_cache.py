@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import autotune, loader, plans
+from cudnn_fuse import autotune, engines, handles, loader
 from cudnn_fuse.builders import build_graph, roles_of, uids_of
 
 pytestmark = pytest.mark.gpu
@@ -110,13 +110,13 @@ def test_autotuned_pick_is_within_3_percent_of_the_best_candidate():
     x = torch.randn(64, 128, 56, 56, device="cuda").to(h).to(memory_format=torch.channels_last)
     w = (torch.randn(128, 128, 3, 3, device="cuda") * 0.03).to(h).to(memory_format=torch.channels_last)
     b = torch.randn(128, device="cuda").to(h)
-    plans.clear()
+    loader.clear()
     cf.conv2d(x, w, b, padding=1, activation="relu")
-    spec = plans.plans_in_memory()[-1].spec
-    hd = plans.handle_for(0)
-    with plans.held(hd, 0):
+    spec = loader.plans_in_memory()[-1].spec
+    hd = handles.handle_for(0)
+    with handles.held(hd, 0):
         g = build_graph(spec, hd.handle)
-        plans.prepare(g, spec)
+        engines.prepare(g, spec)
     _, winner, timings = autotune.tune(g, spec, hd, 0, uids_of(spec), roles_of(spec), autotune.Config(budget_s=60))
     y = torch.empty(64, 128, 56, 56, device="cuda", dtype=h).to(memory_format=torch.channels_last)
     bufs = [x, w, b.view(1, -1, 1, 1), y]
@@ -135,9 +135,9 @@ def test_deserialized_plan_is_bit_identical_to_its_source():
     a = torch.randn(512, 768, device="cuda").to(torch.bfloat16)
     w = (torch.randn(3072, 768, device="cuda") * 0.03).to(torch.bfloat16)
     bias = torch.randn(3072, device="cuda").to(torch.bfloat16)
-    plans.clear()
+    loader.clear()
     y1 = cf.linear(a, w, bias, activation="gelu_tanh")
-    plan = plans.plans_in_memory()[-1]
+    plan = loader.plans_in_memory()[-1]
 
     class Entry:
         key = plan.spec.digest()
@@ -250,7 +250,7 @@ def test_concurrent_threads_share_one_plan_and_get_right_answers():
     import threading
 
     w = (torch.randn(384, 256, device="cuda") * 0.06).to(torch.bfloat16)
-    plans.clear()
+    loader.clear()
     before = cf.plan_stats()["builds"] + cf.plan_stats()["loads"]
     errors, results = [], []
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import cudnn_fuse as cf
-from cudnn_fuse import backward, plans
+from cudnn_fuse import backward, loader
 
 pytestmark = pytest.mark.gpu
 
@@ -107,4 +107,4 @@ def test_a_chained_nchw_input_and_a_frozen_first_layer(cache_dir):
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-2, atol=1e-2)
-    plans.clear()
+    loader.clear()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
-from cudnn_fuse import autotune, conv_gemm, loader, plans, reference
+from cudnn_fuse import autotune, conv_gemm, loader, reference
 from tuning import autotuning
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +56,7 @@ def test_the_gemm_plan_on_the_convs_pointers_matches_float64(dtype, act, residua
     spec = rec.entries[0].spec
     mspec = conv_gemm.gemm_spec(spec)
     assert mspec is not None
-    plan = conv_gemm.GemmConvPlan(spec, plans.get_plan(mspec, 0))
+    plan = conv_gemm.GemmConvPlan(spec, loader.get_plan(mspec, 0))
     assert plan.raw  # a cuDNN GEMM plan: the conv's pointers go straight in
     y = _cl(torch.full((2, 96, 14, 14), float("nan"), device="cuda", dtype=dtype))
     am = torch.full((1, 1, 1, 1), -1.0, device="cuda")
@@ -80,7 +80,7 @@ def test_the_tuned_entry_times_the_gemm_and_a_fresh_load_follows_it(tuned, N, C,
     y = cf.conv2d(x, w, b, activation=act, residual=r)
     want = _want(x, w, b, r, act)
     assert _rel(y, want) < 1e-2
-    plan = plans.plans_in_memory()[-1]
+    plan = loader.plans_in_memory()[-1]
     assert plan.spec.op == "conv2d"
     from cudnn_fuse.cache import open_default_cache
 
@@ -97,13 +97,13 @@ def test_the_tuned_entry_times_the_gemm_and_a_fresh_load_follows_it(tuned, N, C,
     mentry = pc.get(conv_gemm.gemm_spec(plan.spec).digest())
     assert mentry is not None and mentry.meta["tuned"]  # the GEMM is its own tuned matmul entry
     # a fresh load (no tuning) makes the same choice and the same bits
-    plans.clear()
+    loader.clear()
     cf.set_autotune(False)
-    before = plans.plan_stats()
+    before = loader.plan_stats()
     y2 = cf.conv2d(x, w, b, activation=act, residual=r)
-    after = plans.plan_stats()
+    after = loader.plan_stats()
     assert after["builds"] == before["builds"]  # loaded, nothing built
-    assert isinstance(plans.plans_in_memory()[-1], conv_gemm.GemmConvPlan) == entry.meta["use_gemm"]
+    assert isinstance(loader.plans_in_memory()[-1], conv_gemm.GemmConvPlan) == entry.meta["use_gemm"]
     assert torch.equal(y2, y)
     print(f"[conv-gemm] N{N} C{C} H{H} K{K}: conv {conv_best:.5f} ms, gemm {rows[0]['median_ms']:.5f} ms, "
           f"use_gemm={entry.meta['use_gemm']}, gemm runtime-compiled={rows[0]['runtime_compiled']}")
@@ -116,7 +116,7 @@ def test_a_gemm_entry_serves_the_memo_capture_and_training(tuned, monkeypatch):
     x, w, b, r = _operands(4, 128, 28, 64, torch.bfloat16, residual=True, seed=2)
     want = _want(x, w, b, r, "relu")
     y = cf.conv2d(x, w, b, activation="relu", residual=r)
-    assert isinstance(plans.plans_in_memory()[-1], conv_gemm.GemmConvPlan)
+    assert isinstance(loader.plans_in_memory()[-1], conv_gemm.GemmConvPlan)
     assert _rel(y, want) < 3e-2
     key = ("conv2d",) + tuple(ops_meta(t) for t in (x, w, b, r))
     y_memo = cf.conv2d(x, w, b, activation="relu", residual=r)
@@ -156,12 +156,12 @@ def test_a_fresh_process_loads_a_gemm_entry_without_the_conv_blob(tuned, monkeyp
     monkeypatch.setattr(autotune, "gemm_wins", _gemm_timed)
     x, w, b, _ = _operands(1, 64, 56, 256, torch.float16)
     y = cf.conv2d(x, w, b)
-    plans.clear()
+    loader.clear()
     cf.set_autotune(False)
     seen = []
     real = loader._deserialize
     monkeypatch.setattr(loader, "_deserialize", lambda s, e, d: seen.append(s.op) or real(s, e, d))
     y2 = cf.conv2d(x, w, b)
     assert seen == ["matmul"]  # the GEMM's entry only
-    assert isinstance(plans.plans_in_memory()[-1], conv_gemm.GemmConvPlan)
+    assert isinstance(loader.plans_in_memory()[-1], conv_gemm.GemmConvPlan)
     assert torch.equal(y2, y)

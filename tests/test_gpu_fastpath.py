@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import ops, plans
+from cudnn_fuse import handles, loader, ops, plans
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +47,7 @@ def _as_tuple(out):
 def public_path(monkeypatch):
     def set_raw(on: bool):
         monkeypatch.setattr(plans, "RAW_EXECUTE", on)
-        plans.clear()
+        loader.clear()
     return set_raw
 
 
@@ -60,10 +60,10 @@ def test_raw_launch_equals_public_execute(name, public_path, cache_dir):
     public_path(False)
     with torch.no_grad():
         ref = _as_tuple(fn())
-        assert not any(p.raw for p in plans.plans_in_memory())
+        assert not any(p.raw for p in loader.plans_in_memory())
         public_path(True)
         built = [_as_tuple(fn()) for _ in range(3)]  # built (from disk), then memo, then memo
-        assert all(p.raw for p in plans.plans_in_memory())
+        assert all(p.raw for p in loader.plans_in_memory())
     for out in built:
         for o, r in zip(out, ref):
             assert o.shape == r.shape and o.stride() == r.stride() and o.dtype == r.dtype
@@ -77,19 +77,19 @@ def test_deserialized_plans_launch_raw(cache_dir):
     with torch.no_grad():
         first = {k: _as_tuple(fn()) for k, fn in cases.items()}  # built and stored
         pc = open_default_cache()
-        unstored = [p.spec.op for p in plans.plans_in_memory() if pc.get(p.spec.digest()) is None]
+        unstored = [p.spec.op for p in loader.plans_in_memory() if pc.get(p.spec.digest()) is None]
         if unstored:  # a plan cuDNN cannot serialize stays in memory only: say which
             import warnings
 
             warnings.warn(f"not stored in the plan cache: {unstored}")
         assert len(unstored) <= 1, unstored
-        plans.clear()
+        loader.clear()
         before = cf.plan_stats()
         again = {k: _as_tuple(fn()) for k, fn in cases.items()}  # deserialized from disk
     after = cf.plan_stats()
     counts = {k: after[k] - before[k] for k in ("loads", "builds", "rebuilds")}
     assert counts == {"loads": len(cases) - len(unstored), "builds": len(unstored), "rebuilds": 0}, counts
-    assert all(p.raw for p in plans.plans_in_memory()), [(p.spec.op, p.engine, p.raw) for p in plans.plans_in_memory()]
+    assert all(p.raw for p in loader.plans_in_memory()), [(p.spec.op, p.engine, p.raw) for p in loader.plans_in_memory()]
     for k in cases:
         for o, r in zip(again[k], first[k]):
             assert torch.equal(o, r), k
@@ -97,7 +97,7 @@ def test_deserialized_plans_launch_raw(cache_dir):
 
 def test_memo_serves_repeat_calls_and_only_those(cache_dir):
     x, w, b = rnd(64, 256), rnd(256, 256, scale=0.06), rnd(256)
-    plans.clear()
+    loader.clear()
     with torch.no_grad():
         y0 = cf.linear(x, w, b, activation="relu")
         assert len(ops.memo_keys()) == 1
@@ -108,7 +108,7 @@ def test_memo_serves_repeat_calls_and_only_those(cache_dir):
         # new values, same signature: the memo reads the new tensors
         x2 = rnd(64, 256)
         y_memo = cf.linear(x2, w, b, activation="relu")
-        plans.clear()  # forgets the memo too: the next call takes the slow path
+        loader.clear()  # forgets the memo too: the next call takes the slow path
         assert len(ops.memo_keys()) == 0
         assert torch.equal(y_memo, cf.linear(x2, w, b, activation="relu"))
         assert len(ops.memo_keys()) == 1
@@ -137,7 +137,7 @@ def test_memo_serves_repeat_calls_and_only_those(cache_dir):
 def test_memo_skips_nchw_conv_and_record_sees_memoized_calls(cache_dir, tmp_path):
     x = rnd(4, 16, 8, 8)  # NCHW: converted (copied) on every call, never memoized
     w, b = rnd(32, 16, 3, 3, scale=0.1, cl=True), rnd(32)
-    plans.clear()
+    loader.clear()
     with torch.no_grad():
         y = cf.conv2d(x, w, b, padding=1, activation="relu")
         cf.conv2d(x, w, b, padding=1, activation="relu")
@@ -178,7 +178,7 @@ def test_memo_serves_attention_and_skips_bool_masks(cache_dir):
     q, k, v = (rnd(2, 4, 128, 64, dtype=torch.bfloat16) for _ in range(3))
     qs = rnd(2, 128, 4, 64, dtype=torch.bfloat16).transpose(1, 2)  # BSHD memory: the output keeps it
     mask = torch.rand(128, 128, device="cuda") > 0.3
-    plans.clear()
+    loader.clear()
     with torch.no_grad():
         o1 = cf.scaled_dot_product_attention(q, k, v, is_causal=True)
         o2 = cf.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -197,7 +197,7 @@ def test_training_forward_uses_the_memo_and_backward_specs_are_reused(cache_dir)
     x = rnd(4, 32, 16, 16, cl=True).requires_grad_()
     w = rnd(32, 32, 3, 3, scale=0.1, cl=True).requires_grad_()
     b = rnd(32).requires_grad_()
-    plans.clear()
+    loader.clear()
     grads = []
     for _ in range(3):
         y = cf.conv2d(x, w, b, padding=1, activation="relu")
@@ -239,7 +239,7 @@ def test_unlaunchable_views_of_remembered_signatures_get_torchs_answer(cache_dir
         pytest.skip("cudnn_fuse._native is not built")
     ops.set_native(native_on)
     try:
-        plans.clear()
+        loader.clear()
         xl, wl, bl = rnd(64, 256, dtype=torch.bfloat16), rnd(512, 256, dtype=torch.bfloat16, scale=0.05), \
             rnd(512, dtype=torch.bfloat16)
         x = rnd(4, 32, 16, 16, cl=True)
@@ -291,7 +291,7 @@ def test_builds_on_threads_beside_launches_and_a_capture(cache_dir):
     replays what it captured."""
     import threading
 
-    plans.clear()
+    loader.clear()
     torch.manual_seed(1)
     w, b = rnd(256, 256, scale=0.05), rnd(256)
     x0 = rnd(64, 256)
@@ -346,4 +346,4 @@ def test_builds_on_threads_beside_launches_and_a_capture(cache_dir):
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert errors == []
-    assert not plans.handle_for(0).lock.locked()
+    assert not handles.handle_for(0).lock.locked()

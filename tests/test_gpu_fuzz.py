@@ -5,7 +5,7 @@ padding modes, epilogues, AMAX, masks, GQA and causality are drawn; fallbacks ar
 to eager PyTorch's own accuracy on the same inputs) but most cases must run fused (held to the
 float64 bounds of fuzz.py).
 
-It found cuDNN's eng0 dropping a GEMM's leaky_relu slope (plans.barred_engines)."""
+It found cuDNN's eng0 dropping a GEMM's leaky_relu slope (engines.barred_engines)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
+
 from fuzz import check, draw, failures
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("strict_fp32")]

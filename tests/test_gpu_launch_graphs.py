@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
-from cudnn_fuse import launch_graphs, plans
+from cudnn_fuse import launch_graphs, loader, plans
 
 pytestmark = pytest.mark.gpu
 
@@ -24,9 +24,9 @@ pytestmark = pytest.mark.gpu
 def graphs_on(monkeypatch):
     monkeypatch.setattr(launch_graphs, "AFTER", 2)
     monkeypatch.setattr(launch_graphs, "ENABLED", True)
-    plans.clear()
+    loader.clear()
     yield
-    plans.clear()
+    loader.clear()
 
 
 @contextlib.contextmanager
@@ -45,7 +45,7 @@ def raw_only():
 
 def _raw_plans():
     out = []
-    for p in plans.plans_in_memory():
+    for p in loader.plans_in_memory():
         p = getattr(p, "gemm", p)  # a 1x1 conv run as its GEMM
         if isinstance(p, plans.Plan):
             out.append(p)
@@ -106,10 +106,10 @@ def _check_replays_exact(t, fn):
             again = _flat(fn(t))  # the first few calls' blocks need not recur: seen once with 3 calls)
         torch.cuda.synchronize()
         s1 = launch_graphs.STATS.snapshot()
-        assert s1["graph_captures"] > s0["graph_captures"], ("a repeated pointer set must be captured", plans.plan_stats(),
+        assert s1["graph_captures"] > s0["graph_captures"], ("a repeated pointer set must be captured", loader.plan_stats(),
                                                              [(type(p).__name__, getattr(p, "engine", None),
                                                                getattr(p, "_graphs", None) is not None)
-                                                              for p in plans.plans_in_memory()])
+                                                              for p in loader.plans_in_memory()])
         assert s1["graph_replays"] > s0["graph_replays"] and s1["graph_failures"] == s0["graph_failures"]
         for a, c in zip(first, again):
             assert torch.equal(a, c)
@@ -150,7 +150,7 @@ def test_one_kernel_captures_replay_as_their_kernel(cache_dir):
     sequences = launch_graphs.driver().sequences
     with torch.no_grad():
         for name, ((t,), fn) in _cases().items():
-            plans.clear()
+            loader.clear()
             k0 = launch_graphs.STATS.kernels
             c0 = launch_graphs.STATS.captures
             for _ in range(8):
@@ -403,9 +403,9 @@ def node_sequences(monkeypatch):
     if not drv.sequences:
         pytest.skip("this driver lacks the entry points of node sequences")
     monkeypatch.setattr(launch_graphs, "_driver", drv)
-    plans.clear()
+    loader.clear()
     yield drv
-    plans.clear()
+    loader.clear()
 
 
 def _entries():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import launch_graphs, ops, plans
+from cudnn_fuse import handles, launch_graphs, loader, ops, plans
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops._native is None, reason="cudnn_fuse._native is not built")]
 
@@ -51,10 +51,10 @@ def _tuple(out):
 @pytest.fixture
 def both_paths(cache_dir):
     on = ops.native_enabled()
-    plans.clear()
+    loader.clear()
     yield
     ops.set_native(on)
-    plans.clear()
+    loader.clear()
 
 
 def _run(path: bool, calls: int = 6):
@@ -78,7 +78,7 @@ def _run(path: bool, calls: int = 6):
 
 def test_the_c_path_equals_the_python_path_bit_for_bit_and_replays_from_c(both_paths):
     py, _, _ = _run(False)
-    plans.clear()
+    loader.clear()
     nat, before, after = _run(True)
     for name in py:
         for i, (a, b) in enumerate(zip(py[name], nat[name])):
@@ -167,7 +167,7 @@ def test_threads_while_dropped_plans_are_freed_beside_them(both_paths, native):
     failures = launch_graphs.STATS.failures
     for trial in range(1, 91):
         if trial % 3 == 0:
-            plans.clear()
+            loader.clear()
         errors = _linear_on_threads(*operands)
         assert errors == [], (trial, errors[:3])
         assert launch_graphs.STATS.failures == failures, trial
@@ -178,9 +178,9 @@ def _drop_plans_but(kept: set) -> None:
     for k, v in list(plans.FAST.items()):
         if id(getattr(v, "plan", None)) not in kept:
             plans.FAST.pop(k, None)
-    with plans._LRU._lock:
-        for k in [k for k, v in plans._LRU._items.items() if id(v) not in kept]:
-            del plans._LRU._items[k]
+    with loader._LRU._lock:
+        for k in [k for k, v in loader._LRU._items.items() if id(v) not in kept]:
+            del loader._LRU._items[k]
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c_path", "python_path"])
@@ -188,17 +188,17 @@ def test_a_callers_capture_beside_threads_that_drop_plans(both_paths, native):
     """A caller's own torch.cuda.graph (thread_local, so other threads may allocate) holds cf ops
     while three threads on their own streams call a cf.linear of another shape and drop its plans
     again and again: nothing a drop leaves is released while that capture is open
-    (plans._note_capture), every capture instantiates and its replays read new inputs right."""
+    (handles._note_capture), every capture instantiates and its replays read new inputs right."""
     ops.set_native(native)
     x, w, b, want = _linear_operands()
     xd = x[:32].clone()
     want_d = want[:32]
-    plans.clear()
+    loader.clear()
     with torch.no_grad():
         for _ in range(3):
             cf.linear(x, w, b, activation="relu")  # the capturer's plan: built and memoized before
     torch.cuda.synchronize()
-    kept = {id(p) for p in plans.plans_in_memory()}
+    kept = {id(p) for p in loader.plans_in_memory()}
     assert kept
     errors, done, drops = [], threading.Event(), [0]
 
@@ -250,4 +250,4 @@ def test_a_callers_capture_beside_threads_that_drop_plans(both_paths, native):
     assert errors == [], errors[:3]
     assert drops[0] > 10  # the droppers did drop plans while the captures ran
     assert launch_graphs.STATS.failures == failures
-    assert not plans.handle_for(0).lock.locked()
+    assert not handles.handle_for(0).lock.locked()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
-from cudnn_fuse import plans, reference
+from cudnn_fuse import loader, reference
 from cudnn_fuse.spec import ACTIVATIONS
 from fuzz import GRAD_TOL
 
@@ -320,7 +320,7 @@ def test_second_call_builds_nothing():
     x = rnd(8, 64, 16, 16, dtype=torch.float16).to(memory_format=torch.channels_last)
     w = rnd(64, 64, 3, 3, dtype=torch.float16, scale=0.05).to(memory_format=torch.channels_last)
     b = rnd(64, dtype=torch.float16)
-    plans.clear()
+    loader.clear()
     with Fused() as first:
         cf.conv2d(x, w, b, padding=1, activation="relu")
     with Fused() as second:
@@ -396,13 +396,13 @@ def test_gemm_leaky_relu_keeps_its_slope(dtype, kind, bias, slope, n):
     x = rnd(n, n, dtype=dtype)
     w = rnd(n, n, dtype=dtype, scale=n ** -0.5)
     b = rnd(n, dtype=dtype) if bias else None
-    n0 = len(plans.plans_in_memory())
+    n0 = len(loader.plans_in_memory())
     with Fused():
         y = (cf.linear(x, w, b, activation="leaky_relu", negative_slope=slope) if kind == "linear"
              else cf.matmul(x, w.t(), b, activation="leaky_relu", negative_slope=slope))
     ref = F.leaky_relu(F.linear(x.double(), w.double(), b.double() if b is not None else None), slope)
     assert rel_err(y, ref) <= TOL[dtype] / 3
-    assert not [p.engine for p in plans.plans_in_memory()[n0:] if re.fullmatch(r"eng0(_.*)?", p.engine)]
+    assert not [p.engine for p in loader.plans_in_memory()[n0:] if re.fullmatch(r"eng0(_.*)?", p.engine)]
 
 
 def test_training_forward_and_autotune_never_run_the_barred_engine(cache_dir):
@@ -424,7 +424,7 @@ def test_training_forward_and_autotune_never_run_the_barred_engine(cache_dir):
 
     autotune.set_autotune(True)
     try:
-        plans.clear()
+        loader.clear()
         x2 = rnd(512, 256, dtype=torch.float16)
         y2 = cf.linear(x2, w.detach(), activation="leaky_relu", negative_slope=0.2)
     finally:
@@ -472,7 +472,7 @@ def test_grouped_conv_activation_gradients_are_right(dtype, act, groups, bias):
     w = rnd(16, 16 // groups, 3, 3, dtype=dtype, scale=(9 * 16 // groups) ** -0.5).requires_grad_(True)
     b = rnd(16, dtype=dtype).requires_grad_(True) if bias else None
     gy = rnd(8, 16, 16, 15, dtype=dtype)
-    n0 = len(plans.plans_in_memory())
+    n0 = len(loader.plans_in_memory())
     y = cf.conv2d(x, w, b, 1, 1, 1, groups, activation=act)
     y.backward(gy)
     torch.cuda.synchronize()
@@ -483,7 +483,7 @@ def test_grouped_conv_activation_gradients_are_right(dtype, act, groups, bias):
     fn(F.conv2d(ref[0], ref[1], ref[2] if bias else None, 1, 1, 1, groups)).backward(gy.double())
     for name, got, want in zip("xwb", leaves, ref):
         assert rel_err(got.grad, want.grad) <= GRAD_TOL[dtype], f"d{name}"
-    recompute = [p for p in plans.plans_in_memory()[n0:] if p.spec.op == "recompute_grad"]
+    recompute = [p for p in loader.plans_in_memory()[n0:] if p.spec.op == "recompute_grad"]
     assert not [p.engine for p in recompute if re.fullmatch(r"eng8(_.*)?", p.engine)]
 
 

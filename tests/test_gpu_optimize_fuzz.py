@@ -15,7 +15,7 @@ CUDNN_FUSE_OPT_FUZZ_REPORT=path writes every case's record as JSON; CUDNN_FUSE_O
 runs n seeds (default 80).
 
 It found cuDNN's conv eng8 computing the activation backward of grouped fp16 convs wrongly (NaN
-or 60-330 relative off float64; plans.barred_engines, bench/results/grouped_grad_probe_before_fix.json):
+or 60-330 relative off float64; engines.barred_engines, bench/results/grouped_grad_probe_before_fix.json):
 4 of 160 cases failed before the bar (bench/results/gpu_optimize_fuzz_before_fix.txt), none after.
 On the H200 after it (bench/results/gpu_optimize_fuzz_report.json): 158 of 160 cases ran a fused
 cuDNN op, and the worst case was at 0.49x its bound (outputs) and 0.69x (gradients).
@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
+
 from fuzz import GRAD_TOL, TOL, rel_err
 from model_fuzz import draw, kinked
 
@@ -79,14 +80,14 @@ _results: dict = {}  # (seed, dtype name) -> run_case's record, for the last tes
 
 
 class _CountOps:
-    """Counts cf's op calls (cudnn_fuse.ops.conv2d / linear / matmul, what cf.nn's modules call)
+    """Counts cf's op calls (cudnn_fuse.functional.conv2d / linear / matmul, what cf.nn's modules call)
     while active. Each call falls back to PyTorch at most once (plan_stats()["fallbacks"]), so
     more calls than new fallbacks means at least one ran a cuDNN graph."""
 
     NAMES = ("conv2d", "linear", "matmul")
 
     def __enter__(self):
-        self.calls, self.saved = 0, {n: getattr(cf.ops, n) for n in self.NAMES}
+        self.calls, self.saved = 0, {n: getattr(cf.functional, n) for n in self.NAMES}
 
         def counted(fn):
             def call(*args, **kwargs):
@@ -95,13 +96,13 @@ class _CountOps:
             return call
 
         for n, fn in self.saved.items():
-            setattr(cf.ops, n, counted(fn))
+            setattr(cf.functional, n, counted(fn))
         self.fallbacks = cf.plan_stats()["fallbacks"]
         return self
 
     def __exit__(self, *exc):
         for n, fn in self.saved.items():
-            setattr(cf.ops, n, fn)
+            setattr(cf.functional, n, fn)
         self.fallbacks = cf.plan_stats()["fallbacks"] - self.fallbacks
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
-from cudnn_fuse import autotune, conv_gemm, loader, plans, prewarm
+from cudnn_fuse import autotune, conv_gemm, engines, loader, prewarm
 from cudnn_fuse.manifest import Entry
 from tuning import autotuning
 
@@ -68,7 +68,7 @@ def test_a_real_prewarm_pins_its_entries_and_the_gemm_entry(cache_dir):
     assert conv1.meta["tuned"] is True
     assert [c["status"] for c in conv1.meta["candidates"] if c["index"] == autotune.GEMM_INDEX] == ["timed"]
     # a plain run's entry is not pinned
-    plans.clear()
+    loader.clear()
     a = torch.randn(32, 256, device="cuda", dtype=torch.float16)
     cf.linear(a, torch.randn(64, 256, device="cuda", dtype=torch.float16), None, activation="relu")
     torch.cuda.synchronize()
@@ -94,15 +94,15 @@ def test_a_deterministic_training_step_repeats_bit_for_bit_on_deterministic_engi
     x = _cl(torch.randn(16, 64, 28, 28, device="cuda", generator=g).half())
     w = _cl((torch.randn(64, 64, 3, 3, device="cuda", generator=g) / 24).half())
     b = torch.randn(64, device="cuda", generator=g).half()
-    plans.clear()
+    loader.clear()
     with deterministic(True, via_cudnn):
-        assert plans.deterministic()
+        assert engines.deterministic()
         first = _conv_step(x, w, b)
         for _ in range(3):
             again = _conv_step(x, w, b)
             for a, c in zip(first, again):
                 assert torch.equal(a, c)
-        held = plans.plans_in_memory()
+        held = loader.plans_in_memory()
         assert held
         for p in held:
             g_ = getattr(p, "graph", None)
@@ -110,7 +110,7 @@ def test_a_deterministic_training_step_repeats_bit_for_bit_on_deterministic_engi
                 assert not _has_note(g_, g_._plan_index, "NONDETERMINISTIC"), p.engine
         det_keys = set(_pins())
     # the same step without the switches stores entries under other keys, and the grads agree
-    plans.clear()
+    loader.clear()
     loose = _conv_step(x, w, b)
     for a, c in zip(first, loose):
         torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
-from cudnn_fuse import autotune, plans, torch_engine
+from cudnn_fuse import autotune, loader, torch_engine
 from tuning import autotuning
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ def test_tuned_entries_time_torch_and_the_op_follows_the_decision(tuned_cache):
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
     b = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     y = cf.linear(x, w, b, activation="gelu")
-    plan = plans.plans_in_memory()[-1]
+    plan = loader.plans_in_memory()[-1]
     from cudnn_fuse.cache import open_default_cache
 
     pc = open_default_cache()
@@ -46,9 +46,9 @@ def test_tuned_entries_time_torch_and_the_op_follows_the_decision(tuned_cache):
     ref = F.gelu(F.linear(x.float(), w.float(), b.float()))
     assert ((y.float() - ref).abs().max() / ref.abs().max()) < 2e-2
     # a fresh load of the entry makes the same choice
-    plans.clear()
+    loader.clear()
     y2 = cf.linear(x, w, b, activation="gelu")
-    assert isinstance(plans.plans_in_memory()[-1], torch_engine.TorchPlan) == entry.meta["use_torch"]
+    assert isinstance(loader.plans_in_memory()[-1], torch_engine.TorchPlan) == entry.meta["use_torch"]
     assert ((y2.float() - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
@@ -115,7 +115,7 @@ def test_a_tuned_batch1_linear_keeps_cudnn_on_a_busy_host(cache_dir):
         with autotuning(budget_s=3, torch_candidate=True):
             y = cf.linear(x, w, b, activation="gelu")
             torch.cuda.synchronize()
-            plan = plans.plans_in_memory()[-1]
+            plan = loader.plans_in_memory()[-1]
     finally:
         stop.set()
         for t in threads:

@@ -11,7 +11,8 @@ import types
 
 import pytest
 
-from cudnn_fuse import autotune, loader, plans
+from cudnn_fuse import autotune, engines, handles, loader
+from cudnn_fuse.errors import UnsupportedError
 
 
 class FakeGraph:
@@ -32,10 +33,10 @@ def shared(monkeypatch):
     import cudnn
 
     log = []
-    h = plans._Handle(handle=0x1234, stream=7)  # bound to another thread's stream 7 by its last launch
-    monkeypatch.setitem(plans._handles, 0, h)
+    h = handles._Handle(handle=0x1234, stream=7)  # bound to another thread's stream 7 by its last launch
+    monkeypatch.setitem(handles._handles, 0, h)
     monkeypatch.setattr(cudnn, "set_stream", lambda handle, stream: log.append(("set_stream", handle, stream)))
-    monkeypatch.setattr(plans, "_side_stream", lambda device: 99)
+    monkeypatch.setattr(handles, "_side_stream", lambda device: 99)
     monkeypatch.setattr(loader, "Plan", lambda spec, g, device, engine=None: ("plan", g, engine))
     return types.SimpleNamespace(h=h, log=log, cudnn=cudnn)
 
@@ -132,7 +133,7 @@ def test_a_tuned_build_prepares_under_the_handle_and_tunes_outside_it(shared, mo
     each build and each timed launch itself: holding it across the budget would block every launch)."""
     seen = []
 
-    def tune(g, spec, h, device, uids, roles):
+    def tune(g, spec, h, device, uids, roles, get_plan=None):
         seen.append((h is shared.h, shared.h.lock.locked()))
         return 0, types.SimpleNamespace(index=0), []
 
@@ -177,11 +178,11 @@ def test_a_build_waits_for_a_launch_holding_the_handle(shared, monkeypatch):
 
 def test_a_failed_build_releases_the_lock(shared, monkeypatch):
     def refuse(g, spec):
-        raise plans.UnsupportedError("cuDNN declined it")
+        raise UnsupportedError("cuDNN declined it")
 
     monkeypatch.setattr(loader, "build_graph", lambda spec, handle: BuildGraph(shared))
     monkeypatch.setattr(loader, "finalize", refuse)
-    with pytest.raises(plans.UnsupportedError):
+    with pytest.raises(UnsupportedError):
         loader._build_and_store(None, SPEC, "d" * 64, 0, False, 0.0)
     assert not shared.h.lock.locked()
 
@@ -197,7 +198,7 @@ def tuner(shared, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(L2_cache_size=1 << 20))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=77))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
-    monkeypatch.setattr(plans, "barred_engines", lambda spec: frozenset())
+    monkeypatch.setattr(engines, "barred_engines", lambda spec: frozenset())
     return autotune.Config(budget_s=30, warmup=1, repeats=2, torch_candidate=False, gemm_candidate=False, heat_s=0)
 
 

@@ -135,15 +135,15 @@ def test_torch_compile_over_an_optimized_gpt2_is_one_graph_with_the_same_gradien
 
 def _attention_calls(monkeypatch):
     """Record (mask is None, is_causal) of every cf attention call, traced or run."""
-    from cudnn_fuse import ops
+    from cudnn_fuse import functional
 
-    calls, real = [], ops.scaled_dot_product_attention
+    calls, real = [], functional.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
         calls.append((attn_mask is None, kw.get("is_causal")))
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(ops, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", spy)
     return calls
 
 

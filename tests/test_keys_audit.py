@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import backward, ops, plans
+from cudnn_fuse import backward, loader, ops, plans
 from cudnn_fuse.builders import roles_of
 from cudnn_fuse.spec import ActGradSpec, Epilogue, MatmulSpec, SdpaBwdSpec, SdpaSpec, SdpaTrainSpec, TensorSpec
 from tests.memo_paths import PATHS, on_memo_path
@@ -107,7 +107,7 @@ def test_a_backward_spec_slot_never_serves_another_devices_buffers(monkeypatch):
     """backward._cached_spec keeps each spec's plan beside it; its key had no device, so the same layer on cuda:1
     (a replica) was launched on cuda:0's plan."""
     log = []
-    monkeypatch.setattr(plans, "get_plan", lambda spec, device: _RecordingPlan(spec, device, log))
+    monkeypatch.setattr(loader, "get_plan", lambda spec, device: _RecordingPlan(spec, device, log))
     plans.FAST.clear()
     try:
         for index in (0, 1, 0, 1):
@@ -163,7 +163,7 @@ def test_a_backward_bias_reaches_the_plan_as_its_spec_declares_it(monkeypatch, k
     """The same in the backward graphs that recompute the pre-activation (gemm_dz, conv_dz) and in the
     forward that keeps it (linear_save_z)."""
     log = []
-    monkeypatch.setattr(plans, "get_plan", lambda spec, device: _RecordingPlan(spec, device, log))
+    monkeypatch.setattr(loader, "get_plan", lambda spec, device: _RecordingPlan(spec, device, log))
     plans.FAST.clear()
     h = torch.float16
     try:

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from cudnn_fuse import launch_graphs, plans
+from cudnn_fuse import handles, launch_graphs, loader, plans
 from recorded import recorded_spec
 from tests.racing import race
 
@@ -60,7 +60,7 @@ class Rig:
         self.raw_calls = []
         self.stream, self.device, self.capturing = 7, 0, False
         array = (ctypes.c_uint64 * 3)()
-        self.handle = plans._Handle(handle=object())
+        self.handle = handles._Handle(handle=object())
         handle = self.handle
 
         def entry(address, n, ws, raw_handle, index):
@@ -75,7 +75,7 @@ class Rig:
         self.plan, self.drv = p, drv
         self.ws = 5000
         monkeypatch.setattr(launch_graphs, "ENABLED", True)  # off by default: these tests switch it on
-        monkeypatch.setattr(plans, "_caller_captures", {})  # the streams its launches find capturing
+        monkeypatch.setattr(handles, "_caller_captures", {})  # the streams its launches find capturing
         monkeypatch.setattr(plans, "_current_stream", lambda d: self.stream)
         monkeypatch.setattr(plans, "_capturing", lambda: self.capturing)
         monkeypatch.setattr(plans, "_current_device", lambda: self.device)
@@ -110,7 +110,7 @@ def test_a_pointer_set_is_captured_on_its_second_sighting_and_replayed_after(mon
     after = launch_graphs.STATS.snapshot()
     assert after["graph_captures"] - before["graph_captures"] == 1
     assert after["graph_replays"] - before["graph_replays"] == 2
-    assert {k: v for k, v in plans.plan_stats().items() if k.startswith("graph_")} == after
+    assert {k: v for k, v in loader.plan_stats().items() if k.startswith("graph_")} == after
     # a raw launch after the capture switches the handle back to the current stream
     rig.plan.launch([21, 22, 23])
     assert rig.raw_calls[-1] == (8, (21, 22, 23), 0)
@@ -450,7 +450,7 @@ def test_a_long_kernels_capture_that_is_not_one_kernel_is_dropped_and_it_launche
     assert rig.drv.events == [("begin kernel only", 99)] and rig.replays() == []
     assert rig.raw_calls[-1] == (7, (1, 2, 3), 0) and rig.plan._graphs.off
     assert launch_graphs.STATS.declined == declined + 1 and launch_graphs.STATS.failures == failures
-    assert plans.plan_stats()["graph_declined"] == launch_graphs.STATS.declined
+    assert loader.plan_stats()["graph_declined"] == launch_graphs.STATS.declined
     for _ in range(3):
         rig.plan.launch([1, 2, 3])
     assert len(rig.drv.events) == 1 and [c[0] for c in rig.raw_calls[-3:]] == [7, 7, 7]  # no capture again
@@ -1000,7 +1000,7 @@ def test_a_plan_replays_its_sequence_and_counts_it(monkeypatch, after2):
         names = rig.drv.lib.names()
         assert names.count("cuMemsetD32Async") == 3 and names.count("cuLaunchKernelEx") == 3
         assert len(rig.raw_calls) == 2 and rig.replays() == []  # never a graph launch
-        assert plans.plan_stats()["graph_sequences"] == launch_graphs.STATS.sequences
+        assert loader.plan_stats()["graph_sequences"] == launch_graphs.STATS.sequences
 
 
 def test_a_failed_sequence_launch_launches_raw_and_drops_the_graphs(monkeypatch, after2):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import launch_graphs, ops, plans
+from cudnn_fuse import handles, launch_graphs, loader, ops, plans
 from tests.racing import race
 
 native = ops._native
@@ -513,7 +513,7 @@ def caller():
         errors.append(repr(exc))
 
 
-def replacer():  # a memo replaced and cleared as concurrent first calls and plans.clear() do
+def replacer():  # a memo replaced and cleared as concurrent first calls and loader.clear() do
     while time.time() < stop:
         plans.FAST.clear()
         plans.FAST[key] = Entry()
@@ -693,7 +693,7 @@ def test_a_misaligned_operand_runs_torchs_op_not_the_plan(monkeypatch):
     the graphs' alignment before asking for a plan: cuDNN would refuse the launch."""
     from cudnn_fuse import backward
 
-    monkeypatch.setattr(plans, "get_plan", lambda *a: pytest.fail("a plan was asked for misaligned operands"))
+    monkeypatch.setattr(loader, "get_plan", lambda *a: pytest.fail("a plan was asked for misaligned operands"))
     x = torch.randn(4, 8, dtype=torch.float16)
     xm = _misaligned_like(x)
     before = plans.STATS.fallbacks
@@ -709,7 +709,7 @@ def test_a_negated_operand_runs_torchs_op_not_the_plan(monkeypatch):
     torch's, with the sign the view reads as (CPU: the op's own reference path)."""
     from cudnn_fuse import backward
 
-    monkeypatch.setattr(plans, "get_plan", lambda *a: pytest.fail("a plan was asked for a negated view"))
+    monkeypatch.setattr(loader, "get_plan", lambda *a: pytest.fail("a plan was asked for a negated view"))
     x = torch.randn(4, 8, dtype=torch.float16)
     xn = torch._neg_view(x)
     assert ops._unlaunchable([x, None]) is None
@@ -767,7 +767,7 @@ class Rig:
         self.fake = FakeLaunch()
         self.raw_calls, self.stream, self.device, self.capturing, self.ws = [], 7, 0, False, 0x7000
         array = (ctypes.c_uint64 * 4)()
-        handle = plans._Handle(handle=object())
+        handle = handles._Handle(handle=object())
 
         def entry(address, n, ws, raw_handle, index):
             self.raw_calls.append((handle.stream, tuple(array), ws))

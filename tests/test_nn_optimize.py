@@ -593,11 +593,11 @@ def test_conv2d_module_adds_a_residual_that_broadcasts_in_batch_or_space(rshape)
 def test_conv2d_module_fuses_a_same_shape_residual_with_sizes_of_1(monkeypatch):
     """Batch 1 and a 1x1 output: the residual has the output's shape (sizes of 1 included) and still rides
     in the op's epilogue."""
-    from cudnn_fuse import ops
+    from cudnn_fuse import functional
 
     seen = []
-    real = ops.conv2d
-    monkeypatch.setattr(ops, "conv2d", lambda *a, **k: (seen.append(k.get("residual") is not None), real(*a, **k))[1])
+    real = functional.conv2d
+    monkeypatch.setattr(functional, "conv2d", lambda *a, **k: (seen.append(k.get("residual") is not None), real(*a, **k))[1])
     m = cf.nn.Conv2d(4, 6, 3, activation="relu")
     x, r = torch.randn(1, 4, 3, 3), torch.randn(1, 6, 1, 1)
     torch.testing.assert_close(m(x, r), torch.relu(torch.nn.functional.conv2d(x, m.weight, m.bias) + r))

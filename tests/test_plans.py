@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from cudnn_fuse import plans, plan_stats
+from cudnn_fuse import loader, plan_stats, plans
 from cudnn_fuse.errors import UnsupportedError
 from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
 from tests.racing import race
@@ -18,8 +18,10 @@ from tests.racing import race
 
 @pytest.fixture(autouse=True)
 def fresh_stats(monkeypatch):
-    monkeypatch.setattr(plans, "STATS", plans._Stats())
-    return plans.STATS
+    stats = plans._Stats()  # one object, counted by the LRU (loader) and the launches (plans) alike
+    monkeypatch.setattr(plans, "STATS", stats)
+    monkeypatch.setattr(loader, "STATS", stats)
+    return stats
 
 
 def spec(m=16, dtype="float16", act=None):
@@ -49,7 +51,7 @@ class FakeBuilder:
 
 def test_builds_once_per_digest_and_device(fresh_stats):
     fake = FakeBuilder()
-    lru = plans.PlanLRU(8, builder=fake)
+    lru = loader.PlanLRU(8, builder=fake)
     p0 = lru.get(spec(), 0)
     assert lru.get(spec(), 0) is p0, "an equal spec built anew hits the same plan"
     p1 = lru.get(spec(), 1)
@@ -63,7 +65,7 @@ def test_builds_once_per_digest_and_device(fresh_stats):
 
 def test_hits_are_counted(fresh_stats):
     fake = FakeBuilder()
-    lru = plans.PlanLRU(4, builder=fake)
+    lru = loader.PlanLRU(4, builder=fake)
     for _ in range(7):
         lru.get(spec(), 0)
     assert len(fake.calls) == 1
@@ -74,7 +76,7 @@ def test_hits_are_counted(fresh_stats):
 
 def test_capacity_evicts_the_least_recently_used(fresh_stats):
     fake = FakeBuilder()
-    lru = plans.PlanLRU(2, builder=fake)
+    lru = loader.PlanLRU(2, builder=fake)
     s1, s2, s3 = spec(16), spec(32), spec(48)
     p1 = lru.get(s1, 0)
     lru.get(s2, 0)
@@ -89,7 +91,7 @@ def test_capacity_evicts_the_least_recently_used(fresh_stats):
 
 
 def test_capacity_one_and_many_keys_stay_bounded(fresh_stats):
-    lru = plans.PlanLRU(1, builder=FakeBuilder())
+    lru = loader.PlanLRU(1, builder=FakeBuilder())
     for m in range(1, 20):
         lru.get(spec(m), m % 3)
         assert len(lru) == 1
@@ -99,12 +101,12 @@ def test_capacity_one_and_many_keys_stay_bounded(fresh_stats):
 @pytest.mark.parametrize("capacity", [0, -1])
 def test_capacity_below_one_is_a_value_error(capacity):
     with pytest.raises(ValueError, match="capacity"):
-        plans.PlanLRU(capacity, builder=FakeBuilder())
+        loader.PlanLRU(capacity, builder=FakeBuilder())
 
 
 def test_unsupported_is_remembered_and_reraised(fresh_stats):
     fake = FakeBuilder(fail=UnsupportedError)
-    lru = plans.PlanLRU(4, builder=fake)
+    lru = loader.PlanLRU(4, builder=fake)
     for _ in range(5):
         with pytest.raises(UnsupportedError, match="fake builder declines"):
             lru.get(spec(), 0)
@@ -117,7 +119,7 @@ def test_unsupported_is_remembered_and_reraised(fresh_stats):
 def test_other_builder_errors_are_not_remembered(fresh_stats):
     # A bug or a transient fault is not "cuDNN cannot": it propagates and the next call tries again.
     fake = FakeBuilder(fail=KeyError)
-    lru = plans.PlanLRU(4, builder=fake)
+    lru = loader.PlanLRU(4, builder=fake)
     for _ in range(2):
         with pytest.raises(KeyError):
             lru.get(spec(), 0)
@@ -128,7 +130,7 @@ def test_other_builder_errors_are_not_remembered(fresh_stats):
 
 def test_clear_forgets_every_plan(fresh_stats):
     fake = FakeBuilder()
-    lru = plans.PlanLRU(4, builder=fake)
+    lru = loader.PlanLRU(4, builder=fake)
     lru.get(spec(), 0)
     lru.clear()
     assert len(lru) == 0
@@ -158,7 +160,7 @@ def _race(lru, key_spec, n=8):
 
 def test_concurrent_gets_build_once(fresh_stats):
     fake = FakeBuilder(sleep=0.2)
-    lru = plans.PlanLRU(4, builder=fake)
+    lru = loader.PlanLRU(4, builder=fake)
     results, errors = _race(lru, spec())
     assert not errors
     assert len(fake.calls) == 1
@@ -169,7 +171,7 @@ def test_concurrent_gets_build_once(fresh_stats):
 def test_concurrent_gets_of_different_keys_do_not_serialize(fresh_stats):
     # The per-key lock must not be one global lock: 4 builds of 0.3 s in parallel take ~0.3 s, not 1.2 s.
     fake = FakeBuilder(sleep=0.3)
-    lru = plans.PlanLRU(8, builder=fake)
+    lru = loader.PlanLRU(8, builder=fake)
     barrier = threading.Barrier(4)
 
     def worker(m):
@@ -188,20 +190,20 @@ def test_concurrent_gets_of_different_keys_do_not_serialize(fresh_stats):
 
 def test_concurrent_unsupported_is_built_once(fresh_stats):
     fake = FakeBuilder(sleep=0.2, fail=UnsupportedError)
-    lru = plans.PlanLRU(4, builder=fake)
+    lru = loader.PlanLRU(4, builder=fake)
     results, errors = _race(lru, spec())
     assert len(fake.calls) == 1
     assert len(errors) == 8 and all(isinstance(e, UnsupportedError) for e in errors)
 
 
 def test_concurrent_gets_count_every_call(fresh_stats):
-    lru = plans.PlanLRU(4, builder=FakeBuilder(sleep=0.2))
+    lru = loader.PlanLRU(4, builder=FakeBuilder(sleep=0.2))
     _race(lru, spec())
     assert fresh_stats.hits + fresh_stats.misses == 8
 
 
 def test_remembered_failure_does_not_pin_callers_frames(fresh_stats):
-    lru = plans.PlanLRU(4, builder=FakeBuilder(fail=UnsupportedError))
+    lru = loader.PlanLRU(4, builder=FakeBuilder(fail=UnsupportedError))
 
     class Buffer:  # stands in for a CUDA tensor held in the caller's frame
         pass
@@ -227,10 +229,10 @@ def test_get_plan_goes_through_the_loader(monkeypatch):
     seen = []
     sentinel = object()
     monkeypatch.setattr(loader, "load_or_build", lambda spec, device: seen.append((spec, device)) or sentinel)
-    monkeypatch.setattr(plans, "_LRU", plans.PlanLRU(4))
+    monkeypatch.setattr(loader, "_LRU", loader.PlanLRU(4))
     spec = object.__new__(type("S", (), {"__hash__": lambda self: 1, "__eq__": lambda self, o: self is o}))
-    assert plans.get_plan(spec, 0) is sentinel
-    assert plans.get_plan(spec, 0) is sentinel
+    assert loader.get_plan(spec, 0) is sentinel
+    assert loader.get_plan(spec, 0) is sentinel
     assert seen == [(spec, 0)]
 
 
@@ -244,7 +246,7 @@ def test_plans_are_released_at_exit_before_teardown():
 
     code = textwrap.dedent("""
         import sys
-        from cudnn_fuse import plans
+        from cudnn_fuse import loader, plans
 
         class Held:  # stands in for a plan: records when and how it was freed
             def __init__(self, cycle):
@@ -254,7 +256,7 @@ def test_plans_are_released_at_exit_before_teardown():
                 sys.stdout.flush()
 
         plans.FAST["k"] = Held(cycle=False)
-        plans._LRU._store("spec", Held(cycle=True))  # a reference cycle: only a collection frees it
+        loader._LRU._store("spec", Held(cycle=True))  # a reference cycle: only a collection frees it
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -281,7 +283,7 @@ def test_one_key_is_built_by_one_thread_at_a_time_even_across_clears():
             active[0] -= 1
         return object()
 
-    lru = plans.PlanLRU(4, builder=builder)
+    lru = loader.PlanLRU(4, builder=builder)
     stop = threading.Event()
 
     def caller():

@@ -16,7 +16,7 @@ import logging
 import pytest
 import torch
 
-from cudnn_fuse import launch_graphs, plans
+from cudnn_fuse import handles, launch_graphs, plans
 
 
 class FakeCuda:
@@ -77,7 +77,7 @@ def test_a_failed_retain_pushes_nothing():
 
 def test_the_side_stream_is_made_once_per_device_by_the_driver(monkeypatch):
     made = []
-    monkeypatch.setattr(plans, "_side_streams", {})
+    monkeypatch.setattr(handles, "_side_streams", {})
     monkeypatch.setattr(launch_graphs, "private_stream", lambda d: made.append(d) or 500 + d)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a torch pool stream was taken"))
     assert [plans._side_stream(d) for d in (0, 0, 1, 0, 1)] == [500, 500, 501, 500, 501]
@@ -91,7 +91,7 @@ def test_without_the_driver_the_side_stream_is_a_pool_stream_and_a_warning_says_
     def no_driver(device):
         raise OSError("libcuda.so.1: cannot open shared object file")
 
-    monkeypatch.setattr(plans, "_side_streams", {})
+    monkeypatch.setattr(handles, "_side_streams", {})
     monkeypatch.setattr(launch_graphs, "private_stream", no_driver)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: Pool())
     with caplog.at_level(logging.WARNING, logger="cudnn_fuse"):

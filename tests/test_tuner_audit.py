@@ -70,7 +70,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "Plan", _Plan)
     monkeypatch.setattr(autotune, "_enabled", False)
 
-    def tune(g, spec, h, device, uids, roles):
+    def tune(g, spec, h, device, uids, roles, get_plan=None):
         calls.append("tune")
         g.engine_id = TUNED
         w = autotune.Timing(0, f"eng{TUNED}", TUNED, {}, 0, first_ms=1.0, median_ms=1.0, status="timed")
@@ -168,7 +168,7 @@ def test_a_failing_first_candidate_that_spends_the_budget_leaves_the_next_one_to
 @pytest.mark.parametrize("where", ["entry", "record"])
 def test_an_engine_id_that_is_no_integer_is_a_miss_with_one_warning(env, caplog, engine_id, where):
     """An entry (or engine record) whose engine_id is valid JSON but no integer raised ValueError or
-    TypeError out of the loader (plans.barred_engines' check ran int() on it), so the op failed."""
+    TypeError out of the loader (engines.barred_engines' check ran int() on it), so the op failed."""
     spec = _mm()
     digest = loader.cache_digest(spec)
     meta = {"engine_id": engine_id, "knobs": {}, "tuned": False}

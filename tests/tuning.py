@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import types
 
-from cudnn_fuse import autotune, plans, set_autotune
+from cudnn_fuse import autotune, loader, set_autotune
 
 
 @contextlib.contextmanager
 def autotuning(**config):
     """Autotune on, autotune.DEFAULT_CONFIG = Config(**config), in-memory plans cleared around."""
-    plans.clear()
+    loader.clear()
     set_autotune(True)
     old = autotune.DEFAULT_CONFIG
     autotune.DEFAULT_CONFIG = autotune.Config(**config)
@@ -22,7 +22,7 @@ def autotuning(**config):
     finally:
         autotune.DEFAULT_CONFIG = old
         set_autotune(False)
-        plans.clear()
+        loader.clear()
 
 
 class DictCache:
@@ -47,7 +47,7 @@ def entry(meta, blob=b"x"):
 
 
 class RecordingGraph:
-    """Records the calls made on a cuDNN graph (plans.prepare's), accepting any."""
+    """Records the calls made on a cuDNN graph (engines.prepare's), accepting any."""
 
     def __init__(self):
         self.calls = []

@@ -1,6 +1,6 @@
 """Builders: an op spec -> a ``cudnn.pygraph`` holding its nodes, with fixed uids.
 
-Builders only add nodes. ``plans.finalize`` runs validate -> build -> plan
+Builders only add nodes. ``engines.finalize`` runs validate -> build -> plan
 selection, so one place decides how graphs are built and what a failure means.
 """
 

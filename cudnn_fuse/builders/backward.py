@@ -1,7 +1,7 @@
 """Training graphs of conv and matmul: the forward that keeps its pre-activation,
 the activation's backward (from a saved tensor, or from the pre-activation
 recomputed inside the graph), the bias gradient as an ADD reduction, and conv
-dgrad / wgrad. Nodes only; plans.finalize builds them."""
+dgrad / wgrad. Nodes only; engines.finalize builds them."""
 
 from __future__ import annotations
 

@@ -1,0 +1,228 @@
+"""The public functional ops: ``conv2d``, ``linear``, ``matmul``, ``scaled_dot_product_attention``.
+
+Each entry point takes its remembered launch when the call's signature was seen before (the memo of
+ops.py, in C where ``cudnn_fuse._native`` is built); else it validates its arguments like torch
+(ValueError / TypeError naming the argument and its values), and runs the fused cuDNN graph, its
+autograd op (torch_ops.py) when a gradient or torch.compile needs one, or its PyTorch reference,
+logged once with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops, reference, torch_ops
+from .ops import _any_autocast, _is_compiling  # read on every call: bound here, not looked up on ops
+
+__all__ = ["conv2d", "linear", "matmul", "scaled_dot_product_attention"]
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
+           return_amax=False, *, negative_slope=0.01):
+    """Fused ``act(conv2d(x, weight) + bias + residual)``, optionally with ``amax = max|y|``.
+
+    x: [N, C, H, W] or unbatched [C, H, W], NCHW or channels_last memory;
+    weight: [K, C/groups, R, S]; bias: [K]; residual: the output's shape
+    [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
+    float32 0-dim tensor.
+    """
+    if _any_autocast() and (cast := ops.autocast_args(x, x, weight, bias, residual)) is not None:
+        dev, (x, weight, bias, residual) = cast
+        with ops._autocast_off(dev):
+            return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
+                              negative_slope=negative_slope)
+    attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
+    if (native := ops._native_call) is not None and not _is_compiling() and \
+            (out := native("conv2d", "conv2d:grad", x, weight, bias, residual, attrs)) is not None:
+        return out
+    key, launch = ops._memo("conv2d", x, weight, bias, residual, attrs)
+    if launch is not None:
+        return launch(x, weight, bias, residual)
+    if ops._is_cupy(x):
+        return ops._cupy_call(conv2d, (x, weight, bias, stride, padding, dilation, groups, activation, residual,
+                                   return_amax), {"negative_slope": negative_slope})
+    op = "conv2d"
+    ops._check_tensor("x", x, op)
+    ops._check_tensor("weight", weight, op)
+    ops._check_floating(op, "x", x)
+    ops._check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
+    if x.dim() not in (3, 4):
+        raise ValueError(f"{op}: expected 3-D (unbatched) or 4-D (batched) input x, got x.shape={tuple(x.shape)}")
+    if weight.dim() != 4:
+        raise ValueError(f"{op}: weight must be 4-D [K, C/groups, R, S], got weight.shape={tuple(weight.shape)}")
+    g = ops._index(groups)
+    if g is None:
+        raise TypeError(f"{op}: groups must be an int, got groups={groups!r}")
+    groups = g
+    if groups < 1:
+        raise ValueError(f"{op}: groups must be a positive int, got groups={groups!r}")
+    stride = ops._pair("stride", stride, op, 1)
+    dilation = ops._pair("dilation", dilation, op, 1)
+    C = x.shape[-3]
+    K, Cg, R, S = weight.shape
+    if C != Cg * groups:
+        raise ValueError(f"{op}: channel mismatch: x has C={C} but weight expects C/groups*groups={Cg}*{groups}={Cg * groups}")
+    if K % groups != 0:
+        raise ValueError(f"{op}: out channels K={K} must be divisible by groups={groups}")
+    pre, post = ops._conv_padding(padding, (R, S), dilation, stride)
+    out_shape = ops.conv_out_shape(x.shape, weight.shape, stride, pre, post, dilation)
+    if any(o <= 0 for o in out_shape[-2:]):
+        raise ValueError(f"{op}: output size {out_shape[-2:]} is too small for x.shape={tuple(x.shape)}, "
+                         f"weight.shape={tuple(weight.shape)}, padding={padding!r}, dilation={dilation}, stride={stride}")
+    ops._check_epilogue(op, activation, residual, out_shape, bias, K)
+
+    if ops._under_functorch(op):
+        return reference.conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
+                                      return_amax, negative_slope)
+    if Cg == 0:  # no input channels: y = act(bias + residual), torch's own ops (and autograd) compute it
+        ops._fallback(op, "no input channels (the conv's sum is 0)")
+        return reference.conv2d_padded(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
+                                       return_amax, negative_slope)
+    if ops._via_custom_op(x, weight, bias, residual):
+        if return_amax:
+            def call(x, weight, bias, residual):
+                return torch_ops.conv2d(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
+                                        return_amax, negative_slope)
+        else:
+            attrs_t = (tuple(stride), tuple(pre), tuple(post), tuple(dilation), groups, activation, float(negative_slope))
+            slot = [None, key[-1] if key is not None else None]  # the launch, and the mode it must be of
+
+            def call(x, weight, bias, residual):
+                return torch_ops.conv2d_train(x, weight, bias, residual, attrs_t, slot)
+
+        ops._remember_call(key, call)
+        return call(x, weight, bias, residual)
+    return ops._conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
+                       negative_slope, memo=key)
+
+
+def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
+    """Fused ``act(a @ b + bias + residual)`` with torch.matmul's batching and broadcasting.
+
+    a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
+    residual: the output's shape. Returns y, or (y, amax).
+    """
+    if _any_autocast() and (cast := ops.autocast_args(a, a, b, bias, residual)) is not None:
+        dev, (a, b, bias, residual) = cast
+        with ops._autocast_off(dev):
+            return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
+    attrs = (activation, return_amax, negative_slope)
+    if (native := ops._native_call) is not None and not _is_compiling() and \
+            (out := native("matmul", "matmul:grad", a, b, bias, residual, attrs)) is not None:
+        return out
+    key, launch = ops._memo("matmul", a, b, bias, residual, attrs)
+    if launch is not None:
+        return launch(a, b, bias, residual)
+    if ops._is_cupy(a):
+        return ops._cupy_call(matmul, (a, b, bias, activation, residual, return_amax), {"negative_slope": negative_slope})
+    op = "matmul"
+    ops._check_tensor("a", a, op)
+    ops._check_tensor("b", b, op)
+    ops._check_floating(op, "a", a)
+    ops._check_same(op, "a", a, b=b, bias=bias, residual=residual)
+    if a.dim() == 0 or b.dim() == 0:
+        raise ValueError(f"{op}: both arguments need at least 1 dimension, got a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}")
+    views = ops.matmul_views(a, b)
+    out_shape, N = views[5], views[4]
+    if bias is not None and b.dim() == 1:
+        raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
+    ops._check_epilogue(op, activation, residual, out_shape, bias, N)
+
+    if ops._inline_under_compile("matmul") or ops._under_functorch(op):
+        return reference.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
+    if ops._via_custom_op(a, b, bias, residual):
+        def call(a, b, bias, residual):
+            return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
+
+        ops._remember_call(key, call)
+        return call(a, b, bias, residual)
+    return ops._matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views, memo=key)
+
+
+def linear(x, weight, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
+    """Fused ``act(x @ weight.T + bias + residual)``; the [out, in] weight is read
+    through strides, never copied.
+
+    x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
+    """
+    if _any_autocast() and (cast := ops.autocast_args(x, x, weight, bias, residual)) is not None:
+        dev, (x, weight, bias, residual) = cast
+        with ops._autocast_off(dev):
+            return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
+    attrs = (activation, return_amax, negative_slope)
+    if (native := ops._native_call) is not None and not _is_compiling() and \
+            (out := native("linear", "linear:grad", x, weight, bias, residual, attrs)) is not None:
+        return out
+    key, launch = ops._memo("linear", x, weight, bias, residual, attrs)
+    if launch is not None:
+        return launch(x, weight, bias, residual)
+    if ops._is_cupy(x):
+        return ops._cupy_call(linear, (x, weight, bias, activation, residual, return_amax), {"negative_slope": negative_slope})
+    op = "linear"
+    ops._check_tensor("x", x, op)
+    ops._check_tensor("weight", weight, op)
+    ops._check_floating(op, "x", x)
+    ops._check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D [out_features, in_features], got weight.shape={tuple(weight.shape)}")
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x needs at least 1 dimension, got a 0-dim tensor")
+    K = x.shape[-1]
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"{op}: x has in_features={K} but weight.shape={tuple(weight.shape)} expects {weight.shape[1]}")
+    out_shape = tuple(x.shape[:-1]) + (N,)
+    ops._check_epilogue(op, activation, residual, out_shape, bias, N)
+
+    if ops._inline_under_compile("linear") or ops._under_functorch(op):
+        return reference.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
+    if ops._via_custom_op(x, weight, bias, residual):
+        def call(x, weight, bias, residual):
+            return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
+
+        ops._remember_call(key, call)
+        return call(x, weight, bias, residual)
+    return ops._linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=key)
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Fused attention forward, torch.nn.functional.scaled_dot_product_attention's semantics.
+
+    q: [B, Hq, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv] (BHSD or BSHD
+    memory, e.g. ``x.view(B, S, H, D).transpose(1, 2)``); 3-D inputs [B, S, D]
+    are one head. Hq != Hkv needs enable_gqa=True. attn_mask: bool (True takes
+    part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
+    Returns o [B, Hq, Sq, Dv] in q's memory layout.
+    """
+    if _any_autocast() and (cast := ops.autocast_args(q, q, k, v, attn_mask)) is not None:
+        dev, (q, k, v, attn_mask) = cast
+        with ops._autocast_off(dev):
+            return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if scale is not None and type(scale) is not float:  # an int, numpy's, a 0-dim tensor: read as torch reads it
+        scale = ops._float_arg("scaled_dot_product_attention", "scale", scale)
+    attrs = (dropout_p, is_causal, scale, enable_gqa)
+    if (native := ops._native_call) is not None and not _is_compiling() and \
+            (out := native("sdpa", "sdpa:grad", q, k, v, attn_mask, attrs)) is not None:
+        return out
+    key, launch = ops._memo("sdpa", q, k, v, attn_mask, attrs)
+    if launch is not None:
+        return launch(q, k, v, attn_mask)
+    if ops._is_cupy(q):
+        return ops._cupy_call(scaled_dot_product_attention, (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa), {})
+    op = "scaled_dot_product_attention"
+    ops._check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        # torch takes a float32 mask beside 16-bit q, k, v (its rule: bool, float32 or the query's dtype),
+        # which the fused graph does not: torch's own op runs it
+        ops._fallback(op, "a float32 attn_mask beside another query dtype")
+        return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
+        ops._fallback(op, "dropout_p > 0")
+        return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if ops._inline_under_compile("sdpa"):
+        return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    if ops._under_functorch(op):
+        return reference.scaled_dot_product_attention_math(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    if ops._via_custom_op(q, k, v, attn_mask):
+        return torch_ops.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return ops._sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=key)
