@@ -16,6 +16,29 @@ from .ops import _any_autocast, _is_compiling  # read on every call: bound here,
 
 __all__ = ["conv2d", "linear", "matmul", "scaled_dot_product_attention"]
 
+_GO = object()  # _front's answer when no shortcut served the call: the op validates and runs it
+
+
+def _front(name: str, grad: str, again, a, b, c, d, attrs: tuple):
+    """The prologue every public op shares, in order: under torch.autocast, ``again`` (the op called
+    anew) on the operands cast as autocast casts them; the remembered launch of this signature (the C
+    memo, then the Python one); a CuPy first operand through DLPack. Returns (output, None), or
+    (_GO, the memo key) for the op's own validation and run. ``a``-``d``: the op's four operands (None
+    where absent), ``attrs`` its other arguments as ``again`` takes them."""
+    if _any_autocast() and (cast := ops.autocast_args(a, a, b, c, d)) is not None:
+        dev, operands = cast
+        with ops._autocast_off(dev):
+            return again(*operands, attrs), None
+    if (native := ops._native_call) is not None and not _is_compiling() and \
+            (out := native(name, grad, a, b, c, d, attrs)) is not None:
+        return out, None
+    key, launch = ops._memo(name, a, b, c, d, attrs)
+    if launch is not None:
+        return launch(a, b, c, d), None
+    if ops._is_cupy(a):
+        return ops._cupy_call(again, (a, b, c, d, attrs), {}), None
+    return _GO, key
+
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
            return_amax=False, *, negative_slope=0.01):
@@ -26,21 +49,10 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
     float32 0-dim tensor.
     """
-    if _any_autocast() and (cast := ops.autocast_args(x, x, weight, bias, residual)) is not None:
-        dev, (x, weight, bias, residual) = cast
-        with ops._autocast_off(dev):
-            return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
-                              negative_slope=negative_slope)
     attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
-    if (native := ops._native_call) is not None and not _is_compiling() and \
-            (out := native("conv2d", "conv2d:grad", x, weight, bias, residual, attrs)) is not None:
+    out, key = _front("conv2d", "conv2d:grad", _conv2d_again, x, weight, bias, residual, attrs)
+    if out is not _GO:
         return out
-    key, launch = ops._memo("conv2d", x, weight, bias, residual, attrs)
-    if launch is not None:
-        return launch(x, weight, bias, residual)
-    if ops._is_cupy(x):
-        return ops._cupy_call(conv2d, (x, weight, bias, stride, padding, dilation, groups, activation, residual,
-                                   return_amax), {"negative_slope": negative_slope})
     op = "conv2d"
     ops._check_tensor("x", x, op)
     ops._check_tensor("weight", weight, op)
@@ -102,19 +114,10 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
     residual: the output's shape. Returns y, or (y, amax).
     """
-    if _any_autocast() and (cast := ops.autocast_args(a, a, b, bias, residual)) is not None:
-        dev, (a, b, bias, residual) = cast
-        with ops._autocast_off(dev):
-            return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
     attrs = (activation, return_amax, negative_slope)
-    if (native := ops._native_call) is not None and not _is_compiling() and \
-            (out := native("matmul", "matmul:grad", a, b, bias, residual, attrs)) is not None:
+    out, key = _front("matmul", "matmul:grad", _matmul_again, a, b, bias, residual, attrs)
+    if out is not _GO:
         return out
-    key, launch = ops._memo("matmul", a, b, bias, residual, attrs)
-    if launch is not None:
-        return launch(a, b, bias, residual)
-    if ops._is_cupy(a):
-        return ops._cupy_call(matmul, (a, b, bias, activation, residual, return_amax), {"negative_slope": negative_slope})
     op = "matmul"
     ops._check_tensor("a", a, op)
     ops._check_tensor("b", b, op)
@@ -145,19 +148,10 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
 
     x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
     """
-    if _any_autocast() and (cast := ops.autocast_args(x, x, weight, bias, residual)) is not None:
-        dev, (x, weight, bias, residual) = cast
-        with ops._autocast_off(dev):
-            return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
     attrs = (activation, return_amax, negative_slope)
-    if (native := ops._native_call) is not None and not _is_compiling() and \
-            (out := native("linear", "linear:grad", x, weight, bias, residual, attrs)) is not None:
+    out, key = _front("linear", "linear:grad", _linear_again, x, weight, bias, residual, attrs)
+    if out is not _GO:
         return out
-    key, launch = ops._memo("linear", x, weight, bias, residual, attrs)
-    if launch is not None:
-        return launch(x, weight, bias, residual)
-    if ops._is_cupy(x):
-        return ops._cupy_call(linear, (x, weight, bias, activation, residual, return_amax), {"negative_slope": negative_slope})
     op = "linear"
     ops._check_tensor("x", x, op)
     ops._check_tensor("weight", weight, op)
@@ -194,21 +188,12 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
     Returns o [B, Hq, Sq, Dv] in q's memory layout.
     """
-    if _any_autocast() and (cast := ops.autocast_args(q, q, k, v, attn_mask)) is not None:
-        dev, (q, k, v, attn_mask) = cast
-        with ops._autocast_off(dev):
-            return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if scale is not None and type(scale) is not float:  # an int, numpy's, a 0-dim tensor: read as torch reads it
         scale = ops._float_arg("scaled_dot_product_attention", "scale", scale)
     attrs = (dropout_p, is_causal, scale, enable_gqa)
-    if (native := ops._native_call) is not None and not _is_compiling() and \
-            (out := native("sdpa", "sdpa:grad", q, k, v, attn_mask, attrs)) is not None:
+    out, key = _front("sdpa", "sdpa:grad", _sdpa_again, q, k, v, attn_mask, attrs)
+    if out is not _GO:
         return out
-    key, launch = ops._memo("sdpa", q, k, v, attn_mask, attrs)
-    if launch is not None:
-        return launch(q, k, v, attn_mask)
-    if ops._is_cupy(q):
-        return ops._cupy_call(scaled_dot_product_attention, (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa), {})
     op = "scaled_dot_product_attention"
     ops._check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
@@ -226,3 +211,26 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     if ops._via_custom_op(q, k, v, attn_mask):
         return torch_ops.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return ops._sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=key)
+
+
+# Each op called anew with its four operands and its attributes as _front hands them back.
+
+def _conv2d_again(x, weight, bias, residual, attrs):
+    stride, padding, dilation, groups, activation, return_amax, negative_slope = attrs
+    return conv2d(x, weight, bias, stride, padding, dilation, groups, activation, residual, return_amax,
+                  negative_slope=negative_slope)
+
+
+def _matmul_again(a, b, bias, residual, attrs):
+    activation, return_amax, negative_slope = attrs
+    return matmul(a, b, bias, activation, residual, return_amax, negative_slope=negative_slope)
+
+
+def _linear_again(x, weight, bias, residual, attrs):
+    activation, return_amax, negative_slope = attrs
+    return linear(x, weight, bias, activation, residual, return_amax, negative_slope=negative_slope)
+
+
+def _sdpa_again(q, k, v, attn_mask, attrs):
+    dropout_p, is_causal, scale, enable_gqa = attrs
+    return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
