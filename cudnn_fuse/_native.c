@@ -1021,7 +1021,7 @@ native_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto none; /* a miss: the Python path validates, builds and remembers */
     /* held before anything else runs: negated() calls torch (whose bindings release the GIL, and which runs
        a subclass's __torch_function__), and another thread that replaces or clears the memo meanwhile would
-       free a borrowed entry (a segmentation fault of threaded calls on the H200, 2026-12-04) */
+       free a borrowed entry (a segmentation fault of threaded calls, docs/decisions.md) */
     Py_INCREF(entry);
     {
         PyObject *check = targs != NULL ? guard_make(targs) : NULL; /* the key's snapshot: before is_neg() */

@@ -281,8 +281,8 @@ def device_ms(fn, iters: int, host_us_per_call: float = 100.0) -> list[float]:
     long enough is measured, not assumed: a call the host had not finished queueing
     before the GPU reached it (the spin's end, then the calls ahead of it) may have
     waited on the host, and its events timed its launch cost (a 4 us GEMV timed at
-    0.25 ms, which let torch's candidate "win" a batch-1 linear:
-    bench/results/tune_timing_probe.json). Those calls are dropped; when more than half
+    0.25 ms once let torch's candidate "win" a batch-1 linear: docs/autotune.md). Those calls are
+    dropped; when more than half
     were, it measures again behind a spin sized from the host's measured rate, up to
     SPIN_ATTEMPTS times (``spin_timed``).
     """

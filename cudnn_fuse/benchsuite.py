@@ -328,7 +328,7 @@ def _rand(*shape, dtype, scale=1.0, cl=False):
 def l2_bytes() -> int:
     try:
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
-    except Exception:  # noqa: BLE001 - an older torch: the H200's 60 MB
+    except Exception:  # noqa: BLE001 - an older torch: a Hopper card's 50-60 MB
         return 60 << 20
 
 
@@ -411,8 +411,8 @@ COMPILED_VARIANTS = ("torch_compile", MAX_AUTOTUNE, "torch_compile_reduce_overhe
 def compiled_last(variants) -> list:
     """``variants`` with every torch.compile mode moved to the end, the rest in their order, for
     wall-clock cases: once torch.compile has run in a process, an eager op's host time rises
-    (in the small part of 2026-12-01 the 8-layer stack's heuristic plan read 0.101 ms before the
-    compile variants and 0.152 after, bench/results/parts/peers_attention_rerun.json), so
+    (an 8-layer stack's heuristic plan once read 0.101 ms before the compile variants and 0.152
+    after), so
     every eager variant, cf's autotuned one included, is timed before any compile."""
     return sorted(variants, key=lambda v: v.name in COMPILED_VARIANTS)
 
@@ -1025,7 +1025,7 @@ def summarize(doc: dict) -> dict:
     """Per-workload roofline fields and the run's summary against the suite's targets. A record merged
     from a part carries that run's ceilings (``run_ceiling_tflops``, ``run_hbm_tbps``, see ``merge``)
     and is judged against them: the ceiling measured in the same run, on the same GPU, not another
-    part's (two H200 machines' sustained bf16 matmuls differed by 12%, 757.6 against 673.7 TFLOP/s)."""
+    part's (two machines of one GPU model differed by 12% in sustained bf16 matmul throughput)."""
     for rec in doc["workloads"]:
         ceiling, bw = _run_ceilings(rec, doc)
         ridge = ceiling / bw if _finite(ceiling) and _finite(bw) else None  # FLOP per byte

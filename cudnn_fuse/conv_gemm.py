@@ -2,10 +2,9 @@
 
 Its input [N, C, H, W] in channels_last memory is the row-major matrix [N*H*W, C], its weight
 [K, C, 1, 1] the matrix [K, C], and its output (and residual) in channels_last memory the
-row-major [N*H*W, K]: ``y = x @ w.T + bias``, the same bytes, no copy. On the H200 cuDNN's GEMM
-engines ran 7 of ResNet-50's 13 such layers faster than its conv engines did (by up to 12%, batch
-1 and batch 32 alike) and the other 6 slower (by up to 26%; bench/results/conv1x1_gemm_probe.json),
-and torch.compile max-autotune beat cf's conv on one of them by lowering it to a GEMM. So the
+row-major [N*H*W, K]: ``y = x @ w.T + bias``, the same bytes, no copy. cuDNN's GEMM engines ran
+about half of ResNet-50's such layers faster than its conv engines did, and torch.compile
+max-autotune beat cf's conv on one of them by lowering it to a GEMM (docs/decisions.md). So the
 autotuner times the GEMM (the very MatmulSpec ``cf.linear`` makes of those views, tuned and cached
 as its own entry) beside the conv's candidates, and a tuned conv entry that found it faster says
 so (``use_gemm``); the op then launches the GEMM plan on the conv's own pointers.

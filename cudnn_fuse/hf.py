@@ -48,8 +48,8 @@ def causal_mask(*args, **kwargs):
     transformers skips building the [B, 1, S, S] mask of a causal model without padding, and
     lets SDPA run ``is_causal``, only when it is not tracing: under torch.compile (before torch
     2.14) and under CUDA-graph capture (``cf.capture``) it materializes the mask, and attention
-    then runs a masked kernel (GPT-2 8x1024 on the H200: 1.40 ms a forward against 0.55 causal,
-    ``bench/results/step_profile_gpt2_infer.json``). The case needs no tensor's value: no padding
+    then runs a masked kernel (GPT-2 8x1024: 2.5x the causal kernel's time, docs/decisions.md). The
+    case needs no tensor's value: no padding
     mask, the causal mask function, no local window, queries and keys the same length, both at
     offset 0; then None (``attention_forward`` runs is_causal), traced or not. Anything else is
     transformers' own ``sdpa_mask``."""
@@ -88,8 +88,8 @@ def plain_positions_skip_packing(find_packed):
     transformers looks for several sequences packed in one row (positions that restart) and, if
     there are any, masks attention between them. The look needs the positions' values, so while
     tracing (torch.compile, and CUDA-graph capture: ``cf.capture``) it assumes packing and
-    materializes a [B, 1, S, S] mask; attention then runs a masked kernel (GPT-2 8x1024 on the
-    H200: 1.36 ms a forward against 0.55 ms causal, ``bench/results/step_profile_gpt2_infer.json``).
+    materializes a [B, 1, S, S] mask; attention then runs a masked kernel (GPT-2 8x1024: 2.5x the
+    causal kernel's time, docs/decisions.md).
     A model that was itself given no position_ids numbers them 0..S-1 in every row (transformers'
     decoders use ``arange`` / ``cache_position``), so there is nothing packed to find: during such a
     call (see ``_track_plain_calls``) the answer is None, traced or not. Eager calls still run
