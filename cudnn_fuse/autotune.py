@@ -743,6 +743,35 @@ def torch_wins(winner: Timing, timings: Sequence[Timing]) -> bool:
     return False
 
 
+CHECK_ROUNDS = 4  # a heuristic plan against torch: rounds timed alternately (ABBA), of CHECK_REPEATS runs each
+CHECK_REPEATS = 5
+
+
+def check_against_torch(plan, spec, device: int, roles) -> dict:
+    """A heuristic plan timed against torch's own kernels for the same computation (torch_engine),
+    alternately on rotated random operands, after a warm-up of both: {"cudnn_ms", "torch_ms",
+    "use_torch"}, ``use_torch`` by the rule the autotuner's torch candidate follows (``torch_wins``).
+    The price of one new shape's first call: a few milliseconds, paid once per cache."""
+    tp = torch_engine.TorchPlan(spec, device)
+    sets = random_buffers(spec, roles, device, 2)
+    counter = iter(range(10**9))
+
+    def cudnn_once():
+        plan.run(sets[next(counter) % 2])
+
+    def torch_once():
+        tp.run(sets[next(counter) % 2])
+
+    for _ in range(2):
+        cudnn_once()
+        torch_once()
+    c_ms, t_ms = runoff(lambda: statistics.median(device_ms(cudnn_once, CHECK_REPEATS)),
+                        lambda: statistics.median(device_ms(torch_once, CHECK_REPEATS)), CHECK_ROUNDS)
+    heur = Timing(0, str(getattr(plan, "engine", "?")), None, {}, 0, median_ms=c_ms, runoff_ms=c_ms, status="timed")
+    torch_t = Timing(TORCH_INDEX, "torch", None, {}, 0, median_ms=t_ms, runoff_ms=t_ms, status="timed")
+    return {"cudnn_ms": round(c_ms, 6), "torch_ms": round(t_ms, 6), "use_torch": torch_wins(heur, [heur, torch_t])}
+
+
 def runoff(a: Callable[[], float], b: Callable[[], float], rounds: int) -> tuple:
     """(median of a's, median of b's) over ``rounds`` rounds timed alternately, ABBA: a then b,
     b then a, ... so that a drift across the timings (clocks, temperature) weighs on both alike

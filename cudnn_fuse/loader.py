@@ -312,7 +312,7 @@ def rebuild(spec, engine_id: int, knobs: dict, device: int) -> Plan:
 
 def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     h = handle_for(device)
-    candidates, winner_index, use_torch, use_gemm = [], None, False, False
+    candidates, winner_index, use_torch, use_gemm, check = [], None, False, False, None
     g = None
     try:
         with held(h, device):  # builds use the shared handle: one thread at a time, off callers' streams
@@ -334,9 +334,11 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
             STATS.autotune_seconds += dt
             candidates = [t.to_dict() for t in timings]
             winner_index = winner.index
-            use_torch = autotune.torch_wins(winner, timings)
-            use_gemm = autotune.gemm_wins(winner, timings)
+            use_torch, use_gemm = _faster_of(winner, timings)
         plan = Plan(spec, g, device)
+        if not tuning:
+            check = torch_check(plan, spec, device)
+            use_torch = bool(check and check["use_torch"])
     except UnsupportedError:
         STATS.build_failures += 1
         bury(device, g)  # the graph given up on is released under the handle's lock, outside captures
@@ -347,12 +349,38 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
     log.debug("built %s plan %s (%s, %s) on cuda:%d in %.1f ms", spec.op, digest[:12], plan.engine,
               "tuned" if tuning else "heuristic", device, 1e3 * build_s)
     if pc is not None:
-        _store(pc, spec, digest, plan, tuning, candidates, build_s, winner_index, use_torch, use_gemm)
+        _store(pc, spec, digest, plan, tuning, candidates, build_s, winner_index, use_torch, use_gemm, check)
     if use_gemm:  # the tuned GEMM plan is in memory (the autotuner timed it through get_plan)
         gemm = _gemm_in_memory(spec, device)
         if gemm is not None:
             return gemm
     return _maybe_torch(plan, {"use_torch": use_torch})
+
+
+def _faster_of(winner, timings) -> tuple:
+    """(use_torch, use_gemm) of a tuning: each where it beat the cuDNN winner, and where both did, only
+    the faster of the two."""
+    use_torch, use_gemm = autotune.torch_wins(winner, timings), autotune.gemm_wins(winner, timings)
+    if use_torch and use_gemm:
+        t = {x.index: x.median_ms for x in timings}
+        use_torch = t[autotune.TORCH_INDEX] < t[autotune.GEMM_INDEX]
+        use_gemm = not use_torch
+    return use_torch, use_gemm
+
+
+def torch_check(plan, spec, device: int):
+    """A heuristic plan checked once against torch's own kernels for its computation
+    (autotune.check_against_torch): the record to store, or None where no check applies (torch
+    cannot stand in for the graph, deterministic algorithms are asked for, no GPU, or the calling
+    stream is capturing: nothing may be timed inside a capture). A check that fails keeps cuDNN."""
+    if not torch_engine.supports(spec) or deterministic() or not torch.cuda.is_available() or \
+            torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        return autotune.check_against_torch(plan, spec, device, roles_of(spec))
+    except Exception as exc:  # noqa: BLE001 - a check that cannot run leaves the cuDNN plan
+        log.debug("cudnn_fuse: %s plan not checked against torch: %s: %s", spec.op, type(exc).__name__, exc)
+        return None
 
 
 def _gemm_in_memory(spec, device):
@@ -366,7 +394,7 @@ def _gemm_in_memory(spec, device):
 
 
 def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winner_index=None,
-           use_torch: bool = False, use_gemm: bool = False) -> None:
+           use_torch: bool = False, use_gemm: bool = False, torch_check: dict | None = None) -> None:
     try:
         engine_id, knobs = plan.graph.get_engine_and_knobs_at_index(plan.graph._plan_index)
         blob = plan.graph.serialize(as_bytes=True)
@@ -393,7 +421,7 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
         "tuned": tuned,
         "candidates": candidates,
         "winner_index": winner_index,
-        "use_torch": bool(use_torch),  # torch (cuBLAS) timed faster than the cuDNN winner: the op runs it
+        "use_torch": bool(use_torch),  # torch's own kernels timed faster than the cuDNN winner: the op runs them
         "use_gemm": bool(use_gemm),  # a 1x1 conv's GEMM (conv_gemm.py) timed faster than the conv winner
         "deterministic": bool(deterministic()),  # chosen among deterministic engines only (cache_digest)
         "build_ms": round(1e3 * build_s, 3),
@@ -401,6 +429,8 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
         "host": socket.gethostname(),
         "device_name": torch.cuda.get_device_name(plan.device),
     }
+    if torch_check is not None:
+        meta["torch_check"] = torch_check  # a heuristic plan's timing against torch's kernels
     if pinned:
         meta["pinned"] = True  # a rebuild of this entry's engine record keeps it pinned
     pc.put(digest, meta, blob, pinned=pinned)

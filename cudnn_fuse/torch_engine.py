@@ -1,15 +1,17 @@
-"""torch (cuBLAS) as one more candidate engine for matmul-class graphs.
+"""torch's own kernels as one more candidate for conv and matmul-class graphs.
 
-cuDNN's GEMM engines can run large compute-bound matmuls slower than cuBLAS, so that fusing the
-epilogue does not pay for the slower mainloop (docs/decisions.md, "torch as one more autotune
-candidate"). The autotuner times this implementation beside cuDNN's candidates; when it is
-faster, the cache entry says so (``use_torch``) and the op runs it: cuBLAS's matmul with the bias
-in its epilogue (``addmm``), then the residual, the activation in place and the amax as one
-reduction — what eager PyTorch does, with no extra copy.
+cuDNN's graph engines can run a computation slower than the kernel torch picks for it: cuBLAS's
+GEMMs beat cuDNN's GEMM engines on large compute-bound matmuls, and torch's depthwise convs run
+kernels the graph API does not offer (docs/decisions.md, "torch as one more candidate"). Where
+this implementation is faster the cache entry says so (``use_torch``) and the op runs it: the
+matmul with the bias in its epilogue (``addmm``) or the conv with its bias, written into the op's
+output, then the residual, the activation in place and the amax as one reduction — what eager
+PyTorch does, with no extra copy. The autotuner times it beside cuDNN's candidates; a heuristic
+plan is checked against it once (loader.py).
 
-Only for 16-bit MatmulSpec and SaveZSpec (fp32 would follow torch's global TF32 flags, not the
-spec's), and never when deterministic algorithms are required (cuBLAS's determinism depends on
-CUBLAS_WORKSPACE_CONFIG, which cudnn_fuse does not control).
+Only for 16-bit specs (fp32 would follow torch's global TF32 flags, not the spec's), convs with
+symmetric padding, and never when deterministic algorithms are required (torch's kernel choice
+there depends on settings cudnn_fuse does not control).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .builders import roles_of
-from .spec import MatmulSpec, SaveZSpec
+from .spec import ConvSpec, MatmulSpec, SaveZSpec
 
 ENGINE_NAME = "torch"
 _DTYPES = ("float16", "bfloat16")
@@ -25,6 +27,8 @@ _DTYPES = ("float16", "bfloat16")
 
 def supports(spec) -> bool:
     """Whether this implementation can stand in for ``spec``'s graph."""
+    if type(spec) is ConvSpec:
+        return spec.x.dtype in _DTYPES and tuple(spec.pre_padding) == tuple(spec.post_padding)
     fwd = spec.fwd if isinstance(spec, SaveZSpec) else spec
     if not isinstance(fwd, MatmulSpec) or type(spec) not in (MatmulSpec, SaveZSpec):
         return False
@@ -88,6 +92,9 @@ class TorchPlan:
 
     def run(self, buffers) -> None:
         t = dict(zip(self.roles, buffers))
+        if type(self.spec) is ConvSpec:
+            _conv_run(self.spec, t)
+            return
         save_z = isinstance(self.spec, SaveZSpec)
         fwd = self.spec.fwd if save_z else self.spec
         epi = fwd.epilogue
@@ -102,3 +109,19 @@ class TorchPlan:
         if epi.amax:
             y = t["y"]
             t["amax"].copy_(torch.linalg.vector_norm(y, float("inf")).reshape(t["amax"].shape))
+
+
+def _conv_run(spec: ConvSpec, t: dict) -> None:
+    """The conv with its bias straight into the op's output (torch's own conv kernel for these
+    operands), then the residual, the activation in place and the amax, as eager runs them."""
+    y, epi = t["y"], spec.epilogue
+    bias = t.get("bias")
+    torch.ops.aten.convolution.out(t["x"], t["w"], bias.reshape(-1) if bias is not None else None,
+                                   list(spec.stride), list(spec.pre_padding), list(spec.dilation), False, [0, 0],
+                                   spec.groups, out=y)
+    if "residual" in t:
+        y.add_(t["residual"])
+    if epi.activation is not None:
+        _act_out(y, y, epi.activation, epi.negative_slope)
+    if epi.amax:
+        t["amax"].copy_(torch.linalg.vector_norm(y, float("inf")).reshape(t["amax"].shape))

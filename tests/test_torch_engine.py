@@ -28,6 +28,19 @@ def _matmul_spec(B, M, K, N, dtype="bfloat16", bias=True, residual=False, act="g
     return MatmulSpec(a, b, y, epi)
 
 
+def _conv_spec(N=2, C=4, H=9, K=4, R=3, groups=1, dtype="float16", pre=(1, 1), post=(1, 1), stride=(1, 1),
+               bias=True, residual=False, act="relu", amax=False, slope=0.01):
+    """A channels_last ConvSpec as cf.conv2d makes one."""
+    def cl(n, c, h, w):
+        return TensorSpec((n, c, h, w), (c * h * w, 1, w * c, c), dtype)
+
+    P = (H + pre[0] + post[0] - R) // stride[0] + 1
+    Q = (H + pre[1] + post[1] - R) // stride[1] + 1
+    epi = Epilogue(bias=TensorSpec((1, K, 1, 1), (K, 1, K, K), dtype) if bias else None,
+                   residual=cl(N, K, P, Q) if residual else None, activation=act, negative_slope=slope, amax=amax)
+    return ConvSpec(cl(N, C, H, H), cl(K, C // groups, R, R), cl(N, K, P, Q), stride, pre, post, (1, 1), groups, epi)
+
+
 def _buffers(spec):
     """Random operands in roles order, with the spec's shapes and strides (outputs poisoned)."""
     geo = autotune._geometry(spec)
@@ -99,7 +112,7 @@ def test_save_z_writes_both_outputs(act):
     assert torch.equal(t["y"], reference.activation(t["z"], act, 0.3).to(t["y"].dtype))
 
 
-def test_supports_only_16_bit_matmul_class_graphs():
+def test_supports_16_bit_matmul_class_graphs_and_convs_with_symmetric_padding():
     assert torch_engine.supports(_matmul_spec(1, 8, 8, 8))
     assert torch_engine.supports(_matmul_spec(1, 8, 8, 8, dtype="float16", amax=True))
     assert not torch_engine.supports(_matmul_spec(1, 8, 8, 8, dtype="float32"))
@@ -107,10 +120,31 @@ def test_supports_only_16_bit_matmul_class_graphs():
     assert torch_engine.supports(SaveZSpec(fwd, TensorSpec.contiguous((1, 8, 8), "bfloat16")))
     fwd_amax = _matmul_spec(1, 8, 8, 8, amax=True)
     assert not torch_engine.supports(SaveZSpec(fwd_amax, TensorSpec.contiguous((1, 8, 8), "bfloat16")))
-    x = TensorSpec.contiguous((1, 4, 8, 8), "float16")
-    conv = ConvSpec(x, TensorSpec.contiguous((4, 4, 3, 3), "float16"), TensorSpec.contiguous((1, 4, 6, 6), "float16"),
-                    (1, 1), (0, 0), (0, 0), (1, 1), 1, Epilogue())
-    assert not torch_engine.supports(conv)
+    assert torch_engine.supports(_conv_spec())
+    assert torch_engine.supports(_conv_spec(groups=4, dtype="bfloat16"))
+    assert not torch_engine.supports(_conv_spec(dtype="float32"))
+    assert not torch_engine.supports(_conv_spec(pre=(0, 0), post=(1, 1)))  # torch pads both sides alike
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias,residual,amax", [(True, False, False), (False, True, True), (True, True, False)])
+def test_conv_matches_the_reference_in_the_ops_output_buffer(groups, act, bias, residual, amax):
+    """torch's conv with its bias written into the op's own (channels_last) output, then the epilogue
+    in place: the same values as the reference conv, the output buffer kept."""
+    torch.manual_seed(1)
+    spec = _conv_spec(groups=groups, bias=bias, residual=residual, act=act, amax=amax, slope=0.2, stride=(2, 2))
+    bufs = _buffers(spec)
+    t = dict(zip(roles_of(spec), bufs))
+    y_ptr, y_stride = t["y"].data_ptr(), t["y"].stride()
+    torch_engine.TorchPlan(spec, 0).run(bufs)
+    assert t["y"].data_ptr() == y_ptr and t["y"].stride() == y_stride
+    f = {k: v.float() for k, v in t.items()}
+    want = reference.conv2d(f["x"], f["w"], f["bias"].reshape(-1) if bias else None, stride=2, padding=1,
+                            groups=groups, activation=act, residual=f.get("residual"), negative_slope=0.2)
+    assert _close(t["y"], want)
+    if amax:
+        assert t["amax"].item() == pytest.approx(t["y"].float().abs().max().item())
 
 
 def _winner(ms):
