@@ -81,19 +81,22 @@ def measure(shape, budget_s: float) -> dict:
     def cf_call():
         return cf.conv2d(x, w, b, stride, pad, 1, groups, activation=act)
 
-    for mode in ("heuristic", "autotuned"):
+    def cf_conv_only():  # the graph with no epilogue: which engines the graph API offers for the conv alone
+        return cf.conv2d(x, w, None, stride, pad, 1, groups)
+
+    for mode, call in (("heuristic", cf_call), ("autotuned", cf_call), ("conv_only_autotuned", cf_conv_only)):
         with tempfile.TemporaryDirectory() as d:
             os.environ["CUDNN_FUSE_CACHE_DIR"] = d
             loader.clear()
-            cf.set_autotune(mode == "autotuned")
-            cf_call()
+            cf.set_autotune(mode != "heuristic")
+            call()
             spec = loader.plans_in_memory()[-1].spec
             plan = loader.plans_in_memory()[-1]
             meta = entry_of(d, spec)
             rec[mode] = {
                 "engine": meta.get("engine_name"), "use_torch": meta.get("use_torch"),
                 "torch_check": meta.get("torch_check"), "runs": type(plan).__name__,
-                "ms": device_ms(cf_call),
+                "ms": device_ms(call),
                 "candidates": [{k: c.get(k) for k in ("name", "median_ms", "first_ms", "status")}
                                for c in meta.get("candidates", [])],
             }
@@ -122,10 +125,13 @@ def main(argv=None) -> int:
             continue
         rec = measure(shape, args.budget_s)
         rows.append(rec)
-        h, a = rec["heuristic"], rec["autotuned"]
+        h, a, c = rec["heuristic"], rec["autotuned"], rec["conv_only_autotuned"]
+        best = min((x for x in c["candidates"] if x["name"] != "torch" and x["median_ms"]), default=None,
+                   key=lambda x: x["median_ms"])
         print(f"{rec['name']:24s} torch {rec['torch_ms']:.3f} (no cuDNN {rec['torch_no_cudnn_ms']:.3f})  "
               f"cf heuristic {h['ms']:.3f} [{h['engine']}, {h['runs']}, check {h['torch_check']}]  "
-              f"autotuned {a['ms']:.3f} [{a['engine']}, {a['runs']}]", flush=True)
+              f"autotuned {a['ms']:.3f} [{a['engine']}, {a['runs']}]  conv alone: best cuDNN engine "
+              f"{best and best['name']} {best and best['median_ms']}", flush=True)
         print(f"    torch kernels: {rec['torch_kernels']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "conv_engines.json"),

@@ -1,0 +1,256 @@
+"""The model zoo: whole models as a user runs them, cf against torch eager and torch.compile.
+
+torchvision's CNNs (fp16, channels_last) and vision transformers, and transformers' GPT-2, BERT-base and a
+small Llama (bf16), all with random weights (no downloads), in inference at batch 1 and 32 and, for a few,
+a training step. Per model and mode: eager, cf (``cf.optimize``), cf autotuned, torch.compile (default
+mode; max-autotune where asked), torch.compile over cf in the same mode; each variant's first call (its
+compile or plan builds included) and its output's error against eager. Rows are merged into the output
+file by (model, mode), so the zoo can be run in parts:
+
+    python3 bench/models.py --out bench/results --models convnext_tiny,resnet50 --modes infer_bs32
+    python3 bench/models.py --plot bench/results/models.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cudnn_fuse as cf  # noqa: E402
+from bench.common import device_name, time_ms, write_json  # noqa: E402
+
+CNNS = ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "regnet_y_1_6gf")
+VITS = ("vit_b_16", "swin_t")
+LMS = ("gpt2", "bert_base", "llama_small")
+MODELS = CNNS + VITS + LMS
+MODES = ("infer_bs1", "infer_bs32", "train")
+TRAINED = ("resnet50", "gpt2", "llama_small")  # the models with a training row
+MAX_AUTOTUNE = ("resnet50", "vit_b_16", "gpt2")  # max-autotune compiles take minutes: these only
+SEQ = 256  # the language models' sequence length
+
+
+def build(name: str):
+    """(model on the GPU in its dtype, a function making its input for a batch size)."""
+    if name in CNNS + VITS:
+        import torchvision
+
+        model = getattr(torchvision.models, name)(weights=None).cuda().to(torch.float16)
+        if name in CNNS:
+            model = model.to(memory_format=torch.channels_last)
+
+        def make(bs):
+            x = torch.randn(bs, 3, 224, 224, device="cuda", dtype=torch.float16)
+            return (x.contiguous(memory_format=torch.channels_last) if name in CNNS else x,)
+        return model, make
+    import transformers as tf
+
+    if name == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(attn_implementation="sdpa"))
+    elif name == "bert_base":
+        model = tf.BertModel(tf.BertConfig(attn_implementation="sdpa"))
+    else:
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                                   num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                                                   attn_implementation="sdpa"))
+    model = model.cuda().to(torch.bfloat16)
+    vocab = model.config.vocab_size
+
+    def make(bs):
+        return (torch.randint(0, vocab, (bs, SEQ), device="cuda"),)
+    return model, make
+
+
+def _logits(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        v = getattr(out, key, None)
+        if v is not None:
+            return v
+    return out[0]
+
+
+def rel_err(got, want) -> float:
+    got, want = _logits(got).float(), _logits(want).float()
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def variants(name: str, mode: str, autotune_budget: float, compile_modes) -> list:
+    """(variant name, model wrapper from the eager model) pairs for one row."""
+    out = [("eager", lambda m: m), ("cf", lambda m: cf.optimize(m)),
+           ("cf_autotuned", lambda m: cf.optimize(m, autotune=True))]
+    for cmode in compile_modes:
+        if cmode == "max-autotune" and name not in MAX_AUTOTUNE:
+            continue
+        suffix = "" if cmode == "default" else "_max"
+        out.append((f"compile{suffix}", lambda m, c=cmode: torch.compile(m, mode=c)))
+        out.append((f"cf_compile{suffix}", lambda m, c=cmode: torch.compile(cf.optimize(m), mode=c)))
+    return out
+
+
+def run_variant(model, make, wrap, mode: str, bs: int, want):
+    """(ms per call, first call s, error against ``want``, the first output) of one variant."""
+    inputs = make(bs)
+    train = mode == "train"
+    model.train(train)  # before the wrap: optimize() folds BatchNorm only in eval mode
+    m = wrap(model)
+    m.train(train)
+
+    def step():
+        if train:
+            out = _logits(m(*inputs))
+            out.float().square().mean().backward()
+            return out
+        with torch.no_grad():
+            return m(*inputs)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = step()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    err = rel_err(first, want) if want is not None else 0.0
+    ms = time_ms(step, warmup=5, iters=20 if train else 50)
+    return ms, first_s, err, first
+
+
+def run_row(name: str, mode: str, args) -> dict:
+    torch.manual_seed(0)
+    model, make = build(name)
+    bs = 32 if mode in ("infer_bs32", "train") else 1
+    if mode == "train" and name in LMS:
+        bs = 8
+    row = {"model": name, "mode": mode, "batch": bs, "first_call_s": {}, "err": {}}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        model.eval()
+        want = model(*make(bs))  # the reference output: eager, same inputs (seeded)
+    for vname, wrap in variants(name, mode, args.autotune_budget, args.compile_modes):
+        if args.variants and vname not in args.variants:
+            continue
+        torch.manual_seed(1)
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["CUDNN_FUSE_CACHE_DIR"] = cache  # every variant from an empty plan cache
+            torch._dynamo.reset()
+            try:
+                ms, first_s, err, _ = run_variant(model, make, wrap, mode, bs, want if mode != "train" else None)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, the row goes on
+                row[f"{vname}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(f"  {name} {mode} {vname}: {row[f'{vname}_error']}", flush=True)
+                continue
+            finally:
+                cf.set_autotune(None)
+        row[f"{vname}_ms"] = round(ms, 4)
+        row["first_call_s"][vname] = round(first_s, 3)
+        row["err"][vname] = float(f"{err:.3g}")
+        print(f"  {name:18s} {mode:10s} {vname:14s} {ms:9.3f} ms  first {first_s:7.2f} s  err {err:.2e}", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
+
+
+def summarize(rows) -> dict:
+    """The goals' ratios over the rows that have them."""
+    def geo(vals):
+        vals = [v for v in vals if v and math.isfinite(v)]
+        return round(math.exp(sum(math.log(v) for v in vals) / len(vals)), 4) if vals else None
+
+    infer = [r for r in rows if r["mode"].startswith("infer")]
+    return {
+        "cf_over_eager_worst": max((r["cf_ms"] / r["eager_ms"] for r in rows if "cf_ms" in r and "eager_ms" in r),
+                                   default=None),
+        "eager_over_cf_geomean_infer": geo([r["eager_ms"] / r["cf_ms"] for r in infer if "cf_ms" in r and "eager_ms" in r]),
+        "cf_compile_over_compile_worst": max((r["cf_compile_ms"] / r["compile_ms"] for r in rows
+                                              if "cf_compile_ms" in r and "compile_ms" in r), default=None),
+        "compile_over_cf_compile_geomean_infer": geo([r["compile_ms"] / r["cf_compile_ms"] for r in infer
+                                                      if "cf_compile_ms" in r and "compile_ms" in r]),
+    }
+
+
+def plot(path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.load(open(path))
+    rows = [r for r in doc["rows"] if "eager_ms" in r]
+    labels = [f"{r['model']}\n{r['mode']}" for r in rows]
+    series = [("cf", "cf_ms"), ("cf autotuned", "cf_autotuned_ms"), ("torch.compile", "compile_ms"),
+              ("torch.compile(cf)", "cf_compile_ms")]
+    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(rows)), 5))
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        ax.bar([j + i * width for j in range(len(rows))],
+               [r["eager_ms"] / r[key] if key in r else 0 for r in rows], width, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels(labels, rotation=90, fontsize=7)
+    ax.set_ylabel("speed-up over torch eager")
+    ax.set_title(f"model zoo on {doc.get('gpu')} ({doc.get('commit')})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results", help="directory of models.json (rows merged by model, mode)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated among {', '.join(MODELS)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated among {', '.join(MODES)}")
+    p.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    p.add_argument("--compile-modes", default="default", help="torch.compile modes: default and/or max-autotune")
+    p.add_argument("--autotune-budget", type=float, default=2.0, help="cf autotuned's budget per graph, seconds")
+    p.add_argument("--plot", metavar="JSON", help="only plot an existing models.json")
+    args = p.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return 0
+    if not torch.cuda.is_available():
+        print("models.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.compile_modes = [c for c in args.compile_modes.split(",") if c]
+    os.environ["CUDNN_FUSE_TUNE_BUDGET_S"] = str(args.autotune_budget)
+    from cudnn_fuse import autotune
+
+    autotune.DEFAULT_CONFIG.budget_s = args.autotune_budget
+    path = os.path.join(args.out, "models.json")
+    doc = json.load(open(path)) if os.path.exists(path) else {"rows": []}
+    doc.update(gpu=device_name(), commit=_commit(), torch=torch.__version__)
+    for name in args.models.split(","):
+        for mode in args.modes.split(","):
+            if mode == "train" and name not in TRAINED:
+                continue
+            row = run_row(name, mode, args)
+            row.update(gpu=doc["gpu"], commit=doc["commit"])
+            doc["rows"] = [r for r in doc["rows"] if (r["model"], r["mode"]) != (name, mode)] + [row]
+            doc["summary"] = summarize(doc["rows"])
+            os.makedirs(args.out, exist_ok=True)
+            write_json(path, doc)
+    print(json.dumps(doc["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
