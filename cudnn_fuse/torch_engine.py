@@ -112,16 +112,19 @@ class TorchPlan:
 
 
 def _conv_run(spec: ConvSpec, t: dict) -> None:
-    """The conv with its bias straight into the op's output (torch's own conv kernel for these
-    operands), then the residual, the activation in place and the amax, as eager runs them."""
+    """torch's own conv kernel for these operands, then the bias, the residual and the activation,
+    each pass writing the op's output (aten's ``convolution.out`` would copy into it: one pass more
+    than eager), then the amax."""
     y, epi = t["y"], spec.epilogue
-    bias = t.get("bias")
-    torch.ops.aten.convolution.out(t["x"], t["w"], bias.reshape(-1) if bias is not None else None,
-                                   list(spec.stride), list(spec.pre_padding), list(spec.dilation), False, [0, 0],
-                                   spec.groups, out=y)
-    if "residual" in t:
-        y.add_(t["residual"])
+    src = torch.ops.aten.convolution(t["x"], t["w"], None, list(spec.stride), list(spec.pre_padding),
+                                     list(spec.dilation), False, [0, 0], spec.groups)
+    for name in ("bias", "residual"):
+        if name in t:
+            torch.add(src, t[name], out=y)
+            src = y
     if epi.activation is not None:
-        _act_out(y, y, epi.activation, epi.negative_slope)
+        _act_out(src, y, epi.activation, epi.negative_slope)
+    elif src is not y:
+        y.copy_(src)
     if epi.amax:
         t["amax"].copy_(torch.linalg.vector_norm(y, float("inf")).reshape(t["amax"].shape))
