@@ -222,6 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile-modes", default="default", help="torch.compile modes: default and/or max-autotune")
     p.add_argument("--autotune-budget", type=float, default=2.0, help="cf autotuned's budget per graph, seconds")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing models.json")
+    p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
     autotune.DEFAULT_CONFIG.budget_s = args.autotune_budget
     path = os.path.join(args.out, "models.json")
     doc = json.load(open(path)) if os.path.exists(path) else {"rows": []}
-    doc.update(gpu=device_name(), commit=_commit(), torch=torch.__version__)
+    doc.update(gpu=device_name(), commit=args.commit or _commit(), torch=torch.__version__)
     for name in args.models.split(","):
         for mode in args.modes.split(","):
             if mode == "train" and name not in TRAINED:
