@@ -2,7 +2,7 @@
 
 cuDNN's graph engines can run a computation slower than the kernel torch picks for it: cuBLAS's
 GEMMs beat cuDNN's GEMM engines on large compute-bound matmuls, and torch's depthwise convs run
-kernels the graph API does not offer (docs/decisions.md, "torch as one more candidate"). Where
+kernels the graph API does not offer (docs/autotune.md, "torch as one more candidate"). Where
 this implementation is faster the cache entry says so (``use_torch``) and the op runs it: the
 matmul with the bias in its epilogue (``addmm``) or the conv with its bias, written into the op's
 output, then the residual, the activation in place and the amax as one reduction — what eager
