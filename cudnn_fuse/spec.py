@@ -13,13 +13,123 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
+
+from .errors import ArgumentError
 
 SCHEMA_VERSION = 1
 
 DTYPES = ("float16", "bfloat16", "float32")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu")
+NO_ACTIVATION = ("none", "identity")  # names of no activation (any case), as None
+DEFAULT_SLOPE = 0.01  # leaky_relu's, torch's default; the one slope every other activation takes
+
+_FUNCTIONS = None  # {torch activation function: name}, made on first use (this module imports torch only then)
+
+
+def _torch_functions() -> dict:
+    global _FUNCTIONS
+    if _FUNCTIONS is None:
+        import torch
+        import torch.nn.functional as F
+
+        _FUNCTIONS = {F.relu: "relu", torch.relu: "relu", F.gelu: "gelu", F.silu: "silu", torch.tanh: "tanh",
+                      F.tanh: "tanh", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", F.leaky_relu: "leaky_relu"}
+    return _FUNCTIONS
+
+
+def torch_activation(obj):
+    """(name, slope) of a torch activation function or module a user already has, or None for
+    anything else: F.relu / torch.relu / nn.ReLU() -> "relu", F.gelu / nn.GELU() -> "gelu",
+    nn.GELU(approximate="tanh") -> "gelu_tanh", F.silu / nn.SiLU(), torch.tanh / F.tanh / nn.Tanh(),
+    torch.sigmoid / F.sigmoid / nn.Sigmoid(), F.leaky_relu -> "leaky_relu", nn.LeakyReLU(s) ->
+    ("leaky_relu", s), nn.Identity() -> (None, None). ``slope`` is the module's own (nn.LeakyReLU's),
+    else None. A module is matched with isinstance (optimize() has always matched them so); one with
+    inplace=True is the same activation (the op's output is a new tensor anyway)."""
+    if isinstance(obj, (str, numbers.Number)) or obj is None:
+        return None
+    from torch import nn
+
+    if isinstance(obj, nn.Module):
+        if isinstance(obj, nn.LeakyReLU):
+            return "leaky_relu", obj.negative_slope
+        if isinstance(obj, nn.GELU):
+            approximate = {"none": "gelu", "tanh": "gelu_tanh"}.get(obj.approximate)
+            return None if approximate is None else (approximate, None)
+        for cls, name in ((nn.ReLU, "relu"), (nn.SiLU, "silu"), (nn.Tanh, "tanh"), (nn.Sigmoid, "sigmoid"),
+                          (nn.Identity, None)):
+            if isinstance(obj, cls):
+                return name, None
+        return None
+    try:
+        name = _torch_functions().get(obj)
+    except TypeError:  # unhashable
+        return None
+    return None if name is None else (name, None)
+
+
+def _slope_value(v, op: str):
+    """A slope as a float: a real number (Python's or numpy's) or a 0-dim real tensor that does not
+    require grad (torch's F.leaky_relu takes one); a symbolic number (tracing) as it is."""
+    if type(v) is float or isinstance(v, numbers.Real):
+        return float(v)
+    if type(v).__name__ in ("SymFloat", "SymInt"):
+        return v
+    if hasattr(v, "dim") and hasattr(v, "is_complex") and v.dim() == 0 and not v.is_complex() \
+            and not getattr(v, "requires_grad", False) and not getattr(v, "is_meta", False):
+        return float(v)
+    raise TypeError(f"{op}negative_slope must be a real number, got {v!r}")
+
+
+def canonical_activation(activation, negative_slope=DEFAULT_SLOPE, op: str = "", strict: bool = True):
+    """(name, negative_slope) for an ``activation`` and ``negative_slope`` argument: the name one of
+    ACTIVATIONS or None, whatever spelling came in: a name in any case ("ReLU", "GELU"), "none" /
+    "identity" (any case) for None, or a torch activation function or module (``torch_activation``).
+    Specs, cache keys and modules only ever see the name this returns.
+
+    ``strict`` (what the ops and modules check): a slope other than the default given with an
+    activation other than "leaky_relu" raises ArgumentError (torch's F.relu takes no slope), as does one
+    that contradicts an nn.LeakyReLU's own slope (which otherwise wins over the default); the slope must
+    be a real number (TypeError). Not strict (a spec): such a slope is normalized to the default, so that
+    it cannot split the cache. ``op``: the caller's name, the messages' prefix. An unknown activation
+    raises ArgumentError naming ``activation`` and the accepted names."""
+    where = f"{op}: " if op else ""
+    own = None
+    if activation is None:
+        name = None
+    elif isinstance(activation, str):
+        name = activation.lower()
+        if name in NO_ACTIVATION:
+            name = None
+        elif name not in ACTIVATIONS:
+            raise _unknown_activation(where, activation)
+    else:
+        found = torch_activation(activation)
+        if found is None:
+            raise _unknown_activation(where, activation)
+        name, own = found
+    slope = _slope_value(negative_slope, where) if strict else negative_slope
+    if own is not None:  # nn.LeakyReLU(s): its slope wins over the default, and conflicts with another one
+        if strict and slope != DEFAULT_SLOPE and slope != own:
+            raise ArgumentError(f"{where}negative_slope={slope} conflicts with activation={activation!r} "
+                                f"(its own slope is {own}): give one of them")
+        return name, float(own) if strict else own
+    if name != "leaky_relu" and slope != DEFAULT_SLOPE:
+        if strict:
+            raise ArgumentError(f"{where}negative_slope={slope} is given with activation={name!r}: only "
+                                f"'leaky_relu' takes a slope (leave negative_slope at its default {DEFAULT_SLOPE})")
+        slope = DEFAULT_SLOPE
+    return name, slope
+
+
+def _unknown_activation(where: str, activation) -> ArgumentError:
+    return ArgumentError(
+        f"{where}activation must be None or one of {ACTIVATIONS} (any case; 'none' or 'identity' for None), or "
+        "a torch activation (F.relu, torch.relu, nn.ReLU(), F.gelu, nn.GELU(), nn.GELU(approximate='tanh'), "
+        "F.silu, nn.SiLU(), torch.tanh, nn.Tanh(), torch.sigmoid, nn.Sigmoid(), F.leaky_relu, nn.LeakyReLU(s), "
+        f"nn.Identity()), got {activation!r}")
 
 
 @dataclass(frozen=True)
@@ -68,15 +178,12 @@ class Epilogue:
     amax: bool = False
 
     def __post_init__(self):
-        # 1 and 1.0 are one slope, and so are -0.0 and 0.0 (equal specs, one in-memory plan): keep the
-        # canonical JSON (the digest) from splitting
-        object.__setattr__(self, "negative_slope", float(self.negative_slope) + 0.0)
-        if self.activation is not None and self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.activation != "leaky_relu" and self.negative_slope != 0.01:
-            # The slope means nothing for other activations; normalise it so it
-            # cannot split the cache.
-            object.__setattr__(self, "negative_slope", 0.01)
+        # 1 and 1.0 are one slope, and so are -0.0 and 0.0 (equal specs, one in-memory plan), "ReLU" and
+        # "relu" one activation: keep the canonical JSON (the digest) from splitting. The slope means
+        # nothing for other activations than leaky_relu: normalized, so it cannot split the cache either.
+        name, slope = canonical_activation(self.activation, float(self.negative_slope) + 0.0, strict=False)
+        object.__setattr__(self, "activation", name)
+        object.__setattr__(self, "negative_slope", float(slope) + 0.0)
 
 
 class _SpecMixin:
@@ -228,10 +335,11 @@ class RecomputeGradSpec(_WrapsForward):
 
 
 def _check_act_grad(spec) -> None:
-    """An activation-backward spec's name check (Epilogue's) and slope normalization (the
-    slope means something only for leaky_relu, so other activations' specs key the same)."""
-    Epilogue(activation=spec.activation)
-    object.__setattr__(spec, "negative_slope", float(spec.negative_slope) + 0.0 if spec.activation == "leaky_relu" else 0.01)
+    """An activation-backward spec's name check and canonical name (Epilogue's) and slope normalization
+    (the slope means something only for leaky_relu, so other activations' specs key the same)."""
+    epi = Epilogue(activation=spec.activation, negative_slope=spec.negative_slope)
+    object.__setattr__(spec, "activation", epi.activation)
+    object.__setattr__(spec, "negative_slope", epi.negative_slope)
 
 
 @dataclass(frozen=True)

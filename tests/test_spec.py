@@ -307,10 +307,36 @@ def test_equal_specs_have_equal_digests_int_vs_float_slope():
     assert conv_spec(epilogue=e_int).digest() == conv_spec(epilogue=e_float).digest()
 
 
+_SPELLINGS = [  # (another spelling, the canonical name)
+    ("ReLU", "relu"), ("RELU", "relu"), ("GELU", "gelu"), ("Gelu_Tanh", "gelu_tanh"), ("SiLU", "silu"),
+    ("Leaky_ReLU", "leaky_relu"), ("none", None), ("None", None), ("IDENTITY", None),
+    (torch.nn.ReLU(), "relu"), (torch.nn.ReLU(inplace=True), "relu"), (torch.nn.functional.relu, "relu"),
+    (torch.relu, "relu"), (torch.nn.GELU(), "gelu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
+    (torch.nn.functional.gelu, "gelu"), (torch.nn.SiLU(), "silu"), (torch.nn.functional.silu, "silu"),
+    (torch.tanh, "tanh"), (torch.nn.Tanh(), "tanh"), (torch.sigmoid, "sigmoid"), (torch.nn.Sigmoid(), "sigmoid"),
+    (torch.nn.functional.leaky_relu, "leaky_relu"), (torch.nn.Identity(), None),
+]
+
+
+@pytest.mark.parametrize("spelling, name", _SPELLINGS, ids=[repr(s)[:30] for s, _ in _SPELLINGS])
+def test_a_spec_made_from_any_spelling_of_an_activation_is_the_canonical_one(spelling, name):
+    """Specs (and so cache keys) only ever see the canonical names: one plan for "ReLU" and "relu"."""
+    e = Epilogue(activation=spelling)
+    assert e.activation == name and e == Epilogue(activation=name)
+    assert conv_spec(epilogue=e).digest() == conv_spec(epilogue=Epilogue(activation=name)).digest()
+    assert conv_spec(epilogue=e).canonical_json() == conv_spec(epilogue=Epilogue(activation=name)).canonical_json()
+
+
+def test_a_spec_made_from_nn_leaky_relu_takes_its_slope():
+    e = Epilogue(activation=torch.nn.LeakyReLU(0.2))
+    assert (e.activation, e.negative_slope) == ("leaky_relu", 0.2)
+    assert e == Epilogue(activation="leaky_relu", negative_slope=0.2)
+
+
 # ---------------------------------------------------------------- rejects
 
 
-@pytest.mark.parametrize("act", ["swish", "RELU", "", "gelu_approx_tanh", 3])
+@pytest.mark.parametrize("act", ["swish", "", "gelu_approx_tanh", 3, "leakyrelu"])
 def test_unknown_activation_is_a_value_error(act):
     with pytest.raises(ValueError, match="activation"):
         Epilogue(activation=act)
