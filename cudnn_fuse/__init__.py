@@ -8,7 +8,7 @@
 
 from ._version import __version__
 from .autotune import set_autotune
-from .errors import UnsupportedError
+from .errors import ArgumentError, UnsupportedError
 from . import nn
 from .graphs import capture
 from .launch_graphs import set_launch_graphs
@@ -52,4 +52,5 @@ __all__ = [
     "set_launch_graphs",
     "PlanCache",
     "UnsupportedError",
+    "ArgumentError",
 ]

@@ -327,7 +327,7 @@ def linear_grads(x, w, bias, residual, gy, act, slope, src, needs):
     ``residual`` are needed only when z is recomputed (the caller saves them then)."""
     N, K, rows, a3, b3 = _linear_operands(x, w)
     dy3 = gy.contiguous().reshape(1, rows, N)
-    r3 = residual.reshape(1, rows, N) if residual is not None else None
+    r3 = ops.dense_residual(residual.reshape(1, rows, N)) if residual is not None else None
     out = gemm_dz(a3, b3, bias, r3, dy3, act, slope, src, want_dbias=needs[2])
     if out is None:
         return None
@@ -348,7 +348,7 @@ def matmul_grads(a, b, bias, residual, gy, act, slope, src, needs):
         return None
     B = max(a3.shape[0], b3.shape[0])
     dy3 = gy.contiguous().reshape(B, M, N)
-    r3 = residual.reshape(B, M, N) if residual is not None else None
+    r3 = ops.dense_residual(residual.reshape(B, M, N)) if residual is not None else None
     src3 = src.reshape(B, M, N) if src is not None else None
     out = gemm_dz(a3, b3, bias, r3, dy3, act, slope, src3, want_dbias=needs[2])
     if out is None:

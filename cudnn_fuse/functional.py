@@ -2,7 +2,8 @@
 
 Each entry point takes its remembered launch when the call's signature was seen before (the memo of
 ops.py, in C where ``cudnn_fuse._native`` is built); else it validates its arguments like torch
-(ValueError / TypeError naming the argument and its values), and runs the fused cuDNN graph, its
+(errors.ArgumentError, a ValueError and a RuntimeError, for bad values; TypeError for bad types; each
+naming the argument and its values), and runs the fused cuDNN graph, its
 autograd op (torch_ops.py) when a gradient or torch.compile needs one, or its PyTorch reference,
 logged once with the reason.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops, reference, torch_ops
+from .errors import ArgumentError
 from .ops import _any_autocast, _is_compiling  # read on every call: bound here, not looked up on ops
 
 __all__ = ["conv2d", "linear", "matmul", "scaled_dot_product_attention"]
@@ -46,8 +48,11 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
 
     x: [N, C, H, W] or unbatched [C, H, W], NCHW or channels_last memory;
     weight: [K, C/groups, R, S]; bias: [K]; residual: the output's shape
-    [N, K, P, Q]. Returns y (memory format of x), or (y, amax) with amax a
-    float32 0-dim tensor.
+    [N, K, P, Q] or one that broadcasts to it ([1, K, 1, 1], [K, 1, 1], ...). Returns y (memory format
+    of x), or (y, amax) with amax a float32 0-dim tensor. activation: a name (any case), None, or a
+    torch activation (F.relu, nn.GELU(), nn.LeakyReLU(0.2), ...); negative_slope: leaky_relu's only.
+    Operands of dtypes the fused op does not take (integers, complex, a float64 residual beside
+    float32) run torch's own ``act(F.conv2d(x, weight, bias) + residual)``, its type promotion included.
     """
     attrs = (stride, padding, dilation, groups, activation, return_amax, negative_slope)
     out, key = _front("conv2d", "conv2d:grad", _conv2d_again, x, weight, bias, residual, attrs)
@@ -56,32 +61,41 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     op = "conv2d"
     ops._check_tensor("x", x, op)
     ops._check_tensor("weight", weight, op)
-    ops._check_floating(op, "x", x)
-    ops._check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
+    ops._check_devices(op, "x", x, weight=weight, bias=bias, residual=residual)
+    ops._check_flag(op, "return_amax", return_amax)
+    key = ops._unkeyed(key, activation)
+    activation, negative_slope = ops._activation(op, activation, negative_slope)
     if x.dim() not in (3, 4):
-        raise ValueError(f"{op}: expected 3-D (unbatched) or 4-D (batched) input x, got x.shape={tuple(x.shape)}")
+        raise ArgumentError(f"{op}: expected 3-D (unbatched) or 4-D (batched) input x, got x.shape={tuple(x.shape)}")
     if weight.dim() != 4:
-        raise ValueError(f"{op}: weight must be 4-D [K, C/groups, R, S], got weight.shape={tuple(weight.shape)}")
+        raise ArgumentError(f"{op}: weight must be 4-D [K, C/groups, R, S], got weight.shape={tuple(weight.shape)}")
     g = ops._index(groups)
     if g is None:
         raise TypeError(f"{op}: groups must be an int, got groups={groups!r}")
     groups = g
     if groups < 1:
-        raise ValueError(f"{op}: groups must be a positive int, got groups={groups!r}")
+        raise ArgumentError(f"{op}: groups must be a positive int, got groups={groups!r}")
     stride = ops._pair("stride", stride, op, 1)
     dilation = ops._pair("dilation", dilation, op, 1)
     C = x.shape[-3]
     K, Cg, R, S = weight.shape
     if C != Cg * groups:
-        raise ValueError(f"{op}: channel mismatch: x has C={C} but weight expects C/groups*groups={Cg}*{groups}={Cg * groups}")
+        raise ArgumentError(f"{op}: channel mismatch: x has C={C} but weight expects C/groups*groups={Cg}*{groups}="
+                            f"{Cg * groups}")
     if K % groups != 0:
-        raise ValueError(f"{op}: out channels K={K} must be divisible by groups={groups}")
+        raise ArgumentError(f"{op}: out channels K={K} must be divisible by groups={groups}")
     pre, post = ops._conv_padding(padding, (R, S), dilation, stride)
     out_shape = ops.conv_out_shape(x.shape, weight.shape, stride, pre, post, dilation)
     if any(o <= 0 for o in out_shape[-2:]):
-        raise ValueError(f"{op}: output size {out_shape[-2:]} is too small for x.shape={tuple(x.shape)}, "
-                         f"weight.shape={tuple(weight.shape)}, padding={padding!r}, dilation={dilation}, stride={stride}")
+        raise ArgumentError(f"{op}: output size {out_shape[-2:]} is too small for x.shape={tuple(x.shape)}, "
+                            f"weight.shape={tuple(weight.shape)}, padding={padding!r}, dilation={dilation}, "
+                            f"stride={stride}")
     ops._check_epilogue(op, activation, residual, out_shape, bias, K)
+    grow = ops._grown(residual, out_shape)
+    if (why := ops._torch_dtypes(x, weight, bias, residual)) is not None:
+        ops._fallback(op, why)
+        return reference.conv2d_torch(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
+                                      return_amax, negative_slope)
 
     if ops._under_functorch(op):
         return reference.conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
@@ -102,17 +116,20 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
             def call(x, weight, bias, residual):
                 return torch_ops.conv2d_train(x, weight, bias, residual, attrs_t, slot)
 
-        ops._remember_call(key, call)
-        return call(x, weight, bias, residual)
+        return _remembered(key, call, grow, x, weight, bias, residual)
+    if grow is not None:  # not remembered: the memo's later calls would bring the residual unexpanded
+        residual, key = residual.expand(grow), None
     return ops._conv2d_fwd(x, weight, bias, stride, pre, post, dilation, groups, activation, residual, return_amax,
-                       negative_slope, memo=key)
+                           negative_slope, memo=key)
 
 
 def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *, negative_slope=0.01):
     """Fused ``act(a @ b + bias + residual)`` with torch.matmul's batching and broadcasting.
 
     a: [..., M, K] (or [K]); b: [..., K, N] (or [K]); bias: [N];
-    residual: the output's shape. Returns y, or (y, amax).
+    residual: the output's shape, or one that broadcasts to it ([N], [M, 1], ...). Returns y, or
+    (y, amax). Operands of other dtypes than one floating-point one run torch's
+    ``act(torch.matmul(a, b) + bias + residual)``.
     """
     attrs = (activation, return_amax, negative_slope)
     out, key = _front("matmul", "matmul:grad", _matmul_again, a, b, bias, residual, attrs)
@@ -121,15 +138,23 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     op = "matmul"
     ops._check_tensor("a", a, op)
     ops._check_tensor("b", b, op)
-    ops._check_floating(op, "a", a)
-    ops._check_same(op, "a", a, b=b, bias=bias, residual=residual)
+    ops._check_devices(op, "a", a, b=b, bias=bias, residual=residual)
+    ops._check_flag(op, "return_amax", return_amax)
+    key = ops._unkeyed(key, activation)
+    activation, negative_slope = ops._activation(op, activation, negative_slope)
     if a.dim() == 0 or b.dim() == 0:
-        raise ValueError(f"{op}: both arguments need at least 1 dimension, got a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}")
+        raise ArgumentError(f"{op}: both arguments need at least 1 dimension, got a.shape={tuple(a.shape)}, "
+                            f"b.shape={tuple(b.shape)}")
     views = ops.matmul_views(a, b)
     out_shape, N = views[5], views[4]
     if bias is not None and b.dim() == 1:
-        raise ValueError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got b.shape={tuple(b.shape)}")
+        raise ArgumentError(f"{op}: bias needs a 2-D or batched b (an output with an N dimension), got "
+                            f"b.shape={tuple(b.shape)}")
     ops._check_epilogue(op, activation, residual, out_shape, bias, N)
+    grow = ops._grown(residual, out_shape)
+    if (why := ops._torch_dtypes(a, b, bias, residual)) is not None:
+        ops._fallback(op, why)
+        return reference.matmul_torch(a, b, bias, activation, residual, return_amax, negative_slope)
 
     if ops._inline_under_compile("matmul") or ops._under_functorch(op):
         return reference.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
@@ -137,8 +162,9 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
         def call(a, b, bias, residual):
             return torch_ops.matmul(a, b, bias, activation, residual, return_amax, negative_slope)
 
-        ops._remember_call(key, call)
-        return call(a, b, bias, residual)
+        return _remembered(key, call, grow, a, b, bias, residual)
+    if grow is not None:
+        residual, key = residual.expand(grow), None
     return ops._matmul_fwd(a, b, bias, activation, residual, return_amax, negative_slope, views, memo=key)
 
 
@@ -146,7 +172,9 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     """Fused ``act(x @ weight.T + bias + residual)``; the [out, in] weight is read
     through strides, never copied.
 
-    x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out].
+    x: [..., in]; weight: [out, in]; bias: [out]; residual: [..., out], or one that broadcasts to it
+    ([out], [..., 1], ...). Operands of other dtypes than one floating-point one run torch's
+    ``act(F.linear(x, weight, bias) + residual)``.
     """
     attrs = (activation, return_amax, negative_slope)
     out, key = _front("linear", "linear:grad", _linear_again, x, weight, bias, residual, attrs)
@@ -155,18 +183,26 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     op = "linear"
     ops._check_tensor("x", x, op)
     ops._check_tensor("weight", weight, op)
-    ops._check_floating(op, "x", x)
-    ops._check_same(op, "x", x, weight=weight, bias=bias, residual=residual)
+    ops._check_devices(op, "x", x, weight=weight, bias=bias, residual=residual)
+    ops._check_flag(op, "return_amax", return_amax)
+    key = ops._unkeyed(key, activation)
+    activation, negative_slope = ops._activation(op, activation, negative_slope)
     if weight.dim() != 2:
-        raise ValueError(f"{op}: weight must be 2-D [out_features, in_features], got weight.shape={tuple(weight.shape)}")
+        raise ArgumentError(f"{op}: weight must be 2-D [out_features, in_features], got "
+                            f"weight.shape={tuple(weight.shape)}")
     if x.dim() == 0:
-        raise ValueError(f"{op}: x needs at least 1 dimension, got a 0-dim tensor")
+        raise ArgumentError(f"{op}: x needs at least 1 dimension, got a 0-dim tensor")
     K = x.shape[-1]
     N = weight.shape[0]
     if weight.shape[1] != K:
-        raise ValueError(f"{op}: x has in_features={K} but weight.shape={tuple(weight.shape)} expects {weight.shape[1]}")
+        raise ArgumentError(f"{op}: x has in_features={K} but weight.shape={tuple(weight.shape)} expects "
+                            f"{weight.shape[1]}")
     out_shape = tuple(x.shape[:-1]) + (N,)
     ops._check_epilogue(op, activation, residual, out_shape, bias, N)
+    grow = ops._grown(residual, out_shape)
+    if (why := ops._torch_dtypes(x, weight, bias, residual)) is not None:
+        ops._fallback(op, why)
+        return reference.linear_torch(x, weight, bias, activation, residual, return_amax, negative_slope)
 
     if ops._inline_under_compile("linear") or ops._under_functorch(op):
         return reference.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
@@ -174,9 +210,24 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
         def call(x, weight, bias, residual):
             return torch_ops.linear(x, weight, bias, activation, residual, return_amax, negative_slope)
 
-        ops._remember_call(key, call)
-        return call(x, weight, bias, residual)
+        return _remembered(key, call, grow, x, weight, bias, residual)
+    if grow is not None:
+        residual, key = residual.expand(grow), None
     return ops._linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=key)
+
+
+def _remembered(key, call, grow, a, b, c, residual):
+    """Remember a training call's validated call of the autograd op (under its ":grad" key) and make it.
+    ``grow``: the output's shape a broadcast residual is expanded to (a view: autograd sums its gradient
+    back to the residual's shape), inside the call, since the memo's later calls bring it unexpanded."""
+    if grow is not None:
+        inner = call
+
+        def call(a, b, c, residual):
+            return inner(a, b, c, residual.expand(grow))
+
+    ops._remember_call(key, call)
+    return call(a, b, c, residual)
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -184,9 +235,11 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
 
     q: [B, Hq, Sq, D]; k: [B, Hkv, Skv, D]; v: [B, Hkv, Skv, Dv] (BHSD or BSHD
     memory, e.g. ``x.view(B, S, H, D).transpose(1, 2)``); 3-D inputs [B, S, D]
-    are one head. Hq != Hkv needs enable_gqa=True. attn_mask: bool (True takes
-    part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv].
-    Returns o [B, Hq, Sq, Dv] in q's memory layout.
+    are one head; leading dims of any rank broadcast as torch's do (a q [4, 3, 8] with k, v
+    [4, 4, 6, 8] gives [4, 4, 3, 8]). Hq != Hkv needs enable_gqa=True. attn_mask: bool (True takes
+    part) or an additive float bias, broadcastable to [B, Hq, Sq, Skv]; with is_causal=True it is
+    combined with the top-left causal triangle, as torch does. Returns o [B, Hq, Sq, Dv] in q's memory
+    layout.
     """
     if scale is not None and type(scale) is not float:  # an int, numpy's, a 0-dim tensor: read as torch reads it
         scale = ops._float_arg("scaled_dot_product_attention", "scale", scale)
@@ -195,7 +248,12 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     if out is not _GO:
         return out
     op = "scaled_dot_product_attention"
-    ops._check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    lead = ops._check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    bq, bk, bv = ops._sdpa_broadcast(q, k, v, lead, enable_gqa)
+    if bq is not q or bk is not k or bv is not v:  # views of the common shape: the memo's key holds the others
+        q, k, v, key = bq, bk, bv, None
+    if is_causal and attn_mask is not None:  # one explicit mask, as torch combines them
+        attn_mask, is_causal, key = ops._with_causal(attn_mask, q.shape[-2], k.shape[-2]), False, None
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         # torch takes a float32 mask beside 16-bit q, k, v (its rule: bool, float32 or the query's dtype),
         # which the fused graph does not: torch's own op runs it

@@ -12,7 +12,8 @@ from torch.nn.modules import module as _torch_module
 
 from . import functional, manifest, ops, reference, torch_ops
 from .backward import _traced
-from .spec import ACTIVATIONS
+from .errors import ArgumentError
+from .spec import ACTIVATIONS, canonical_activation
 
 # activations whose backward needs their input (ReLU's needs only its output)
 NEEDS_INPUT = frozenset(ACTIVATIONS) - {"relu"}
@@ -53,10 +54,12 @@ def _out_dtype(x) -> torch.dtype:
     return amp
 
 
-def _check_activation(activation, negative_slope=0.01) -> None:
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+def _check_activation(activation, negative_slope=0.01):
+    """(activation, negative_slope) as a module keeps them: the canonical name (``m.activation == "gelu"``
+    after ``activation=nn.GELU()``) and the slope (nn.LeakyReLU's own), checked as the ops check them
+    (spec.canonical_activation: a slope only with leaky_relu)."""
     _check_slope(negative_slope)
+    return canonical_activation(activation, negative_slope)
 
 
 def _check_slope(negative_slope) -> None:
@@ -66,6 +69,14 @@ def _check_slope(negative_slope) -> None:
         ops._float_arg("", "negative_slope", negative_slope)
     except TypeError:
         raise TypeError(f"negative_slope must be a real number, got {negative_slope!r}") from None
+
+
+def _mixed(x, *others) -> bool:
+    """Tensors of dtypes the fused ops do not take (ops._torch_dtypes): the layer's op then runs torch's
+    own expression. False where x is no tensor or another operand is no tensor (the op names it)."""
+    if not isinstance(x, torch.Tensor) or not all(t is None or isinstance(t, torch.Tensor) for t in others):
+        return False
+    return ops._torch_dtypes(x, *others) is not None
 
 
 def weight_format(device):
@@ -110,9 +121,7 @@ class Conv2d(torch.nn.Conv2d):
 
     def __init__(self, *args, activation=None, negative_slope: float = 0.01, **kwargs):
         super().__init__(*args, **kwargs)
-        _check_activation(activation, negative_slope)
-        self.activation = activation
-        self.negative_slope = negative_slope
+        self.activation, self.negative_slope = _check_activation(activation, negative_slope)
 
     def forward(self, x, residual=None):
         if self.training and self.folded_bn is not None:
@@ -134,7 +143,7 @@ class Conv2d(torch.nn.Conv2d):
         if not odd:
             return y
         if not _broadcast_residual(residual, y.shape, y.dtype):
-            raise ValueError(f"conv2d: residual must have the output's shape {tuple(y.shape)} or broadcast to it, "
+            raise ArgumentError(f"conv2d: residual must have the output's shape {tuple(y.shape)} or broadcast to it, "
                              f"got {_described(residual)}")
         return reference.activation(y + residual, self.activation, self.negative_slope)
 
@@ -226,7 +235,7 @@ class ConvChain(torch.nn.Module):
         super().__init__()
         layers = list(layers)
         if len(layers) < 1 or not all(ConvChain.chainable(m) for m in layers):
-            raise ValueError("ConvChain: layers must be cudnn_fuse.nn.Conv2d modules with no activation or ReLU")
+            raise ArgumentError("ConvChain: layers must be cudnn_fuse.nn.Conv2d modules with no activation or ReLU")
         self._layers = layers  # a plain list: not registered, the layers stay their owner's children
         if not isinstance(chained, bool):
             raise TypeError(f"ConvChain: chained must be a bool, got {chained!r}")
@@ -306,7 +315,7 @@ class Linear(torch.nn.Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation=None,
                  recompute: bool = False, negative_slope: float = 0.01):
         super().__init__(in_features, out_features, bias, device, dtype)
-        _check_activation(activation, negative_slope)
+        activation, negative_slope = _check_activation(activation, negative_slope)
         if not isinstance(recompute, bool):  # recompute="False" was on
             raise TypeError(f"recompute must be a bool, got {recompute!r}")
         self.activation = activation
@@ -326,12 +335,17 @@ class Linear(torch.nn.Linear):
             w, b = self.weight, self.bias
             cast = ops.autocast_args(x, x, w, b, residual)  # the op bypassed casts as autocast would
             if cast is None:
-                self._check(x, residual)
-                return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
-            dev, (x, w, b, residual) = cast
-            with ops._autocast_off(dev):
-                self._check(x, residual, w, b)
-                return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
+                if not _mixed(x, w, b, residual):  # else torch's own expression (functional.linear)
+                    self._check(x, residual)
+                    return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
+            else:
+                dev, (x, w, b, residual) = cast
+                with ops._autocast_off(dev):
+                    if not _mixed(x, w, b, residual):
+                        self._check(x, residual, w, b)
+                        return torch_ops.linear_save_z(x, w, b, act, residual, self.negative_slope)
+                    return functional.linear(x, w, b, activation=act, residual=residual,
+                                             negative_slope=self.negative_slope)
         return functional.linear(x, self.weight, self.bias, activation=act, residual=residual,
                           negative_slope=self.negative_slope)
 
@@ -343,8 +357,8 @@ class Linear(torch.nn.Linear):
         ops._check_floating("linear", "x", x)
         ops._check_same("linear", "x", x, weight=weight, bias=bias, residual=residual)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"linear: x has in_features={x.shape[-1] if x.dim() else None} but "
-                             f"weight.shape={tuple(self.weight.shape)} expects {self.in_features}")
+            raise ArgumentError(f"linear: x has in_features={x.shape[-1] if x.dim() else None} but "
+                                f"weight.shape={tuple(self.weight.shape)} expects {self.in_features}")
         ops._check_epilogue("linear", self.activation, residual, tuple(x.shape[:-1]) + (self.out_features,))
         _check_slope(self.negative_slope)  # this path reads it as float(negative_slope)
 
@@ -376,9 +390,9 @@ class FusedMLP(torch.nn.Module):
     def __init__(self, fc1: "Linear", fc2: torch.nn.Linear, *, own: bool = True):
         super().__init__()
         if not isinstance(fc1, Linear) or fc1.activation is None:
-            raise ValueError("FusedMLP: fc1 must be a cudnn_fuse.nn.Linear with an activation")
+            raise ArgumentError("FusedMLP: fc1 must be a cudnn_fuse.nn.Linear with an activation")
         if not isinstance(fc2, torch.nn.Linear) or fc2.in_features != fc1.out_features:
-            raise ValueError(f"FusedMLP: fc2 must be a torch.nn.Linear taking fc1's {fc1.out_features} outputs")
+            raise ArgumentError(f"FusedMLP: fc2 must be a torch.nn.Linear taking fc1's {fc1.out_features} outputs")
         if not isinstance(own, bool):
             raise TypeError(f"FusedMLP: own must be a bool, got {own!r}")
         if own:
@@ -393,6 +407,8 @@ class FusedMLP(torch.nn.Module):
         if ops._inline_under_compile("linear") or torch.compiler.is_compiling() or _functorch_active():
             return False
         ps = (x, fc1.weight, fc1.bias, self.fc2.weight, self.fc2.bias, residual)
+        if _mixed(*ps):  # torch's own expressions, by fc1 then the second linear
+            return False
         return any(isinstance(t, torch.Tensor) and t.requires_grad for t in ps)  # x not a tensor: the op names it
 
     def forward(self, x, residual=None):
@@ -435,7 +451,7 @@ class TransposedLinear(torch.nn.Module):
 
     def __init__(self, conv1d, activation=None, negative_slope: float = 0.01):
         super().__init__()
-        _check_activation(activation, negative_slope)
+        activation, negative_slope = _check_activation(activation, negative_slope)
         self.weight, self.bias = conv1d.weight, conv1d.bias
         self.activation, self.negative_slope = activation, negative_slope
 

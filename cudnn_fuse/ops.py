@@ -1,8 +1,8 @@
 """What the functional ops stand on: validation, the memoized launch, and the fused forward.
 
 The public entry points (functional.py) and the autograd ops (torch_ops.py) call into this:
-  1. argument checks (ValueError / TypeError naming the argument and its values, where torch
-     would raise);
+  1. argument checks (errors.ArgumentError, a ValueError and a RuntimeError, for bad values; TypeError
+     for bad types; each naming the argument and its values, where torch would raise);
   2. whether a fused cuDNN graph can run the call (CUDA tensors, a supported dtype, no zero-size
      dimension, ...); if not, ``reference`` runs and the reason is logged once;
   3. the forward on validated arguments (``_conv2d_fwd``, ``_matmul_fwd``, ``_linear_fwd``,
@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import engines, envvars, launch_graphs, loader, manifest, plans, reference
-from .errors import UnsupportedError
+from .errors import ArgumentError, UnsupportedError
 from .spec import (
     ACTIVATIONS,
     ConvSpec,
@@ -31,6 +31,7 @@ from .spec import (
     MatmulSpec,
     SdpaSpec,
     TensorSpec,
+    canonical_activation,
     channels_last_strides,
 )
 
@@ -210,15 +211,23 @@ def _check_tensor(name: str, t, op: str) -> None:
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _check_same(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
+def _check_devices(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
+    """Each of ``others`` None or a tensor on ``ref``'s device (torch refuses operands on two devices too)."""
     for name, t in others.items():
         if t is None:
             continue
         _check_tensor(name, t, op)
-        if t.dtype != ref.dtype:
-            raise TypeError(f"{op}: {name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; they must match")
         if t.device != ref.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; they must be on one device")
+            raise ArgumentError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; they must be on "
+                                "one device")
+
+
+def _check_same(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
+    """``_check_devices``, and one dtype (attention's rule, and torch's: q, k and v of one dtype)."""
+    _check_devices(op, ref_name, ref, **others)
+    for name, t in others.items():
+        if t is not None and t.dtype != ref.dtype:
+            raise TypeError(f"{op}: {name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; they must match")
 
 
 def _check_floating(op: str, name: str, t: torch.Tensor) -> None:
@@ -226,14 +235,64 @@ def _check_floating(op: str, name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{op}: {name} must have a floating-point dtype, got {t.dtype}")
 
 
+def _torch_dtypes(ref: torch.Tensor, *others) -> Optional[str]:
+    """Why operands of these dtypes run torch's own expression (its type promotion, its errors) rather
+    than the op's, or None: the fused op (and its reference) takes operands of one floating-point dtype;
+    torch also convolves and multiplies integers and complex numbers, and promotes a residual of another
+    dtype (``act(F.conv2d(x, w) + residual)`` of a float32 conv and a float64 residual is float64).
+    ``others``: the other operands, None where absent."""
+    if not ref.is_floating_point():
+        return f"dtype {ref.dtype}: no floating-point op (torch's own expression computes it)"
+    for t in others:
+        if t is not None and t.dtype != ref.dtype:
+            return f"operands of dtypes {ref.dtype} and {t.dtype} (torch's own expression promotes them)"
+    return None
+
+
+def _check_flag(op: str, name: str, v) -> None:
+    """A bool argument: a string such as "no" or an int must not turn it on by being truthy."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {name}={v!r}")
+
+
+def _activation(op: str, activation, negative_slope):
+    """(name, slope): spec.canonical_activation, strict (a slope only with leaky_relu)."""
+    return canonical_activation(activation, negative_slope, op)
+
+
+def _unkeyed(key, activation):
+    """The memo key, or None for an activation given as a torch module: the key holds the module itself,
+    whose attributes (nn.LeakyReLU's slope, nn.GELU's approximate) can change in place after a call was
+    remembered; such a call is validated every time."""
+    return key if activation is None or type(activation) is str or not isinstance(activation, torch.nn.Module) else None
+
+
+def _broadcasts(shape, out_shape) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``out_shape`` (as ``t + out`` would, with no bigger result)."""
+    try:
+        return broadcast_shapes(tuple(shape), tuple(out_shape)) == tuple(out_shape)
+    except RuntimeError:
+        return False
+
+
+def _grown(residual, out_shape) -> Optional[tuple]:
+    """The output's shape when ``residual`` has another one it broadcasts to (validated), else None."""
+    if residual is None or tuple(residual.shape) == tuple(out_shape):
+        return None
+    return tuple(out_shape)
+
+
 def _check_epilogue(op: str, activation, residual, out_shape, bias=None, bias_len=None) -> None:
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    """The epilogue's operands: an activation by any of its names, a [bias_len] bias, and a residual
+    of the output's shape or one that broadcasts to it as torch's ``+`` does, without making the
+    result bigger than the output."""
+    if activation is not None and activation not in ACTIVATIONS:  # another spelling, or an unknown one: named
+        canonical_activation(activation, op=op, strict=False)
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != bias_len):
-        raise ValueError(f"{op}: bias must have shape ({bias_len},), got bias.shape={tuple(bias.shape)}")
-    if residual is not None and tuple(residual.shape) != tuple(out_shape):
-        raise ValueError(
-            f"{op}: residual must have the output's shape {tuple(out_shape)}, got residual.shape={tuple(residual.shape)}")
+        raise ArgumentError(f"{op}: bias must have shape ({bias_len},), got bias.shape={tuple(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != tuple(out_shape) and not _broadcasts(residual.shape, out_shape):
+        raise ArgumentError(f"{op}: residual must have the output's shape {tuple(out_shape)} or broadcast to it "
+                            f"(as + does, with no bigger result), got residual.shape={tuple(residual.shape)}")
 
 
 def _index(v) -> Optional[int]:
@@ -261,7 +320,7 @@ def _pair(name: str, v, op: str, minimum: int) -> Tuple[int, int]:
     if None in p:
         raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}")
     if any(i < minimum for i in p):
-        raise ValueError(f"{op}: {name} must be >= {minimum}, got {name}={p}")
+        raise ArgumentError(f"{op}: {name} must be >= {minimum}, got {name}={p}")
     return p
 
 
@@ -603,9 +662,9 @@ def _conv_padding(padding, ksize, dilation, stride, op="conv2d"):
         if padding == "valid":
             return (0, 0), (0, 0)
         if padding != "same":
-            raise ValueError(f"{op}: padding must be 'same', 'valid', an int or a pair of ints, got {padding!r}")
+            raise ArgumentError(f"{op}: padding must be 'same', 'valid', an int or a pair of ints, got {padding!r}")
         if stride != (1, 1):
-            raise ValueError(f"{op}: padding='same' is not supported for strided convolutions, got stride={stride}")
+            raise ArgumentError(f"{op}: padding='same' is not supported for strided convolutions, got stride={stride}")
         total = [d * (k - 1) for d, k in zip(dilation, ksize)]
         pre = tuple(t // 2 for t in total)
         # torch puts the odd element of the padding after the data
@@ -748,17 +807,17 @@ def _as_batched(t: torch.Tensor, batch: Tuple[int, ...]) -> Optional[torch.Tenso
 
 def matmul_views(a, b, op: str = "matmul"):
     """torch.matmul's geometry: (a2, b2, batch, M, N, out_shape), with 1-D operands
-    lifted to matrices. Raises ValueError for mismatched inner or batch dims. The
+    lifted to matrices. Raises ArgumentError for mismatched inner or batch dims. The
     fake kernel of the custom op uses it too, so shapes cannot drift apart."""
     a2 = a.unsqueeze(0) if a.dim() == 1 else a
     b2 = b.unsqueeze(-1) if b.dim() == 1 else b
     if a2.shape[-1] != b2.shape[-2]:
-        raise ValueError(f"{op}: inner dimensions differ: a.shape={tuple(a.shape)} and b.shape={tuple(b.shape)} "
+        raise ArgumentError(f"{op}: inner dimensions differ: a.shape={tuple(a.shape)} and b.shape={tuple(b.shape)} "
                          f"(K={a2.shape[-1]} vs {b2.shape[-2]})")
     try:
         batch = broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
     except RuntimeError:
-        raise ValueError(f"{op}: batch dimensions do not broadcast: a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}") from None
+        raise ArgumentError(f"{op}: batch dimensions do not broadcast: a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}") from None
     M, N = a2.shape[-2], b2.shape[-1]
     out_shape = batch + ((M,) if a.dim() > 1 else ()) + ((N,) if b.dim() > 1 else ())
     return a2, b2, batch, M, N, out_shape
@@ -790,7 +849,7 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
         return ref()
     B = max(a3.shape[0], b3.shape[0])
     y = torch.empty((B, M, N), dtype=a2.dtype, device=a2.device)
-    r3 = residual.reshape(B, M, N) if residual is not None else None
+    r3 = dense_residual(residual.reshape(B, M, N)) if residual is not None else None
     amax = _amax_buffer(y, 3) if return_amax else None
     dt = _FUSED_DTYPES[a2.dtype]
     epi = Epilogue(
@@ -808,6 +867,16 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
     if memo:
         _remember(memo[0], memo[1], plan, buffers, out)
     return out
+
+
+def dense_residual(r: torch.Tensor) -> torch.Tensor:
+    """A matmul residual as the graphs read it: a broadcast (stride-0) dim of more than one element is
+    copied out. Measured on the H100 (cuDNN 9.19): a [64, 1] residual expanded to [64, 96] (strides (1, 0))
+    was read wrong by the fused GEMM (relative error 60), and other stride-0 residuals were refused (a
+    fallback each call)."""
+    if any(s == 0 and n > 1 for n, s in zip(r.shape, r.stride())):
+        return r.contiguous()
+    return r
 
 
 def _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slope, memo=None):
@@ -828,46 +897,95 @@ def _linear_fwd(x, weight, bias, activation, residual, return_amax, negative_slo
 # -------------------------------------------------------------------- attention
 
 
-def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _check_sdpa(op, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple:
+    """attention's argument checks; returns the output's leading shape (all but its last 2 dims:
+    ``_sdpa_lead``)."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         _check_tensor(name, t, op)
     _check_floating(op, "query", q)
     _check_same(op, "query", q, key=k, value=v)
-    if not (q.dim() == k.dim() == v.dim()) or q.dim() < 2:
-        raise ValueError(f"{op}: query, key and value must have the same rank >= 2, got "
-                         f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, value.shape={tuple(v.shape)}")
+    if min(q.dim(), k.dim(), v.dim()) < 2:
+        raise ArgumentError(f"{op}: query, key and value must have rank >= 2, got "
+                            f"query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, value.shape={tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{op}: query and key head dims differ: query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}")
+        raise ArgumentError(f"{op}: query and key head dims differ: query.shape={tuple(q.shape)}, "
+                            f"key.shape={tuple(k.shape)}")
     if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"{op}: key and value sequence lengths differ: key.shape={tuple(k.shape)}, value.shape={tuple(v.shape)}")
-    if q.dim() >= 3:
-        hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
-        if hk != hv:
-            raise ValueError(f"{op}: key has {hk} heads but value has {hv}")
-        if hq != hk and not (enable_gqa and hk > 0 and hq % hk == 0):
-            raise ValueError(f"{op}: query has {hq} heads and key/value {hk}: that needs enable_gqa=True and "
-                             f"{hq} divisible by {hk}")
-        if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
-            raise ValueError(f"{op}: batch dims differ: query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, "
-                             f"value.shape={tuple(v.shape)}")
+        raise ArgumentError(f"{op}: key and value sequence lengths differ: key.shape={tuple(k.shape)}, "
+                            f"value.shape={tuple(v.shape)}")
+    lead = _sdpa_lead(op, q, k, v, enable_gqa)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"{op}: dropout_p must be a float, got dropout_p={dropout_p!r}")
     if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"{op}: dropout_p must be in [0, 1), got dropout_p={dropout_p}")
-    if is_causal and attn_mask is not None:
-        raise ValueError(f"{op}: attn_mask and is_causal=True cannot both be set")
+        raise ArgumentError(f"{op}: dropout_p must be in [0, 1), got dropout_p={dropout_p}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"{op}: scale must be a float or None, got {type(scale).__name__}")
     if attn_mask is not None:
         _check_tensor("attn_mask", attn_mask, op)
         if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):  # torch's rule
             raise TypeError(f"{op}: attn_mask must be bool, float32 or query's dtype {q.dtype}, got {attn_mask.dtype}")
-        target = tuple(q.shape[:-1]) + (k.shape[-2],)
-        try:
-            if broadcast_shapes(attn_mask.shape, target) != target:
-                raise RuntimeError
-        except RuntimeError:
-            raise ValueError(f"{op}: attn_mask.shape={tuple(attn_mask.shape)} does not broadcast to {target}") from None
+        target = lead + (q.shape[-2], k.shape[-2])
+        if not _broadcasts(attn_mask.shape, target):
+            raise ArgumentError(f"{op}: attn_mask.shape={tuple(attn_mask.shape)} does not broadcast to {target}")
+    return lead
+
+
+def _sdpa_gqa(q, k, v, enable_gqa) -> bool:
+    """Whether k and v keep heads of their own that divide q's (torch's enable_gqa: it repeats them)."""
+    return bool(enable_gqa) and min(q.dim(), k.dim(), v.dim()) >= 3 and not (q.shape[-3] == k.shape[-3] == v.shape[-3])
+
+
+def _sdpa_lead(op, q, k, v, enable_gqa) -> tuple:
+    """The output's leading shape: torch's broadcast of q, k and v's leading dims (all but the last 2),
+    of any ranks (torch's math: a q [4, 3, 8] with k, v [4, 4, 6, 8] gives [4, 4, 3, 8]). Under
+    ``enable_gqa``, k and v's heads (dim -3) count as q's where they divide them, as torch repeats them."""
+    ql, kl, vl = tuple(q.shape[:-2]), tuple(k.shape[:-2]), tuple(v.shape[:-2])
+    if ql == kl == vl:
+        return ql
+    if _sdpa_gqa(q, k, v, enable_gqa):
+        hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+        if hk != hv:
+            raise ArgumentError(f"{op}: key has {hk} heads but value has {hv}")
+        if hk == 0 or hq % hk != 0:
+            raise ArgumentError(f"{op}: query has {hq} heads and key/value {hk}: that needs enable_gqa=True and "
+                                f"{hq} divisible by {hk}")
+        kl, vl = kl[:-1] + (hq,), vl[:-1] + (hq,)
+    try:
+        return broadcast_shapes(broadcast_shapes(ql, kl), vl)
+    except RuntimeError:
+        pass
+    if min(q.dim(), k.dim(), v.dim()) >= 3:
+        hq, hk = q.shape[-3], k.shape[-3]
+        if hq != hk and 1 not in (hq, hk) and not _sdpa_gqa(q, k, v, enable_gqa):
+            raise ArgumentError(f"{op}: query has {hq} heads and key/value {hk}: that needs enable_gqa=True and "
+                                f"{hq} divisible by {hk}")
+    raise ArgumentError(f"{op}: batch dims do not broadcast: query.shape={tuple(q.shape)}, key.shape={tuple(k.shape)}, "
+                        f"value.shape={tuple(v.shape)}")
+
+
+def _sdpa_broadcast(q, k, v, lead, enable_gqa):
+    """q, k and v expanded to the output's leading shape ``lead`` (views: no copy), k and v with their
+    own heads under enable_gqa; the tensors themselves where they have it already."""
+    own = _sdpa_gqa(q, k, v, enable_gqa)
+
+    def grown(t, heads):
+        want = (lead[:-1] + (t.shape[-3],) if heads else lead) + tuple(t.shape[-2:])
+        if tuple(t.shape) == want:
+            return t
+        while t.dim() < len(want):
+            t = t.unsqueeze(0)
+        return t.expand(want)
+
+    return grown(q, False), grown(k, own), grown(v, own)
+
+
+def _with_causal(mask, Sq: int, Skv: int):
+    """attn_mask with is_causal=True as one mask, as torch 2.13 combines them: a bool mask ANDed with
+    the top-left causal lower triangle, a float mask with -inf above its diagonal."""
+    tril = torch.ones(Sq, Skv, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return mask & tril
+    return torch.where(tril, mask, torch.tensor(float("-inf"), dtype=mask.dtype, device=mask.device))
 
 
 def _sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=None):

@@ -34,6 +34,7 @@ import copy
 import inspect
 import logging
 import operator
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ from torch.nn.utils import parametrize
 
 from . import nn as cfnn
 from .functional import scaled_dot_product_attention
+from .spec import torch_activation
 
 log = logging.getLogger(__name__)
 
@@ -164,45 +166,34 @@ def _restore_unused(module, gm) -> None:
 
 
 def _module_activation(m):
-    """(activation name, negative_slope) of an activation module, or None."""
+    """(activation name, negative_slope) of an activation module (transformers' by class name, torch's
+    by spec.torch_activation, nn.Identity excepted: nothing to fuse), or None."""
     hf = _HF_ACTIVATIONS.get(type(m).__name__)
     if hf is not None:
         return hf, 0.01
-    if isinstance(m, nn.ReLU):
-        return "relu", 0.01
-    if isinstance(m, nn.GELU):
-        return ("gelu_tanh" if m.approximate == "tanh" else "gelu"), 0.01
-    if isinstance(m, nn.SiLU):
-        return "silu", 0.01
-    if isinstance(m, nn.Tanh):
-        return "tanh", 0.01
-    if isinstance(m, nn.Sigmoid):
-        return "sigmoid", 0.01
-    if isinstance(m, nn.LeakyReLU):
-        return "leaky_relu", float(m.negative_slope)
-    return None
+    found = torch_activation(m) if isinstance(m, nn.Module) else None
+    if found is None or found[0] is None:
+        return None
+    name, slope = found
+    return name, 0.01 if slope is None else float(slope)
 
 
 def _function_activation(node: fx.Node):
     t = node.target
     if node.op == "call_method":
         return {"relu": ("relu", 0.01), "sigmoid": ("sigmoid", 0.01), "tanh": ("tanh", 0.01)}.get(t)
-    if node.op != "call_function":
+    if node.op != "call_function" or isinstance(t, nn.Module):
         return None
-    if t in (F.relu, torch.relu):
-        return "relu", 0.01
-    if t is F.gelu:
-        return ("gelu_tanh" if node.kwargs.get("approximate") == "tanh" else "gelu"), 0.01
-    if t is F.silu:
-        return "silu", 0.01
-    if t in (torch.tanh, F.tanh):
-        return "tanh", 0.01
-    if t in (torch.sigmoid, F.sigmoid):
-        return "sigmoid", 0.01
-    if t is F.leaky_relu:
+    found = torch_activation(t)  # the function's name; F.gelu's approximate and F.leaky_relu's slope are arguments
+    if found is None:
+        return None
+    name = found[0]
+    if name == "gelu" and node.kwargs.get("approximate") == "tanh":
+        return "gelu_tanh", 0.01
+    if name == "leaky_relu":
         slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
         return "leaky_relu", float(slope)
-    return None
+    return name, 0.01
 
 
 def _hooked(m: nn.Module):
@@ -656,6 +647,25 @@ def _channels_last_off_the_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.to(memory_format=torch.channels_last) if t.dim() == 4 and t.device.type != "cpu" else t
 
 
+def _class_name(cls) -> str:
+    """A class's name as its users spell it: the shortest module path that exports it (torch.nn.Linear,
+    not torch.nn.modules.linear.Linear)."""
+    parts = (getattr(cls, "__module__", None) or "").split(".")
+    qual = getattr(cls, "__qualname__", cls.__name__)
+    for i in range(1, len(parts) + 1):
+        path = ".".join(parts[:i])
+        if getattr(sys.modules.get(path), qual, None) is cls:
+            return f"{path}.{qual}"
+    return f"{'.'.join(parts)}.{qual}" if parts != [""] else qual
+
+
+def _described(model) -> str:
+    if isinstance(model, type):
+        what = "the class" if issubclass(model, nn.Module) else "the type"
+        return f"{what} {_class_name(model)} (make an instance: {model.__name__}(...))"
+    return f"{model!r:.80} of type {type(model).__name__}"
+
+
 def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, inplace: bool = False,
              chain_convs: bool = True) -> nn.Module:
     """Return ``model`` with its fusable patterns on cudnn_fuse ops (see the module doc).
@@ -670,7 +680,12 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     activation or ReLU, each feeding only the next, become one ``cudnn_fuse.nn.ConvChain``
     whose training step is one autograd node (state_dict keys unchanged).
     The original model is left untouched unless ``inplace``.
+
+    Raises TypeError for a ``model`` that is no torch.nn.Module instance (None, a string, a module class)
+    and for flags that are not bools.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize: model must be a torch.nn.Module instance, got {_described(model)}")
     for name, flag in (("autotune", autotune), ("recompute", recompute), ("inplace", inplace),
                        ("chain_convs", chain_convs)):
         if not isinstance(flag, bool):  # inplace="False" rewrote the caller's model

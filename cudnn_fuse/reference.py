@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .spec import ACTIVATIONS, contiguous_strides
+from .spec import canonical_activation, contiguous_strides
 
 _ACT = {
     "relu": F.relu,
@@ -30,8 +30,9 @@ def activation(z: torch.Tensor, name: Optional[str], negative_slope: float = 0.0
     if name == "leaky_relu":
         return F.leaky_relu(z, negative_slope)
     fn = _ACT.get(name) if isinstance(name, str) else None
-    if fn is None:  # e.g. a module's activation attribute set to an unknown name after construction
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {name!r}")
+    if fn is None:  # another spelling ("ReLU", nn.GELU(), set on a module after its construction), or an
+        name, negative_slope = canonical_activation(name, negative_slope, strict=False)  # unknown one: named
+        return activation(z, name, negative_slope)
     return fn(z)
 
 
@@ -226,6 +227,46 @@ def scaled_dot_product_attention_math(q, k, v, attn_mask, is_causal, scale, enab
 
     with sdpa_kernel(SDPBackend.MATH):
         return scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
+
+
+# torch's own expressions, for operands of dtypes the fused ops do not take (integers, complex numbers,
+# mixed dtypes): torch's type promotion gives the result's dtype, and whatever torch refuses (a float16
+# bias in a float32 conv, GELU of integers) raises torch's own error.
+
+def _torch_epilogue(z, residual, act, negative_slope, return_amax):
+    y = activation(z if residual is None else z + residual, act, negative_slope)
+    return (y, amax(y)) if return_amax else y
+
+
+def conv2d_torch(x, weight, bias, stride, pre, post, dilation, groups, act=None, residual=None, return_amax=False,
+                 negative_slope=0.01):
+    """``act(F.conv2d(x, weight, bias) + residual)`` as torch computes it (on the CPU, on NCHW operands:
+    torch 2.13's CPU conv crashes on some channels_last ones, _cpu_conv; the output takes the layout
+    torch gives the operands)."""
+    if tuple(pre) != tuple(post):
+        x = F.pad(x, (pre[1], post[1], pre[0], post[0]))
+        pre = (0, 0)
+    if weight.dim() == 4 and weight.shape[1] == 0:
+        x, weight = _one_zero_channel(x, weight, groups)
+    fmt = None
+    if not x.is_cuda:
+        fmt = conv_format(x, weight)
+        x, weight = nchw(x), nchw(weight)
+    z = F.conv2d(x, weight, bias, stride, tuple(pre), dilation, groups)
+    if fmt is not None:
+        z = z.contiguous(memory_format=fmt)
+    return _torch_epilogue(z, residual, act, negative_slope, return_amax)
+
+
+def linear_torch(x, weight, bias=None, act=None, residual=None, return_amax=False, negative_slope=0.01):
+    """``act(F.linear(x, weight, bias) + residual)`` as torch computes it."""
+    return _torch_epilogue(F.linear(x, weight, bias), residual, act, negative_slope, return_amax)
+
+
+def matmul_torch(a, b, bias=None, act=None, residual=None, return_amax=False, negative_slope=0.01):
+    """``act(torch.matmul(a, b) + bias + residual)`` as torch computes it."""
+    z = torch.matmul(a, b)
+    return _torch_epilogue(z if bias is None else z + bias, residual, act, negative_slope, return_amax)
 
 
 def conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, act=None, residual=None,

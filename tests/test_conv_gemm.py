@@ -42,6 +42,7 @@ def _conv_spec(**kw):
     act, amax, slope = kw.pop("act", "relu"), kw.pop("amax", False), kw.pop("slope", 0.01)
     stride, padding = kw.pop("stride", 1), kw.pop("padding", 0)
     x, w, b, r = _operands(**kw)
+    slope = slope if act == "leaky_relu" else 0.01  # a slope goes with leaky_relu only (else an ArgumentError)
     return recorded_spec(lambda: cf.conv2d(x, w, b, stride=stride, padding=padding, activation=act, residual=r,
                                        return_amax=amax, negative_slope=slope))
 
@@ -54,7 +55,7 @@ def test_the_gemm_spec_is_the_one_linear_makes_of_the_views(act, bias, residual,
     x, w, b, r = _operands(dtype=dtype, bias=bias, residual=residual)
     N, C, H, W = x.shape
     K = w.shape[0]
-    kw = dict(activation=act, return_amax=amax, negative_slope=0.2)
+    kw = dict(activation=act, return_amax=amax, negative_slope=0.2 if act == "leaky_relu" else 0.01)  # a slope: leaky_relu's
     conv = recorded_spec(lambda: cf.conv2d(x, w, b, residual=r, **kw))
     rows = x.permute(0, 2, 3, 1).reshape(N * H * W, C)
     r2 = r.permute(0, 2, 3, 1).reshape(N * H * W, K) if r is not None else None

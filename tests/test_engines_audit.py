@@ -88,7 +88,9 @@ def _random_conv_call(seed):
     r = torch.randn(N, K, H, W, generator=g).to(dt) if pick(False, True) else None
     if r is not None and pick(False, True):
         r = r.contiguous(memory_format=torch.channels_last)
-    kw = dict(activation=pick(*ACTS), residual=r, return_amax=pick(False, True), negative_slope=0.2)
+    act = pick(*ACTS)
+    kw = dict(activation=act, residual=r, return_amax=pick(False, True),
+              negative_slope=0.2 if act == "leaky_relu" else 0.01)  # a slope goes with leaky_relu only
     return lambda: cf.conv2d(x, w, b, **kw)
 
 
