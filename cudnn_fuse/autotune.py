@@ -297,7 +297,7 @@ def heat_gpu(run: Callable[[], None], seconds: float, clock: Callable[[], float]
     if sync is None:
         import torch
 
-        sync = torch.cuda.synchronize
+        sync = torch.cuda.current_stream().synchronize  # not the device's: see _behind_spin
     end = clock() + seconds
     n = 0
     while True:
@@ -364,7 +364,10 @@ def _behind_spin(call, iters: int, spin_us: float, before=None) -> tuple[list, l
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
+    # this stream's work only: a device-wide synchronize would also touch a stream another thread is
+    # capturing into a CUDA graph, and break that capture
+    stream = torch.cuda.current_stream()
+    stream.synchronize()
     t0 = time.perf_counter()  # before the spin's launch: the spin cannot end before t0 + its run time
     a.record()
     torch.cuda._sleep(int(2e3 * min(spin_us, 1e6)))
@@ -377,7 +380,7 @@ def _behind_spin(call, iters: int, spin_us: float, before=None) -> tuple[list, l
         call(i)
         e.record()
         queued.append(1e3 * (time.perf_counter() - t0))
-    torch.cuda.synchronize()
+    stream.synchronize()
     return [s.elapsed_time(e) for s, e in events], queued, [b.elapsed_time(s) for s, _ in events], a.elapsed_time(b)
 
 

@@ -208,6 +208,12 @@ def _stream_of(device: int) -> int:
 _current_stream = _raw_stream if _raw_stream is not None else _stream_of
 
 
+def capture_noted() -> bool:
+    """Whether a launch of ours found a caller's stream capturing that may still be open, on any
+    device (``_note_capture``; cleared as the captures end)."""
+    return any(_caller_capture_open(device) for device in list(_caller_captures))
+
+
 def exiting() -> None:
     """From now on dropped cuDNN objects go at once (interpreter exit), not to the graveyard."""
     global _exiting

@@ -371,10 +371,12 @@ def _faster_of(winner, timings) -> tuple:
 def torch_check(plan, spec, device: int):
     """A heuristic plan checked once against torch's own kernels for its computation
     (autotune.check_against_torch): the record to store, or None where no check applies (torch
-    cannot stand in for the graph, deterministic algorithms are asked for, no GPU, or the calling
-    stream is capturing: nothing may be timed inside a capture). A check that fails keeps cuDNN."""
+    cannot stand in for the graph, deterministic algorithms are asked for, no GPU, the calling
+    stream is capturing, or a launch of ours found another stream capturing: timing allocates and
+    synchronizes, which a capture in torch's default mode does not survive). A check that fails or
+    does not apply keeps cuDNN's plan."""
     if not torch_engine.supports(spec) or deterministic() or not torch.cuda.is_available() or \
-            torch.cuda.is_current_stream_capturing():
+            torch.cuda.is_current_stream_capturing() or handles.capture_noted():
         return None
     try:
         return autotune.check_against_torch(plan, spec, device, roles_of(spec))

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from cudnn_fuse import autotune, loader, plans, torch_engine
+from cudnn_fuse import autotune, handles, loader, plans, torch_engine
 from cudnn_fuse.builders import roles_of
 from cudnn_fuse.cache import PlanCache
 from cudnn_fuse.spec import Epilogue, MatmulSpec, SdpaSpec, TensorSpec
@@ -93,7 +93,13 @@ def test_the_check_applies_only_where_torch_can_stand_in(monkeypatch):
     monkeypatch.setattr(autotune, "check_against_torch", lambda *a: ran.append(a) or {"use_torch": True})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(handles, "_caller_captures", {})
     assert loader.torch_check(object(), _spec(), 0) == {"use_torch": True} and len(ran) == 1
+    monkeypatch.setattr(handles, "_caller_captures", {0: {0x77: 1}})  # another thread's capture, still open
+    monkeypatch.setattr(handles, "_stream_capturing", lambda stream: True)
+    assert loader.torch_check(object(), _spec(), 0) is None
+    monkeypatch.setattr(handles, "_stream_capturing", lambda stream: False)  # it ended: checks resume
+    assert loader.torch_check(object(), _spec(), 0) == {"use_torch": True} and len(ran) == 2
     assert loader.torch_check(object(), _spec("float32"), 0) is None  # fp32 follows torch's TF32 flags
     q = TensorSpec.contiguous((1, 2, 8, 16), "bfloat16")
     assert loader.torch_check(object(), SdpaSpec(q, q, q, q, None, False, 0.25), 0) is None
@@ -109,7 +115,7 @@ def test_the_check_applies_only_where_torch_can_stand_in(monkeypatch):
 
     monkeypatch.setattr(autotune, "check_against_torch", boom)
     assert loader.torch_check(object(), _spec(), 0) is None
-    assert len(ran) == 1
+    assert len(ran) == 2
 
 
 @pytest.mark.parametrize("cudnn_ms, torch_ms, want", [(1.2, 0.1, True), (1.2, 1.3, False), (0.05, 0.01, False)])
