@@ -36,7 +36,7 @@ VARIABLES = {
     TUNE_WAIT_S: ("60", "how long a process waits for another one tuning the same plan, seconds (at most 3600)"),
     NATIVE: ("1", "0: memoized calls run in Python instead of the C extension"),
     LAUNCH_GRAPHS: ("1", "0: no launch-graph replays of repeated launches"),
-    COMPILE_INLINE: ("linear,matmul,sdpa", "ops torch.compile traces as their PyTorch expression"),
+    COMPILE_INLINE: ("conv2d,linear,matmul,sdpa", "ops torch.compile traces as their PyTorch expression"),
 }
 
 ON_WORDS = ("1", "true", "yes", "on")

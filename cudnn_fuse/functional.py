@@ -97,7 +97,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
         return reference.conv2d_torch(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
                                       return_amax, negative_slope)
 
-    if ops._under_functorch(op):
+    if ops._inline_under_compile("conv2d") or ops._under_functorch(op):
         return reference.conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, activation, residual,
                                       return_amax, negative_slope)
     if Cg == 0:  # no input channels: y = act(bias + residual), torch's own ops (and autograd) compute it

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import engines, envvars, launch_graphs, loader, manifest, plans, reference
+from . import engines, envvars, launch_graphs, loader, manifest, plans, reference, torch_engine
 from .errors import ArgumentError, UnsupportedError
 from .spec import (
     ACTIVATIONS,
@@ -99,10 +99,12 @@ def _why_not_fused(op: str, tensors: Sequence[Optional[torch.Tensor]]) -> Option
 # op, so that Inductor compiles them with their neighbours: a GEMM epilogue or an attention call
 # is one Inductor kernel choice among others (cuBLAS + a fused pointwise, torch's SDPA), and a
 # custom op inside the graph costs its backward (the SDPA forward recomputed, a pre-activation
-# recomputed by a GEMM) and blocks fusion across it. Convs stay cuDNN custom ops under compile.
-# CUDNN_FUSE_COMPILE_INLINE: comma-separated among linear, matmul, sdpa; "" keeps every op a
-# custom op under torch.compile.
-COMPILE_INLINE_OPS = ("linear", "matmul", "sdpa")
+# recomputed by a GEMM) and blocks fusion across it. A conv custom op costs tens of microseconds of
+# host time inside a compiled function, which left compiled CNNs host-bound and slower than
+# torch.compile alone (docs/decisions.md, "torch.compile"), so convs trace as torch's too.
+# CUDNN_FUSE_COMPILE_INLINE: comma-separated among conv2d, linear, matmul, sdpa; "" keeps every op
+# a custom op under torch.compile.
+COMPILE_INLINE_OPS = ("conv2d", "linear", "matmul", "sdpa")
 
 
 def _parse_inline(raw: Optional[str]) -> frozenset:
@@ -640,17 +642,58 @@ set_native(launch_graphs.NATIVE)
 
 
 def _remember(key, originals, plan, buffers, out) -> None:
-    """Memoize ``key`` when ``plan`` ran on the caller's tensors themselves."""
-    if key is None or key[0].endswith(":grad") or plan is None or not plan.raw or \
-            originals[0].dtype not in _FAST_DTYPES:
+    """Memoize ``key`` when ``plan`` ran on the caller's tensors themselves: a raw launch, or for
+    torch's own kernels standing in for the graph (torch_engine.TorchPlan) a ``_TorchLaunch``."""
+    if key is None or key[0].endswith(":grad") or plan is None or originals[0].dtype not in _FAST_DTYPES:
         return  # a training call must reach autograd: never a raw launch
+    torch_plan = isinstance(plan, torch_engine.TorchPlan)
+    if not plan.raw and not torch_plan:
+        return
     ins = [t for t in originals if t is not None]
     y, amax = out if isinstance(out, tuple) else (out, None)
     if any(a.data_ptr() != b.data_ptr() for a, b in zip(ins, buffers)) or y.data_ptr() != buffers[len(ins)].data_ptr():
         return  # a copy or a moved view fed the plan: the slow path must keep making it
     if len(_FAST) >= plans.FAST_CAPACITY:
         _FAST.clear()
-    _FAST[key] = _Launch(plan, y, amax is not None, originals[0])
+    _FAST[key] = _TorchLaunch(plan, ins, buffers, y, amax) if torch_plan else \
+        _Launch(plan, y, amax is not None, originals[0])
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+
+
+class _TorchLaunch:
+    """A remembered signature whose plan is torch's own kernels (torch_engine.TorchPlan, which takes
+    tensors, not raw pointers): the operands viewed as the plan's buffers were (views of the caller's
+    own memory: the data pointers matched when it was remembered, and the key fixes their shapes and
+    strides), the outputs allocated with their remembered geometry, the plan run. The C memo calls it
+    as any Python entry."""
+
+    __slots__ = ("plan", "views", "y_buf", "y_out", "amax_shape", "dtype", "device")
+
+    def __init__(self, plan, ins, buffers, y_out, amax):
+        self.plan = plan
+        self.views = tuple(None if _same_view(a, b) else (tuple(b.shape), tuple(b.stride())) for a, b in zip(ins, buffers))
+        yb = buffers[len(ins)]
+        self.y_buf = (tuple(yb.shape), tuple(yb.stride()))
+        self.y_out = None if _same_view(y_out, yb) else (tuple(y_out.shape), tuple(y_out.stride()))
+        self.amax_shape = tuple(buffers[len(ins) + 1].shape) if amax is not None else None
+        self.dtype, self.device = yb.dtype, yb.device
+
+    def __call__(self, a, b, c, d):
+        bufs = []
+        for t, v in zip([t for t in (a, b, c, d) if t is not None], self.views):
+            bufs.append(t if v is None else t.as_strided(v[0], v[1], t.storage_offset()))
+        y = torch.empty_strided(*self.y_buf, dtype=self.dtype, device=self.device)
+        bufs.append(y)
+        am = None
+        if self.amax_shape is not None:
+            am = torch.empty(self.amax_shape, dtype=torch.float32, device=self.device)
+            bufs.append(am)
+        self.plan.run(bufs)
+        out = y if self.y_out is None else y.as_strided(self.y_out[0], self.y_out[1], 0)
+        return out if am is None else (out, am.view(()))
 
 
 # ----------------------------------------------------------------------- conv2d

@@ -316,3 +316,50 @@ def test_training_conv_keeps_its_forward_launch_in_the_validated_call(monkeypatc
     assert launched.count("conv2d") == 3  # the forward graph ran on every call
     assert launched.count("conv_dgrad") == 3 and launched.count("conv_wgrad") == 3  # the replayed backward
     loader.clear()
+
+
+@pytest.mark.parametrize("amax", [False, True])
+def test_a_torch_plan_is_remembered_and_reruns_on_views_of_the_callers_operands(amax):
+    """torch's own kernels standing in for a graph (torch_engine.TorchPlan) are memoized too: a later
+    call of the signature views its operands as the plan's buffers were (the caller's memory, no copy),
+    allocates the outputs with their remembered geometry, and runs the plan; the result equals the
+    slow path's."""
+    from cudnn_fuse import torch_engine
+    from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+
+    M, K, N = 4, 8, 6
+    spec = MatmulSpec(TensorSpec.contiguous((1, M, K), "float16"), TensorSpec((1, K, N), (K * N, 1, K), "float16"),
+                      TensorSpec.contiguous((1, M, N), "float16"),
+                      Epilogue(bias=TensorSpec((1, 1, N), (N, N, 1), "float16"), activation="relu", amax=amax))
+    plan = torch_engine.TorchPlan(spec, 0)
+    ran = []
+    real = plan.run
+    plan = type("Counting", (torch_engine.TorchPlan,), {"run": lambda self, b: (ran.append(b), real(b))[1]})(spec, 0)
+    x, w, b = (torch.randn(M, K).half(), torch.randn(N, K).half(), torch.randn(N).half())
+    y = torch.empty(M, N, dtype=torch.float16)
+    am = torch.empty((1, 1, 1), dtype=torch.float32)
+    buffers = [x.view(1, M, K), w.t().unsqueeze(0), b.view(1, 1, N), y.view(1, M, N)] + ([am] if amax else [])
+    plan.run(buffers)
+    ops._remember("k", (x, w, b, None), plan, buffers, (y, am.view(())) if amax else y)
+    launch = plans.FAST["k"]
+    assert isinstance(launch, ops._TorchLaunch)
+    x2 = torch.randn(M, K).half()
+    out = launch(x2, w, b, None)
+    y2, a2 = out if amax else (out, None)
+    want = torch.relu(x2.float() @ w.float().t() + b.float())
+    assert y2.shape == (M, N) and y2.stride() == (N, 1) and torch.allclose(y2.float(), want, atol=1e-2, rtol=1e-2)
+    bufs = ran[-1]
+    assert bufs[0].data_ptr() == x2.data_ptr() and bufs[1].data_ptr() == w.data_ptr()  # views, not copies
+    assert bufs[1].shape == (1, K, N) and bufs[1].stride() == w.t().unsqueeze(0).stride()
+    if amax:
+        assert a2.shape == () and a2.item() == pytest.approx(y2.float().abs().max().item())
+    x3 = torch.randn(2 * M, K).half()[M:]  # a view at an offset: viewed where it lies
+    y3 = launch(x3, w, b, None)
+    y3 = y3[0] if amax else y3
+    assert torch.allclose(y3.float(), torch.relu(x3.float() @ w.float().t() + b.float()), atol=1e-2, rtol=1e-2)
+
+
+def test_a_plan_that_is_neither_raw_nor_torchs_is_not_remembered():
+    x = torch.randn(4, 8, dtype=torch.float16)
+    ops._remember("k", (x, None, None, None), types.SimpleNamespace(raw=False), [x, x], x)
+    assert "k" not in plans.FAST

@@ -264,7 +264,7 @@ def test_loader_serves_torch_only_where_the_tuned_entry_chose_it():
     assert loader._maybe_torch(fp32, {"use_torch": True}) is fp32  # not one it may stand in for
 
 
-def test_a_torch_plan_is_never_memoized_for_raw_launch():
+def test_a_torch_plan_is_memoized_as_a_torch_launch_never_a_raw_one():
     from cudnn_fuse import ops
 
     spec = _matmul_spec(1, 8, 8, 8, bias=False, act=None)
@@ -272,7 +272,8 @@ def test_a_torch_plan_is_never_memoized_for_raw_launch():
     y = torch.empty(8, 8, dtype=torch.bfloat16)
     ops._FAST.clear()
     ops._remember(("k",), (x, x, None, None), torch_engine.TorchPlan(spec, 0), [x, x, y], y)
-    assert ("k",) not in ops._FAST
+    assert type(ops._FAST[("k",)]) is ops._TorchLaunch
+    ops._FAST.clear()
 
 
 def test_the_tuners_operands_leave_torchs_generator_alone():

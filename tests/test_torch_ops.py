@@ -325,7 +325,7 @@ def _compiled_graph_text(fn, *args) -> str:
     return "\n".join(graphs)
 
 
-def test_torch_compile_inlines_gemm_and_attention_but_keeps_the_conv_a_custom_op():
+def test_torch_compile_inlines_every_op_by_default_and_keeps_custom_ops_when_asked():
     x, w, b = torch.randn(4, 8, 16), torch.randn(32, 16), torch.randn(32)
     xc, wc = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     q = torch.randn(1, 2, 8, 16)
@@ -336,7 +336,7 @@ def test_torch_compile_inlines_gemm_and_attention_but_keeps_the_conv_a_custom_op
 
     args = (x, w, b, xc, wc, q)
     default = _compiled_graph_text(f, *args)
-    assert "cudnn_fuse.conv2d" in default
+    assert "cudnn_fuse.conv2d" not in default and "target=torch.conv2d" in default
     assert "cudnn_fuse.linear" not in default and "cudnn_fuse.matmul" not in default
     assert "cudnn_fuse.scaled_dot_product_attention" not in default and "scaled_dot_product_attention" in default
     prev = cf.set_compile_inline(())
@@ -357,8 +357,9 @@ def test_compile_inline_names_are_checked(caplog):
     assert ops._parse_inline(None) == frozenset(ops.COMPILE_INLINE_OPS)
     assert ops._parse_inline("") == frozenset()
     with caplog.at_level("WARNING"):
-        assert ops._parse_inline("linear, conv2d") == frozenset({"linear"})
-    assert "conv2d" in caplog.text
+        assert ops._parse_inline("linear, conv3d") == frozenset({"linear"})
+    assert "conv3d" in caplog.text
+    assert ops._parse_inline("conv2d") == frozenset({"conv2d"})
 
 
 def test_tracing_is_false_for_the_tensors_an_eager_backward_sees():
