@@ -62,7 +62,7 @@ def usable(*tensors) -> bool:
     tensors: there the formulas must take the torch math (which Inductor compiles), since a
     cuDNN graph launch reads data pointers that a fake tensor does not have. One pass of cheap
     checks: this runs in every backward node (the generator-based version and torch's is_fake
-    took 13 us a call on the H200 host).
+    took 13 us a call).
 
     Grad mode on in a backward means ``create_graph=True`` (a double backward to come, e.g. a
     gradient penalty): a cuDNN launch records no graph, so the formulas take the torch math,
@@ -422,9 +422,9 @@ class _ConvProgram:
     """A conv layer's whole backward for one signature, replayed: the dz (+ dbias) graph, dgrad
     and wgrad, each output allocated from a remembered geometry and each plan launched with no
     spec, layout or cache work in between. The specs are the ones conv_dz / conv_dgrad /
-    conv_wgrad make for these operands (the general path stays for every other case). Measured on
-    the H200 (bench/conv_host_probe.py): the Python between the three launches of that path took
-    60-150 us a layer, the launches 60-100 us; a conv training step was host-bound."""
+    conv_wgrad make for these operands (the general path stays for every other case): the Python
+    between the three launches of that path took as long as the launches, and a conv training step
+    was host-bound (docs/training.md)."""
 
     __slots__ = ("dz_plan", "dz_geo", "dbias_geo", "dgrad", "dx_geo", "wgrad", "dw_geo", "dtype", "device",
                  "bias_dims", "gy_format", "x_format", "w_format")

@@ -470,8 +470,8 @@ class TransposedLinear(torch.nn.Module):
 class AlignedLinear(torch.nn.Linear):
     """A linear layer with no epilogue whose output width is not a multiple of 16 bytes
     (GPT-2's lm_head: 50257 outputs). Its output rows start at odd addresses, so cuBLAS falls
-    back to an sm75 ``align1`` kernel (6.7 ms instead of 0.9 ms for GPT-2's logits at 8×1024 on
-    the H200, ``bench/results/step_profile_gpt2_infer.json``). On the GPU this layer runs the
+    back to an sm75 ``align1`` kernel (7x the aligned GEMM's time for GPT-2's logits at 8×1024,
+    docs/decisions.md). On the GPU this layer runs the
     GEMM on a weight padded with zero rows to an aligned width and returns the first
     ``out_features`` columns as a view of that aligned buffer, as torch.compile's padded mm does:
     the row stride is the padded width, so ``.view()`` across the last dim needs ``.contiguous()``

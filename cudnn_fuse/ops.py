@@ -914,9 +914,9 @@ def _matmul_fused(op, a2, b2, batch, M, N, out_shape, bias, residual, activation
 
 def dense_residual(r: torch.Tensor) -> torch.Tensor:
     """A matmul residual as the graphs read it: a broadcast (stride-0) dim of more than one element is
-    copied out. Measured on the H100 (cuDNN 9.19): a [64, 1] residual expanded to [64, 96] (strides (1, 0))
-    was read wrong by the fused GEMM (relative error 60), and other stride-0 residuals were refused (a
-    fallback each call)."""
+    copied out: a [64, 1] residual expanded to [64, 96] (strides (1, 0)) was read wrong by the fused GEMM
+    (relative error 60), and other stride-0 residuals were refused, a fallback each call
+    (docs/decisions.md)."""
     if any(s == 0 and n > 1 for n, s in zip(r.shape, r.stride())):
         return r.contiguous()
     return r

@@ -178,7 +178,7 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
 def linear_save_z(x, weight, bias=None, act=None, residual=None, negative_slope=0.01):
     """(y, z): z = x @ weight.T + bias + residual rounded to x's dtype, and y = act of that rounded z
     (in float32 for 16 bits, then rounded): what the GPU's keep-z graph computes (cuDNN's graph reads
-    the 16-bit z it writes; measured on the H200, tests/test_gpu_backward.py
+    the 16-bit z it writes: tests/test_gpu_backward.py
     test_the_kept_z_forward_rounds_z_before_the_activation) and what eager ``nn.Linear`` -> activation
     computes. The inference call (``linear``, no z kept) rounds once instead, so the two differ by the
     rounding of z, and where z overflows to -inf, GELU and SiLU give NaN here and -0.0 there."""
@@ -207,9 +207,9 @@ _TORCH_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if enable_gqa and q.dim() >= 3 and k.size(-3) != q.size(-3):
         if _TORCH_GQA and attn_mask is None and k.size(-1) == v.size(-1) <= 256:
-            # torch's own GQA reads k/v once per group, with no copy: on the H200 (torch 2.11) it ran the same
-            # cuDNN kernel as the expanded form, 0.26 against 0.41 ms (B4 H32/8 S2048 D128 causal,
-            # bench/results/gqa_probe.json), also under torch.compile, which traces this function for cf's
+            # torch's own GQA reads k/v once per group, with no copy: it ran the same cuDNN kernel as the
+            # expanded form in about 0.6x the time (docs/decisions.md), also under torch.compile, which
+            # traces this function for cf's
             # SDPA. With a mask, or head dims flash cannot take, some torch versions send enable_gqa to the
             # math kernel (transformers' sdpa integration draws the same line), so those expand by hand.
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

@@ -275,7 +275,7 @@ class SdpaSpec(_SpecMixin):
 
 # ------------------------------------------------------------ training graphs
 #
-# New op families for autograd (issue 4). The forward specs above keep their
+# Op families for autograd. The forward specs above keep their
 # canonical JSON (existing caches and digests depend on it); training variants
 # are separate classes. A spec that wraps a forward spec (``fwd``) nests the
 # forward's own to_dict, op and schema_version included, so it round-trips.

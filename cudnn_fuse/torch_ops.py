@@ -92,9 +92,7 @@ def _act_grad(z: Tensor, gy: Tensor, act: str, slope: float) -> Tensor:
     Without create_graph, on CUDA (any dtype) or in float32/float64 on the CPU, GELU, SiLU and
     leaky ReLU take aten's backward kernel, eager's own: the float32 autograd below cost an fp32
     copy of z and of gy, a recomputed forward and a cast back, and made a FusedMLP whose cuDNN
-    graphs were declined (every float32 model) 15% slower than eager on the H200
-    (bench/results/wgrad_probe_runs/wgrad_probe_before_act_grad_fix.json, the "torch" row: 1.155x; 0.997x
-    after, bench/results/wgrad_probe_runs/wgrad_probe_ebdd0ee.json)."""
+    graphs were declined (every float32 model) 15% slower than eager (docs/training.md)."""
     native = _NATIVE_ACT_GRAD.get(act)
     if (native is not None and gy.dtype == z.dtype and gy.shape == z.shape and not _create_graph()
             and (z.is_cuda or z.dtype in (torch.float32, torch.float64))):
