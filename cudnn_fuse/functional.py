@@ -15,6 +15,7 @@ import torch
 from . import ops, reference, torch_ops
 from .errors import ArgumentError
 from .ops import _any_autocast, _is_compiling  # read on every call: bound here, not looked up on ops
+from .spec import canonical_activation
 
 __all__ = ["conv2d", "linear", "matmul", "scaled_dot_product_attention"]
 
@@ -64,7 +65,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     ops._check_devices(op, "x", x, weight=weight, bias=bias, residual=residual)
     ops._check_flag(op, "return_amax", return_amax)
     key = ops._unkeyed(key, activation)
-    activation, negative_slope = ops._activation(op, activation, negative_slope)
+    activation, negative_slope = canonical_activation(activation, negative_slope, op)
     if x.dim() not in (3, 4):
         raise ArgumentError(f"{op}: expected 3-D (unbatched) or 4-D (batched) input x, got x.shape={tuple(x.shape)}")
     if weight.dim() != 4:
@@ -141,7 +142,7 @@ def matmul(a, b, bias=None, activation=None, residual=None, return_amax=False, *
     ops._check_devices(op, "a", a, b=b, bias=bias, residual=residual)
     ops._check_flag(op, "return_amax", return_amax)
     key = ops._unkeyed(key, activation)
-    activation, negative_slope = ops._activation(op, activation, negative_slope)
+    activation, negative_slope = canonical_activation(activation, negative_slope, op)
     if a.dim() == 0 or b.dim() == 0:
         raise ArgumentError(f"{op}: both arguments need at least 1 dimension, got a.shape={tuple(a.shape)}, "
                             f"b.shape={tuple(b.shape)}")
@@ -186,7 +187,7 @@ def linear(x, weight, bias=None, activation=None, residual=None, return_amax=Fal
     ops._check_devices(op, "x", x, weight=weight, bias=bias, residual=residual)
     ops._check_flag(op, "return_amax", return_amax)
     key = ops._unkeyed(key, activation)
-    activation, negative_slope = ops._activation(op, activation, negative_slope)
+    activation, negative_slope = canonical_activation(activation, negative_slope, op)
     if weight.dim() != 2:
         raise ArgumentError(f"{op}: weight must be 2-D [out_features, in_features], got "
                             f"weight.shape={tuple(weight.shape)}")

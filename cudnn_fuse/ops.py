@@ -257,11 +257,6 @@ def _check_flag(op: str, name: str, v) -> None:
         raise TypeError(f"{op}: {name} must be a bool, got {name}={v!r}")
 
 
-def _activation(op: str, activation, negative_slope):
-    """(name, slope): spec.canonical_activation, strict (a slope only with leaky_relu)."""
-    return canonical_activation(activation, negative_slope, op)
-
-
 def _unkeyed(key, activation):
     """The memo key, or None for an activation given as a torch module: the key holds the module itself,
     whose attributes (nn.LeakyReLU's slope, nn.GELU's approximate) can change in place after a call was

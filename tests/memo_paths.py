@@ -12,6 +12,23 @@ from cudnn_fuse import loader
 PATHS = ["python", "native"]
 
 
+class NoOpPlan:
+    """A cuDNN plan that runs nothing: with it a 16-bit CPU call takes the fused path and is remembered
+    (ops._remember), as a GPU call is."""
+
+    raw = True
+    engine = "no-op"
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def launch(self, ptrs):
+        pass
+
+    def run(self, buffers):
+        pass
+
+
 @contextlib.contextmanager
 def on_memo_path(path: str, monkeypatch, make_plan):
     """Inside: ``ops`` on the ``path`` memo ("python" or "native"; skipped where the C module is not

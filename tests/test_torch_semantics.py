@@ -26,7 +26,7 @@ from torch import nn
 import cudnn_fuse as cf
 from cudnn_fuse import manifest, ops
 from cudnn_fuse.spec import ACTIVATIONS
-from tests.memo_paths import PATHS, on_memo_path
+from tests.memo_paths import PATHS, NoOpPlan, on_memo_path
 
 f64 = torch.float64
 
@@ -69,19 +69,7 @@ def test_a_remembered_call_does_not_serve_return_amax_1(path, monkeypatch):
     """The memo keys the attributes' exact types: return_amax=0 is refused after return_amax=False was
     remembered (a no-op plan makes a 16-bit CPU call fused, so remembered, as a GPU call is)."""
 
-    class NoOp:
-        raw, engine = True, "no-op"
-
-        def __init__(self, spec):
-            self.spec = spec
-
-        def launch(self, ptrs):
-            pass
-
-        def run(self, buffers):
-            pass
-
-    with on_memo_path(path, monkeypatch, lambda spec, device: NoOp(spec)) as o:
+    with on_memo_path(path, monkeypatch, lambda spec, device: NoOpPlan(spec)) as o:
         x, w = R(4, 8).half(), R(16, 8).half()
         cf.linear(x, w, return_amax=False)
         cf.linear(x, w, return_amax=False)
@@ -249,19 +237,7 @@ def test_a_module_activation_is_not_remembered(monkeypatch):
     """The memo's key would hold the module, whose slope can change in place: such a call is validated
     each time, and a changed slope is seen."""
 
-    class NoOp:
-        raw, engine = True, "no-op"
-
-        def __init__(self, spec):
-            self.spec = spec
-
-        def launch(self, ptrs):
-            pass
-
-        def run(self, buffers):
-            pass
-
-    with on_memo_path("python", monkeypatch, lambda spec, device: NoOp(spec)) as o:
+    with on_memo_path("python", monkeypatch, lambda spec, device: NoOpPlan(spec)) as o:
         x, w = R(4, 8).half(), R(16, 8).half()
         act = nn.LeakyReLU(0.2)
         cf.linear(x, w, activation=act)

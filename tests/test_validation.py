@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_fuse as cf
-from tests.memo_paths import PATHS, on_memo_path
+from tests.memo_paths import PATHS, NoOpPlan, on_memo_path
 
 f32, f64 = torch.float32, torch.float64
 AE = cf.ArgumentError
@@ -274,27 +274,10 @@ def test_a_float32_mask_beside_a_16_bit_query_runs_torchs_own_op(caplog):
 # key now holds the attributes' exact types too (ops._attr_sig; the C memo builds the same key).
 
 
-class _NoOpPlan:
-    """A cuDNN plan that runs nothing: with it a 16-bit CPU call takes the fused path and is remembered
-    (ops._remember), as a GPU call is."""
-
-    raw = True
-    engine = "no-op"
-
-    def __init__(self, spec):
-        self.spec = spec
-
-    def launch(self, ptrs):
-        pass
-
-    def run(self, buffers):
-        pass
-
-
 @pytest.fixture(params=PATHS)
 def memo_path(request, monkeypatch):
     """The memo on the Python path and on the C path (cudnn_fuse._native), with no-op plans."""
-    with on_memo_path(request.param, monkeypatch, lambda spec, device: _NoOpPlan(spec)) as ops:
+    with on_memo_path(request.param, monkeypatch, lambda spec, device: NoOpPlan(spec)) as ops:
         yield ops
 
 
