@@ -11,7 +11,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import platform
 import shutil
 import subprocess
