@@ -98,6 +98,49 @@ def variants(name: str, mode: str, autotune_budget: float, compile_modes) -> lis
     return out
 
 
+def decisions(limit: int = 40) -> list:
+    """The plan decisions of the current plan cache (the cf variant just run): per graph its op, sizes,
+    engine and, for a heuristic plan, its timing against torch's kernels; slowest first."""
+    from cudnn_fuse.cache import open_default_cache
+
+    pc = open_default_cache()
+    if pc is None:
+        return []
+    out = []
+    for _key, meta, _size in pc.entries():
+        spec = meta.get("spec", {})
+        check = meta.get("torch_check") or {}
+        shapes = {k: v["shape"] for k, v in spec.items() if isinstance(v, dict) and "shape" in v}
+        if spec.get("groups", 1) != 1:
+            shapes["groups"] = spec["groups"]
+        out.append({"op": meta.get("op"), "shapes": shapes,
+                    "engine": meta.get("engine_name"), "tuned": meta.get("tuned"), "use_torch": meta.get("use_torch"),
+                    "use_gemm": meta.get("use_gemm"), "cudnn_ms": check.get("cudnn_ms"), "torch_ms": check.get("torch_ms")})
+    out.sort(key=lambda d: -(d["cudnn_ms"] or 0))
+    return out[:limit]
+
+
+def top_kernels(fn, steps: int = 5, limit: int = 15) -> dict:
+    """torch.profiler over ``steps`` calls of ``fn``: the kernels taking most device time (us per call),
+    and host and device time per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if dev and e.device_type.name == "CUDA":
+            rows.append({"kernel": e.key[:120], "us": round(dev / steps, 2), "calls": e.count // steps})
+    rows.sort(key=lambda r: -r["us"])
+    return {"device_us": round(sum(r["us"] for r in rows), 1), "kernels": rows[:limit],
+            "kernel_launches": sum(r["calls"] for r in rows)}
+
+
 def run_variant(model, make, wrap, mode: str, bs: int, want):
     """(ms per call, first call s, error against ``want``, the first output) of one variant."""
     inputs = make(bs)
@@ -121,7 +164,7 @@ def run_variant(model, make, wrap, mode: str, bs: int, want):
     first_s = time.perf_counter() - t0
     err = rel_err(first, want) if want is not None else 0.0
     ms = time_ms(step, warmup=5, iters=20 if train else 50)
-    return ms, first_s, err, first
+    return ms, first_s, err, step
 
 
 def run_row(name: str, mode: str, args) -> dict:
@@ -143,7 +186,11 @@ def run_row(name: str, mode: str, args) -> dict:
             os.environ["CUDNN_FUSE_CACHE_DIR"] = cache  # every variant from an empty plan cache
             torch._dynamo.reset()
             try:
-                ms, first_s, err, _ = run_variant(model, make, wrap, mode, bs, want if mode != "train" else None)
+                ms, first_s, err, step = run_variant(model, make, wrap, mode, bs, want if mode != "train" else None)
+                if args.explain and vname in ("eager", "cf", "compile", "cf_compile"):
+                    row.setdefault("profile", {})[vname] = top_kernels(step)
+                    if vname == "cf":
+                        row["decisions"] = decisions()
             except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, the row goes on
                 row[f"{vname}_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(f"  {name} {mode} {vname}: {row[f'{vname}_error']}", flush=True)
@@ -221,6 +268,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     p.add_argument("--compile-modes", default="default", help="torch.compile modes: default and/or max-autotune")
     p.add_argument("--autotune-budget", type=float, default=2.0, help="cf autotuned's budget per graph, seconds")
+    p.add_argument("--explain", action="store_true",
+                   help="also record each row's top kernels (torch.profiler) and cf's plan decisions")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing models.json")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     args = p.parse_args(argv)
