@@ -6,6 +6,9 @@
   its launches replayed from launch graphs);
 - ``eager_python``: the same on the Python call path (``cudnn_fuse.ops.set_native(False)``);
 - ``eager_no_launch_graphs``: the same with launch graphs off (``cf.set_launch_graphs(False)``);
+- ``eager_torch_kernels``: the same call where the plan runs torch's kernels (a shape where torch's
+  timed faster: ``torch_engine.TorchPlan`` behind the same memo), the host cost the torch candidate's
+  rule (``autotune.TORCH_HOST_MS``) weighs;
 - ``captured``: the op replayed under ``cf.capture``, per op of a 100-op graph;
 - ``captured_single_op``: one op a graph (torch's CUDAGraph replay cost);
 - ``torch_eager``: torch's ``F.relu(F.linear(x, w, b))``.
@@ -32,7 +35,23 @@ import cudnn_fuse as cf  # noqa: E402
 from bench.common import host_row_calls, host_row_operands, host_us, write_json  # noqa: E402
 from cudnn_fuse import loader, ops  # noqa: E402
 
-ROWS = ("eager", "eager_python", "eager_no_launch_graphs", "captured", "captured_single_op", "torch_eager")
+ROWS = ("eager", "eager_python", "eager_no_launch_graphs", "eager_torch_kernels", "captured", "captured_single_op", "torch_eager")
+
+
+class _torch_kernels:
+    """Within: plans loaded or built run torch's kernels (as where torch's timed faster)."""
+
+    def __enter__(self):
+        self.orig = loader._maybe_torch
+        loader._maybe_torch = lambda plan, meta: self.orig(plan, {**meta, "use_torch": True})
+        loader.torch_check = lambda plan, spec, device: {"use_torch": True}
+
+    def __exit__(self, *exc):
+        loader._maybe_torch = self.orig
+        loader.torch_check = _CHECK
+
+
+_CHECK = loader.torch_check
 
 
 def main(argv=None) -> int:
@@ -82,6 +101,10 @@ def main(argv=None) -> int:
             rows["eager_no_launch_graphs"].append(host_us(cf_op, args.calls))
             dev["no_graphs"].append(device_us())
             cf.set_launch_graphs(True)
+            loader.clear()
+            with _torch_kernels():
+                rows["eager_torch_kernels"].append(host_us(cf_op, args.calls))
+            loader.clear()
             loader.clear()
             cf_op()
             rows["captured"].append(host_us(captured.replay, max(1, args.calls // chain)) / chain)

@@ -131,14 +131,18 @@ def top_kernels(fn, steps: int = 5, limit: int = 15) -> dict:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    rows = []
+    rows, host = [], []
     for e in prof.key_averages():
         dev = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if dev and e.device_type.name == "CUDA":
             rows.append({"kernel": e.key[:120], "us": round(dev / steps, 2), "calls": e.count // steps})
+        elif e.self_cpu_time_total:
+            host.append({"op": e.key[:120], "us": round(e.self_cpu_time_total / steps, 2), "calls": e.count // steps})
     rows.sort(key=lambda r: -r["us"])
+    host.sort(key=lambda r: -r["us"])
     return {"device_us": round(sum(r["us"] for r in rows), 1), "kernels": rows[:limit],
-            "kernel_launches": sum(r["calls"] for r in rows)}
+            "kernel_launches": sum(r["calls"] for r in rows), "host_us": round(sum(r["us"] for r in host), 1),
+            "host_ops": host[:limit]}
 
 
 def run_variant(model, make, wrap, mode: str, bs: int, want):
@@ -268,6 +272,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     p.add_argument("--compile-modes", default="default", help="torch.compile modes: default and/or max-autotune")
     p.add_argument("--autotune-budget", type=float, default=2.0, help="cf autotuned's budget per graph, seconds")
+    p.add_argument("--compile-inline", default=None, metavar="OPS",
+                   help="the ops torch.compile traces as torch (cf.set_compile_inline; default: the library's)")
     p.add_argument("--explain", action="store_true",
                    help="also record each row's top kernels (torch.profiler) and cf's plan decisions")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing models.json")
@@ -279,6 +285,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("models.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.compile_inline is not None:
+        cf.set_compile_inline(args.compile_inline)
     args.variants = [v for v in args.variants.split(",") if v]
     args.compile_modes = [c for c in args.compile_modes.split(",") if c]
     os.environ["CUDNN_FUSE_TUNE_BUDGET_S"] = str(args.autotune_budget)
@@ -288,6 +296,9 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "models.json")
     doc = json.load(open(path)) if os.path.exists(path) else {"rows": []}
     doc.update(gpu=device_name(), commit=args.commit or _commit(), torch=torch.__version__)
+    from cudnn_fuse import ops
+
+    doc["compile_inline"] = sorted(ops.compile_inline)
     for name in args.models.split(","):
         for mode in args.modes.split(","):
             if mode == "train" and name not in TRAINED:

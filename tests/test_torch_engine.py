@@ -162,8 +162,13 @@ def test_torch_timing_and_decision():
     slow = autotune.torch_timing(lambda: None, lambda: 1.2, cfg)
     assert not autotune.torch_wins(_winner(1.0), [_winner(1.0), slow])
     assert not autotune.torch_wins(_winner(1.0), [_winner(1.0)])  # no torch candidate: cuDNN
-    tiny = autotune.torch_timing(lambda: None, lambda: 0.01, cfg)
-    assert not autotune.torch_wins(_winner(0.05), [_winner(0.05), tiny])  # launch-bound: the memo'd cuDNN launch
+    # torch must save more device time than its path adds host time (TORCH_HOST_MS)
+    host = autotune.TORCH_HOST_MS
+    tiny = autotune.torch_timing(lambda: None, lambda: 0.5 * host, cfg)
+    assert not autotune.torch_wins(_winner(1.4 * host), [_winner(1.4 * host), tiny])  # launch-bound
+    assert autotune.torch_wins(_winner(2.0 * host), [_winner(2.0 * host), tiny])
+    close = autotune.torch_timing(lambda: None, lambda: 0.095, cfg)
+    assert not autotune.torch_wins(_winner(0.1), [_winner(0.1), close])  # 5 us saved: not worth the launches
 
     def boom():
         raise RuntimeError("cuBLAS said no")
@@ -229,8 +234,9 @@ def test_a_close_call_against_torch_is_settled_by_a_runoff():
 @pytest.mark.parametrize("case", ["far apart", "launch-bound", "torch failed", "runoff fails", "no rounds"])
 def test_no_runoff_where_the_medians_decide(case):
     cfg = autotune.Config(runoff_rounds=0 if case == "no rounds" else 4, runoff_margin=0.15)
-    winner = _winner(0.05 if case == "launch-bound" else 1.0)
-    torch_t = _torch({"far apart": 0.7, "launch-bound": 0.049}.get(case, 0.98))
+    host = autotune.TORCH_HOST_MS
+    winner = _winner(0.9 * host if case == "launch-bound" else 1.0)
+    torch_t = _torch({"far apart": 0.7, "launch-bound": 0.85 * host}.get(case, 0.98))
     if case == "torch failed":
         torch_t.status = "failed:cuBLAS"
     ran = []
