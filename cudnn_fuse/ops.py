@@ -650,7 +650,7 @@ def _remember(key, originals, plan, buffers, out) -> None:
         return  # a copy or a moved view fed the plan: the slow path must keep making it
     if len(_FAST) >= plans.FAST_CAPACITY:
         _FAST.clear()
-    _FAST[key] = _TorchLaunch(plan, ins, buffers, y, amax) if torch_plan else \
+    _FAST[key] = _TorchLaunch(plan, ins, buffers, y, amax, key[0]) if torch_plan else \
         _Launch(plan, y, amax is not None, originals[0])
 
 
@@ -660,14 +660,16 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class _TorchLaunch:
     """A remembered signature whose plan is torch's own kernels (torch_engine.TorchPlan, which takes
-    tensors, not raw pointers): the operands viewed as the plan's buffers were (views of the caller's
-    own memory: the data pointers matched when it was remembered, and the key fixes their shapes and
-    strides), the outputs allocated with their remembered geometry, the plan run. The C memo calls it
-    as any Python entry."""
+    tensors, not raw pointers). Where it applies, the call is eager's own expression on the caller's
+    operands (``torch_engine.eager_call``), checked once to give the output the slow path gave (shape,
+    strides, dtype); otherwise, or after a mismatch, the operands viewed as the plan's buffers were
+    (views of the caller's own memory: the data pointers matched when it was remembered, and the key
+    fixes their shapes and strides), the outputs allocated with their remembered geometry, the plan
+    run. The C memo calls it as any Python entry."""
 
-    __slots__ = ("plan", "views", "y_buf", "y_out", "amax_shape", "dtype", "device")
+    __slots__ = ("plan", "views", "y_buf", "y_out", "amax_shape", "dtype", "device", "direct", "checked")
 
-    def __init__(self, plan, ins, buffers, y_out, amax):
+    def __init__(self, plan, ins, buffers, y_out, amax, op: str = ""):
         self.plan = plan
         self.views = tuple(None if _same_view(a, b) else (tuple(b.shape), tuple(b.stride())) for a, b in zip(ins, buffers))
         yb = buffers[len(ins)]
@@ -675,8 +677,16 @@ class _TorchLaunch:
         self.y_out = None if _same_view(y_out, yb) else (tuple(y_out.shape), tuple(y_out.stride()))
         self.amax_shape = tuple(buffers[len(ins) + 1].shape) if amax is not None else None
         self.dtype, self.device = yb.dtype, yb.device
+        self.direct = torch_engine.eager_call(plan.spec, op) if amax is None else None
+        self.checked = False
 
     def __call__(self, a, b, c, d):
+        if self.direct is not None:
+            if self.checked:
+                return self.direct(a, b, c, d)
+            y = self._first_direct(a, b, c, d)
+            if y is not None:
+                return y
         bufs = []
         for t, v in zip([t for t in (a, b, c, d) if t is not None], self.views):
             bufs.append(t if v is None else t.as_strided(v[0], v[1], t.storage_offset()))
@@ -689,6 +699,22 @@ class _TorchLaunch:
         self.plan.run(bufs)
         out = y if self.y_out is None else y.as_strided(self.y_out[0], self.y_out[1], 0)
         return out if am is None else (out, am.view(()))
+
+    def _first_direct(self, a, b, c, d):
+        """eager's expression once: its output, or None (and the plan's run from now on) where it
+        failed or its output's geometry is not the slow path's."""
+        try:
+            y = self.direct(a, b, c, d)
+        except Exception as exc:  # noqa: BLE001 - the plan's run serves this signature
+            log.debug("torch-kernel call: eager's expression failed (%s); the plan's run serves", exc)
+            self.direct = None
+            return None
+        want = self.y_out or self.y_buf
+        if (tuple(y.shape), tuple(y.stride()), y.dtype) != (want[0], want[1], self.dtype):
+            self.direct = None
+            return None
+        self.checked = True
+        return y
 
 
 # ----------------------------------------------------------------------- conv2d

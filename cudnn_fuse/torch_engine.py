@@ -17,6 +17,7 @@ there depends on settings cudnn_fuse does not control).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .builders import roles_of
 from .spec import ConvSpec, MatmulSpec, SaveZSpec
@@ -71,6 +72,51 @@ def _gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias) -> Non
     torch.matmul(a, b, out=out)
     if bias is not None:
         out.add_(bias)
+
+
+# each activation applied in place: (tensor, negative_slope) -> None
+_IN_PLACE = {
+    "relu": lambda z, s: torch.relu_(z),
+    "gelu": lambda z, s: torch._C._nn.gelu_(z),
+    "gelu_tanh": lambda z, s: torch._C._nn.gelu_(z, approximate="tanh"),
+    "silu": lambda z, s: torch._C._nn.silu_(z),
+    "tanh": lambda z, s: torch.tanh_(z),
+    "sigmoid": lambda z, s: torch.sigmoid_(z),
+    "leaky_relu": lambda z, s: torch._C._nn.leaky_relu_(z, s),
+}
+
+
+def eager_call(spec, op: str):
+    """What eager PyTorch runs for a call of ``op`` ("conv2d", "linear" or "matmul") that ``spec``
+    describes, on the caller's own operands (x or a, weight or b, bias, residual; None where absent),
+    the residual added and the activation applied in place: a remembered torch-kernel call at
+    eager's host cost, where the plan's own run (``TorchPlan.run``) takes views of the operands and
+    out= variants. None where it does not apply (an amax, another op): the plan's run serves."""
+    if getattr(spec, "epilogue", None) is None or spec.epilogue.amax or not supports(spec):
+        return None
+    if type(spec) is ConvSpec and op == "conv2d":
+        geo = tuple(spec.stride), tuple(spec.pre_padding), tuple(spec.dilation), spec.groups
+
+        def base(x, w, bias):
+            return F.conv2d(x, w, bias, *geo)
+    elif type(spec) is MatmulSpec and op == "linear":
+        base = F.linear
+    elif type(spec) is MatmulSpec and op == "matmul":
+        def base(a, b, bias):
+            y = torch.matmul(a, b)
+            return y if bias is None else y.add_(bias)
+    else:
+        return None
+    act, slope = _IN_PLACE.get(spec.epilogue.activation), spec.epilogue.negative_slope
+
+    def call(a, b, c, d):
+        y = base(a, b, c)
+        if d is not None:
+            y.add_(d)
+        if act is not None:
+            act(y, slope)
+        return y
+    return call
 
 
 class TorchPlan:
