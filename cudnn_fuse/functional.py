@@ -263,13 +263,19 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
         ops._fallback(op, "dropout_p > 0")
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if ops._inline_under_compile("sdpa"):
+    if ops._inline_under_compile("sdpa") and (attn_mask is None or _needs_grad(q, k, v, attn_mask)):
+        # a masked attention's inference stays cuDNN's: Inductor lowered BERT-base's masked SDPA to an
+        # fp32 math attention (docs/decisions.md, "torch.compile")
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
     if ops._under_functorch(op):
         return reference.scaled_dot_product_attention_math(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if ops._via_custom_op(q, k, v, attn_mask):
         return torch_ops.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return ops._sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=key)
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 
 
 # Each op called anew with its four operands and its attributes as _front hands them back.

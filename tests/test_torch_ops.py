@@ -457,3 +457,31 @@ def test_matmul_with_zero_columns_and_a_bias_has_torchs_gradients():
     a, b, c = (t.clone().requires_grad_() for t in (a0, b0, c0))
     cf.matmul(a, b, c).sum().backward()
     assert a.grad.shape == (3, 5) and not a.grad.any() and b.grad.shape == (5, 0) and c.grad.shape == (0,)
+
+
+def test_a_masked_attentions_inference_stays_a_custom_op_under_torch_compile():
+    """Inlined by default, except a masked attention that needs no gradient: Inductor lowers masked SDPA
+    to a math attention, cuDNN runs the mask in its fused kernel. One that trains inlines (a custom op's
+    backward would recompute the forward)."""
+    q = torch.randn(1, 2, 8, 16)
+    mask = torch.rand(1, 1, 8, 8) > 0.3
+    mask[..., 0] = True
+
+    def f(q, mask):
+        return cf.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    def plain(q, mask):
+        return cf.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    with torch.no_grad():
+        assert "cudnn_fuse.scaled_dot_product_attention" in _compiled_graph_text(f, q, mask)
+        assert "cudnn_fuse.scaled_dot_product_attention" not in _compiled_graph_text(plain, q, mask)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f)(q, mask), f(q, mask))
+    qg = q.clone().requires_grad_()
+    assert "cudnn_fuse.scaled_dot_product_attention" not in _compiled_graph_text(f, qg, mask)
+    prev = cf.set_compile_inline("linear")
+    try:  # sdpa not inlined at all: every call a custom op
+        assert "cudnn_fuse.scaled_dot_product_attention" in _compiled_graph_text(plain, q, mask)
+    finally:
+        cf.set_compile_inline(prev)
