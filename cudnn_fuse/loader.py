@@ -238,7 +238,19 @@ def _maybe_torch(plan, meta: dict):
         return plan
     if not torch_engine.supports(plan.spec):  # an entry written by a newer cudnn_fuse: trust cuDNN
         return plan
-    return torch_engine.TorchPlan(plan.spec, plan.device, plan)
+    return torch_engine.TorchPlan(plan.spec, plan.device, plan, _torch_reason(meta))
+
+
+def _torch_reason(meta: dict) -> str:
+    """Why an entry runs torch's kernels, with the timings that decided."""
+    check = meta.get("torch_check") or {}
+    if check.get("torch_ms") is not None and check.get("cudnn_ms") is not None:
+        return f"torch's kernels {check['torch_ms']:.3f} ms against cuDNN's {check['cudnn_ms']:.3f} ms"
+    by_index = {c.get("index"): c.get("median_ms") for c in meta.get("candidates") or () if isinstance(c, dict)}
+    t, w = by_index.get(autotune.TORCH_INDEX), by_index.get(meta.get("winner_index"))
+    if t is not None and w is not None:
+        return f"torch's kernels {t:.3f} ms against cuDNN's best {w:.3f} ms (autotuned)"
+    return "torch's kernels timed faster"
 
 
 def _gemm_plan(pc, spec, device):
@@ -354,7 +366,8 @@ def _build_and_store(pc, spec, digest, device, tuning: bool, t0: float) -> Plan:
         gemm = _gemm_in_memory(spec, device)
         if gemm is not None:
             return gemm
-    return _maybe_torch(plan, {"use_torch": use_torch})
+    return _maybe_torch(plan, {"use_torch": use_torch, "torch_check": check, "candidates": candidates,
+                               "winner_index": winner_index})
 
 
 def _faster_of(winner, timings) -> tuple:
@@ -483,6 +496,16 @@ def _tune_lock(pc, digest: str):
 # ------------------------------------------------------------------ plans in memory
 
 DEFAULT_CAPACITY = envvars.number(envvars.MAX_PLANS, 1024, minimum=1, integer=True)
+
+
+def describe(plan) -> str:
+    """What a plan runs, in a few words (optimize's summary): cuDNN's engine, the 1x1 conv's GEMM, or
+    torch's kernels and why."""
+    if isinstance(plan, torch_engine.TorchPlan):
+        return plan.reason or "torch's kernels"
+    if isinstance(plan, conv_gemm.GemmConvPlan):
+        return f"{describe(plan.gemm)}, a 1x1 conv as the GEMM of its matrix views"
+    return f"cuDNN {getattr(plan, 'engine', '?')}"
 
 
 def plan_stats() -> dict:

@@ -30,6 +30,7 @@ everything left alone (with the reason) is logged once at INFO and kept on the m
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import inspect
 import logging
@@ -56,12 +57,20 @@ _ADDS = {operator.add, operator.iadd, torch.add}
 class Summary:
     replaced: list = field(default_factory=list)  # (where, pattern)
     left_alone: list = field(default_factory=list)  # (where, reason)
+    runs: list = field(default_factory=list)  # (where, what its plans run): filled by a run on example inputs
 
     def __str__(self) -> str:
         lines = [f"cudnn_fuse.optimize: {len(self.replaced)} replaced, {len(self.left_alone)} left alone"]
         lines += [f"  replaced {where}: {what}" for where, what in self.replaced]
         lines += [f"  left {where}: {why}" for where, why in self.left_alone]
+        lines += [f"  runs {where}: {what}" for where, what in self.runs]
         return "\n".join(lines)
+
+    @property
+    def torch_kernels(self) -> list:
+        """(where, why) of the replaced layers that run torch's own kernels: cuDNN's best plan for
+        their shapes timed slower, so they run as they did before (known after a run on example inputs)."""
+        return [(where, what) for where, what in self.runs if what.startswith("torch's kernels")]
 
 
 # transformers' activation modules, by class name (no import of transformers needed);
@@ -667,7 +676,7 @@ def _described(model) -> str:
 
 
 def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, inplace: bool = False,
-             chain_convs: bool = True) -> nn.Module:
+             chain_convs: bool = True, example_inputs=None) -> nn.Module:
     """Return ``model`` with its fusable patterns on cudnn_fuse ops (see the module doc).
 
     Eval mode folds BatchNorm2d into the convs (inference); in train mode BN stays.
@@ -680,6 +689,10 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     activation or ReLU, each feeding only the next, become one ``cudnn_fuse.nn.ConvChain``
     whose training step is one autograd node (state_dict keys unchanged).
     The original model is left untouched unless ``inplace``.
+    ``example_inputs`` (a tensor, a tuple of arguments or a dict of keyword arguments): the optimized
+    model is called once on them, so its plans are built (or autotuned) here rather than at its first
+    call, and the summary says per replaced layer what runs: cuDNN's engine, or torch's own kernels
+    where those timed faster for its shapes (``summary.torch_kernels``), with the timings.
 
     Raises TypeError for a ``model`` that is no torch.nn.Module instance (None, a string, a module class)
     and for flags that are not bools.
@@ -690,6 +703,8 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
                        ("chain_convs", chain_convs)):
         if not isinstance(flag, bool):  # inplace="False" rewrote the caller's model
             raise TypeError(f"optimize: {name} must be a bool, got {flag!r}")
+    if example_inputs is not None:
+        _example_call(example_inputs)  # a wrong type is named before the model is copied and rewritten
     if autotune:
         from .autotune import set_autotune
 
@@ -712,5 +727,66 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
             if isinstance(m, cfnn.Conv2d):
                 m._weight_to_device_format()
     out.cudnn_fuse_summary = summary
+    if example_inputs is not None:
+        _run_example(out, example_inputs, summary)
     log.info("%s", summary)
     return out
+
+
+def _example_call(example_inputs):
+    """(args, kwargs) of ``example_inputs``: a tensor, a tuple or list of arguments, or a dict of keyword
+    arguments."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    raise TypeError("optimize: example_inputs must be a tensor, a tuple or list of arguments or a dict of keyword "
+                    f"arguments, got {type(example_inputs).__name__}")
+
+
+def _run_example(model: nn.Module, example_inputs, summary: Summary) -> None:
+    """Call ``model`` once on ``example_inputs``: its plans are loaded or built (and checked against
+    torch's kernels, or autotuned) now rather than at its first call, and ``summary.runs`` says, per
+    replaced layer, what its plans run."""
+    from . import loader, manifest
+
+    args, kwargs = _example_call(example_inputs)
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _CF_MODULES)]
+    seen: dict = {name: {} for name, _ in layers}
+    stack: list = []
+
+    def enter(name):
+        def hook(mod, inputs):
+            block = manifest.record()
+            stack.append((name, block, block.__enter__(), _device_of(inputs)))
+        return hook
+
+    def leave(mod, inputs, output):
+        name, block, rec, device = stack.pop()
+        block.__exit__(None, None, None)
+        for e in rec.entries:
+            seen[name].setdefault(e.spec, device)
+
+    handles = [h for name, m in layers for h in (m.register_forward_pre_hook(enter(name)),
+                                                    m.register_forward_hook(leave))]
+    try:
+        with torch.no_grad() if not model.training else contextlib.nullcontext():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        while stack:  # a forward that raised inside a layer
+            stack.pop()[1].__exit__(None, None, None)
+    held = {(p.spec, p.device): p for p in loader.plans_in_memory()}
+    for name, _ in layers:
+        what = [loader.describe(held[key]) if key in held else "PyTorch's ops (the fused call fell back)"
+                for key in seen[name].items()]
+        summary.runs.append((name, "; ".join(dict.fromkeys(what)) if what else "PyTorch's ops (no fused call ran: "
+                             "CPU tensors, or operands the fused path does not take)"))
+
+
+def _device_of(inputs):
+    """The device index the layer's plans are keyed by (its first tensor input's, as the ops key them)."""
+    return next((t.device.index for t in inputs if isinstance(t, torch.Tensor)), None)

@@ -123,14 +123,15 @@ class TorchPlan:
     """A plan whose launch is torch's: same ``run(buffers)`` contract as plans.Plan (buffers in
     ``roles_of(spec)`` order); it takes no raw pointers, so the ops' launch memo passes it by."""
 
-    __slots__ = ("spec", "device", "engine", "roles", "workspace_size", "cudnn_plan")
+    __slots__ = ("spec", "device", "engine", "roles", "workspace_size", "cudnn_plan", "reason")
     raw = False
 
-    def __init__(self, spec, device: int, cudnn_plan=None):
+    def __init__(self, spec, device: int, cudnn_plan=None, reason: str = ""):
         self.spec, self.device, self.engine = spec, device, ENGINE_NAME
         self.roles = roles_of(spec)
         self.workspace_size = 0
         self.cudnn_plan = cudnn_plan  # the cached cuDNN plan it stands in for (None in tests)
+        self.reason = reason  # why torch's kernels run, with the timings that decided (optimize's summary)
 
     @property
     def graph(self):
