@@ -257,6 +257,23 @@ def plot(path: str) -> str:
     return out
 
 
+def table(path: str) -> str:
+    """The README's markdown table of a models.json: per model and mode, eager's time and each variant's
+    speed-up over it, and the commit and GPU of the row."""
+    doc = json.load(open(path))
+    lines = ["| model | mode | eager ms | `cf.optimize` | `torch.compile` | `torch.compile(cf.optimize)` | run |",
+             "|---|---|---|---|---|---|---|"]
+
+    def x(r, key):
+        return f"{r['eager_ms'] / r[key]:.2f}×" if key in r else "—"
+    order = {m: i for i, m in enumerate(MODELS)}
+    for r in sorted((r for r in doc["rows"] if "eager_ms" in r), key=lambda r: (order.get(r["model"], 99), r["mode"])):
+        gpu = str(r.get("gpu", "")).replace("NVIDIA ", "").split(" ")[0]
+        lines.append(f"| {r['model']} | {r['mode'].replace('infer_', 'inference ')} | {r['eager_ms']:.2f} | "
+                     f"{x(r, 'cf_ms')} | {x(r, 'compile_ms')} | {x(r, 'cf_compile_ms')} | {r.get('commit')}, {gpu} |")
+    return "\n".join(lines)
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -279,10 +296,14 @@ def main(argv=None) -> int:
                    help="also record each row's top kernels and host ops (torch.profiler, after all timings) and "
                         "cf's plan decisions")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing models.json")
+    p.add_argument("--table", metavar="JSON", help="only print an existing models.json as the README's table")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
+        return 0
+    if args.table:
+        print(table(args.table))
         return 0
     if not torch.cuda.is_available():
         print("models.py needs a CUDA GPU", file=sys.stderr)
