@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.library import opcheck
 
 import cudnn_fuse as cf
-from cudnn_fuse import reference, torch_ops
+from cudnn_fuse import ops, reference, torch_ops
 from cudnn_fuse.spec import ACTIVATIONS
 
 ACTS = [None, *ACTIVATIONS]  # every activation cf fuses, and none
@@ -485,3 +485,45 @@ def test_a_masked_attentions_inference_stays_a_custom_op_under_torch_compile():
         assert "cudnn_fuse.scaled_dot_product_attention" in _compiled_graph_text(plain, q, mask)
     finally:
         cf.set_compile_inline(prev)
+
+
+@pytest.mark.parametrize("inline", ["default", "custom ops"])
+def test_torch_compile_dynamic_compiles_once_for_a_range_of_sizes(inline):
+    """torch.compile(dynamic=True) over cf ops: the fake kernels take symbolic sizes, so five sequence
+    lengths compile one graph, inlined or kept custom ops; a conv over five batch sizes compiles no more
+    graphs than torch's own F.conv2d does (torch's CPU conv specializes batches past 15; cf's custom op
+    does not)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    w, b = torch.randn(32, 16), torch.randn(32)
+    wc = torch.randn(4, 3, 3, 3)
+
+    def f(x, q):
+        return cf.linear(x, w, b, activation="gelu"), cf.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    def conv(xc):
+        return cf.conv2d(xc, wc, padding=1, activation="relu")
+
+    def torch_conv(xc):
+        return F.relu(F.conv2d(xc, wc, padding=1))
+
+    def graphs(fn, make):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, dynamic=True)
+        for s in (10, 17, 33, 64, 100):  # sizes that never equal another dimension (duck sizing would tie them)
+            args = make(s)
+            got, want = compiled(*args), fn(*args)
+            for g, w_ in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                torch.testing.assert_close(g, w_, atol=1e-4, rtol=1e-4)
+        return counters["stats"]["unique_graphs"]
+
+    prev = cf.set_compile_inline(ops.COMPILE_INLINE_OPS if inline == "default" else ())
+    try:
+        assert graphs(f, lambda s: (torch.randn(2, s, 16), torch.randn(1, 2, s, 16))) == 1
+        image = lambda s: (torch.randn(s + 1, 3, 7, 7),)  # noqa: E731
+        assert graphs(conv, image) <= graphs(torch_conv, image)
+    finally:
+        cf.set_compile_inline(prev)
+        torch._dynamo.reset()
