@@ -134,7 +134,7 @@ def _record(args: argparse.Namespace) -> int:
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:  # also when the script raised: the specs it made so far are written
         sys.argv = saved
-        entries = rec.entries
+        entries = manifest.collapse(rec.entries)
         try:
             manifest.dump(entries, args.output, name=name)
             written = True

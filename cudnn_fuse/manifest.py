@@ -5,8 +5,11 @@ A manifest is JSON (documented in plans/README.md):
     {"schema": "cudnn_fuse.manifest", "version": 1, "name": "...", "description": "...",
      "entries": [{"spec": <spec.to_dict()>, "count": 3, "weight": 1.0, "name": "layer1.0.conv2"}, ...]}
 
+An entry may give sizes of the spec's shape family (families.py) to warm instead of its own:
+``"sizes": {"m": [128, 256, 512]}`` or ``{"seq_q": {"range": [1, 4096]}, ...}``.
+
 ``record(path)`` writes every spec the ops build while it is active (deduplicated,
-counted). Specs are made as the GPU path would make them, also for CPU and meta
+counted; one family's specs at several sizes as one entry with the sizes seen). Specs are made as the GPU path would make them, also for CPU and meta
 tensors, so a manifest can be recorded without a GPU (a model on the "meta"
 device records without computing anything).
 """
@@ -24,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
+from . import families
 from .spec import _BY_OP, DTYPES, Epilogue, spec_from_dict
 
 SCHEMA = "cudnn_fuse.manifest"
@@ -34,12 +38,18 @@ class ManifestError(ValueError):
     """A manifest that does not follow the schema; the message names the entry and field."""
 
 
+RANGE_POINTS = 3  # a size range is warmed at its ends and its geometric middle
+MAX_LISTED = 8  # record lists up to this many sizes of a dimension, a range past it
+MAX_PRODUCT = 64  # ... and ranges for every varying dimension where the lists' product would pass this
+
+
 @dataclass
 class Entry:
     spec: object
     count: int = 1
     weight: float = 1.0
     name: Optional[str] = None
+    sizes: Optional[dict] = None  # {dynamic size: [sizes] or {"range": [lo, hi]}}: the spec's family at these
 
     def to_dict(self) -> dict:
         d = {"spec": self.spec.to_dict(), "count": self.count}
@@ -47,14 +57,73 @@ class Entry:
             d["weight"] = self.weight
         if self.name:
             d["name"] = self.name
+        if self.sizes:
+            d["sizes"] = self.sizes
         return d
+
+    def expand(self) -> list:
+        """The entries this one stands for: itself, or with ``sizes`` one per size of its family (each
+        list's sizes, each range's ends and middle; the product over the dimensions)."""
+        if not self.sizes:
+            return [self]
+        axes = [(k, _points(v)) for k, v in self.sizes.items()]
+        out = [{}]
+        for k, pts in axes:
+            out = [{**o, k: p} for o in out for p in pts]
+        label = self.name or self.spec.op
+        return [Entry(families.with_sizes(self.spec, **o), self.count, self.weight,
+                      f"{label}[{','.join(f'{k}={v}' for k, v in o.items())}]") for o in out]
+
+
+def _points(v) -> list:
+    if isinstance(v, dict):
+        lo, hi = v["range"]
+        mid = round((lo * hi) ** 0.5)
+        return sorted({lo, mid, hi})[:RANGE_POINTS]
+    return list(dict.fromkeys(v))
+
+
+def expand(entries) -> list:
+    """Every entry with sizes as one entry per size (``Entry.expand``), each spec once."""
+    out, seen = [], set()
+    for e in entries:
+        for x in e.expand():
+            if x.spec not in seen:
+                seen.add(x.spec)
+                out.append(x)
+    return out
+
+
+def collapse(entries) -> list:
+    """Entries of one family at several sizes as one entry with ``sizes``: the sizes seen per dimension
+    that varied, listed (up to MAX_LISTED, and MAX_PRODUCT over the dimensions) or as a range."""
+    groups: "OrderedDict[object, list]" = OrderedDict()
+    for e in entries:
+        fam = families.family(e.spec)
+        groups.setdefault(fam if fam is not None else ("spec", e.spec), []).append(e)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        seen = [families.sizes(e.spec) for e in group]
+        for alias, tied in families.ALIASES.get(group[0].spec.op, {}).items():
+            if all(len({s[n] for n in tied}) == 1 for s in seen):  # always equal: one size
+                seen = [{**{k: v for k, v in s.items() if k not in tied}, alias: s[tied[0]]} for s in seen]
+        varied = {k: sorted({s[k] for s in seen}) for k in seen[0] if len({s[k] for s in seen}) > 1}
+        product = math.prod(len(v) for v in varied.values())
+        sizes = {k: (v if len(v) <= MAX_LISTED and product <= MAX_PRODUCT else {"range": [v[0], v[-1]]})
+                 for k, v in varied.items()}
+        first = group[0]
+        out.append(Entry(first.spec, sum(e.count for e in group), first.weight, first.name, sizes))
+    return out
 
 
 def _entry(i: int, raw) -> Entry:
     where = f"entries[{i}]"
     if not isinstance(raw, dict):
         raise ManifestError(f"{where} must be an object, got {type(raw).__name__}")
-    unknown = set(raw) - {"spec", "count", "weight", "name"}
+    unknown = set(raw) - {"spec", "count", "weight", "name", "sizes"}
     if unknown:
         raise ManifestError(f"{where} has unknown field(s) {sorted(unknown)}")
     if "spec" not in raw:
@@ -74,7 +143,30 @@ def _entry(i: int, raw) -> Entry:
     name = raw.get("name")
     if name is not None and not isinstance(name, str):
         raise ManifestError(f"{where}.name must be a string, got {type(name).__name__}")
-    return Entry(spec, count, float(weight), name)
+    sizes = raw.get("sizes")
+    if sizes is not None:
+        _check_sizes(f"{where}.sizes", spec, sizes)
+    return Entry(spec, count, float(weight), name, sizes or None)
+
+
+def _check_sizes(where: str, spec, sizes) -> None:
+    if not isinstance(sizes, dict):
+        raise ManifestError(f"{where} must be an object, got {type(sizes).__name__}")
+    if sizes and families.family(spec) is None:
+        raise ManifestError(f"{where}: a {spec.op} spec of this layout has no sizes to vary (only "
+                            f"{', '.join(sorted(families.DYNAMIC))} graphs in dense or padded layouts have)")
+    for k, v in sizes.items():
+        if k not in families.names(spec.op):
+            raise ManifestError(f"{where} has no size {k!r}: {spec.op} varies {', '.join(families.names(spec.op))}")
+        if isinstance(v, dict):
+            rng = v.get("range")
+            if set(v) != {"range"} or not (isinstance(rng, list) and len(rng) == 2 and all(_is_int(x, 1) for x in rng)
+                                           and rng[0] <= rng[1]):
+                raise ManifestError(f"{where}.{k} must be a list of positive ints or {{\"range\": [lo, hi]}} with "
+                                    f"1 <= lo <= hi, got {v!r}")
+        elif not (isinstance(v, list) and v and all(_is_int(x, 1) for x in v)):
+            raise ManifestError(f"{where}.{k} must be a non-empty list of positive ints or {{\"range\": [lo, hi]}}, "
+                                f"got {v!r}")
 
 
 _MAX_DIM = 2**63  # cuDNN's sizes and strides are int64
@@ -261,7 +353,7 @@ def record(path=None, name: str = "", description: str = ""):
     finally:
         _active.remove(rec)
         if path is not None:
-            dump(rec.entries, path, name=name, description=description)
+            dump(collapse(rec.entries), path, name=name, description=description)
 
 
 def _check_destination(path) -> None:

@@ -309,7 +309,7 @@ def run(args) -> int:
         except (OSError, manifest.ManifestError) as exc:
             print(f"cudnn-fuse prewarm: {exc}", file=sys.stderr)
             return 2
-        for e in loaded:  # a spec in two manifests is built once
+        for e in manifest.expand(loaded):  # a spec in two manifests is built once
             d = e.spec.digest()
             if d not in seen:
                 seen.add(d)

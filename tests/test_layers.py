@@ -12,6 +12,8 @@ PKG = Path(__file__).resolve().parent.parent / "cudnn_fuse"
 LAYERS = [
     # foundations: no cudnn_fuse import but each other (_native: the C extension, built from _native.c)
     {"_version", "_native", "errors", "envvars", "spec", "progress", "graphs"},
+    # shape families of specs
+    {"families"},
     # graphs of specs, their reference, the environment, the driver's launches, manifests
     {"env", "builders", "builders.common", "builders.epilogue", "builders.conv", "builders.matmul",
      "builders.attention", "builders.backward", "reference", "launch_graphs", "manifest", "conv_gemm"},
