@@ -38,7 +38,6 @@ class ManifestError(ValueError):
     """A manifest that does not follow the schema; the message names the entry and field."""
 
 
-RANGE_POINTS = 3  # a size range is warmed at its ends and its geometric middle
 MAX_LISTED = 8  # record lists up to this many sizes of a dimension, a range past it
 MAX_PRODUCT = 64  # ... and ranges for every varying dimension where the lists' product would pass this
 
@@ -76,10 +75,10 @@ class Entry:
 
 
 def _points(v) -> list:
+    """A dimension's sizes: a list's, or a range's ends and geometric middle."""
     if isinstance(v, dict):
         lo, hi = v["range"]
-        mid = round((lo * hi) ** 0.5)
-        return sorted({lo, mid, hi})[:RANGE_POINTS]
+        return sorted({lo, round(math.sqrt(lo * hi)), hi})
     return list(dict.fromkeys(v))
 
 
