@@ -80,6 +80,9 @@ class Config:
     # clock (docs/autotune.md, "Timing at a sustained run's clocks"). 0 turns it off.
     heat_s: float = 0.5
     heat_min_ms: float = 0.25
+    # A size of a shape family (families.py) near a size the family was tuned at takes that tuning's
+    # engine instead of a tuning of its own (loader._from_family); off: every size is tuned.
+    per_family: bool = True
 
 
 DEFAULT_CONFIG = Config()

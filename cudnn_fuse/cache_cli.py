@@ -387,6 +387,9 @@ def _op(meta: dict) -> str:
 def _engine(meta: dict) -> str:
     """The engine an entry names; a tuned entry that runs torch's implementation or a 1x1 conv's
     GEMM instead says so, with the cuDNN plan it keeps as its blob in brackets."""
+    if meta.get("kind") == "family-record":  # a shape family's tuned engines (loader._note_family)
+        anchors = meta.get("anchors")
+        return f"family ({len(anchors) if isinstance(anchors, list) else '?'} tuned sizes)"
     engine = _first(meta, "engine", "engine_id", "engine_name")
     if isinstance(engine, dict):
         engine = _first(engine, "name", "id", "engine_id")

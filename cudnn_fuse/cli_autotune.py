@@ -154,7 +154,7 @@ def run(args) -> int:
             pc.delete(digest)
             pc.delete(loader.engine_record_key(digest))
         loader.clear()
-        cfg = autotune.Config(progress=Bar(f"tuning {spec.op}"))
+        cfg = autotune.Config(progress=Bar(f"tuning {spec.op}"), per_family=False)  # this size itself
         if args.budget_s is not None:
             cfg.budget_s = args.budget_s
         autotune.DEFAULT_CONFIG = cfg

@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-from . import autotune, conv_gemm, envvars, handles, launch_graphs, torch_engine
+from . import autotune, conv_gemm, envvars, families, handles, launch_graphs, torch_engine
 from .builders import build_graph, roles_of, uids_of
 from .engines import barred_engines, deterministic, finalize, pinned_mode, prepare
 from .errors import UnsupportedError
@@ -63,6 +63,43 @@ def engine_record_key(digest: str) -> str:
 
 def is_engine_record(meta: dict) -> bool:
     return meta.get("kind") == "engine-record"
+
+
+# A family's tuned engine serves a size within this factor of a size it was tuned at, on every dynamic
+# dimension; a size further out is tuned itself and becomes one more of the family's anchors (the newest
+# FAMILY_ANCHORS kept): an engine fast at one size may be slow far from it (docs/dynamic_shapes.md).
+FAMILY_REACH = 4.0
+FAMILY_ANCHORS = 8
+
+
+def family_record_key(family: str) -> str:
+    """Key of a shape family's record: the engines its sizes were tuned to (deterministic processes apart,
+    as cache_digest keeps them)."""
+    mode = ":deterministic" if deterministic() else ""
+    return hashlib.sha256((family + mode + ":family-record").encode()).hexdigest()
+
+
+def _well_formed(anchor) -> bool:
+    s = anchor.get("sizes") if isinstance(anchor, dict) else None
+    return isinstance(s, dict) and all(type(v) is int and v > 0 for v in s.values()) and \
+        type(anchor.get("engine_id")) is int
+
+
+def nearest_anchor(anchors, sizes: dict):
+    """The anchor (a tuning of the family at ``anchor["sizes"]``) nearest ``sizes`` within FAMILY_REACH on
+    every dimension, or None. Anchors that are not well-formed are passed over."""
+    best = None
+    for a in anchors if isinstance(anchors, list) else ():
+        s = a.get("sizes") if isinstance(a, dict) else None
+        if not isinstance(s, dict) or set(s) != set(sizes):
+            continue
+        try:
+            far = max(max(sizes[k], s[k]) / min(sizes[k], s[k]) for k in sizes)
+        except (TypeError, ValueError, ZeroDivisionError):
+            continue
+        if far <= FAMILY_REACH and (best is None or far < best[0]):
+            best = (far, a)
+    return None if best is None else best[1]
 
 
 # how long _tune_lock waits for another process tuning the same key. Bounded: the library never hangs on
@@ -153,6 +190,10 @@ def _load_or_build(spec, device: int) -> Plan:
                 STATS.loads += 1
                 STATS.load_seconds += dt
                 return plan
+        if tuning and pc is not None and autotune.current_config().per_family:
+            plan = _from_family(pc, spec, digest, device, t0)
+            if plan is not None:
+                return plan
         # no tune lock on a read-only cache: no tuning can be stored there, so a process waiting for
         # another's would only wait (up to TUNE_WAIT_S) and then tune the key again itself
         if tuning and pc is not None and not getattr(pc, "read_only", False):
@@ -212,6 +253,53 @@ def _from_cache(pc, spec, digest, device, want_tuned: bool):
         if gemm is not None:
             return gemm
     return _maybe_torch(plan, meta)
+
+
+def _from_family(pc, spec, digest, device, t0):
+    """A tuned plan for a new size from the engine its family was tuned to at a size near it, stored as
+    this size's tuned entry (``family_anchor`` names that size); None where the spec has no family, the
+    family no anchor in reach, or the anchor's engine does not build at this size."""
+    fam = families.family(spec)
+    if fam is None:
+        return None
+    try:
+        rec = pc.get(family_record_key(fam), count=False)
+    except Exception as exc:  # noqa: BLE001 - a cache fault is a miss
+        log.debug("cudnn_fuse cache: family record unreadable: %s", exc)
+        return None
+    anchor = nearest_anchor(rec.meta.get("anchors") if rec is not None else None, families.sizes(spec))
+    if anchor is None or type(anchor.get("engine_id")) is not int or _barred(spec, anchor):
+        return None
+    try:
+        plan = rebuild(spec, anchor["engine_id"], anchor.get("knobs") or {}, device)
+    except Exception as exc:  # noqa: BLE001 - the engine does not take this size: tuned as usual
+        log.debug("cudnn_fuse: family engine %s does not build %s at %s (%s)", anchor["engine_id"], spec.op,
+                  families.sizes(spec), exc)
+        return None
+    STATS.family_hits += 1
+    use_torch = anchor.get("use_torch") is True
+    _store(pc, spec, digest, plan, True, [], time.perf_counter() - t0, None, use_torch, False,
+           family_anchor=anchor["sizes"])
+    return _maybe_torch(plan, {"use_torch": use_torch, "candidates": [], "winner_index": None})
+
+
+def _note_family(pc, spec, meta: dict) -> None:
+    """Add a tuned entry's engine to its family's record, as the anchor at its sizes."""
+    fam = families.family(spec)
+    if fam is None or meta.get("family_anchor") is not None:
+        return
+    key = family_record_key(fam)
+    try:
+        old = pc.get(key, count=False)
+        anchors = old.meta.get("anchors") if old is not None else None
+        sizes = families.sizes(spec)
+        anchors = [a for a in (anchors if isinstance(anchors, list) else []) if _well_formed(a)
+                   and a["sizes"] != sizes]
+        anchors.append({"sizes": sizes, **{k: meta[k] for k in ("engine_id", "knobs", "engine_name", "use_torch")}})
+        pc.put(key, {"kind": "family-record", "op": spec.op, "anchors": anchors[-FAMILY_ANCHORS:]}, b"",
+               pinned=bool(meta.get("pinned")))
+    except Exception as exc:  # noqa: BLE001 - a family record that cannot be written leaves sizes to be tuned
+        log.debug("cudnn_fuse cache: family record not written: %s", exc)
 
 
 def _barred(spec, meta: dict) -> bool:
@@ -409,7 +497,8 @@ def _gemm_in_memory(spec, device):
 
 
 def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winner_index=None,
-           use_torch: bool = False, use_gemm: bool = False, torch_check: dict | None = None) -> None:
+           use_torch: bool = False, use_gemm: bool = False, torch_check: dict | None = None,
+           family_anchor: dict | None = None) -> None:
     try:
         engine_id, knobs = plan.graph.get_engine_and_knobs_at_index(plan.graph._plan_index)
         blob = plan.graph.serialize(as_bytes=True)
@@ -446,6 +535,8 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
     }
     if torch_check is not None:
         meta["torch_check"] = torch_check  # a heuristic plan's timing against torch's kernels
+    if family_anchor is not None:
+        meta["family_anchor"] = family_anchor  # tuned as its shape family was at these sizes (_from_family)
     if pinned:
         meta["pinned"] = True  # a rebuild of this entry's engine record keeps it pinned
     pc.put(digest, meta, blob, pinned=pinned)
@@ -455,6 +546,8 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
     if pinned:
         record["pinned"] = True
     pc.put(engine_record_key(digest), record, b"", pinned=pinned)
+    if tuned:
+        _note_family(pc, spec, meta)
 
 
 @contextlib.contextmanager

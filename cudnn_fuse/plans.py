@@ -60,6 +60,7 @@ class _Stats:
     cache_get_seconds: float = 0.0  # reading + verifying entries
     deserialize_seconds: float = 0.0  # cuDNN deserialize + plan set-up
     autotune_seconds: float = 0.0
+    family_hits: int = 0  # tuned plans of a new size from its family's tuned engine (no tuning)
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)

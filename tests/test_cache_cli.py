@@ -71,9 +71,11 @@ def test_ls_names_what_a_tuned_entry_runs_instead_of_its_cudnn_plan(cache_dir, c
     assert cache.put(key("gemm"), {"op": "conv2d", "engine_id": 39, "use_gemm": True, "tuned": True}, b"g" * 10)
     assert cache.put(key("torch"), {"op": "matmul", "engine_id": 4, "use_torch": True, "tuned": True}, b"t" * 10)
     assert cache.put(key("plain"), {"op": "conv2d", "engine_id": 41, "use_gemm": False}, b"p" * 10)
+    assert cache.put(key("family"), {"kind": "family-record", "op": "matmul", "anchors": [{}, {}]}, b"")
     cache.close()
     assert cli("ls", "--namespace", NS) == 0
     rows = {r[:12]: r for r in capsys.readouterr().out.splitlines()}
+    assert "family (2 tuned sizes)" in rows[key("family")[:12]]
     assert "gemm (conv 39)" in rows[key("gemm")[:12]]
     assert "torch (cuDNN 4)" in rows[key("torch")[:12]]
     assert rows[key("plain")[:12]].split()[1:3] == ["conv2d", "41"]

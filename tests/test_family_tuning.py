@@ -1,0 +1,151 @@
+"""Autotuning per shape family (loader._from_family): a size near one its family was tuned at takes that
+tuning's engine without a tuning of its own; a size far from every tuned one is tuned and becomes another
+anchor; explicit tuning (per_family=False), an engine that does not build, a barred engine and a damaged
+family record all fall back to tuning. cuDNN, the tuner and the GPU are stood in for on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+from cudnn_fuse import autotune, families, loader, plans, torch_engine
+from cudnn_fuse.cache import PlanCache
+from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+
+
+def _spec(m, dtype="bfloat16"):
+    a = TensorSpec.contiguous((1, m, 32), dtype)
+    b = TensorSpec((1, 32, 48), (32, 1, 32), dtype)
+    return MatmulSpec(a, b, TensorSpec.contiguous((1, m, 48), dtype), Epilogue(activation="gelu"))
+
+
+class _Graph:
+    _plan_index = 0
+
+    def __init__(self, engine_id=39):
+        self.engine_id = engine_id
+
+    def get_engine_and_knobs_at_index(self, i):
+        return self.engine_id, {"k24": 7}
+
+    def serialize(self, as_bytes=True):
+        return b"plan"
+
+
+class _Plan:
+    def __init__(self, spec, graph, device, engine=None):
+        self.spec, self.graph, self.device, self.workspace_size = spec, graph, device, 0
+        self.engine = f"eng{graph.engine_id}"
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    ns = types.SimpleNamespace(pc=PlanCache(tmp_path / "cache", namespace="family_test"), tuned=[], rebuilt=[],
+                               winner_engine=39, use_torch=False, rebuild_fails=False)
+    monkeypatch.setattr(loader, "_cache", lambda device=None: ns.pc)
+    monkeypatch.setattr(loader, "STATS", plans._Stats())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "stand-in GPU")
+    monkeypatch.setattr(loader, "handle_for", lambda d: types.SimpleNamespace(handle=None))
+    monkeypatch.setattr(loader, "held", lambda h, d: contextlib.nullcontext())
+    monkeypatch.setattr(loader, "build_graph", lambda spec, h: _Graph(ns.winner_engine))
+    monkeypatch.setattr(loader, "prepare", lambda g, spec: None)
+    monkeypatch.setattr(loader, "Plan", _Plan)
+    monkeypatch.setattr(loader, "_deserialize", lambda spec, entry, device: _Plan(
+        spec, _Graph(entry.meta["engine_id"]), device))
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(autotune, "torch_wins", lambda w, t: ns.use_torch)
+    monkeypatch.setattr(autotune, "gemm_wins", lambda w, t: False)
+
+    def tune(g, spec, h, device, uids, roles, get_plan=None):
+        ns.tuned.append(families.sizes(spec)["m"])
+        return None, types.SimpleNamespace(index=0), []
+
+    def rebuild(spec, engine_id, knobs, device):
+        if ns.rebuild_fails:
+            raise loader.UnsupportedError("no such engine at this size")
+        ns.rebuilt.append((families.sizes(spec)["m"], engine_id, knobs))
+        return _Plan(spec, _Graph(engine_id), device)
+
+    monkeypatch.setattr(autotune, "tune", tune)
+    monkeypatch.setattr(loader, "rebuild", rebuild)
+    return ns
+
+
+def _anchors(env, spec):
+    rec = env.pc.get(loader.family_record_key(families.family(spec)), count=False)
+    return [a["sizes"]["m"] for a in rec.meta["anchors"]] if rec is not None else []
+
+
+def test_a_size_near_a_tuned_one_takes_its_engine_and_a_far_one_is_tuned(env):
+    first = loader.load_or_build(_spec(1024), 0)
+    assert env.tuned == [1024] and first.engine == "eng39" and _anchors(env, _spec(1024)) == [1024]
+    near = loader.load_or_build(_spec(3000), 0)  # within 4x of 1024
+    assert env.tuned == [1024] and env.rebuilt == [(3000, 39, {"k24": 7})] and near.engine == "eng39"
+    assert loader.STATS.family_hits == 1
+    meta = env.pc.get(loader.cache_digest(_spec(3000))).meta
+    assert meta["tuned"] is True and meta["family_anchor"] == {"batch": 1, "m": 1024}
+    assert loader.load_or_build(_spec(3000), 0).engine == "eng39" and env.rebuilt == [(3000, 39, {"k24": 7})]
+    env.winner_engine = 41
+    far = loader.load_or_build(_spec(8192), 0)  # 8x from 1024, 2.7x from 3000, which is no anchor
+    assert env.tuned == [1024, 8192] and far.engine == "eng41" and _anchors(env, _spec(1)) == [1024, 8192]
+    loader.load_or_build(_spec(6000), 0)  # nearest anchor: 8192
+    assert env.rebuilt[-1] == (6000, 41, {"k24": 7})
+
+
+def test_explicit_tuning_tunes_the_size_itself(env, monkeypatch):
+    loader.load_or_build(_spec(1024), 0)
+    monkeypatch.setattr(autotune, "DEFAULT_CONFIG", autotune.Config(per_family=False))
+    loader.load_or_build(_spec(2048), 0)
+    assert env.tuned == [1024, 2048] and env.rebuilt == []
+
+
+def test_an_anchor_engine_that_does_not_build_at_the_size_means_a_tuning(env):
+    loader.load_or_build(_spec(1024), 0)
+    env.rebuild_fails = True
+    loader.load_or_build(_spec(2048), 0)
+    assert env.tuned == [1024, 2048] and loader.STATS.family_hits == 0
+
+
+def test_a_family_tuned_to_torchs_kernels_runs_them_at_a_near_size(env):
+    env.use_torch = True
+    assert isinstance(loader.load_or_build(_spec(1024), 0), torch_engine.TorchPlan)
+    near = loader.load_or_build(_spec(512), 0)
+    assert isinstance(near, torch_engine.TorchPlan) and env.tuned == [1024]
+
+
+def test_a_barred_anchor_engine_is_not_taken(env, monkeypatch):
+    loader.load_or_build(_spec(1024), 0)
+    monkeypatch.setattr(loader, "barred_engines", lambda spec: {39})
+    loader.load_or_build(_spec(2048), 0)
+    assert env.rebuilt == [] and env.tuned == [1024, 2048]
+
+
+@pytest.mark.parametrize("anchors", ["not a list", [1, None, {"sizes": "m=1024"}, {"sizes": {"m": 0, "batch": 1}},
+                                                    {"sizes": {"batch": 1, "m": 1024}, "engine_id": "39"}]])
+def test_a_damaged_family_record_means_a_tuning(env, anchors):
+    env.pc.put(loader.family_record_key(families.family(_spec(1024))), {"kind": "family-record", "anchors": anchors},
+               b"")
+    loader.load_or_build(_spec(1024), 0)
+    assert env.tuned == [1024] and env.rebuilt == []
+    assert _anchors(env, _spec(1024)) == [1024]  # the damaged anchors are dropped from the record
+
+
+def test_heuristic_plans_and_specs_of_no_family_leave_family_records_alone(env, monkeypatch):
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(loader, "finalize", lambda g, spec: None)
+    monkeypatch.setattr(loader, "torch_check", lambda plan, spec, device: None)
+    loader.load_or_build(_spec(1024), 0)
+    assert _anchors(env, _spec(1024)) == []
+
+
+def test_nearest_anchor_takes_the_closest_within_reach():
+    a = [{"sizes": {"m": 100}}, {"sizes": {"m": 1000}}, {"sizes": {"m": 10}, "x": 1}]
+    assert loader.nearest_anchor(a, {"m": 300})["sizes"] == {"m": 100}
+    assert loader.nearest_anchor(a, {"m": 700})["sizes"] == {"m": 1000}
+    assert loader.nearest_anchor(a, {"m": 5000}) is None  # 5x from 1000
+    assert loader.nearest_anchor(a, {"m": 300, "batch": 1}) is None  # other dimensions
+    assert loader.nearest_anchor(None, {"m": 3}) is None
