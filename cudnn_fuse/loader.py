@@ -296,8 +296,10 @@ def _note_family(pc, spec, meta: dict) -> None:
         anchors = [a for a in (anchors if isinstance(anchors, list) else []) if _well_formed(a)
                    and a["sizes"] != sizes]
         anchors.append({"sizes": sizes, **{k: meta[k] for k in ("engine_id", "knobs", "engine_name", "use_torch")}})
-        pc.put(key, {"kind": "family-record", "op": spec.op, "anchors": anchors[-FAMILY_ANCHORS:]}, b"",
-               pinned=bool(meta.get("pinned")))
+        record = {"kind": "family-record", "op": spec.op, "anchors": anchors[-FAMILY_ANCHORS:]}
+        if meta.get("pinned") or (old is not None and old.meta.get("pinned") is True):
+            record["pinned"] = True  # a family a pre-warm tuned stays pinned through later tunings of it
+        pc.put(key, record, b"", pinned=bool(record.get("pinned")))
     except Exception as exc:  # noqa: BLE001 - a family record that cannot be written leaves sizes to be tuned
         log.debug("cudnn_fuse cache: family record not written: %s", exc)
 

@@ -29,6 +29,7 @@ everything left alone (with the reason) is logged once at INFO and kept on the m
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import copy
@@ -566,6 +567,24 @@ class OptimizedGraphModule(fx.GraphModule):
             get = getattr(type(attr), "__get__", None)
             return attr if get is None else get(attr, self, cls)  # a method bound to this module
 
+    def recompile(self):
+        """fx's recompile, then the generated forward fetches each submodule path that it uses more
+        than once into a local first (``_hoisted``): every ``self.a.b.c`` in fx's code is one
+        nn.Module.__getattr__ per dot, which for a 12-block transformer made the traced model's host
+        time about 1.2x the original's (docs/decisions.md, "optimize()")."""
+        python_code = super().recompile()
+        src = _hoisted(self._code)
+        if src is not None:
+            try:
+                forward = fx.graph_module._forward_from_src(src, python_code.globals,
+                                                            getattr(self._graph, "_co_fields", {}))
+            except Exception as exc:  # noqa: BLE001 - fx's own code stays
+                log.debug("optimize: hoisted forward not compiled (%s); fx's code kept", exc)
+            else:
+                self._code = src
+                type(self).forward = forward
+        return python_code
+
     def __reduce__(self):
         # fx pickles the generated code and rebuilds a plain GraphModule from it (torch.save of the
         # whole model): rebuilt, it is made an OptimizedGraphModule again; its carried attributes
@@ -574,11 +593,83 @@ class OptimizedGraphModule(fx.GraphModule):
         return (_rebuilt_optimized, (rebuild, args))
 
 
+def _self_chain(node):
+    """('a', 'b', 'c') for the expression ``self.a.b.c``, else None."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return tuple(reversed(names)) if isinstance(node, ast.Name) and node.id == "self" and names else None
+
+
+def _hoisted(src: str):
+    """``src`` (fx's generated forward) with every ``self.a.b`` path read more than once (itself or as
+    the start of a longer path) fetched once into a local at the top of the function, each from the
+    longest fetched path it extends; None where nothing is shared or the code is not one plain
+    function. The paths are submodules, parameters and buffers, which a traced forward never assigns."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return None
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    if len(fns) != 1 or fns[0].name != "forward":
+        return None
+    fn = fns[0]
+    chains = []
+
+    class Collect(ast.NodeVisitor):
+        def visit_Attribute(self, node):
+            c = _self_chain(node)
+            if c is None:
+                self.generic_visit(node)
+            else:
+                chains.append(c)
+
+    Collect().visit(fn)
+    uses = collections.Counter(c[:k] for c in chains for k in range(1, len(c) + 1))
+    shared = sorted((p for p, n in uses.items() if n > 1), key=len)
+    if not shared:
+        return None
+    taken = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {a.arg for a in ast.walk(tree)
+                                                                         if isinstance(a, ast.arg)}
+    names, i = {}, 0
+    for p in shared:
+        while f"_cf_m{i}" in taken:
+            i += 1
+        names[p] = f"_cf_m{i}"
+        i += 1
+
+    def expr(chain, whole=True):
+        """``chain`` from the longest fetched path it extends (itself where ``whole``), or from self."""
+        for k in range(len(chain) - (0 if whole else 1), 0, -1):
+            if chain[:k] in names:
+                node, rest = ast.Name(names[chain[:k]], ast.Load()), chain[k:]
+                break
+        else:
+            node, rest = ast.Name("self", ast.Load()), chain
+        for attr in rest:
+            node = ast.Attribute(node, attr, ast.Load())
+        return node
+
+    class Rewrite(ast.NodeTransformer):
+        def visit_Attribute(self, node):
+            c = _self_chain(node)
+            if c is None:
+                return self.generic_visit(node)
+            return ast.copy_location(expr(c), node)
+
+    Rewrite().visit(fn)
+    fn.body[0:0] = [ast.Assign([ast.Name(names[p], ast.Store())], expr(p, whole=False), lineno=0) for p in shared]
+    # fx's code starts with blank lines, and its pickling appends it to an import block
+    return "\n\n\n" + ast.unparse(ast.fix_missing_locations(tree)) + "\n"
+
+
 def _rebuilt_optimized(rebuild, args) -> fx.GraphModule:
     gm = rebuild(*args)
     cls = type(gm)  # fx's per-instance subclass
     if "model_class" in gm.__dict__ and cls.__bases__ == (fx.GraphModule,):
         cls.__bases__ = (OptimizedGraphModule,)
+        gm.recompile()  # its own, now that it is one
     return gm
 
 
@@ -645,6 +736,8 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
         return module
     gm.train(module.training)
     _keep_model_surface(gm, module)
+    if isinstance(gm, OptimizedGraphModule):
+        gm.recompile()  # its own: the forward fetches shared submodule paths once
     return gm
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cudnn_fuse as cf
-from cudnn_fuse import engines, loader, ops, plans, prewarm
+from cudnn_fuse import engines, loader, ops, plans, prewarm, families
 from cudnn_fuse.manifest import Entry
 from tuning import RecordingGraph
 
@@ -404,7 +404,11 @@ def test_a_build_files_its_entry_under_the_mode_it_chose_its_engine_under(monkey
         assert filtered is start, "the engines were filtered under the other mode"
         if tuned:
             assert tuner_modes[-1] is start
-        entry = [(k, m) for k, m in pc.puts if not loader.is_engine_record(m)]
+        entry = [(k, m) for k, m in pc.puts if not loader.is_engine_record(m) and m.get("kind") != "family-record"]
+        fam = [k for k, m in pc.puts if m.get("kind") == "family-record"]
+        if tuned:  # the shape family's record, under the mode too
+            with deterministic(start):
+                assert fam == [loader.family_record_key(families.family(spec))]
         assert [k for k, _ in entry] == [want] and (want == plain) is (not start)
         assert entry[0][1]["deterministic"] is start
         if where != "load_or_build":

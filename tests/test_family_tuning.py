@@ -149,3 +149,12 @@ def test_nearest_anchor_takes_the_closest_within_reach():
     assert loader.nearest_anchor(a, {"m": 5000}) is None  # 5x from 1000
     assert loader.nearest_anchor(a, {"m": 300, "batch": 1}) is None  # other dimensions
     assert loader.nearest_anchor(None, {"m": 3}) is None
+
+
+def test_a_family_record_a_prewarm_pinned_stays_pinned_when_a_later_size_is_tuned(env):
+    with loader.pinning():
+        loader.load_or_build(_spec(1024), 0)
+    loader.load_or_build(_spec(16384), 0)  # far: tuned outside the pre-warm, added to the record
+    key = loader.family_record_key(families.family(_spec(1024)))
+    assert {i.key: i.pinned for i in env.pc.entry_info()}[key] is True
+    assert _anchors(env, _spec(1024)) == [1024, 16384]

@@ -294,7 +294,11 @@ def test_a_prewarmed_entry_stays_pinned_through_its_tuned_upgrade_and_a_restore(
     assert loader.load_or_build(spec, 0).graph.engine_id == TUNED
     assert env.calls[-1] == "rebuild"
     pinned = {info.key: info.pinned for info in env.pc.entry_info()}
-    assert pinned == {digest: True, loader.engine_record_key(digest): True}
+    from cudnn_fuse import families
+
+    # the shape family's record of a pre-warmed size is pinned too
+    assert pinned == {digest: True, loader.engine_record_key(digest): True,
+                      loader.family_record_key(families.family(spec)): True}
 
 
 # ---------------------------------------------------------------- the tune lock and the counters

@@ -1,0 +1,93 @@
+"""The forward of an optimized model fetches each submodule path it uses more than once into a local
+(optimize._hoisted): fx's code spells ``self.a.b.c`` at every call, one nn.Module.__getattr__ per dot.
+The output, pickling, copying and torch.compile are as before."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import torch
+from torch import nn
+
+import cudnn_fuse as cf
+from cudnn_fuse import optimize as _  # noqa: F401 - the module, for _hoisted
+import importlib
+
+opt = importlib.import_module("cudnn_fuse.optimize")
+
+
+class Block(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(0.0), nn.Linear(2 * d, d))
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x)) * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(n)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_shared_paths_are_fetched_once_and_the_output_is_unchanged():
+    torch.manual_seed(0)
+    m = Net().eval()
+    o = cf.optimize(m)
+    code = o.code
+    assert "_cf_m0 = self.blocks" in code
+    assert code.count("self.blocks") == 1  # every other use goes through the local
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(o(x), m(x))
+
+
+def test_an_optimized_model_pickles_copies_and_compiles_with_its_hoisted_forward():
+    torch.manual_seed(0)
+    m = Net().eval()
+    o = cf.optimize(m)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want = m(x)
+        buf = io.BytesIO()
+        torch.save(o, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert "_cf_m0" in loaded.code and isinstance(loaded, opt.OptimizedGraphModule)
+        torch.testing.assert_close(loaded(x), want)
+        c = copy.deepcopy(o)
+        assert "_cf_m0" in c.code
+        torch.testing.assert_close(c(x), want)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(o, fullgraph=True)(x), want)
+    o.train()
+    y = o(x.requires_grad_())
+    y.sum().backward()
+    assert all(p.grad is not None for p in o.parameters() if p.requires_grad)
+
+
+def test_hoisting_leaves_code_with_nothing_shared_and_avoids_taken_names():
+    assert opt._hoisted("def forward(self, x):\n    return self.a(x)\n") is None
+    assert opt._hoisted("x = 1\n") is None
+    src = ("def forward(self, x):\n    _cf_m0 = x + 1\n    y = self.a.b(_cf_m0)\n    return self.a.c(y)\n")
+    out = opt._hoisted(src)
+    assert "_cf_m1 = self.a" in out and "_cf_m1.b(_cf_m0)" in out and "_cf_m1.c(y)" in out
+    ns = {}
+    exec(out, ns)
+
+    class A:
+        b = staticmethod(lambda v: v * 2)
+        c = staticmethod(lambda v: v - 3)
+
+    class S:
+        a = A()
+
+    assert ns["forward"](S(), 5) == (5 + 1) * 2 - 3
