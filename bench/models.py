@@ -45,6 +45,7 @@ def build(name: str):
         import torchvision
 
         model = getattr(torchvision.models, name)(weights=None).cuda().to(torch.float16)
+        _random_zero_layers(model)
         if name in CNNS:
             model = model.to(memory_format=torch.channels_last)
 
@@ -63,11 +64,21 @@ def build(name: str):
                                                    num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
                                                    attn_implementation="sdpa"))
     model = model.cuda().to(torch.bfloat16)
+    _random_zero_layers(model)
     vocab = model.config.vocab_size
 
     def make(bs):
         return (torch.randint(0, vocab, (bs, SEQ), device="cuda"),)
     return model, make
+
+
+def _random_zero_layers(model) -> None:
+    """Random weights for Linear layers initialized to zero (ViT's and Swin's heads): a zero output
+    would make every variant's error against eager read 0."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and not m.weight.any():
+                torch.nn.init.normal_(m.weight, std=0.02)
 
 
 def _logits(out):
@@ -275,11 +286,17 @@ def table(path: str) -> str:
 
 
 def _commit() -> str:
+    """git's HEAD, with "+dirty" where the tree differs from it (a copy of a checkout whose .git is
+    older than its files says so rather than naming a commit that is not what ran): pass --commit."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "?"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=here).stdout.strip() or "?"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here).stdout.strip()
     except OSError:
         return "?"
+    return head + ("+dirty" if dirty else "")
 
 
 def main(argv=None) -> int:
