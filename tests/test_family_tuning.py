@@ -158,3 +158,15 @@ def test_a_family_record_a_prewarm_pinned_stays_pinned_when_a_later_size_is_tune
     key = loader.family_record_key(families.family(_spec(1024)))
     assert {i.key: i.pinned for i in env.pc.entry_info()}[key] is True
     assert _anchors(env, _spec(1024)) == [1024, 16384]
+
+
+def test_a_fresh_process_takes_the_familys_engine_from_the_plan_cache(env, tmp_path, monkeypatch):
+    """The family record is an entry of the plan cache: another process (a new PlanCache on the same
+    directory, nothing in memory) meets a new size of the family without tuning it."""
+    loader.load_or_build(_spec(1024), 0)
+    fresh = PlanCache(env.pc.path, namespace="family_test")
+    monkeypatch.setattr(loader, "_cache", lambda device=None: fresh)
+    monkeypatch.setattr(loader, "STATS", plans._Stats())
+    loader.clear()
+    plan = loader.load_or_build(_spec(2000), 0)
+    assert env.tuned == [1024] and loader.STATS.family_hits == 1 and plan.engine == "eng39"
