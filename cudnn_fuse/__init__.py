@@ -14,7 +14,7 @@ from .graphs import capture
 from .launch_graphs import set_launch_graphs
 from .manifest import record
 from .optimize import optimize
-from .functional import conv2d, linear, matmul, scaled_dot_product_attention
+from .functional import conv2d, linear, matmul, scaled_dot_product_attention, scaled_mm
 from .loader import plan_stats
 from .ops import set_compile_inline
 
@@ -41,6 +41,7 @@ __all__ = [
     "linear",
     "matmul",
     "scaled_dot_product_attention",
+    "scaled_mm",
     "plan_stats",
     "cache_stats",
     "capture",

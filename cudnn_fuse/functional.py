@@ -274,6 +274,90 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     return ops._sdpa_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, memo=key)
 
 
+_FP8 = reference.FP8_DTYPES
+_SCALED_OUT = (torch.bfloat16, torch.float16, torch.float32) + _FP8
+
+
+def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None, out_dtype=torch.bfloat16,
+              scale_result=None, return_amax=False, *, negative_slope=0.01):
+    """FP8 ``act((a * scale_a) @ (b * scale_b) + bias + residual)``, cast to ``out_dtype``.
+
+    As torch._scaled_mm: ``a`` [..., M, K] and ``b`` [..., K, N] (or [K, N]) are float8_e4m3fn or
+    float8_e5m2 (not both e5m2), K and N multiples of 16; ``scale_a`` / ``scale_b`` dequantize (the real
+    value of ``a`` is ``a.float() * scale_a``): float32, one element each, or rowwise ``(M, 1)`` /
+    ``(1, N)`` for 2-D operands with a bfloat16 output. ``bias``: [N]; ``residual``: the output's shape
+    or one that broadcasts to it. An FP8 ``out_dtype`` gives ``result * scale_result`` (float32, one
+    element, default 1) saturated to the format's largest value, then rounded; ``return_amax`` also
+    returns max |result| before ``scale_result`` (float32, 0-dim). Runs the dequantized operands through
+    ``matmul`` in bfloat16 on a GPU (one logged reason), the float32 reference on the CPU.
+    """
+    op = "scaled_mm"
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor of an FP8 dtype (CuPy has none), got "
+                            f"{type(t).__name__}")
+        if t.dtype not in _FP8:
+            raise ArgumentError(f"{op}: {name} must be float8_e4m3fn or float8_e5m2, got {name}.dtype={t.dtype}")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise ArgumentError(f"{op}: a and b cannot both be float8_e5m2 (one of them must be float8_e4m3fn)")
+    ops._check_devices(op, "a", a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, residual=residual,
+                       scale_result=scale_result)
+    ops._check_flag(op, "return_amax", return_amax)
+    if a.dim() < 2 or b.dim() < 2:
+        raise ArgumentError(f"{op}: a and b must have at least 2 dimensions, got a.shape={tuple(a.shape)}, "
+                            f"b.shape={tuple(b.shape)}")
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    if b.shape[-2] != K:
+        raise ArgumentError(f"{op}: a.shape={tuple(a.shape)} and b.shape={tuple(b.shape)} do not multiply "
+                            f"(K={K} against {b.shape[-2]})")
+    if K % 16 or N % 16:
+        raise ArgumentError(f"{op}: K and N must be multiples of 16 (FP8 GEMMs), got K={K}, N={N}")
+    if out_dtype not in _SCALED_OUT:
+        raise ArgumentError(f"{op}: out_dtype must be one of {', '.join(str(d) for d in _SCALED_OUT)}, "
+                            f"got out_dtype={out_dtype!r}")
+    rowwise = {"scale_a": (M, 1), "scale_b": (1, N)}
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != torch.float32:
+            raise ArgumentError(f"{op}: {name} must be float32, got {name}.dtype={t.dtype}")
+        if t.numel() != 1 and not (tuple(t.shape) == rowwise[name] and a.dim() == b.dim() == 2
+                                   and out_dtype == torch.bfloat16):
+            raise ArgumentError(f"{op}: {name} must have one element, or be rowwise {rowwise[name]} with 2-D "
+                                f"operands and a bfloat16 output, got {name}.shape={tuple(t.shape)}")
+    if scale_result is not None:
+        if out_dtype not in _FP8:
+            raise ArgumentError(f"{op}: scale_result applies to an FP8 output only, got out_dtype={out_dtype}")
+        if scale_result.dtype != torch.float32 or scale_result.numel() != 1:
+            raise ArgumentError(f"{op}: scale_result must be a float32 tensor of one element, got "
+                                f"dtype={scale_result.dtype}, shape={tuple(scale_result.shape)}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ArgumentError(f"{op}: bias must have shape ({N},), got bias.shape={tuple(bias.shape)}")
+    out_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (M, N)
+    if residual is not None:
+        try:
+            if torch.broadcast_shapes(residual.shape, out_shape) != out_shape:
+                raise RuntimeError
+        except RuntimeError:
+            raise ArgumentError(f"{op}: residual.shape={tuple(residual.shape)} does not broadcast to the output "
+                                f"{tuple(out_shape)}") from None
+    activation, negative_slope = canonical_activation(activation, negative_slope, op)
+    args = (bias, activation, residual, out_dtype, scale_result, return_amax, negative_slope)
+    if not a.is_cuda:
+        return reference.scaled_mm(a, b, scale_a, scale_b, *args)
+    ops._fallback(op, "no fused FP8 engine yet: the dequantized operands run the bfloat16 matmul")
+    return _scaled_mm_bf16(a, b, scale_a, scale_b, *args)
+
+
+def _scaled_mm_bf16(a, b, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result, return_amax,
+                    negative_slope):
+    """Dequantize (FP8 values are exact in bfloat16), run cf's bfloat16 matmul with the epilogue and its
+    amax, then cast as the reference does."""
+    bf = torch.bfloat16
+    y, am = matmul((a.to(bf) * scale_a.to(bf)), (b.to(bf) * scale_b.to(bf)), None if bias is None else bias.to(bf),
+                   activation, None if residual is None else residual.to(bf), True, negative_slope=negative_slope)
+    out = reference.fp8_cast(y.float(), out_dtype, scale_result) if out_dtype in _FP8 else y.to(out_dtype)
+    return (out, am) if return_amax else out
+
+
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 

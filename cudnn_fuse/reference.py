@@ -281,3 +281,33 @@ def conv2d_plain(x, weight, bias, stride, pre, post, dilation, groups, act=None,
     z = F.conv2d(x, weight, bias, stride, tuple(pre), dilation, groups)
     y = activation(z if residual is None else z + residual, act, negative_slope)
     return (y, amax(y)) if return_amax else y
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_activation = activation  # scaled_mm's argument of that name hides the function there
+
+
+def fp8_cast(r: torch.Tensor, dtype, scale=None) -> torch.Tensor:
+    """``r * scale`` saturated to ±dtype's largest finite value, then rounded to ``dtype`` (torch's own
+    cast turns out-of-range values into NaN for e4m3fn); NaN stays NaN."""
+    if scale is not None:
+        r = r * scale
+    big = torch.finfo(dtype).max
+    return r.clamp(-big, big).to(dtype)
+
+
+def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None, out_dtype=torch.bfloat16,
+              scale_result=None, return_amax=False, negative_slope=0.01):
+    """``act((a * scale_a) @ (b * scale_b) + bias + residual)`` in float32 from FP8 ``a`` and ``b`` (the
+    scales dequantize, as torch._scaled_mm's do), then cast to ``out_dtype``: an FP8 output is the result
+    times ``scale_result``, saturated and rounded (``fp8_cast``). With ``return_amax`` also max |result|,
+    taken before ``scale_result`` (float32, 0-dim)."""
+    r = torch.matmul(a.float() * scale_a.float(), b.float() * scale_b.float())
+    if bias is not None:
+        r = r + bias.float()
+    if residual is not None:
+        r = r + residual.float()
+    r = _activation(r, activation, negative_slope)
+    y = fp8_cast(r, out_dtype, None if scale_result is None else scale_result.float()) \
+        if out_dtype in FP8_DTYPES else r.to(out_dtype)
+    return (y, amax(r)) if return_amax else y
