@@ -14,7 +14,8 @@ from .graphs import capture
 from .launch_graphs import set_launch_graphs
 from .manifest import record
 from .optimize import optimize
-from .functional import conv2d, linear, matmul, scaled_dot_product_attention, scaled_mm
+from .functional import (conv2d, linear, matmul, scaled_dot_product_attention, scaled_dot_product_attention_fp8,
+                         scaled_mm)
 from .loader import plan_stats
 from .ops import set_compile_inline
 
@@ -42,6 +43,7 @@ __all__ = [
     "matmul",
     "scaled_dot_product_attention",
     "scaled_mm",
+    "scaled_dot_product_attention_fp8",
     "plan_stats",
     "cache_stats",
     "capture",

@@ -358,6 +358,51 @@ def _scaled_mm_bf16(a, b, scale_a, scale_b, bias, activation, residual, out_dtyp
     return (out, am) if return_amax else out
 
 
+def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *, descale_s=None, scale_s=None,
+                                     is_causal=False, scale=None, scale_o=None):
+    """FP8 attention: (o, amax_o) from FP8 ``q``, ``k``, ``v`` [B, H, S, D] of one format (k and v may
+    have fewer heads, dividing q's) and their float32 dequantization factors (one element each). The
+    probabilities are quantized with ``scale_s`` (default: the format's largest value) and dequantized
+    with ``descale_s`` (default its inverse); o is O · ``scale_o`` (default 1) in q's format, saturated;
+    amax_o = max |O| before ``scale_o``. ``scale`` defaults to 1/sqrt(D); ``is_causal`` masks the top-left
+    triangle. Runs the float32 reference on the CPU and, on a GPU, the dequantized operands through cf's
+    bfloat16 attention (logged once; no fused FP8 engine yet), whose probabilities are not quantized.
+    """
+    op = "scaled_dot_product_attention_fp8"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor of an FP8 dtype, got {type(t).__name__}")
+        if t.dtype not in _FP8:
+            raise ArgumentError(f"{op}: {name} must be float8_e4m3fn or float8_e5m2, got {name}.dtype={t.dtype}")
+        if t.dim() != 4:
+            raise ArgumentError(f"{op}: {name} must be 4-D [B, H, S, D], got {name}.shape={tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ArgumentError(f"{op}: q, k and v must share one FP8 format, got {q.dtype}, {k.dtype}, {v.dtype}")
+    ops._check_devices(op, "q", q, k=k, v=v, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+                       descale_s=descale_s, scale_s=scale_s, scale_o=scale_o)
+    (B, H, Sq, D), (Bk, Hk, Skv, Dk) = q.shape, k.shape
+    if Bk != B or v.shape[0] != B or Dk != D or k.shape[:3] != v.shape[:3] or Hk == 0 or H % Hk:
+        raise ArgumentError(f"{op}: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)} "
+                            "do not match (one batch, k's head size q's, k and v one sequence, k's heads dividing q's)")
+    for name, t in (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v),
+                    ("descale_s", descale_s), ("scale_s", scale_s), ("scale_o", scale_o)):
+        if t is not None and (t.dtype != torch.float32 or t.numel() != 1):
+            raise ArgumentError(f"{op}: {name} must be a float32 tensor of one element, got "
+                                f"dtype={t.dtype}, shape={tuple(t.shape)}")
+    ops._check_flag(op, "is_causal", is_causal)
+    if scale is not None:
+        scale = ops._float_arg(op, "scale", scale)
+    if not q.is_cuda:
+        return reference.scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s,
+                                                          scale_s, is_causal, scale, scale_o)
+    ops._fallback(op, "no fused FP8 engine yet: the dequantized operands run the bfloat16 attention")
+    bf = torch.bfloat16
+    o = scaled_dot_product_attention(q.to(bf) * descale_q.to(bf), k.to(bf) * descale_k.to(bf),
+                                     v.to(bf) * descale_v.to(bf), is_causal=is_causal, scale=scale,
+                                     enable_gqa=Hk != H).float()
+    return reference.fp8_cast(o, q.dtype, scale_o), reference.amax(o)
+
+
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 

@@ -7,6 +7,7 @@ arithmetic.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -311,3 +312,28 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
     y = fp8_cast(r, out_dtype, None if scale_result is None else scale_result.float()) \
         if out_dtype in FP8_DTYPES else r.to(out_dtype)
     return (y, amax(r)) if return_amax else y
+
+
+def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s=None, scale_s=None,
+                                     is_causal=False, scale=None, scale_o=None):
+    """FP8 attention as cuDNN's FP8 graph computes it, in float32: q, k, v dequantized, softmax(q kᵀ ·
+    scale) quantized to ``q``'s FP8 format with ``scale_s`` (default: the format's largest value, P
+    lying in [0, 1]) and dequantized with ``descale_s`` (default its inverse), times v. Returns
+    (o, amax_o): o = O · ``scale_o`` (default 1) cast to ``q``'s format (``fp8_cast``), amax_o = max |O|
+    before ``scale_o`` (float32, 0-dim). Heads of k and v may divide q's (grouped-query attention)."""
+    fmt = q.dtype
+    qf, kf, vf = (t.float() * d.float() for t, d in ((q, descale_q), (k, descale_k), (v, descale_v)))
+    if kf.shape[-3] != qf.shape[-3]:
+        rep = qf.shape[-3] // kf.shape[-3]
+        kf, vf = kf.repeat_interleave(rep, dim=-3), vf.repeat_interleave(rep, dim=-3)
+    s = (qf @ kf.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if is_causal:
+        keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    big = torch.finfo(fmt).max
+    scale_s = torch.tensor(big, device=q.device) if scale_s is None else scale_s.float()
+    descale_s = 1.0 / scale_s if descale_s is None else descale_s.float()
+    p = fp8_cast(p, fmt, scale_s).float() * descale_s
+    o = p @ vf
+    return fp8_cast(o, fmt, None if scale_o is None else scale_o.float()), amax(o)

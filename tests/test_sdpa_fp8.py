@@ -1,0 +1,103 @@
+"""cf.scaled_dot_product_attention_fp8: FP8 q, k, v with dequantization factors, the probabilities
+quantized with scale_s as cuDNN's FP8 graph does, an FP8 output saturated after scale_o and its amax
+before it; validation names the argument. The CPU runs the float32 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cudnn_fuse as cf
+from cudnn_fuse.errors import ArgumentError
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+BIG = torch.finfo(E4).max
+
+
+def _qkv(B=2, H=4, Hkv=4, S=16, Skv=None, D=32, fmt=E4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Skv = S if Skv is None else Skv
+    q = torch.randn(B, H, S, D, generator=g).to(fmt)
+    k = torch.randn(B, Hkv, Skv, D, generator=g).to(fmt)
+    v = torch.randn(B, Hkv, Skv, D, generator=g).to(fmt)
+    return q, k, v, torch.tensor(0.5), torch.tensor(0.25), torch.tensor(2.0)
+
+
+def _want(q, k, v, dq, dk, dv, causal=False, scale=None, scale_s=BIG, quantize_p=True):
+    """The float64 hand computation."""
+    qf, kf, vf = q.double() * dq.double(), k.double() * dk.double(), v.double() * dv.double()
+    rep = q.shape[1] // k.shape[1]
+    kf, vf = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
+    s = qf @ kf.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    p = torch.softmax(s, -1)
+    if quantize_p:
+        p = (p * scale_s).clamp(-BIG, BIG).to(E4).double() / scale_s
+    return p @ vf
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [4, 2])  # 2: grouped-query attention
+def test_the_output_and_amax_follow_the_fp8_graph(causal, heads):
+    q, k, v, dq, dk, dv = _qkv(Hkv=heads)
+    o, am = cf.scaled_dot_product_attention_fp8(q, k, v, dq, dk, dv, is_causal=causal)
+    want = _want(q, k, v, dq, dk, dv, causal)
+    assert o.dtype == E4 and o.shape == q.shape and am.dtype == torch.float32 and am.shape == ()
+    assert am.item() == pytest.approx(want.abs().max().item(), rel=1e-4)
+    # one rounding to e4m3: half its relative step (2^-3), or half its smallest subnormal step (2^-9)
+    assert ((o.double() - want).abs() <= want.abs() * 2.0**-4 + 2.0**-10 + 1e-6).all()
+
+
+def test_the_probabilities_are_quantized_with_scale_s_and_dequantized_with_descale_s():
+    q, k, v, dq, dk, dv = _qkv(seed=1)
+    default, _ = cf.scaled_dot_product_attention_fp8(q, k, v, dq, dk, dv)
+    given, _ = cf.scaled_dot_product_attention_fp8(q, k, v, dq, dk, dv, scale_s=torch.tensor(BIG),
+                                                   descale_s=torch.tensor(1 / BIG))
+    assert torch.equal(default.view(torch.uint8), given.view(torch.uint8))  # the defaults are these
+    coarse, am = cf.scaled_dot_product_attention_fp8(q, k, v, dq, dk, dv, scale_s=torch.tensor(4.0),
+                                                     descale_s=torch.tensor(0.25))
+    want = _want(q, k, v, dq, dk, dv, scale_s=4.0)
+    assert am.item() == pytest.approx(want.abs().max().item(), rel=1e-4)
+    exact = _want(q, k, v, dq, dk, dv, quantize_p=False)
+    assert (want - exact).abs().max() > 1e-3  # P on a coarse scale changes the result, as it should
+
+
+def test_scale_o_multiplies_before_the_saturating_cast_and_not_the_amax():
+    q, k, v, dq, dk, dv = _qkv()
+    o1, am1 = cf.scaled_dot_product_attention_fp8(q, k, v, dq, dk, dv)
+    o2, am2 = cf.scaled_dot_product_attention_fp8(q, k, v, dq, dk, dv, scale_o=torch.tensor(1e6))
+    assert am1.item() == am2.item()
+    assert not torch.isnan(o2.float()).any() and o2.float().abs().max().item() == BIG
+
+
+def test_scale_defaults_to_one_over_sqrt_d_and_a_given_one_is_used():
+    q, k, v, dq, dk, dv = _qkv()
+    o, _ = cf.scaled_dot_product_attention_fp8(q, k, v, dq, dk, dv, scale=0.05)
+    want = _want(q, k, v, dq, dk, dv, scale=0.05)
+    assert ((o.double() - want).abs() <= want.abs() * 2.0**-4 + 2.0**-10 + 1e-6).all()
+
+
+def _call(**over):
+    q, k, v, dq, dk, dv = _qkv()
+    kw = dict(q=q, k=k, v=v, descale_q=dq, descale_k=dk, descale_v=dv)
+    kw.update(over)
+    return cf.scaled_dot_product_attention_fp8(**kw)
+
+
+@pytest.mark.parametrize("over, exc, match", [
+    (dict(q="q"), TypeError, "q must be a torch.Tensor of an FP8 dtype"),
+    (dict(k=torch.randn(2, 4, 16, 32, dtype=torch.bfloat16)), ArgumentError, "k must be float8_e4m3fn or"),
+    (dict(v=torch.randn(2, 4, 16, 32).to(E5)), ArgumentError, "share one FP8 format"),
+    (dict(q=torch.randn(4, 16, 32).to(E4)), ArgumentError, r"q must be 4-D \[B, H, S, D\]"),
+    (dict(k=torch.randn(2, 3, 16, 32).to(E4), v=torch.randn(2, 3, 16, 32).to(E4)), ArgumentError, "do not match"),
+    (dict(v=torch.randn(2, 4, 8, 32).to(E4)), ArgumentError, "do not match"),
+    (dict(descale_q=torch.ones(2)), ArgumentError, "descale_q must be a float32 tensor of one element"),
+    (dict(scale_o=torch.tensor(1.0, dtype=torch.float16)), ArgumentError, "scale_o must be a float32 tensor"),
+    (dict(is_causal=1), TypeError, "is_causal must be a bool"),
+])
+def test_bad_arguments_are_named(over, exc, match):
+    with pytest.raises(exc, match=match):
+        _call(**over)
