@@ -331,7 +331,11 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
                                 f"dtype={scale_result.dtype}, shape={tuple(scale_result.shape)}")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ArgumentError(f"{op}: bias must have shape ({N},), got bias.shape={tuple(bias.shape)}")
-    out_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (M, N)
+    try:
+        out_shape = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])) + (M, N)
+    except RuntimeError:
+        raise ArgumentError(f"{op}: the batch dimensions of a.shape={tuple(a.shape)} and b.shape={tuple(b.shape)} "
+                            "do not broadcast") from None
     if residual is not None:
         try:
             if torch.broadcast_shapes(residual.shape, out_shape) != out_shape:

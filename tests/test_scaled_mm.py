@@ -129,6 +129,7 @@ def _call(**over):
     (dict(a=torch.randn(32, 8).to(E4), b=torch.randn(8, 48).to(E4)), ArgumentError, r"multiples of 16 \(FP8 GEMMs\), got K=8"),
     (dict(b=torch.randn(48, 48).to(E4)), ArgumentError, "do not multiply"),
     (dict(b=torch.randn(64).to(E4)), ArgumentError, "at least 2 dimensions"),
+    (dict(a=torch.randn(3, 32, 64).to(E4), b=torch.randn(2, 64, 48).to(E4)), ArgumentError, "do not broadcast"),
     (dict(out_dtype=torch.int8), ArgumentError, "out_dtype must be one of"),
     (dict(scale_a=torch.tensor(0.5, dtype=torch.float16)), ArgumentError, "scale_a must be float32"),
     (dict(scale_b=torch.ones(2, 2)), ArgumentError, r"scale_b must have one element"),
