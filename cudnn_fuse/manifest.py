@@ -38,8 +38,11 @@ class ManifestError(ValueError):
     """A manifest that does not follow the schema; the message names the entry and field."""
 
 
-MAX_LISTED = 8  # record lists up to this many sizes of a dimension, a range past it
-MAX_PRODUCT = 64  # ... and ranges for every varying dimension where the lists' product would pass this
+# record lists up to MAX_LISTED sizes of a dimension, and ranges for every varying dimension past that or
+# where the lists' product would pass MAX_PRODUCT: a list pre-warms every size seen, a range its ends and
+# middle only, so ranges are kept for sweeps a pre-warm could not build size by size
+MAX_LISTED = 256
+MAX_PRODUCT = 1024
 
 
 @dataclass

@@ -186,10 +186,13 @@ def test_record_writes_a_familys_sizes_as_one_entry_and_prewarm_expands_it(tmp_p
     assert "7/7" in capsys.readouterr().err  # every size, each once
 
 
-def test_record_writes_a_range_past_a_few_sizes_and_keeps_unequal_sequence_lengths_apart():
-    many = [manifest.Entry(_one(_sdpa(s))) for s in range(8, 8 + 12 * 8, 8)]  # 12 lengths
+def test_record_lists_what_a_prewarm_can_build_and_writes_a_range_past_it():
+    many = [manifest.Entry(_one(_sdpa(s))) for s in range(8, 8 + 12 * 8, 8)]  # 12 lengths: listed
     (e,) = manifest.collapse(many)
-    assert e.sizes == {"seq": {"range": [8, 96]}}
+    assert e.sizes == {"seq": list(range(8, 8 + 12 * 8, 8))}
+    sweep = [manifest.Entry(_one(_sdpa(s))) for s in range(1, manifest.MAX_LISTED + 2)]  # one more: a range
+    (e,) = manifest.collapse(sweep)
+    assert e.sizes == {"seq": {"range": [1, manifest.MAX_LISTED + 1]}}
     cross = [manifest.Entry(_one(_sdpa(8, s_kv=s, causal=False))) for s in (16, 32)]
     (c,) = manifest.collapse(cross)
     assert c.sizes == {"seq_kv": [16, 32]}
