@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as _torch_module
 
+from . import fp8 as fp8_
 from . import functional, manifest, ops, reference, torch_ops
 from .backward import _traced
 from .errors import ArgumentError
@@ -310,19 +311,51 @@ class Linear(torch.nn.Linear):
     activation-backward graph; with ``False`` (torch's trade) one forward graph
     writes both the pre-activation and the output, and the backward reads the
     kept pre-activation.
+
+    ``fp8``: a recipe (``cf.Float8CurrentScaling()``, ``cf.DelayedScaling()``) casts x and the weight
+    to FP8 in the forward and dY in the backward, their scales and amax histories buffers of the module
+    (fp8.py); in and out features must be multiples of 16, else the layer runs unquantized (logged once).
+    The FP8 GEMMs are computed dequantized in float32 for now.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation=None,
-                 recompute: bool = False, negative_slope: float = 0.01):
+                 recompute: bool = False, negative_slope: float = 0.01, fp8=None):
         super().__init__(in_features, out_features, bias, device, dtype)
         activation, negative_slope = _check_activation(activation, negative_slope)
         if not isinstance(recompute, bool):  # recompute="False" was on
             raise TypeError(f"recompute must be a bool, got {recompute!r}")
+        fp8_.check_recipe(fp8)
         self.activation = activation
         self.recompute = recompute
         self.negative_slope = negative_slope
+        self.fp8 = fp8
+        if fp8 is not None:  # the scales and amax histories of x, w and dY: a checkpoint resumes with them
+            self.register_buffer("fp8_scales", torch.ones(3, device=device))
+            self.register_buffer("fp8_amax_history", torch.zeros(3, fp8.history_len, device=device))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for name in ("fp8_scales", "fp8_amax_history"):  # a checkpoint without FP8 state: the layer starts fresh
+            if prefix + name in missing_keys:
+                missing_keys.remove(prefix + name)
+
+    def _fp8_forward(self, x, residual):
+        if self.in_features % 16 or self.out_features % 16:
+            ops._fallback("linear", "FP8 needs in_features and out_features that are multiples of 16: bfloat16")
+            return None
+        casts = fp8_.Casts(self.fp8, self.fp8_scales, self.fp8_amax_history)
+        y = fp8_.LinearFunction.apply(x, self.weight, self.bias, casts)
+        if residual is not None:
+            y = y + residual
+        return reference.activation(y, self.activation, self.negative_slope)
 
     def forward(self, x, residual=None):
+        if self.fp8 is not None and isinstance(x, torch.Tensor):
+            y = self._fp8_forward(x, residual)
+            if y is not None:
+                return y
         act = self.activation
         if residual is not None and isinstance(x, torch.Tensor) and \
                 _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), _out_dtype(x)):
@@ -366,6 +399,8 @@ class Linear(torch.nn.Linear):
         extra = f", activation={self.activation!r}" if self.activation else ""
         if self.activation in NEEDS_INPUT:
             extra += f", recompute={self.recompute}"
+        if getattr(self, "fp8", None) is not None:
+            extra += f", fp8={self.fp8!r}"
         return super().extra_repr() + extra
 
 

@@ -29,7 +29,7 @@ LAYERS = [
     {"backward"},
     {"torch_ops"},
     # the public functional ops
-    {"functional"},
+    {"functional", "fp8"},
     {"nn"},
     {"hf"},
     {"optimize"},

@@ -1,0 +1,137 @@
+"""FP8 training recipes and the FP8 linear's autograd.
+
+A recipe turns a tensor's amax into the factor that maps it onto an FP8 format (``scale``: the tensor is
+multiplied by it before the cast, and the GEMM divides by it), as TransformerEngine and torchao do:
+
+- ``Float8CurrentScaling``: from the amax of the tensor being cast, this step;
+- ``DelayedScaling``: from the history of earlier steps' amaxes (their max, or the most recent),
+  this step's amax joining the history after its cast.
+
+``scale = fp8_max / amax / 2**margin``; an amax of 0, inf or NaN keeps the previous scale (1 at first).
+"hybrid" casts the forward's X and W to E4M3 and the backward's dY to E5M2; "e4m3" casts all three to
+E4M3. The GEMMs here dequantize and multiply in float32, what an FP8 GEMM with float32 accumulation
+computes; no fused FP8 kernel runs yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ArgumentError
+from .reference import fp8_cast
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
+ROLES = ("x", "w", "dy")  # the tensors a linear casts, in the order of its scale buffer
+
+
+def scale_from_amax(amax: torch.Tensor, fmt, margin: int, previous: torch.Tensor) -> torch.Tensor:
+    """``fp8_max(fmt) / amax / 2**margin``, or ``previous`` where amax is 0, inf or NaN (float32)."""
+    amax, previous = amax.float(), previous.float()
+    fresh = torch.finfo(fmt).max / amax / (2.0 ** margin)
+    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(fresh)
+    return torch.where(ok, fresh, previous)
+
+
+class _Recipe:
+    def __init__(self, margin: int = 0, fp8_format: str = "hybrid"):
+        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+            raise ArgumentError(f"margin must be a non-negative int, got {margin!r}")
+        if fp8_format not in FORMATS:
+            raise ArgumentError(f"fp8_format must be one of {sorted(FORMATS)}, got {fp8_format!r}")
+        self.margin, self.fp8_format = margin, fp8_format
+
+    def formats(self) -> tuple:
+        """(forward format, backward format)."""
+        return FORMATS[self.fp8_format]
+
+    history_len = 1
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+class Float8CurrentScaling(_Recipe):
+    """Each tensor's scale from its own amax, this step (TransformerEngine's and torchao's default)."""
+
+    def scale(self, amax, history, previous, fmt):
+        return scale_from_amax(amax, fmt, self.margin, previous)
+
+
+class DelayedScaling(_Recipe):
+    """Each tensor's scale from the amaxes of the last ``amax_history_len`` steps (``amax_compute_algo``
+    "max" or "most_recent"); this step's amax joins the history after its cast."""
+
+    def __init__(self, margin: int = 0, amax_history_len: int = 1024, amax_compute_algo: str = "max",
+                 fp8_format: str = "hybrid"):
+        super().__init__(margin, fp8_format)
+        if isinstance(amax_history_len, bool) or not isinstance(amax_history_len, int) or amax_history_len < 1:
+            raise ArgumentError(f"amax_history_len must be a positive int, got {amax_history_len!r}")
+        if amax_compute_algo not in ("max", "most_recent"):
+            raise ArgumentError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
+        self.amax_history_len, self.amax_compute_algo = amax_history_len, amax_compute_algo
+
+    @property
+    def history_len(self) -> int:
+        return self.amax_history_len
+
+    def scale(self, amax, history, previous, fmt):
+        """The scale from ``history`` (newest first; zeros where no step has been) before ``amax`` joins."""
+        past = history[0] if self.amax_compute_algo == "most_recent" else history.amax()
+        return scale_from_amax(past, fmt, self.margin, previous)
+
+
+def check_recipe(recipe) -> None:
+    if recipe is not None and not isinstance(recipe, _Recipe):
+        raise TypeError(f"fp8 must be None, cf.Float8CurrentScaling() or cf.DelayedScaling(), got {recipe!r}")
+
+
+class Casts:
+    """A module's FP8 state: per role (x, w, dy) its current scale and amax history, in buffers the module
+    owns (``scales``: [3]; ``history``: [3, history_len], newest first)."""
+
+    def __init__(self, recipe, scales: torch.Tensor, history: torch.Tensor):
+        self.recipe, self.scales, self.history = recipe, scales, history
+
+    def cast(self, t: torch.Tensor, role: str, fmt) -> tuple:
+        """(``t`` cast to ``fmt`` with its role's scale, that scale); the scale and history are updated
+        in place: the scale this cast used, the amax pushed into the history."""
+        i = ROLES.index(role)
+        amax = t.detach().abs().amax().float()
+        scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
+        with torch.no_grad():
+            self.scales[i] = scale
+            self.history[i] = torch.roll(self.history[i], 1)
+            self.history[i, 0] = amax
+        return fp8_cast(t.detach().float(), fmt, scale), scale
+
+
+class LinearFunction(torch.autograd.Function):
+    """y = dequant(x_q) @ dequant(w_q).T + bias; dx and dw from dY cast to the backward format."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, casts):
+        fwd, bwd = casts.recipe.formats()
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, sx = casts.cast(x2, "x", fwd)
+        wq, sw = casts.cast(weight, "w", fwd)
+        y = (xq.float() / sx) @ (wq.float() / sw).t()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(xq, wq, sx, sw)
+        ctx.casts, ctx.bwd, ctx.shape, ctx.dtypes = casts, bwd, x.shape, (x.dtype, weight.dtype)
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq, sx, sw = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dyq, sdy = ctx.casts.cast(dy2, "dy", ctx.bwd)
+        dyf = dyq.float() / sdy
+        dx = (dyf @ (wq.float() / sw)).to(ctx.dtypes[0]).reshape(ctx.shape)
+        dw = (dyf.t() @ (xq.float() / sx)).to(ctx.dtypes[1])
+        db = dy2.float().sum(0).to(ctx.dtypes[1]) if ctx.has_bias else None
+        return dx, dw, db, None
+
