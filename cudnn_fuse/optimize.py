@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from . import fp8 as fp8_
 from . import nn as cfnn
 from .functional import scaled_dot_product_attention
 from .spec import torch_activation
@@ -288,18 +289,24 @@ def _new_conv(conv: nn.Conv2d, weight, bias, act, slope, folded_bn=None) -> cfnn
     return m
 
 
-def _new_linear(lin: nn.Linear, act, slope, recompute) -> cfnn.Linear:
+def _fp8_takes(lin: nn.Linear) -> bool:
+    """Whether a Linear can run FP8 (its GEMMs need features that are multiples of 16)."""
+    return lin.in_features % 16 == 0 and lin.out_features % 16 == 0
+
+
+def _new_linear(lin: nn.Linear, act, slope, recompute, fp8=None) -> cfnn.Linear:
     m = cfnn.Linear(lin.in_features, lin.out_features, lin.bias is not None, lin.weight.device, lin.weight.dtype,
-                    activation=act, recompute=recompute, negative_slope=slope)
+                    activation=act, recompute=recompute, negative_slope=slope, fp8=fp8)
     m.weight, m.bias = lin.weight, lin.bias  # share the parameters (training keeps working on them)
     m.train(lin.training)
     return m
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False):
+    def __init__(self, gm: fx.GraphModule, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False,
+                 fp8=None):
         self.gm, self.summary, self.prefix, self.recompute = gm, summary, prefix, recompute
-        self.chain_convs = chain_convs
+        self.chain_convs, self.fp8 = chain_convs, fp8
         self.count = 0
         self.calls_of: collections.Counter = collections.Counter()  # call sites per module path (run)
         self.held: set = set()  # paths of layers a fused block holds unregistered (FusedMLP): kept
@@ -391,6 +398,10 @@ class _Rewriter:
     def linear(self, node: fx.Node) -> None:
         lin = self.gm.get_submodule(node.target)
         fused, residual, act = self.epilogue(node)
+        if not fused and self.fp8 is not None and _fp8_takes(lin):
+            self.replace(node, [], _new_linear(lin, None, 0.01, self.recompute, self.fp8), (node.args[0],),
+                         "Linear (FP8)")
+            return
         if not fused:
             if cfnn.AlignedLinear.wanted(lin):
                 m = cfnn.AlignedLinear(lin)
@@ -398,11 +409,13 @@ class _Rewriter:
                 return
             self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's linear is as fast)"))
             return
-        if residual is None and act is not None and act[0] in cfnn.NEEDS_INPUT and not self.recompute:
+        fp8 = self.fp8 if self.fp8 is not None and _fp8_takes(lin) else None
+        if residual is None and act is not None and act[0] in cfnn.NEEDS_INPUT and not self.recompute and fp8 is None:
             if self.mlp(node, fused[-1], lin, act):
                 return
-        m = _new_linear(lin, act[0] if act else None, act[1] if act else 0.01, self.recompute)
-        pattern = ["Linear"] + (["residual add"] if residual is not None else []) + ([act[0]] if act else [])
+        m = _new_linear(lin, act[0] if act else None, act[1] if act else 0.01, self.recompute, fp8)
+        pattern = ["Linear"] + (["residual add"] if residual is not None else []) + ([act[0]] if act else []) + \
+            (["(FP8)"] if fp8 is not None else [])
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
 
@@ -698,13 +711,17 @@ def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
 _LONE = "a lone {} (its parent does not trace, so no epilogue is seen to fuse)"
 
 
-def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False) -> nn.Module:
+def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False,
+             fp8=None) -> nn.Module:
     """The traced + rewritten module, or the module with its children rewritten."""
     if type(module) is nn.Linear:  # a lone Linear child (e.g. an untraceable model's lm_head)
         where = prefix.rstrip(".") or "Linear"
         why = _hooked(module)  # an AlignedLinear in its place would not run the hooks
         if why is not None:
             summary.left_alone.append((where, why))
+        elif fp8 is not None and _fp8_takes(module):
+            summary.replaced.append((where, "Linear (FP8)"))
+            return _new_linear(module, None, 0.01, recompute, fp8)
         elif cfnn.AlignedLinear.wanted(module):
             m = cfnn.AlignedLinear(module)
             summary.replaced.append((where, _aligned_pattern(m)))
@@ -726,10 +743,10 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
         summary.left_alone.append((where, f"not traceable by torch.fx ({type(exc).__name__}); its children are "
                                           "rewritten one by one"))
         for name, child in list(module.named_children()):
-            setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute, chain_convs))
+            setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute, chain_convs, fp8))
         return module
     before = len(summary.replaced)
-    _Rewriter(gm, summary, prefix, recompute, chain_convs).run()
+    _Rewriter(gm, summary, prefix, recompute, chain_convs, fp8).run()
     if len(summary.replaced) == before:
         # nothing fused: keep the original module (a GraphModule lacks the attributes other
         # code may read, e.g. transformers reads ``attn_dropout.p``)
@@ -769,7 +786,7 @@ def _described(model) -> str:
 
 
 def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, inplace: bool = False,
-             chain_convs: bool = True, example_inputs=None) -> nn.Module:
+             chain_convs: bool = True, example_inputs=None, fp8=None) -> nn.Module:
     """Return ``model`` with its fusable patterns on cudnn_fuse ops (see the module doc).
 
     Eval mode folds BatchNorm2d into the convs (inference); in train mode BN stays.
@@ -782,6 +799,9 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     activation or ReLU, each feeding only the next, become one ``cudnn_fuse.nn.ConvChain``
     whose training step is one autograd node (state_dict keys unchanged).
     The original model is left untouched unless ``inplace``.
+    ``fp8``: a recipe (``cf.Float8CurrentScaling()``, ``cf.DelayedScaling()``) makes every Linear whose
+    features are multiples of 16 an FP8 ``cudnn_fuse.nn.Linear`` (with its epilogue where it has one; no
+    FusedMLP then), its FP8 scales and amax histories in the state_dict.
     ``example_inputs`` (a tensor, a tuple of arguments or a dict of keyword arguments): the optimized
     model is called once on them, so its plans are built (or autotuned) here rather than at its first
     call, and the summary says per replaced layer what runs: cuDNN's engine, or torch's own kernels
@@ -798,6 +818,7 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
             raise TypeError(f"optimize: {name} must be a bool, got {flag!r}")
     if example_inputs is not None:
         _example_call(example_inputs)  # a wrong type is named before the model is copied and rewritten
+    fp8_.check_recipe(fp8)
     if autotune:
         from .autotune import set_autotune
 
@@ -813,7 +834,7 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
 
     if use_cudnn_fuse_attention(model):
         summary.replaced.append((type(model).__name__, "transformers sdpa attention -> cudnn_fuse attention"))
-    out = _rewrite(model, summary, "", recompute, chain_convs)
+    out = _rewrite(model, summary, "", recompute, chain_convs, fp8)
     if any(isinstance(m, nn.Conv2d) for m in out.modules()):
         out = out._apply(_channels_last_off_the_cpu)
         for m in out.modules():

@@ -130,3 +130,34 @@ def test_a_small_mlp_trains_200_steps_with_fp8_and_tracks_float32(recipe):
     assert a[-1] < 0.5 * a[0] and b[-1] < 0.5 * b[0]
     assert all(abs(x - y) <= 0.03 * y for x, y in zip(a[::20], b[::20]))
     assert abs(a[-1] - b[-1]) <= 0.03 * b[-1] and a != b
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+        self.head, self.odd = nn.Linear(32, 16), nn.Linear(16, 10)  # 10 outputs: no FP8
+
+    def forward(self, x):
+        return self.odd(self.head(x + self.fc2(self.act(self.fc1(x)))))
+
+
+def test_optimize_with_a_recipe_makes_every_linear_it_can_fp8():
+    torch.manual_seed(0)
+    m = _Block()
+    o = cf.optimize(m, fp8=cf.DelayedScaling(amax_history_len=4))
+    got = {n: type(mod).__name__ + ("+fp8" if getattr(mod, "fp8", None) is not None else "")
+           for n, mod in o.named_modules() if isinstance(mod, nn.Linear)}
+    assert got == {"fc1": "Linear+fp8", "fc2": "Linear+fp8", "head": "Linear+fp8", "odd": "Linear"}
+    replaced = dict(o.cudnn_fuse_summary.replaced)
+    assert replaced["fc1"] == "Linear + gelu + (FP8)" and replaced["head"] == "Linear (FP8)"
+    assert "fc2" in replaced and "FP8" in replaced["fc2"]
+    x = torch.randn(8, 32, requires_grad=True)
+    y = o(x)
+    torch.testing.assert_close(y, m(x), rtol=0.15, atol=0.15)
+    y.sum().backward()
+    assert x.grad is not None and o.fc1.weight.grad is not None
+    assert o.fc1.fp8_amax_history[2, 0] > 0  # dY was cast
+    assert "fc1.fp8_scales" in o.state_dict()
+    with pytest.raises(TypeError, match="fp8 must be None"):
+        cf.optimize(m, fp8="e4m3")
