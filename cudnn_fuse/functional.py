@@ -263,7 +263,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     if dropout_p > 0.0:  # torch's own autograd: a backward cannot replay the forward's random mask
         ops._fallback(op, "dropout_p > 0")
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if ops._inline_under_compile("sdpa") and (attn_mask is None or _needs_grad(q, k, v, attn_mask)):
+    if ops._inline_under_compile("sdpa") and (attn_mask is None or ops._needs_grad(q, k, v, attn_mask)):
         # a masked attention's inference stays cuDNN's: Inductor lowered BERT-base's masked SDPA to an
         # fp32 math attention (docs/decisions.md, "torch.compile")
         return reference.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa)
@@ -384,7 +384,7 @@ def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *
         raise ArgumentError(f"{op}: q, k and v must share one FP8 format, got {q.dtype}, {k.dtype}, {v.dtype}")
     ops._check_devices(op, "q", q, k=k, v=v, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
                        descale_s=descale_s, scale_s=scale_s, scale_o=scale_o)
-    (B, H, Sq, D), (Bk, Hk, Skv, Dk) = q.shape, k.shape
+    (B, H, _, D), (Bk, Hk, _, Dk) = q.shape, k.shape
     if Bk != B or v.shape[0] != B or Dk != D or k.shape[:3] != v.shape[:3] or Hk == 0 or H % Hk:
         raise ArgumentError(f"{op}: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)} "
                             "do not match (one batch, k's head size q's, k and v one sequence, k's heads dividing q's)")
@@ -405,10 +405,6 @@ def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *
                                      v.to(bf) * descale_v.to(bf), is_causal=is_causal, scale=scale,
                                      enable_gqa=Hk != H).float()
     return reference.fp8_cast(o, q.dtype, scale_o), reference.amax(o)
-
-
-def _needs_grad(*ts) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 
 
 # Each op called anew with its four operands and its attributes as _front hands them back.

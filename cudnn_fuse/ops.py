@@ -202,6 +202,11 @@ def _via_custom_op(*tensors) -> bool:
     (torch_ops.py); plain inference calls the implementation directly."""
     if torch.compiler.is_compiling():
         return True
+    return _needs_grad(*tensors)
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on ``tensors`` (None where absent)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 

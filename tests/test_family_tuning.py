@@ -5,15 +5,14 @@ family record all fall back to tuning. cuDNN, the tuner and the GPU are stood in
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
-import torch
 
 from cudnn_fuse import autotune, families, loader, plans, torch_engine
 from cudnn_fuse.cache import PlanCache
 from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+from tuning import stand_in_device
 
 
 def _spec(m, dtype="bfloat16"):
@@ -45,12 +44,7 @@ class _Plan:
 def env(tmp_path, monkeypatch):
     ns = types.SimpleNamespace(pc=PlanCache(tmp_path / "cache", namespace="family_test"), tuned=[], rebuilt=[],
                                winner_engine=39, use_torch=False, rebuild_fails=False)
-    monkeypatch.setattr(loader, "_cache", lambda device=None: ns.pc)
-    monkeypatch.setattr(loader, "STATS", plans._Stats())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "stand-in GPU")
-    monkeypatch.setattr(loader, "handle_for", lambda d: types.SimpleNamespace(handle=None))
-    monkeypatch.setattr(loader, "held", lambda h, d: contextlib.nullcontext())
+    stand_in_device(monkeypatch, ns.pc)
     monkeypatch.setattr(loader, "build_graph", lambda spec, h: _Graph(ns.winner_engine))
     monkeypatch.setattr(loader, "prepare", lambda g, spec: None)
     monkeypatch.setattr(loader, "Plan", _Plan)

@@ -4,8 +4,6 @@ state_dict, and a small MLP trained 200 steps with each recipe tracking the same
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import cudnn_fuse as cf
 from cudnn_fuse import functional, reference

@@ -5,16 +5,16 @@ timing again. cuDNN and the GPU timing are stood in for on the CPU."""
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
 import torch
 
-from cudnn_fuse import autotune, handles, loader, plans, torch_engine
+from cudnn_fuse import autotune, handles, loader, torch_engine
 from cudnn_fuse.builders import roles_of
 from cudnn_fuse.cache import PlanCache
 from cudnn_fuse.spec import Epilogue, MatmulSpec, SdpaSpec, TensorSpec
+from tuning import stand_in_device
 
 NS = "torch_check_test"
 
@@ -46,12 +46,7 @@ def env(tmp_path, monkeypatch):
     """The loader on a real PlanCache with the build stood in for; ``env.check`` is what the timing
     against torch answers (None: it does not apply), ``env.checked`` counts the checks."""
     ns = types.SimpleNamespace(pc=PlanCache(tmp_path / "cache", namespace=NS), checked=[], check=None)
-    monkeypatch.setattr(loader, "_cache", lambda device=None: ns.pc)
-    monkeypatch.setattr(loader, "STATS", plans._Stats())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "stand-in GPU")
-    monkeypatch.setattr(loader, "handle_for", lambda d: types.SimpleNamespace(handle=None))
-    monkeypatch.setattr(loader, "held", lambda h, d: contextlib.nullcontext())
+    stand_in_device(monkeypatch, ns.pc)
     monkeypatch.setattr(loader, "build_graph", lambda spec, h: _Graph())
     monkeypatch.setattr(loader, "finalize", lambda g, spec: None)
     monkeypatch.setattr(loader, "Plan", _Plan)

@@ -142,7 +142,7 @@ def test_an_eager_expression_that_raises_gives_way_to_the_plans_run(counting):
 
 
 def test_eager_call_applies_only_where_eagers_expression_is_the_computation():
-    from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+    from cudnn_fuse.spec import Epilogue, MatmulSpec
 
     spec = _linear_spec(4, 8, 6)
     assert torch_engine.eager_call(spec, "linear") is not None

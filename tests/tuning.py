@@ -54,3 +54,18 @@ class RecordingGraph:
 
     def __getattr__(self, name):
         return lambda *a, **k: self.calls.append((name, a))
+
+
+def stand_in_device(monkeypatch, pc) -> None:
+    """The loader on the plan cache ``pc`` with fresh counters, and the GPU, its device context and the
+    device's handle stood in for (a build's own pieces are the caller's to stand in)."""
+    import torch
+
+    from cudnn_fuse import plans
+
+    monkeypatch.setattr(loader, "_cache", lambda device=None: pc)
+    monkeypatch.setattr(loader, "STATS", plans._Stats())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "stand-in GPU")
+    monkeypatch.setattr(loader, "handle_for", lambda d: types.SimpleNamespace(handle=None))
+    monkeypatch.setattr(loader, "held", lambda h, d: contextlib.nullcontext())
