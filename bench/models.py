@@ -183,6 +183,8 @@ def run_variant(model, make, wrap, mode: str, bs: int, want):
 
 
 def run_row(name: str, mode: str, args) -> dict:
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     model, make = build(name)
     bs = 32 if mode in ("infer_bs32", "train") else 1
@@ -200,6 +202,7 @@ def run_row(name: str, mode: str, args) -> dict:
         with tempfile.TemporaryDirectory() as cache:
             os.environ["CUDNN_FUSE_CACHE_DIR"] = cache  # every variant from an empty plan cache
             torch._dynamo.reset()
+            counters.clear()
             try:
                 ms, first_s, err, step = run_variant(model, make, wrap, mode, bs, want if mode != "train" else None)
                 if args.profiling:
@@ -214,6 +217,9 @@ def run_row(name: str, mode: str, args) -> dict:
             finally:
                 cf.set_autotune(None)
         row[f"{vname}_ms"] = round(ms, 4)
+        if "compile" in vname:  # what Dynamo made of it: graphs compiled, graph breaks
+            row.setdefault("dynamo", {})[vname] = {"graphs": counters["stats"]["unique_graphs"],
+                                                   "breaks": sum(counters["graph_break"].values())}
         row["first_call_s"][vname] = round(first_s, 3)
         row["err"][vname] = float(f"{err:.3g}")
         print(f"  {name:18s} {mode:10s} {vname:14s} {ms:9.3f} ms  first {first_s:7.2f} s  err {err:.2e}", flush=True)

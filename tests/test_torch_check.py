@@ -114,11 +114,12 @@ def test_the_check_applies_only_where_torch_can_stand_in(monkeypatch):
 
 
 @pytest.mark.parametrize("cudnn_ms, torch_ms, want", [(1.2, 0.1, True), (1.2, 1.3, False), (0.05, 0.01, True),
-                                                        (0.015, 0.008, False), (0.1, 0.095, False)])
+                                                        (0.015, 0.008, False), (0.1, 0.099, False),
+                                                        (0.1, 0.09, True), (0.03, 0.02, False)])
 def test_check_against_torch_times_both_alternately_and_applies_the_candidates_rule(monkeypatch, cudnn_ms, torch_ms,
                                                                                    want):
-    """Both are run (warmed up, then alternately timed); torch wins only where it timed faster by more
-    than its path adds host time per call (TORCH_HOST_MS)."""
+    """Both are run (warmed up, then alternately timed); torch wins only where its path costs less, each
+    path's cost being the longer of its device time and its host time per call (autotune.torch_cheaper)."""
     spec = _spec()
     ran = []
 

@@ -162,13 +162,15 @@ def test_torch_timing_and_decision():
     slow = autotune.torch_timing(lambda: None, lambda: 1.2, cfg)
     assert not autotune.torch_wins(_winner(1.0), [_winner(1.0), slow])
     assert not autotune.torch_wins(_winner(1.0), [_winner(1.0)])  # no torch candidate: cuDNN
-    # torch must save more device time than its path adds host time (TORCH_HOST_MS)
+    # each path costs the longer of its device time and its host time per call
     host = autotune.TORCH_HOST_MS
     tiny = autotune.torch_timing(lambda: None, lambda: 0.5 * host, cfg)
-    assert not autotune.torch_wins(_winner(1.4 * host), [_winner(1.4 * host), tiny])  # launch-bound
-    assert autotune.torch_wins(_winner(2.0 * host), [_winner(2.0 * host), tiny])
-    close = autotune.torch_timing(lambda: None, lambda: 0.095, cfg)
-    assert not autotune.torch_wins(_winner(0.1), [_winner(0.1), close])  # 5 us saved: not worth the launches
+    assert not autotune.torch_wins(_winner(0.9 * host), [_winner(0.9 * host), tiny])  # launch-bound: host decides
+    assert autotune.torch_wins(_winner(1.2 * host), [_winner(1.2 * host), tiny])
+    close = autotune.torch_timing(lambda: None, lambda: 0.099, cfg)
+    assert not autotune.torch_wins(_winner(0.1), [_winner(0.1), close])  # a tie keeps the fused plan
+    better = autotune.torch_timing(lambda: None, lambda: 0.09, cfg)
+    assert autotune.torch_wins(_winner(0.1), [_winner(0.1), better])  # device-bound: 10 us saved is 10 us
 
     def boom():
         raise RuntimeError("cuBLAS said no")
@@ -236,7 +238,7 @@ def test_no_runoff_where_the_medians_decide(case):
     cfg = autotune.Config(runoff_rounds=0 if case == "no rounds" else 4, runoff_margin=0.15)
     host = autotune.TORCH_HOST_MS
     winner = _winner(0.9 * host if case == "launch-bound" else 1.0)
-    torch_t = _torch({"far apart": 0.7, "launch-bound": 0.85 * host}.get(case, 0.98))
+    torch_t = _torch({"far apart": 0.7, "launch-bound": 0.85 * host}.get(case, 0.95))
     if case == "torch failed":
         torch_t.status = "failed:cuBLAS"
     ran = []
