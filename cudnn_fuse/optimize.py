@@ -18,8 +18,9 @@ when the whole model does not trace):
   16 bytes (GPT-2's lm_head, 50257 wide) -> cudnn_fuse.nn.AlignedLinear (aligned GEMM on a padded weight; torch's
   is 7x slower there).
 
-A node is fused into its producer only when the producer's output has no other
-user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
+Calls that return their input in every mode (nn.Identity, dropouts of p=0) are taken out of the
+graph first, so that they do not stand between a layer and its epilogue. A node is fused into its
+producer only when the producer's output has no other user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
 beside the layers they hold, which stay where they were), so parameter names (state_dict keys)
 stay the original's, except where eval mode folds a BatchNorm2d;
 a module called from several places (shared weights) is left alone. Everything replaced and
@@ -264,6 +265,31 @@ def _residual_of(node: fx.Node, prev: fx.Node):
     return other if isinstance(other, fx.Node) and other is not prev else None
 
 
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _is_identity(gm, node: fx.Node) -> bool:
+    """Whether ``node`` returns its input itself in every mode: nn.Identity, a dropout of p=0 (torch
+    returns the input tensor, not a copy) or torchvision's StochasticDepth of p=0, without hooks; or an
+    F.dropout call whose traced arguments say p=0 or training=False. Taken out of the graph, they no
+    longer stand between a layer and its epilogue (ViT's Linear -> Dropout(0.0) -> residual add), and
+    cost no module call."""
+    if node.op == "call_module":
+        m = gm.get_submodule(node.target)
+        if _hooked(m) or len(node.args) != 1 or node.kwargs:
+            return False
+        if type(m) is nn.Identity:
+            return True
+        p = getattr(m, "p", None)
+        stochastic = type(m).__name__ == "StochasticDepth" and type(m).__module__.startswith("torchvision")
+        return (isinstance(m, _DROPOUTS) or stochastic) and isinstance(p, (int, float)) and p == 0
+    if node.op == "call_function" and node.target is F.dropout and node.args:
+        params = dict(zip(("input", "p", "training", "inplace"), node.args), **node.kwargs)
+        p, training = params.get("p", 0.5), params.get("training", True)
+        return isinstance(p, (int, float)) and isinstance(training, bool) and (p == 0 or not training)
+    return False
+
+
 def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d):
     """Conv weight and bias with an eval-mode BatchNorm folded in."""
     scale = bn.weight.detach() / torch.sqrt(bn.running_var + bn.eps) if bn.affine else 1 / torch.sqrt(bn.running_var + bn.eps)
@@ -457,7 +483,16 @@ class _Rewriter:
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
 
+    def skip_identities(self) -> None:
+        """Take the calls that return their input (``_is_identity``) out of the graph; their modules
+        stay registered where they were."""
+        for node in list(self.gm.graph.nodes):
+            if _is_identity(self.gm, node) and isinstance(node.args[0], fx.Node):
+                node.replace_all_uses_with(node.args[0])
+                self.gm.graph.erase_node(node)
+
     def run(self) -> None:
+        self.skip_identities()
         # call sites per module path, counted once: a replacement calls the path it replaces
         calls_of = self.calls_of = collections.Counter(n.target for n in self.gm.graph.nodes if n.op == "call_module")
         called_before = set(calls_of)

@@ -844,3 +844,51 @@ def test_an_optimized_model_saved_whole_loads_back_with_its_surface():
     assert (back.config, back.num_classes, back.hidden) == ({"hidden": 12}, 4, 12)
     assert list(back.state_dict()) == list(m.state_dict())
     assert "cudnn_fuse" in back.code  # the rewrite survives: cf's modules and ops, not the originals
+
+
+class _IdentityBetween(nn.Module):
+    """A ViT-style MLP block whose identities stand between the layers and the residual add, and
+    dropouts that do not return their input (p > 0) or have a hook, which must stay."""
+
+    def __init__(self, p_mid=0.0, p_out=0.0):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(p_mid), nn.Linear(32, 8), nn.Dropout(p_out))
+        self.skip = nn.Identity()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = x + self.mlp(self.ln(x))
+        return self.skip(F.relu(F.dropout(self.proj(y), p=0.0, training=self.training))) + y
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_optimize_looks_through_calls_that_return_their_input(mode):
+    torch.manual_seed(0)
+    model = _IdentityBetween().train(mode == "train")
+    opt = optimize(model)
+    patterns = dict(opt.cudnn_fuse_summary.replaced)
+    assert patterns["mlp.0"] == "Linear + gelu + Linear + residual add (fused MLP backward)"
+    assert patterns["proj"] == "Linear + relu"
+    called = {n.target for n in opt.graph.nodes if n.op == "call_module"}
+    assert not called & {"mlp.2", "mlp.4", "skip"}  # no call left for them
+    assert isinstance(opt.get_submodule("mlp.2"), nn.Dropout) and isinstance(opt.skip, nn.Identity)  # still registered
+    x = torch.randn(4, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = opt(x), model(x2)
+    torch.testing.assert_close(y, y2)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_optimize_keeps_dropouts_that_change_their_input_or_have_hooks():
+    model = _IdentityBetween(p_mid=0.1, p_out=0.1).eval()  # p > 0: identity only in eval, and the mode may change
+    patterns = dict(optimize(model).cudnn_fuse_summary.replaced)
+    assert patterns["mlp.0"] == "Linear + gelu" and "mlp.3" not in patterns
+    hooked = _IdentityBetween().eval()
+    hooked.mlp[4].register_forward_hook(lambda m, i, o: o * 2)
+    opt = optimize(hooked)
+    assert "mlp.4" in {n.target for n in opt.graph.nodes if n.op == "call_module"}
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), hooked(x))
