@@ -46,6 +46,24 @@ def _described(residual) -> str:
     return f"residual of type {type(residual).__name__}"
 
 
+def dropouts_before_residual(module: torch.nn.Module, dropouts) -> None:
+    """Record on a fused layer the dropouts that stood between it and its residual add: optimize()
+    fuses the residual across them while they return their input (eval mode); while one of them is
+    in training mode, the layer runs them between its output and the add, as the model did. Held
+    as a plain attribute: they stay the model's modules, where they were."""
+    module.__dict__["_dropouts"] = tuple(dropouts)
+
+
+def _dropping(module) -> bool:
+    return any(d.training and d.p > 0 for d in module.__dict__.get("_dropouts", ()))
+
+
+def _through_dropouts(module, y):
+    for d in module.__dict__["_dropouts"]:
+        y = d(y)
+    return y
+
+
 def _out_dtype(x) -> torch.dtype:
     """The dtype the layer's op computes and returns for input ``x``: torch.autocast's where it is on
     for x's device type (float64 stays float64, as autocast leaves it), else x's own."""
@@ -357,9 +375,11 @@ class Linear(torch.nn.Linear):
             if y is not None:
                 return y
         act = self.activation
-        if residual is not None and isinstance(x, torch.Tensor) and \
-                _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,), _out_dtype(x)):
+        if residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and
+                                     _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,),
+                                                         _out_dtype(x))):
             z = functional.linear(x, self.weight, self.bias)
+            z = _through_dropouts(self, z) if _dropping(self) else z
             return reference.activation(z + residual, act, self.negative_slope)
         keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear") \
             and not _functorch_active()
@@ -448,6 +468,8 @@ class FusedMLP(torch.nn.Module):
 
     def forward(self, x, residual=None):
         fc1, fc2 = self.fc1, self.fc2
+        if residual is not None and _dropping(self):
+            return _through_dropouts(self, fc2(fc1(x))) + residual
         if residual is not None and isinstance(x, torch.Tensor) and \
                 _broadcast_residual(residual, tuple(x.shape[:-1]) + (fc2.out_features,), _out_dtype(x)):
             return fc2(fc1(x)) + residual
@@ -491,9 +513,11 @@ class TransposedLinear(torch.nn.Module):
         self.activation, self.negative_slope = activation, negative_slope
 
     def forward(self, x, residual=None):
-        if residual is not None and isinstance(x, torch.Tensor) and \
-                _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],), _out_dtype(x)):
+        if residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and
+                                     _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],),
+                                                         _out_dtype(x))):
             z = functional.linear(x, self.weight.t(), self.bias)
+            z = _through_dropouts(self, z) if _dropping(self) else z
             return reference.activation(z + residual, self.activation, self.negative_slope)
         return functional.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,
                           negative_slope=self.negative_slope)

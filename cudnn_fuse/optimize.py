@@ -19,7 +19,9 @@ when the whole model does not trace):
   is 7x slower there).
 
 Calls that return their input in every mode (nn.Identity, dropouts of p=0) are taken out of the
-graph first, so that they do not stand between a layer and its epilogue. A node is fused into its
+graph first, so that they do not stand between a layer and its epilogue; a Linear's (or Conv1D's, or a
+MLP's) residual add is also fused across dropouts in eval mode, which the fused layer runs again in
+training mode. A node is fused into its
 producer only when the producer's output has no other user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
 beside the layers they hold, which stay where they were), so parameter names (state_dict keys)
 stay the original's, except where eval mode folds a BatchNorm2d;
@@ -348,21 +350,45 @@ class _Rewriter:
     def where(self, node) -> str:
         return f"{self.prefix}{node.target if node.op == 'call_module' else node.name}"
 
-    def epilogue(self, last: fx.Node):
-        """Follow [residual add] [activation] after ``last``: (nodes, residual, act, slope)."""
+    def epilogue(self, last: fx.Node, dropouts: list | None = None):
+        """Follow [residual add] [activation] after ``last``: (nodes, residual, (act, slope)). Given a
+        ``dropouts`` list, the residual add may come after dropouts in eval mode (``_eval_dropout``):
+        their modules' paths are appended to it."""
         fused, residual, act = [], None, None
         nxt = _only_user(last)
-        if nxt is not None:
-            other = _residual_of(nxt, last)
-            if other is not None:
-                fused.append(nxt)
-                residual, last = other, nxt
-                nxt = _only_user(last)
+        between = []
+        while dropouts is not None and nxt is not None and self._eval_dropout(nxt):
+            between.append(nxt)
+            nxt = _only_user(nxt)
+        other = _residual_of(nxt, between[-1] if between else last) if nxt is not None else None
+        if between and other is None:
+            nxt = _only_user(last)  # no residual after them: the dropouts stay calls
+        elif other is not None:
+            fused += between + [nxt]
+            if between:
+                dropouts.extend(n.target for n in between)
+            residual, last = other, nxt
+            nxt = _only_user(last)
         if nxt is not None:
             act = _activation_of(self.gm, nxt)
             if act is not None:
                 fused.append(nxt)
         return fused, residual, act
+
+    def _eval_dropout(self, node: fx.Node) -> bool:
+        """A dropout module in eval mode (it returns its input until the model is put in training mode)
+        called on one tensor, without hooks."""
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            return False
+        m = self.gm.get_submodule(node.target)
+        return isinstance(m, _DROPOUTS) and not m.training and not _hooked(m) and self.calls_of[node.target] == 1
+
+    def through(self, module: nn.Module, dropouts: list) -> nn.Module:
+        """``module`` told the dropouts it was fused across (kept registered where they were)."""
+        if dropouts:
+            cfnn.dropouts_before_residual(module, [self.gm.get_submodule(d) for d in dropouts])
+            self.held.update(dropouts)
+        return module
 
     def replace(self, first: fx.Node, fused: list, module: nn.Module, args: tuple, pattern: str,
                 name: str | None = None) -> bool:
@@ -423,7 +449,8 @@ class _Rewriter:
 
     def linear(self, node: fx.Node) -> None:
         lin = self.gm.get_submodule(node.target)
-        fused, residual, act = self.epilogue(node)
+        dropouts = None if self.fp8 is not None and _fp8_takes(lin) else []
+        fused, residual, act = self.epilogue(node, dropouts)
         if not fused and self.fp8 is not None and _fp8_takes(lin):
             self.replace(node, [], _new_linear(lin, None, 0.01, self.recompute, self.fp8), (node.args[0],),
                          "Linear (FP8)")
@@ -439,8 +466,10 @@ class _Rewriter:
         if residual is None and act is not None and act[0] in cfnn.NEEDS_INPUT and not self.recompute and fp8 is None:
             if self.mlp(node, fused[-1], lin, act):
                 return
-        m = _new_linear(lin, act[0] if act else None, act[1] if act else 0.01, self.recompute, fp8)
-        pattern = ["Linear"] + (["residual add"] if residual is not None else []) + ([act[0]] if act else []) + \
+        m = self.through(_new_linear(lin, act[0] if act else None, act[1] if act else 0.01, self.recompute, fp8),
+                         dropouts)
+        pattern = ["Linear"] + (["dropout (eval)"] if dropouts else []) + \
+            (["residual add"] if residual is not None else []) + ([act[0]] if act else []) + \
             (["(FP8)"] if fp8 is not None else [])
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
@@ -457,12 +486,14 @@ class _Rewriter:
         lin2 = self.gm.get_submodule(nxt.target)
         if type(lin2) is not nn.Linear or _hooked(lin2) or _parametrized(lin2) or self.calls_of[nxt.target] > 1:
             return False  # a shared second layer would sit in the FusedMLP and where it was: its parameters twice
-        more, residual, act2 = self.epilogue(nxt)
+        dropouts = []
+        more, residual, act2 = self.epilogue(nxt, dropouts)
         if act2 is not None:
             return False
         fc1 = _new_linear(lin, act[0], act[1], False)
-        m = cfnn.FusedMLP(fc1, lin2, own=False)
-        pattern = f"Linear + {act[0]} + Linear" + (" + residual add" if residual is not None else "")
+        m = self.through(cfnn.FusedMLP(fc1, lin2, own=False), dropouts)
+        pattern = f"Linear + {act[0]} + Linear" + (" + dropout (eval)" if dropouts else "") + \
+            (" + residual add" if residual is not None else "")
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         if not self.replace(node, [act_node, nxt] + more, m, args, pattern + " (fused MLP backward)",
                             name=self.new_name("cudnn_fuse_mlp_")):
@@ -474,12 +505,15 @@ class _Rewriter:
 
     def conv1d(self, node: fx.Node) -> None:
         """transformers' Conv1D + [residual] + activation -> one fused linear on the transposed weight view."""
-        fused, residual, act = self.epilogue(node)
+        dropouts = []
+        fused, residual, act = self.epilogue(node, dropouts)
         if not fused:
             self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's addmm is as fast)"))
             return
-        m = cfnn.TransposedLinear(self.gm.get_submodule(node.target), act[0] if act else None, act[1] if act else 0.01)
-        pattern = ["Conv1D"] + (["residual add"] if residual is not None else []) + ([act[0]] if act else [])
+        m = self.through(cfnn.TransposedLinear(self.gm.get_submodule(node.target), act[0] if act else None,
+                                               act[1] if act else 0.01), dropouts)
+        pattern = ["Conv1D"] + (["dropout (eval)"] if dropouts else []) + \
+            (["residual add"] if residual is not None else []) + ([act[0]] if act else [])
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
 

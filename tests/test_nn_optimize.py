@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import pytest
@@ -882,13 +883,54 @@ def test_optimize_looks_through_calls_that_return_their_input(mode):
     torch.testing.assert_close(x.grad, x2.grad)
 
 
-def test_optimize_keeps_dropouts_that_change_their_input_or_have_hooks():
-    model = _IdentityBetween(p_mid=0.1, p_out=0.1).eval()  # p > 0: identity only in eval, and the mode may change
-    patterns = dict(optimize(model).cudnn_fuse_summary.replaced)
-    assert patterns["mlp.0"] == "Linear + gelu" and "mlp.3" not in patterns
+@pytest.mark.parametrize("p_mid", [0.1, 0.0])
+def test_optimize_fuses_a_residual_across_eval_dropouts_and_runs_them_in_training(p_mid):
+    """A dropout of p > 0 returns its input in eval mode only: the residual is fused across it, and the
+    fused layer (a Linear, or a FusedMLP) runs it again once the model is put in training mode (same
+    random draws as the model)."""
+    torch.manual_seed(0)
+    model = _IdentityBetween(p_mid=p_mid, p_out=0.3).eval()
+    opt = optimize(model)
+    patterns = dict(opt.cudnn_fuse_summary.replaced)
+    called = {n.target for n in opt.graph.nodes if n.op == "call_module"}
+    if p_mid:
+        assert patterns["mlp.0"] == "Linear + gelu"  # the dropout after the GELU is no residual's: a call
+        assert patterns["mlp.3"] == "Linear + dropout (eval) + residual add"
+        assert "mlp.2" in called
+    else:
+        assert patterns["mlp.0"] == "Linear + gelu + Linear + dropout (eval) + residual add (fused MLP backward)"
+    assert "mlp.4" not in called
+    x = torch.randn(16, 8)
+    torch.testing.assert_close(opt(x), model(x))
+    opt.train()
+    assert opt.get_submodule("mlp.4").training  # still the model's module: train() reaches it
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    torch.manual_seed(5)
+    y = opt(xs[0])
+    torch.manual_seed(5)
+    y2 = model.train()(xs[1])
+    assert (y != model.eval()(x)).any()  # dropout ran
+    torch.testing.assert_close(y, y2)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    opt.eval()
+    torch.testing.assert_close(opt(x), model.eval()(x))
+    buf = io.BytesIO()
+    torch.save(copy.deepcopy(opt), buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False).train()  # the copy's layer holds the copy's dropout
+    torch.manual_seed(5)
+    torch.testing.assert_close(back(xs[0]), y)
+
+
+def test_optimize_keeps_dropouts_with_hooks_or_in_training_mode():
     hooked = _IdentityBetween().eval()
     hooked.mlp[4].register_forward_hook(lambda m, i, o: o * 2)
     opt = optimize(hooked)
     assert "mlp.4" in {n.target for n in opt.graph.nodes if n.op == "call_module"}
     x = torch.randn(4, 8)
     torch.testing.assert_close(opt(x), hooked(x))
+    training = _IdentityBetween(p_out=0.1).train()  # a dropout in training mode stands between: no residual
+    patterns = dict(optimize(training).cudnn_fuse_summary.replaced)
+    assert patterns["mlp.0"] == "Linear + gelu + Linear (fused MLP backward)"
