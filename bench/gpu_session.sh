@@ -16,13 +16,14 @@
 #   cold         bench/cold_start.py                                 -> cold_start.json
 #   host         bench/host_overhead.py                              -> host_overhead.json
 #   prewarm      bench/prewarm_scaling.py (needs 2 GPUs)              -> prewarm.json
+#   dynamic      bench/dynamic_shapes.py                              -> dynamic_shapes.json
 #   models:M:D   bench/models.py --models M --modes D (comma-separated; M or D empty: all), rows merged
 #                into $OUT/models.json (copy bench/results/models.json there first to extend it) -> models.json
 #
 # STEPS set but empty: install and build only. Options: TESTS_TIMEOUT (the tests steps' limit, s),
 # MEMORY_ARGS, COLD_ARGS, COLD_TIMEOUT, PEERS_ARGS (e.g. "--no-max-autotune"), PEERS_BUDGET, PEERS_DEADLINE,
 # PEERS_TIMEOUT, BUDGET (pre-warm's autotune budget per graph, s), MODELS_ARGS (e.g. "--variants eager,cf
-# --explain"), MODELS_TIMEOUT, COMMIT (the commit models.py records: the machine's copy of the checkout may
+# --explain"), MODELS_TIMEOUT, DYNAMIC_ARGS, DYNAMIC_TIMEOUT, COMMIT (the commit models.py records: the machine's copy of the checkout may
 # name an older one); SKIP_INSTALL=1: the wheels are
 # already in /tmp/site.
 set -u
@@ -56,6 +57,8 @@ for s in $STEPS; do
         cold) step cold_start "${COLD_TIMEOUT:-240}" python3 bench/cold_start.py --out "$OUT" ${COLD_ARGS:-} ;;
         host) step host_overhead 60 python3 bench/host_overhead.py --out "$OUT" --rounds 3 ;;
         prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
+        dynamic) step dynamic "${DYNAMIC_TIMEOUT:-400}" python3 bench/dynamic_shapes.py --out "$OUT" \
+                     ${COMMIT:+--commit "$COMMIT"} ${DYNAMIC_ARGS:-} ;;
         models:*) spec=${s#models:}; m=${spec%%:*}; d=${spec#*:}; [ "$d" = "$spec" ] && d=""
                   step "$s" "${MODELS_TIMEOUT:-400}" python3 bench/models.py --out "$OUT" ${m:+--models "$m"} \
                       ${d:+--modes "$d"} ${COMMIT:+--commit "$COMMIT"} ${MODELS_ARGS:-} ;;

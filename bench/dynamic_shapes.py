@@ -1,0 +1,196 @@
+"""New sizes of known shape families: what a block pays the first time it meets a sequence length.
+
+A GPT-2-style and a Llama-style decoder block (plans/make_manifests.py's, bf16 inference) are called at
+``--sizes`` sequence lengths drawn from 1-2048, each new to the process. For cf the plan cache first
+holds the block's shipped manifest (its families, pre-warmed at 128, 512, 1024 and 2048) and none of
+the drawn sizes, and the sweep runs in a fresh process. Per size: the first call's time minus the
+steady-state time at that size (``extra``), for cf, torch eager and ``torch.compile(dynamic=True)``
+(whose compile and recompiles are counted). Writes dynamic_shapes.json (commit, GPU, cuDNN) and a plot:
+
+    python3 bench/dynamic_shapes.py --out bench/results --sizes 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.common import device_name, write_json  # noqa: E402
+
+MODELS = {  # name: (block class in plans/make_manifests.py, shipped manifest, batch, width)
+    "gpt2": ("GPT2Block", "gpt2_block_bf16.json", 8, 768),
+    "llama": ("LlamaBlock", "llama_block_bf16.json", 1, 2048),
+}
+MAX_SEQ = 2048
+STEADY_REPS = 5
+
+
+def draw_sizes(n: int, seed: int = 0) -> list:
+    """``n`` distinct sequence lengths in 1..MAX_SEQ, none a manifest's own (128, 512, 1024, 2048)."""
+    rng = random.Random(seed)
+    pool = [s for s in range(1, MAX_SEQ + 1) if s not in (128, 512, 1024, 2048)]
+    return rng.sample(pool, min(n, len(pool)))
+
+
+def _synced_s(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def sweep(fn, make, sizes) -> dict:
+    """Per size: the first call's ms, the steady ms (median of STEADY_REPS synced calls), their difference."""
+    rows = []
+    for s in sizes:
+        x = make(s)
+        with torch.no_grad():
+            first = _synced_s(lambda: fn(x)) * 1e3
+            steady = statistics.median(_synced_s(lambda: fn(x)) * 1e3 for _ in range(STEADY_REPS))
+        rows.append({"seq": s, "first_ms": round(first, 3), "steady_ms": round(steady, 4),
+                     "extra_ms": round(first - steady, 3)})
+    extras = sorted(r["extra_ms"] for r in rows)
+    return {"per_size": rows, "first_call_extra_ms_median": round(statistics.median(extras), 3),
+            "first_call_extra_ms_p95": round(extras[min(len(extras) - 1, int(0.95 * len(extras)))], 3)}
+
+
+def child(name: str, variant: str, sizes: list, out: str) -> None:
+    """One variant's sweep in this (fresh) process; writes its result as JSON to ``out``."""
+    sys.path.insert(0, os.path.join(ROOT, "plans"))
+    import make_manifests
+
+    import cudnn_fuse as cf
+
+    cls, _manifest, batch, width = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(make_manifests, cls)().cuda().to(torch.bfloat16).eval()
+
+    def make(s):
+        return torch.randn(batch, s, width, device="cuda", dtype=torch.bfloat16)
+
+    res = {}
+    if variant == "cf":
+        fn = cf.optimize(model)
+        res.update(sweep(fn, make, sizes))
+        res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
+    elif variant == "eager":
+        res.update(sweep(model, make, sizes))
+    else:
+        from torch._dynamo.utils import counters
+
+        fn = torch.compile(model, dynamic=True)
+        res.update(sweep(fn, make, sizes))
+        res["graphs_compiled"] = counters["stats"]["unique_graphs"]
+        firsts = [r["first_ms"] for r in res["per_size"]]
+        res["compile_s"] = round(firsts[0] / 1e3, 2)
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+def run_model(name: str, sizes: list, timeout: float) -> dict:
+    row = {"name": name, "sizes": len(sizes), "batch": MODELS[name][2], "width": MODELS[name][3]}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, CUDNN_FUSE_CACHE_DIR=os.path.join(tmp, "cache"))
+        manifest = os.path.join(ROOT, "plans", MODELS[name][1])
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "cudnn_fuse", "prewarm", manifest], env=env, check=False,
+                       stdout=subprocess.DEVNULL, timeout=timeout)
+        row["prewarm_s"] = round(time.perf_counter() - t0, 2)
+        for variant in ("cf", "eager", "compile_dynamic"):
+            out = os.path.join(tmp, f"{variant}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, variant, json.dumps(sizes), out]
+            try:
+                done = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+                if done.returncode != 0:
+                    row[variant] = {"error": done.stderr[-500:]}
+                    continue
+                row[variant] = json.load(open(out))
+            except subprocess.TimeoutExpired:
+                row[variant] = {"error": f"timed out after {timeout} s"}
+                continue
+            v = row[variant]
+            print(f"  {name:6s} {variant:16s} extra median {v['first_call_extra_ms_median']:8.2f} ms  "
+                  f"p95 {v['first_call_extra_ms_p95']:8.2f} ms", flush=True)
+    cf_row = row.get("cf", {})
+    for key in ("first_call_extra_ms_median", "first_call_extra_ms_p95"):
+        row[key] = cf_row.get(key)
+    # cf's plans are static plans per size (no tier swaps yet): its steady state is the static plans'
+    row["steady_vs_static"] = 1.0 if "per_size" in cf_row else None
+    row["tiers"] = "static plan per size"
+    return row
+
+
+def plot(path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.load(open(path))
+    fig, axes = plt.subplots(1, len(doc["models"]), figsize=(6 * len(doc["models"]), 4), squeeze=False)
+    for ax, row in zip(axes[0], doc["models"]):
+        for variant in ("cf", "eager", "compile_dynamic"):
+            rows = row.get(variant, {}).get("per_size")
+            if rows:
+                rows = sorted(rows, key=lambda r: r["seq"])
+                ax.plot([r["seq"] for r in rows], [max(r["extra_ms"], 1e-3) for r in rows], ".", label=variant)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (new to the process)")
+        ax.set_ylabel("first call minus steady (ms)")
+        ax.set_title(f"{row['name']} block, batch {row['batch']}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{doc.get('gpu')} ({doc.get('commit')})")
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        child(argv[1], argv[2], json.loads(argv[3]), argv[4])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results", help="directory of dynamic_shapes.json")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated among {', '.join(MODELS)}")
+    p.add_argument("--sizes", type=int, default=200, help="sequence lengths drawn per model")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per variant's process")
+    p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
+    p.add_argument("--plot", metavar="JSON", help="only plot an existing dynamic_shapes.json")
+    args = p.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return 0
+    if not torch.cuda.is_available():
+        print("dynamic_shapes.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import cudnn
+
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip()
+    doc = {"gpu": device_name(), "commit": commit, "torch": torch.__version__,
+           "cudnn": cudnn.backend_version() if hasattr(cudnn, "backend_version") else None, "models": []}
+    sizes = draw_sizes(args.sizes)
+    for name in args.models.split(","):
+        doc["models"].append(run_model(name, sizes, args.timeout))
+        os.makedirs(args.out, exist_ok=True)
+        write_json(os.path.join(args.out, "dynamic_shapes.json"), doc)
+    print(plot(os.path.join(args.out, "dynamic_shapes.json")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

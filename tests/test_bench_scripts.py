@@ -1,0 +1,57 @@
+"""The GPU bench scripts' CPU parts: sampling, summaries and plots from made-up results."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import dynamic_shapes, models  # noqa: E402
+
+
+def test_dynamic_shapes_draws_distinct_new_sizes_reproducibly():
+    sizes = dynamic_shapes.draw_sizes(200)
+    assert len(sizes) == len(set(sizes)) == 200
+    assert all(1 <= s <= dynamic_shapes.MAX_SEQ for s in sizes)
+    assert not set(sizes) & {128, 512, 1024, 2048}  # the manifests' own sizes are not new
+    assert sizes == dynamic_shapes.draw_sizes(200) and sizes != dynamic_shapes.draw_sizes(200, seed=1)
+
+
+def test_dynamic_shapes_sweep_takes_first_minus_steady(monkeypatch):
+    calls = []
+    times = iter([0.010, 0.002, 0.002, 0.003, 0.002, 0.002] * 2)
+    monkeypatch.setattr(dynamic_shapes, "_synced_s", lambda fn: (fn(), next(times))[1])
+    res = dynamic_shapes.sweep(calls.append, lambda s: s, [7, 9])
+    assert calls == [7] * 6 + [9] * 6
+    assert [r["extra_ms"] for r in res["per_size"]] == [8.0, 8.0]
+    assert res["first_call_extra_ms_median"] == res["first_call_extra_ms_p95"] == 8.0
+
+
+@pytest.mark.parametrize("script", ["dynamic", "models"])
+def test_bench_plots_from_a_results_file(tmp_path, script):
+    pytest.importorskip("matplotlib")
+    if script == "dynamic":
+        rows = [{"seq": s, "first_ms": 5.0, "steady_ms": 1.0, "extra_ms": 4.0} for s in (3, 40)]
+        doc = {"gpu": "X", "commit": "c", "models": [{"name": "gpt2", "batch": 8, "cf": {"per_size": rows},
+                                                      "eager": {"per_size": rows}}]}
+        path = tmp_path / "dynamic_shapes.json"
+        path.write_text(json.dumps(doc))
+        out = dynamic_shapes.plot(str(path))
+    else:
+        doc = {"gpu": "X", "commit": "c", "rows": [{"model": "m", "mode": "infer_bs1", "eager_ms": 2.0, "cf_ms": 1.0,
+                                                   "compile_ms": 1.5, "cf_compile_ms": 1.2}]}
+        path = tmp_path / "models.json"
+        path.write_text(json.dumps(doc))
+        out = models.plot(str(path))
+    assert os.path.getsize(out) > 1000
+
+
+def test_models_summary_holds_the_goals_ratios():
+    rows = [{"model": "a", "mode": "infer_bs1", "eager_ms": 2.0, "cf_ms": 1.0, "compile_ms": 1.0, "cf_compile_ms": 0.5},
+            {"model": "b", "mode": "infer_bs32", "eager_ms": 1.0, "cf_ms": 1.2, "compile_ms": 1.0, "cf_compile_ms": 2.0}]
+    s = models.summarize(rows)
+    assert s["cf_over_eager_worst"] == pytest.approx(1.2)
+    assert s["compile_over_cf_compile_geomean_infer"] == pytest.approx(1.0)
