@@ -167,15 +167,16 @@ def _cache(device: int | None = None):
     return open_default_cache(device)  # the namespace of the device's own environment
 
 
-def load_or_build(spec, device: int) -> Plan:
-    """The plan of ``spec`` on ``device`` from the disk cache, else built (and stored). The determinism
+def load_or_build(spec, device: int, standin: bool = False) -> Plan:
+    """The plan of ``spec`` on ``device`` from the disk cache, else built (and stored); with ``standin``,
+    a new size of a known shape family not on disk is a ``StandIn`` instead of a build. The determinism
     mode is read once (or taken from the plan LRU's lookup, which pinned it) and pinned for the whole
     load or build: the entry's key, the engine filter, the autotuner and the stored record agree."""
     with pinned_mode():
-        return _load_or_build(spec, device)
+        return _load_or_build(spec, device, standin)
 
 
-def _load_or_build(spec, device: int) -> Plan:
+def _load_or_build(spec, device: int, standin: bool = False) -> Plan:
     t0 = time.perf_counter()
     tuning = autotune.autotune_enabled()
     pc = _cache(device)
@@ -192,6 +193,10 @@ def _load_or_build(spec, device: int) -> Plan:
                 return plan
         if tuning and pc is not None and autotune.current_config().per_family:
             plan = _from_family(pc, spec, digest, device, t0)
+            if plan is not None:
+                return plan
+        if standin and not tuning:
+            plan = _standin(pc, spec, device)
             if plan is not None:
                 return plan
         # no tune lock on a read-only cache: no tuning can be stored there, so a process waiting for
@@ -302,6 +307,70 @@ def _note_family(pc, spec, meta: dict) -> None:
         pc.put(key, record, b"", pinned=bool(record.get("pinned")))
     except Exception as exc:  # noqa: BLE001 - a family record that cannot be written leaves sizes to be tuned
         log.debug("cudnn_fuse cache: family record not written: %s", exc)
+
+
+# ------------------------------------------------------------------ new sizes of known families
+
+# Calls a new size of a known family runs on torch's kernels (a StandIn) before its plan is built on the
+# call after: a size met once never pays a plan build, one met again pays it once, on a call of its own.
+STANDIN_CALLS = 4
+_KNOWN_FAMILIES: set = set()  # families this process has a stored plan or record of
+
+
+def _mark_family(pc, spec) -> None:
+    """Make a stored plan's shape family known to later processes: its family record, written once
+    (with no anchors when no size of it was tuned)."""
+    fam = families.family(spec)
+    if fam is None or fam in _KNOWN_FAMILIES:
+        return
+    try:
+        key = family_record_key(fam)
+        if getattr(pc, "_peek", pc.get)(key) is None:
+            pc.put(key, {"kind": "family-record", "op": spec.op, "anchors": []}, b"", pinned=pinning_now())
+        _KNOWN_FAMILIES.add(fam)
+    except Exception as exc:  # noqa: BLE001 - an unknown family only means a build instead of a stand-in
+        log.debug("cudnn_fuse cache: family record not written: %s", exc)
+
+
+class StandIn(torch_engine.TorchPlan):
+    """torch's kernels for a new size of a known shape family while its plan waits: no build on the call
+    that meets the size (PlanLRU builds the plan on the STANDIN_CALLS-th call and swaps it in). The ops
+    never remember it, so every call looks it up and counts."""
+
+    __slots__ = ("calls",)
+    standin = True
+
+    def __init__(self, spec, device: int):
+        super().__init__(spec, device, None, "torch's kernels while the plan of this new size of a known shape "
+                                             "family waits")
+        self.calls = 0
+
+
+def _standin(pc, spec, device: int):
+    """A StandIn for ``spec`` when torch's kernels can take it and another size of its family has a plan
+    (in this process, or a family record in the cache); None otherwise (then it is built as ever)."""
+    if deterministic() or not torch_engine.supports(spec):
+        return None  # torch's kernels are no deterministic engine
+    fam = families.family(spec)
+    if fam is None:
+        return None
+    if fam not in _KNOWN_FAMILIES:
+        try:
+            if pc is None or pc.get(family_record_key(fam), count=False) is None:
+                return None
+        except Exception as exc:  # noqa: BLE001 - a cache fault is a miss: built as ever
+            log.debug("cudnn_fuse cache: family record unreadable: %s", exc)
+            return None
+        _KNOWN_FAMILIES.add(fam)
+    STATS.standins += 1
+    return StandIn(spec, device)
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 - no CUDA: nothing captures
+        return False
 
 
 def _barred(spec, meta: dict) -> bool:
@@ -550,6 +619,8 @@ def _store(pc, spec, digest, plan, tuned: bool, candidates, build_s: float, winn
     pc.put(engine_record_key(digest), record, b"", pinned=pinned)
     if tuned:
         _note_family(pc, spec, meta)
+    else:
+        _mark_family(pc, spec)
 
 
 @contextlib.contextmanager
@@ -660,36 +731,59 @@ class PlanLRU:
         key = (spec, device, det)  # a plan built deterministic-only serves only that mode, and back
         item = self._lookup(key)
         if item is None:
-            with self._lock:  # one lock per key while anyone waits on it: one build at a time, even across a clear()
-                building = self._building.get(key)
-                if building is None:
-                    building = self._building[key] = [threading.Lock(), 0]
-                building[1] += 1
-            try:
-                with building[0]:
-                    item = self._lookup(key)  # another thread may have built it meanwhile
-                    if item is None:
-                        STATS.misses += 1
-                        try:
-                            with pinned_mode(det):  # every read of the mode in the load or build is the key's
-                                item = (self._builder or load_or_build)(spec, device)
-                        except UnsupportedError as exc:
-                            # keep the message only: the exception's traceback would pin
-                            # this caller's frames (and its tensors) for the entry's life
-                            item = _Declined(str(exc))
-                        self._store(key, item)
-                    else:
-                        STATS.hits += 1
-            finally:
-                with self._lock:
-                    building[1] -= 1
-                    if building[1] == 0 and self._building.get(key) is building:
-                        del self._building[key]
+            item = self._once(key, None, det, lambda: self._builder(spec, device) if self._builder is not None
+                              else load_or_build(spec, device, standin=True))
         else:
             STATS.hits += 1
+            if type(item) is StandIn:
+                item.calls += 1
+                if item.calls >= STANDIN_CALLS and not _capturing():  # never a build inside a capture
+                    item = self._once(key, item, det, lambda: self._swapped(spec, device))
         if isinstance(item, _Declined):
             raise UnsupportedError(item.reason)
         return item
+
+    def _once(self, key, expected, det, make):
+        """Under the key's lock (one build at a time per key, even across a clear()): the item now held
+        for ``key`` unless it is still ``expected`` (None: absent), else ``make()``'s, stored."""
+        with self._lock:
+            building = self._building.get(key)
+            if building is None:
+                building = self._building[key] = [threading.Lock(), 0]
+            building[1] += 1
+        try:
+            with building[0]:
+                item = self._lookup(key)  # another thread may have built it meanwhile
+                if item is not None and item is not expected:
+                    if expected is None:
+                        STATS.hits += 1
+                    return item
+                if expected is None:
+                    STATS.misses += 1
+                try:
+                    with pinned_mode(det):  # every read of the mode in the load or build is the key's
+                        item = make()
+                except UnsupportedError as exc:
+                    # keep the message only: the exception's traceback would pin
+                    # this caller's frames (and its tensors) for the entry's life
+                    item = _Declined(str(exc))
+                self._store(key, item)
+                return item
+        finally:
+            with self._lock:
+                building[1] -= 1
+                if building[1] == 0 and self._building.get(key) is building:
+                    del self._building[key]
+
+    @staticmethod
+    def _swapped(spec, device: int):
+        """A stand-in's own plan, built now; torch's kernels for good where cuDNN declines the spec."""
+        try:
+            plan = load_or_build(spec, device)
+        except UnsupportedError as exc:
+            plan = torch_engine.TorchPlan(spec, device, None, f"torch's kernels: cuDNN declined this size ({exc})"[:200])
+        STATS.swaps += 1
+        return plan
 
 
 class _Declined:
@@ -719,6 +813,7 @@ def clear() -> None:
     released here, under each device's handle lock, unless this thread's stream is capturing."""
     FAST.clear()
     _LRU.clear()
+    _KNOWN_FAMILIES.clear()
     handles.drain_all()
 
 

@@ -647,7 +647,7 @@ def _remember(key, originals, plan, buffers, out) -> None:
     if key is None or key[0].endswith(":grad") or plan is None or originals[0].dtype not in _FAST_DTYPES:
         return  # a training call must reach autograd: never a raw launch
     torch_plan = isinstance(plan, torch_engine.TorchPlan)
-    if not plan.raw and not torch_plan:
+    if not plan.raw and not torch_plan or getattr(plan, "standin", False):
         return
     ins = [t for t in originals if t is not None]
     y, amax = out if isinstance(out, tuple) else (out, None)

@@ -61,6 +61,8 @@ class _Stats:
     deserialize_seconds: float = 0.0  # cuDNN deserialize + plan set-up
     autotune_seconds: float = 0.0
     family_hits: int = 0  # tuned plans of a new size from its family's tuned engine (no tuning)
+    standins: int = 0  # new sizes of a known family served by torch's kernels while their plan waits
+    swaps: int = 0  # stand-ins replaced by their built plan
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)

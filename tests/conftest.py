@@ -85,8 +85,11 @@ def isolated_cache(tmp_path_factory, monkeypatch):
     """Every test: $CUDNN_FUSE_CACHE_DIR (and the user cache dir, for subprocesses) in a fresh
     temporary directory, and no default cache carried over from another test. Returns the
     plan-cache directory, which does not exist yet (``cache_dir`` gives one that does)."""
+    from cudnn_fuse import loader
+
     plan_cache = _point_caches_at(str(tmp_path_factory.mktemp("cache_home")), monkeypatch.setenv)
     _drop_default_caches()
+    loader._KNOWN_FAMILIES.clear()  # the shape families an earlier test's plans made known
     yield plan_cache
     _drop_default_caches()
 

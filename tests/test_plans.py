@@ -223,17 +223,19 @@ def test_remembered_failure_does_not_pin_callers_frames(fresh_stats):
 
 
 def test_get_plan_goes_through_the_loader(monkeypatch):
-    """The process-wide LRU builds through loader.load_or_build (disk cache, then build)."""
+    """The process-wide LRU builds through loader.load_or_build (disk cache, then build), a new size of a
+    known shape family standing in with torch's kernels."""
     from cudnn_fuse import loader
 
     seen = []
     sentinel = object()
-    monkeypatch.setattr(loader, "load_or_build", lambda spec, device: seen.append((spec, device)) or sentinel)
+    monkeypatch.setattr(loader, "load_or_build", lambda spec, device, standin: seen.append((spec, device, standin))
+                        or sentinel)
     monkeypatch.setattr(loader, "_LRU", loader.PlanLRU(4))
     spec = object.__new__(type("S", (), {"__hash__": lambda self: 1, "__eq__": lambda self, o: self is o}))
     assert loader.get_plan(spec, 0) is sentinel
     assert loader.get_plan(spec, 0) is sentinel
-    assert seen == [(spec, 0)]
+    assert seen == [(spec, 0, True)]
 
 
 def test_plans_are_released_at_exit_before_teardown():
