@@ -8,6 +8,9 @@ multiplied by it before the cast, and the GEMM divides by it), as TransformerEng
   this step's amax joining the history after its cast.
 
 ``scale = fp8_max / amax / 2**margin``; an amax of 0, inf or NaN keeps the previous scale (1 at first).
+Under torch.distributed, ``DelayedScaling`` max-reduces the amaxes of a whole training step across ranks
+in one all_reduce, when the next step's first cast comes, so that every rank scales alike; current
+scaling uses each rank's own amax (a reduction per cast would cost a collective per tensor).
 "hybrid" casts the forward's X and W to E4M3 and the backward's dY to E5M2; "e4m3" casts all three to
 E4M3. The GEMMs here dequantize and multiply in float32, what an FP8 GEMM with float32 accumulation
 computes; no fused FP8 kernel runs yet.
@@ -47,8 +50,14 @@ class _Recipe:
 
     history_len = 1
 
+    def before_cast(self, history, i) -> None:  # recipes with cross-rank amaxes (DelayedScaling) override these
+        pass
+
+    def after_cast(self, history, i) -> None:
+        pass
+
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
 
 
@@ -72,9 +81,44 @@ class DelayedScaling(_Recipe):
             raise ArgumentError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
         self.amax_history_len, self.amax_compute_algo = amax_history_len, amax_compute_algo
 
+        self._pending: list = []  # (history, role) of the amaxes pushed since the last reduction
+
     @property
     def history_len(self) -> int:
         return self.amax_history_len
+
+    def __getstate__(self):  # a copied or pickled recipe starts with nothing pending (the rows are the old model's)
+        return {**self.__dict__, "_pending": []}
+
+    @staticmethod
+    def _reducing() -> bool:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def before_cast(self, history: torch.Tensor, i: int) -> None:
+        """Reduce the pending amaxes when this role's last one is among them: its next cast is a new step."""
+        if any(h is history and j == i for h, j in self._pending):
+            self.reduce_amaxes()
+
+    def after_cast(self, history: torch.Tensor, i: int) -> None:
+        if self._reducing():
+            self._pending.append((history, i))
+
+    def reduce_amaxes(self) -> None:
+        """Max-reduce across ranks every amax pushed since the last reduction, in one all_reduce: every
+        layer's x, w and dY of a training step, reduced when the step after begins (a rank's own amaxes
+        would give each rank other scales). Called by the casts; a user may call it at a step's end."""
+        pending, self._pending = self._pending, []
+        if not pending or not self._reducing():
+            return
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            vals = torch.stack([h[i, 0] for h, i in pending])
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+            for (h, i), v in zip(pending, vals):
+                h[i, 0] = v
 
     def scale(self, amax, history, previous, fmt):
         """The scale from ``history`` (newest first; zeros where no step has been) before ``amax`` joins."""
@@ -99,11 +143,13 @@ class Casts:
         in place: the scale this cast used, the amax pushed into the history."""
         i = ROLES.index(role)
         amax = t.detach().abs().amax().float()
+        self.recipe.before_cast(self.history, i)
         scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
         with torch.no_grad():
             self.scales[i] = scale
             self.history[i] = torch.roll(self.history[i], 1)
             self.history[i, 0] = amax
+        self.recipe.after_cast(self.history, i)
         return fp8_cast(t.detach().float(), fmt, scale), scale
 
 
