@@ -18,6 +18,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,8 +157,9 @@ def top_kernels(fn, steps: int = 5, limit: int = 15) -> dict:
             "host_ops": host[:limit]}
 
 
-def run_variant(model, make, wrap, mode: str, bs: int, want):
-    """(ms per call, first call s, error against ``want``, the first output) of one variant."""
+def run_variant(model, make, wrap, mode: str, bs: int, want, repeat: int = 1):
+    """(ms per call, first call s, error against ``want``, the step, the timings' spread) of one variant:
+    the median of ``repeat`` timings, and their range over that median."""
     inputs = make(bs)
     train = mode == "train"
     model.train(train)  # before the wrap: optimize() folds BatchNorm only in eval mode
@@ -178,8 +180,8 @@ def run_variant(model, make, wrap, mode: str, bs: int, want):
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     err = rel_err(first, want) if want is not None else 0.0
-    ms = time_ms(step, warmup=5, iters=20 if train else 50)
-    return ms, first_s, err, step
+    runs = [time_ms(step, warmup=5, iters=20 if train else 50) for _ in range(repeat)]
+    return statistics.median(runs), first_s, err, step, (max(runs) - min(runs)) / statistics.median(runs)
 
 
 def run_row(name: str, mode: str, args) -> dict:
@@ -204,7 +206,8 @@ def run_row(name: str, mode: str, args) -> dict:
             torch._dynamo.reset()
             counters.clear()
             try:
-                ms, first_s, err, step = run_variant(model, make, wrap, mode, bs, want if mode != "train" else None)
+                ms, first_s, err, step, spread = run_variant(model, make, wrap, mode, bs,
+                                                             want if mode != "train" else None, args.repeat)
                 if args.profiling:
                     row.setdefault("profile", {})[vname] = top_kernels(step)
                     if vname == "cf":
@@ -217,6 +220,8 @@ def run_row(name: str, mode: str, args) -> dict:
             finally:
                 cf.set_autotune(None)
         row[f"{vname}_ms"] = round(ms, 4)
+        if args.repeat > 1:
+            row.setdefault("spread", {})[vname] = round(spread, 4)
         if "compile" in vname:  # what Dynamo made of it: graphs compiled, graph breaks
             row.setdefault("dynamo", {})[vname] = {"graphs": counters["stats"]["unique_graphs"],
                                                    "breaks": sum(counters["graph_break"].values())}
@@ -321,6 +326,8 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="JSON", help="only plot an existing models.json")
     p.add_argument("--table", metavar="JSON", help="only print an existing models.json as the README's table")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timings per variant: the row keeps their median and their range over it (spread)")
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))

@@ -55,3 +55,15 @@ def test_models_summary_holds_the_goals_ratios():
     s = models.summarize(rows)
     assert s["cf_over_eager_worst"] == pytest.approx(1.2)
     assert s["compile_over_cf_compile_geomean_infer"] == pytest.approx(1.0)
+
+
+def test_models_repeats_a_timing_and_keeps_its_median_and_spread(monkeypatch):
+    import torch
+
+    times = iter([2.0, 1.0, 1.5])
+    monkeypatch.setattr(models, "time_ms", lambda step, warmup, iters: (step(), next(times))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    model = torch.nn.Linear(4, 3)
+    ms, first_s, err, step, spread = models.run_variant(model, lambda bs: (torch.randn(bs, 4),), lambda m: m,
+                                                        "infer_bs1", 1, None, repeat=3)
+    assert ms == 1.5 and spread == pytest.approx(1.0 / 1.5) and err == 0.0 and first_s >= 0
