@@ -190,6 +190,7 @@ def _load_or_build(spec, device: int, standin: bool = False) -> Plan:
                 dt = time.perf_counter() - t0
                 STATS.loads += 1
                 STATS.load_seconds += dt
+                _mark_family(pc, spec)  # a plan of this size in the process: its family's other sizes may stand in
                 return plan
         if tuning and pc is not None and autotune.current_config().per_family:
             plan = _from_family(pc, spec, digest, device, t0)

@@ -105,6 +105,17 @@ def test_a_fresh_process_knows_the_family_from_the_cache_and_loads_sizes_on_disk
     assert env.built == [_spec(512)]
 
 
+def test_an_entry_written_without_its_family_record_makes_the_family_known_once_loaded(env):
+    env.lru.get(_spec(512), 0)
+    env.pc.delete(loader.family_record_key(families.family(_spec(512))))  # as an older cudnn_fuse wrote it
+    _fresh_process(env)
+    assert isinstance(env.lru.get(_spec(90), 0), _Plan) and env.built[-1] == _spec(90)  # nothing known: built
+    _fresh_process(env)
+    env.pc.delete(loader.family_record_key(families.family(_spec(512))))
+    assert isinstance(env.lru.get(_spec(512), 0), _Plan) and env.built[-1] == _spec(90)  # loaded, not built
+    assert isinstance(env.lru.get(_spec(60), 0), loader.StandIn)  # its family is known now
+
+
 @pytest.mark.parametrize("case", ["unknown family", "no family", "deterministic", "autotune", "direct load"])
 def test_what_keeps_building_at_once(env, monkeypatch, case):
     if case != "unknown family":
