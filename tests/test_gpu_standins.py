@@ -1,0 +1,60 @@
+"""GPU: a new size of a known shape family runs torch's kernels at once, then its own plan from its
+STANDIN_CALLS-th call, with the same results; a fresh process knows the family from the plan cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnn_fuse as cf
+from cudnn_fuse import loader
+
+pytestmark = pytest.mark.gpu
+
+
+def _linear(m, w, b):
+    x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+    return x, F.gelu(F.linear(x.float(), w.float(), b.float()))
+
+
+def test_a_new_size_stands_in_then_swaps_with_the_same_results(cache_dir):
+    torch.manual_seed(0)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+    loader.clear()
+    before = cf.plan_stats()
+    x, ref = _linear(512, w, b)
+    cf.linear(x, w, b, activation="gelu")  # the family's first size: built
+    assert cf.plan_stats()["builds"] == before["builds"] + 1
+    x, ref = _linear(300, w, b)
+    for call in range(loader.STANDIN_CALLS + 2):
+        y = cf.linear(x, w, b, activation="gelu")
+        torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+        stats = cf.plan_stats()
+        if call == 0:
+            assert stats["standins"] == before["standins"] + 1 and stats["builds"] == before["builds"] + 1
+    assert stats["swaps"] == before["swaps"] + 1 and stats["builds"] == before["builds"] + 2
+    assert not getattr(loader.plans_in_memory()[-1], "standin", False)
+
+
+_FRESH = """
+import torch, cudnn_fuse as cf
+from cudnn_fuse import loader
+w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(77, 512, device="cuda", dtype=torch.bfloat16)
+cf.linear(x, w, None, activation="gelu")
+s = cf.plan_stats()
+print("standins", s["standins"], "builds", s["builds"])
+"""
+
+
+def test_a_fresh_process_knows_the_family_from_the_cache(cache_dir):
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16)
+    cf.linear(torch.randn(512, 512, device="cuda", dtype=torch.bfloat16), w, None, activation="gelu")
+    out = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "standins 1 builds 0" in out.stdout
