@@ -6,7 +6,9 @@ works from an install); the helpers these scripts share with it are re-exported 
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 
 import torch
 
@@ -90,3 +92,17 @@ def host_row_calls(x, w, b, chain: int = 100):
             t = cf.linear(t, w, b, activation="relu")
         return t
     return cf_op, torch_op, chain_fn
+
+
+def checkout_commit() -> str:
+    """git's HEAD, with "+dirty" where the tree differs from it (a copy of a checkout whose .git is
+    older than its files says so rather than naming a commit that is not what ran): pass --commit."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=here).stdout.strip() or "?"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here).stdout.strip()
+    except OSError:
+        return "?"
+    return head + ("+dirty" if dirty else "")

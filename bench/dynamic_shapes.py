@@ -26,7 +26,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.common import device_name, write_json  # noqa: E402
+from bench.common import checkout_commit, device_name, synced_ms, write_json  # noqa: E402
 
 MODELS = {  # name: (block class in plans/make_manifests.py, shipped manifest, batch, width)
     "gpt2": ("GPT2Block", "gpt2_block_bf16.json", 8, 768),
@@ -43,22 +43,15 @@ def draw_sizes(n: int, seed: int = 0) -> list:
     return rng.sample(pool, min(n, len(pool)))
 
 
-def _synced_s(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def sweep(fn, make, sizes) -> dict:
     """Per size: the first call's ms, the steady ms (median of STEADY_REPS synced calls), their difference."""
     rows = []
     for s in sizes:
         x = make(s)
+        torch.cuda.synchronize()  # nothing of the size before in flight
         with torch.no_grad():
-            first = _synced_s(lambda: fn(x)) * 1e3
-            steady = statistics.median(_synced_s(lambda: fn(x)) * 1e3 for _ in range(STEADY_REPS))
+            first = synced_ms(lambda: fn(x), 1)
+            steady = synced_ms(lambda: fn(x), STEADY_REPS)
         rows.append({"seq": s, "first_ms": round(first, 3), "steady_ms": round(steady, 4),
                      "extra_ms": round(first - steady, 3)})
     extras = sorted(r["extra_ms"] for r in rows)
@@ -179,9 +172,7 @@ def main(argv=None) -> int:
         return 2
     import cudnn
 
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip()
-    doc = {"gpu": device_name(), "commit": commit, "torch": torch.__version__,
+    doc = {"gpu": device_name(), "commit": args.commit or checkout_commit(), "torch": torch.__version__,
            "cudnn": cudnn.backend_version() if hasattr(cudnn, "backend_version") else None, "models": []}
     sizes = draw_sizes(args.sizes)
     for name in args.models.split(","):

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import device_name, time_ms, write_json  # noqa: E402
+from bench.common import checkout_commit, device_name, time_ms, write_json  # noqa: E402
 
 CNNS = ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "regnet_y_1_6gf")
 VITS = ("vit_b_16", "swin_t")
@@ -296,20 +295,6 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    """git's HEAD, with "+dirty" where the tree differs from it (a copy of a checkout whose .git is
-    older than its files says so rather than naming a commit that is not what ran): pass --commit."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=here).stdout.strip() or "?"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=here).stdout.strip()
-    except OSError:
-        return "?"
-    return head + ("+dirty" if dirty else "")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="directory of models.json (rows merged by model, mode)")
@@ -348,7 +333,7 @@ def main(argv=None) -> int:
     autotune.DEFAULT_CONFIG.budget_s = args.autotune_budget
     path = os.path.join(args.out, "models.json")
     doc = json.load(open(path)) if os.path.exists(path) else {"rows": []}
-    doc.update(gpu=device_name(), commit=args.commit or _commit(), torch=torch.__version__)
+    doc.update(gpu=device_name(), commit=args.commit or checkout_commit(), torch=torch.__version__)
     from cudnn_fuse import ops
 
     doc["compile_inline"] = sorted(ops.compile_inline)

@@ -81,14 +81,14 @@ class DelayedScaling(_Recipe):
             raise ArgumentError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
         self.amax_history_len, self.amax_compute_algo = amax_history_len, amax_compute_algo
 
-        self._pending: list = []  # (history, role) of the amaxes pushed since the last reduction
+        self._pending: dict = {}  # (id(history), role) -> (history, role) of the amaxes pushed since the last reduction
 
     @property
     def history_len(self) -> int:
         return self.amax_history_len
 
     def __getstate__(self):  # a copied or pickled recipe starts with nothing pending (the rows are the old model's)
-        return {**self.__dict__, "_pending": []}
+        return {**self.__dict__, "_pending": {}}
 
     @staticmethod
     def _reducing() -> bool:
@@ -98,18 +98,18 @@ class DelayedScaling(_Recipe):
 
     def before_cast(self, history: torch.Tensor, i: int) -> None:
         """Reduce the pending amaxes when this role's last one is among them: its next cast is a new step."""
-        if any(h is history and j == i for h, j in self._pending):
+        if (id(history), i) in self._pending:
             self.reduce_amaxes()
 
     def after_cast(self, history: torch.Tensor, i: int) -> None:
         if self._reducing():
-            self._pending.append((history, i))
+            self._pending[(id(history), i)] = (history, i)
 
     def reduce_amaxes(self) -> None:
         """Max-reduce across ranks every amax pushed since the last reduction, in one all_reduce: every
         layer's x, w and dY of a training step, reduced when the step after begins (a rank's own amaxes
         would give each rank other scales). Called by the casts; a user may call it at a step's end."""
-        pending, self._pending = self._pending, []
+        pending, self._pending = list(self._pending.values()), {}
         if not pending or not self._reducing():
             return
         import torch.distributed as dist

@@ -368,10 +368,10 @@ def _standin(pc, spec, device: int):
 
 
 def _capturing() -> bool:
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except Exception:  # noqa: BLE001 - no CUDA: nothing captures
-        return False
+    """Whether work that allocates and synchronizes (a build, a timing) must wait: this thread's stream is
+    capturing, or a launch of ours found a caller's capture open (``handles.capture_noted``), which a
+    capture in torch's default (global) mode would not survive."""
+    return torch.cuda.is_available() and (torch.cuda.is_current_stream_capturing() or handles.capture_noted())
 
 
 def _barred(spec, meta: dict) -> bool:
@@ -548,8 +548,7 @@ def torch_check(plan, spec, device: int):
     stream is capturing, or a launch of ours found another stream capturing: timing allocates and
     synchronizes, which a capture in torch's default mode does not survive). A check that fails or
     does not apply keeps cuDNN's plan."""
-    if not torch_engine.supports(spec) or deterministic() or not torch.cuda.is_available() or \
-            torch.cuda.is_current_stream_capturing() or handles.capture_noted():
+    if not torch_engine.supports(spec) or deterministic() or not torch.cuda.is_available() or _capturing():
         return None
     try:
         return autotune.check_against_torch(plan, spec, device, roles_of(spec))

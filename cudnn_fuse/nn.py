@@ -59,7 +59,7 @@ def _dropping(module) -> bool:
 
 
 def _through_dropouts(module, y):
-    for d in module.__dict__["_dropouts"]:
+    for d in module.__dict__.get("_dropouts", ()):
         y = d(y)
     return y
 
@@ -379,7 +379,7 @@ class Linear(torch.nn.Linear):
                                      _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,),
                                                          _out_dtype(x))):
             z = functional.linear(x, self.weight, self.bias)
-            z = _through_dropouts(self, z) if _dropping(self) else z
+            z = _through_dropouts(self, z)  # in eval mode each returns its input
             return reference.activation(z + residual, act, self.negative_slope)
         keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear") \
             and not _functorch_active()
@@ -517,7 +517,7 @@ class TransposedLinear(torch.nn.Module):
                                      _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],),
                                                          _out_dtype(x))):
             z = functional.linear(x, self.weight.t(), self.bias)
-            z = _through_dropouts(self, z) if _dropping(self) else z
+            z = _through_dropouts(self, z)  # in eval mode each returns its input
             return reference.activation(z + residual, self.activation, self.negative_slope)
         return functional.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,
                           negative_slope=self.negative_slope)

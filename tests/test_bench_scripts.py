@@ -22,8 +22,15 @@ def test_dynamic_shapes_draws_distinct_new_sizes_reproducibly():
 
 def test_dynamic_shapes_sweep_takes_first_minus_steady(monkeypatch):
     calls = []
-    times = iter([0.010, 0.002, 0.002, 0.003, 0.002, 0.002] * 2)
-    monkeypatch.setattr(dynamic_shapes, "_synced_s", lambda fn: (fn(), next(times))[1])
+    times = iter([10.0, 2.0] * 2)  # per size: the first call, then the steady calls' median
+
+    def synced_ms(fn, reps):
+        for _ in range(reps):
+            fn()
+        return next(times)
+
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", synced_ms)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
     res = dynamic_shapes.sweep(calls.append, lambda s: s, [7, 9])
     assert calls == [7] * 6 + [9] * 6
     assert [r["extra_ms"] for r in res["per_size"]] == [8.0, 8.0]

@@ -321,6 +321,22 @@ class _MLPs(nn.Module):
         return self.e(x)
 
 
+def _same_outputs_and_input_grads(opt, model, x, seed=None):
+    """``opt(x)`` and ``model(x)`` agree, and so do the gradients they give ``x`` (each call after
+    ``torch.manual_seed(seed)`` when given); ``opt``'s output."""
+    xs = [x.detach().clone().requires_grad_() for _ in range(2)]
+    ys = []
+    for m, xi in zip((opt, model), xs):
+        if seed is not None:
+            torch.manual_seed(seed)
+        ys.append(m(xi))
+    torch.testing.assert_close(ys[0], ys[1])
+    for y in ys:
+        y.square().sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    return ys[0]
+
+
 def test_optimize_fuses_linear_act_linear_blocks_and_leaves_the_rest():
     torch.manual_seed(0)
     model = _MLPs()
@@ -332,13 +348,7 @@ def test_optimize_fuses_linear_act_linear_blocks_and_leaves_the_rest():
     assert patterns["d1"] == "Linear + gelu" and patterns["d2"] == "Linear + residual add"
     assert patterns["e.0"] == "Linear + relu"
     assert sum(isinstance(m, cfnn.FusedMLP) for m in opt.modules()) == 2
-    x = torch.randn(3, 8, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    y, y2 = opt(x), model(x2)
-    torch.testing.assert_close(y, y2)
-    y.square().sum().backward()
-    y2.square().sum().backward()
-    torch.testing.assert_close(x.grad, x2.grad)
+    _same_outputs_and_input_grads(opt, model, torch.randn(3, 8))
     # the blocks' parameters are the original modules' own (shared, so they trained)
     ref = dict(model.named_parameters())
     fused = [m for m in opt.modules() if isinstance(m, cfnn.FusedMLP)]
@@ -874,13 +884,7 @@ def test_optimize_looks_through_calls_that_return_their_input(mode):
     called = {n.target for n in opt.graph.nodes if n.op == "call_module"}
     assert not called & {"mlp.2", "mlp.4", "skip"}  # no call left for them
     assert isinstance(opt.get_submodule("mlp.2"), nn.Dropout) and isinstance(opt.skip, nn.Identity)  # still registered
-    x = torch.randn(4, 8, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    y, y2 = opt(x), model(x2)
-    torch.testing.assert_close(y, y2)
-    y.square().sum().backward()
-    y2.square().sum().backward()
-    torch.testing.assert_close(x.grad, x2.grad)
+    _same_outputs_and_input_grads(opt, model, torch.randn(4, 8))
 
 
 @pytest.mark.parametrize("p_mid", [0.1, 0.0])
@@ -904,16 +908,8 @@ def test_optimize_fuses_a_residual_across_eval_dropouts_and_runs_them_in_trainin
     torch.testing.assert_close(opt(x), model(x))
     opt.train()
     assert opt.get_submodule("mlp.4").training  # still the model's module: train() reaches it
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    torch.manual_seed(5)
-    y = opt(xs[0])
-    torch.manual_seed(5)
-    y2 = model.train()(xs[1])
+    y = _same_outputs_and_input_grads(opt, model.train(), x, seed=5)
     assert (y != model.eval()(x)).any()  # dropout ran
-    torch.testing.assert_close(y, y2)
-    y.square().sum().backward()
-    y2.square().sum().backward()
-    torch.testing.assert_close(xs[0].grad, xs[1].grad)
     opt.eval()
     torch.testing.assert_close(opt(x), model.eval()(x))
     buf = io.BytesIO()
@@ -921,7 +917,7 @@ def test_optimize_fuses_a_residual_across_eval_dropouts_and_runs_them_in_trainin
     buf.seek(0)
     back = torch.load(buf, weights_only=False).train()  # the copy's layer holds the copy's dropout
     torch.manual_seed(5)
-    torch.testing.assert_close(back(xs[0]), y)
+    torch.testing.assert_close(back(x), y.detach())
 
 
 def test_optimize_keeps_dropouts_with_hooks_or_in_training_mode():

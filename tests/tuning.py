@@ -1,6 +1,7 @@
 """Test helpers for autotuning and the loader: autotuning switched on with a given Config for a
 block (plans in memory cleared before and after), a dict-backed stand-in for PlanCache's
-get/delete/put that the loader's read path uses, and a graph that records the calls made on it."""
+get/delete/put that the loader's read path uses, a graph that records the calls made on it, and a
+stored graph and plan with a shape family's spec for the loader's build and store path."""
 
 from __future__ import annotations
 
@@ -69,3 +70,37 @@ def stand_in_device(monkeypatch, pc) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "stand-in GPU")
     monkeypatch.setattr(loader, "handle_for", lambda d: types.SimpleNamespace(handle=None))
     monkeypatch.setattr(loader, "held", lambda h, d: contextlib.nullcontext())
+
+
+def family_spec(m: int, dtype: str = "bfloat16"):
+    """A linear's matmul of ``m`` rows (32 -> 48, GELU): one shape family over m."""
+    from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
+
+    a = TensorSpec.contiguous((1, m, 32), dtype)
+    b = TensorSpec((1, 32, 48), (32, 1, 32), dtype)
+    return MatmulSpec(a, b, TensorSpec.contiguous((1, m, 48), dtype), Epilogue(activation="gelu"))
+
+
+class StoredGraph:
+    """What the loader's store asks of a built graph: its engine and knobs, and a blob."""
+
+    _plan_index = 0
+
+    def __init__(self, engine_id: int = 39):
+        self.engine_id = engine_id
+
+    def get_engine_and_knobs_at_index(self, i):
+        return self.engine_id, {"k24": 7}
+
+    def serialize(self, as_bytes=True):
+        return b"plan"
+
+
+class StoredPlan:
+    """plans.Plan's place in the loader: spec, graph, device, engine name."""
+
+    raw = True
+
+    def __init__(self, spec, graph, device, engine=None):
+        self.spec, self.graph, self.device, self.workspace_size = spec, graph, device, 0
+        self.engine = f"eng{graph.engine_id}"
