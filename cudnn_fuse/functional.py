@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, reference, torch_ops
+from . import fp8_gemm, ops, reference, torch_ops
 from .errors import ArgumentError
 from .ops import _any_autocast, _is_compiling  # read on every call: bound here, not looked up on ops
 from .spec import canonical_activation
@@ -288,8 +288,10 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
     ``(1, N)`` for 2-D operands with a bfloat16 output. ``bias``: [N]; ``residual``: the output's shape
     or one that broadcasts to it. An FP8 ``out_dtype`` gives ``result * scale_result`` (float32, one
     element, default 1) saturated to the format's largest value, then rounded; ``return_amax`` also
-    returns max |result| before ``scale_result`` (float32, 0-dim). Runs the dequantized operands through
-    ``matmul`` in bfloat16 on a GPU (one logged reason), the float32 reference on the CPU.
+    returns max |result| before ``scale_result`` (float32, 0-dim). On a GPU of compute capability 8.9 or
+    newer it runs cuBLASLt's FP8 GEMM with as much of the epilogue as its kernel takes (fp8_gemm.py);
+    on an older GPU, or with a batched ``b``, the dequantized operands through ``matmul`` in bfloat16
+    (one logged reason); on the CPU the float32 reference.
     """
     op = "scaled_mm"
     for name, t in (("a", a), ("b", b)):
@@ -347,8 +349,20 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
     args = (bias, activation, residual, out_dtype, scale_result, return_amax, negative_slope)
     if not a.is_cuda:
         return reference.scaled_mm(a, b, scale_a, scale_b, *args)
-    ops._fallback(op, "no fused FP8 engine yet: the dequantized operands run the bfloat16 matmul")
-    return _scaled_mm_bf16(a, b, scale_a, scale_b, *args)
+    if not fp8_gemm.fp8_capable(a.device):
+        ops._fallback(op, "FP8 GEMMs need compute capability 8.9 or newer: the dequantized operands run the "
+                          "bfloat16 matmul")
+        return _scaled_mm_bf16(a, b, scale_a, scale_b, *args)
+    if b.dim() > 2:
+        ops._fallback(op, "a batched b: the dequantized operands run the bfloat16 matmul")
+        return _scaled_mm_bf16(a, b, scale_a, scale_b, *args)
+    M2 = a.numel() // K
+    res2 = None if residual is None else residual.expand(out_shape).reshape(M2, N)
+    gemm = fp8_gemm.scaled_mm_op if _is_compiling() else fp8_gemm.scaled_mm_2d
+    out, am = gemm(a.reshape(M2, K), b, scale_a, scale_b, bias, activation, res2, out_dtype, scale_result,
+                   return_amax, negative_slope)
+    out = out.reshape(out_shape)
+    return (out, am) if return_amax else out
 
 
 def _scaled_mm_bf16(a, b, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result, return_amax,

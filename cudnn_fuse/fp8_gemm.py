@@ -1,0 +1,264 @@
+"""FP8 GEMMs on the GPU: cuBLASLt through nvmath-python's stateful ``Matmul``, or torch._scaled_mm.
+
+cuBLASLt runs an FP8 GEMM with both operands K-contiguous, dequantizes with per-tensor scales, adds the
+bias and applies ReLU or GELU (tanh) in its epilogue, adds C (the residual) and, for an FP8 output,
+multiplies by ``scale_d``, saturates and writes max |D| before ``scale_d`` (``amax_d``), all in one
+kernel. Its bias runs along the rows of a column-major D, so the product is computed transposed:
+D' [N, M] = bᵀ [N, K] · aᵀ [K, M], column-major, whose transpose is the row-major D [M, N] with the bias
+along N. nvmath plans once per shape and epilogue (``_Plan``, kept in memory) and then only rebinds
+operands and scales, on the caller's stream.
+
+What the fused kernel cannot take (SiLU and the other activations, an exact-erf GELU, an amax of a
+16-bit output, a combination cuBLASLt refuses) runs its GEMM with what it can take, to a bfloat16 D, and
+the rest in torch. Rowwise scales, an M that is not a multiple of 16 (cuBLASLt's FP8 alignment, which
+torch._scaled_mm does not need), or no nvmath run torch._scaled_mm and the epilogue in torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Optional, Tuple
+
+import torch
+
+from .reference import FP8_DTYPES, activation as torch_activation, amax as torch_amax, fp8_cast
+
+log = logging.getLogger(__name__)
+_NVMATH_LOG = logging.getLogger(__name__ + ".nvmath")  # nvmath logs to the root logger unless given one
+
+# cuBLASLt's epilogues by (activation in the kernel, bias): GELU is its tanh approximation
+_EPILOG = {None: "BIAS", "relu": "RELU_BIAS", "gelu_tanh": "GELU_BIAS"}
+MAX_PLANS = 64  # nvmath plans kept (each holds descriptors and a workspace); least recently used go first
+_plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_refused: dict = {}  # plan key -> why cuBLASLt refused it: asked once per process
+_zero_bias: dict = {}  # (N, dtype, device) -> zeros: a plan without a bias still wants column-major D
+_lock = threading.Lock()
+
+
+class Unsupported(RuntimeError):
+    """No FP8 GEMM engine here (no GPU of compute capability 8.9 or newer)."""
+
+
+def fp8_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _nvmath():
+    try:
+        from nvmath.linalg import advanced
+    except Exception as e:  # not installed, or its CUDA libraries not found
+        return None, f"nvmath-python unavailable ({type(e).__name__}: {e})"
+    return advanced, None
+
+
+def _cuda_type(dtype: torch.dtype):
+    import nvmath
+    from nvmath.internal import typemaps
+
+    return nvmath.CudaDataType(typemaps.NAME_TO_DATA_TYPE[str(dtype).replace("torch.", "")])
+
+
+class _Plan:
+    """One planned nvmath Matmul: D' = act(bᵀ·aᵀ·sa·sb + bias + Cᵀ) [· scale_d], amax_d if asked."""
+
+    def __init__(self, mm):
+        self.mm, self.lock = mm, threading.Lock()
+
+    def run(self, a2, b2, sa, sb, bias, residual, scale_d, stream):
+        scales = {"a": sb, "b": sa}
+        if scale_d is not None:
+            scales["d"] = scale_d
+        with self.lock:
+            self.mm.reset_operands_unchecked(a=b2.t(), b=a2.t(), c=None if residual is None else residual.t(),
+                                             quantization_scales=scales, epilog_inputs={"bias": bias})
+            out = self.mm.execute(stream=stream)
+        d, aux = out if isinstance(out, tuple) else (out, {})
+        am = aux.get("result_amax")
+        return d.t(), None if am is None else am.reshape(())
+
+
+def _plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_amax, stream):
+    """The cached plan of ``key``, made now if new; None where cuBLASLt refused it (remembered)."""
+    with _lock:
+        p = _plans.get(key)
+        if p is not None:
+            _plans.move_to_end(key)
+            return p
+        if key in _refused:
+            return None
+    advanced, why = _nvmath()
+    if advanced is None:
+        _refuse(key, why)
+        return None
+    scales = {"a": sb, "b": sa}
+    if scale_d is not None:
+        scales["d"] = scale_d
+    options = {"logger": _NVMATH_LOG, "result_type": _cuda_type(d_dtype), "result_amax": want_amax}
+    try:
+        mm = advanced.Matmul(b2.t(), a2.t(), c=None if residual is None else residual.t(),
+                             beta=None if residual is None else 1.0, quantization_scales=scales,
+                             options=options, stream=stream)
+        mm.plan(epilog=getattr(advanced.MatmulEpilog, epilog), epilog_inputs={"bias": bias}, stream=stream)
+    except Exception as e:  # cuBLASLt has no algorithm for it, or nvmath rejects the layout
+        _refuse(key, f"{type(e).__name__}: {e}")
+        return None
+    p = _Plan(mm)
+    with _lock:
+        _plans[key] = p
+        while len(_plans) > MAX_PLANS:
+            _plans.popitem(last=False)
+    return p
+
+
+def _refuse(key, why: str) -> None:
+    with _lock:
+        _refused[key] = why
+    log.info("FP8 GEMM: cuBLASLt declined %s (%s); the next form runs it", key, why)
+
+
+def engine_of(a2, b2, scale_a, scale_b) -> str:
+    """Which engine runs this product: "cublaslt" or "torch" (torch._scaled_mm)."""
+    if scale_a.numel() != 1 or scale_b.numel() != 1 or a2.shape[0] % 16 or _nvmath()[0] is None:
+        return "torch"
+    return "cublaslt"
+
+
+def _k_major(b2: torch.Tensor) -> torch.Tensor:
+    """``b`` [K, N] with K contiguous, as FP8 GEMMs want (one logged transpose otherwise)."""
+    if b2.stride(0) == 1 and b2.stride(1) >= b2.shape[0]:
+        return b2
+    log.info("scaled_mm: b of shape %s is not K-major (b.t() contiguous): transposed once per call", tuple(b2.shape))
+    return b2.t().contiguous().t()
+
+
+def _wide(out_dtype) -> torch.dtype:
+    """The output a split epilogue's GEMM writes: bfloat16 for an FP8 output, else the output's own."""
+    return torch.bfloat16 if out_dtype in FP8_DTYPES else out_dtype
+
+
+def scaled_mm_2d(a2, b2, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result, return_amax,
+                 negative_slope):
+    """(out [M, N], amax or None) of ``act(a2·sa @ b2·sb + bias + residual)`` for 2-D FP8 operands on a
+    GPU of compute capability 8.9 or newer; residual already [M, N]."""
+    if not fp8_capable(a2.device):
+        raise Unsupported("FP8 GEMMs need a GPU of compute capability 8.9 or newer")
+    a2 = a2 if a2.stride(1) == 1 else a2.contiguous()
+    b2 = _k_major(b2)
+    if engine_of(a2, b2, scale_a, scale_b) == "cublaslt":
+        got = _cublaslt(a2, b2, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result,
+                        return_amax, negative_slope)
+        if got is not None:
+            return got
+    return _torch_scaled_mm(a2, b2, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result,
+                            return_amax, negative_slope)
+
+
+def _cublaslt(a2, b2, sa, sb, bias, activation, residual, out_dtype, scale_result, return_amax, negative_slope):
+    """The most of the epilogue cuBLASLt takes in its kernel, the rest in torch; None if it takes none."""
+    M, N = a2.shape[0], b2.shape[1]
+    dev, stream = a2.device, torch.cuda.current_stream(a2.device)
+    sa, sb = sa.reshape(1), sb.reshape(1)
+    in_kernel = activation in _EPILOG
+    fp8_out = out_dtype in FP8_DTYPES
+    # full: everything in the kernel; split: the GEMM, bias (and the activation it has) to a 16-bit D
+    forms = []
+    if in_kernel:
+        forms.append(("full", out_dtype, fp8_out and return_amax))
+    if fp8_out or not in_kernel:
+        forms.append(("split", _wide(out_dtype), False))
+    for form, d_dtype, kernel_amax in forms:
+        act = activation if in_kernel else None
+        c_dtype = _wide(d_dtype) if d_dtype in FP8_DTYPES else d_dtype
+        bias_dtype = torch.float16 if d_dtype == torch.float16 else (torch.float32 if d_dtype == torch.float32
+                                                                      else torch.bfloat16)
+        key = (dev.index, M, a2.shape[1], N, a2.dtype, b2.dtype, d_dtype, act, residual is not None, kernel_amax)
+        c = None if residual is None else _rowmajor(residual.to(c_dtype))
+        bb = _bias(bias, N, bias_dtype, dev)
+        scale_d = (scale_result if scale_result is not None else _one(dev)).reshape(1) \
+            if d_dtype in FP8_DTYPES else None
+        p = _plan(key, a2, b2, sa, sb, bb, c, scale_d, _EPILOG[act], d_dtype, kernel_amax, stream)
+        if p is None:
+            continue
+        d, am = p.run(a2, b2, sa, sb, bb, c, scale_d, stream)
+        if form == "full":
+            return d, (am if am is not None else torch_amax(d)) if return_amax else None
+        r = d if in_kernel else torch_activation(d, activation, negative_slope)
+        am = torch_amax(r) if return_amax else None
+        out = fp8_cast(r.float(), out_dtype, scale_result) if fp8_out else r.to(out_dtype)
+        return out, am
+    return None
+
+
+def _rowmajor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+
+
+def _bias(bias, N, dtype, device):
+    if bias is not None:
+        return bias.to(dtype).contiguous()
+    key = (N, dtype, device)
+    z = _zero_bias.get(key)
+    if z is None:
+        z = _zero_bias[key] = torch.zeros(N, dtype=dtype, device=device)
+    return z
+
+
+_ones: dict = {}
+
+
+def _one(device):
+    t = _ones.get(device)
+    if t is None:
+        t = _ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
+def _torch_scaled_mm(a2, b2, sa, sb, bias, activation, residual, out_dtype, scale_result, return_amax,
+                     negative_slope):
+    """torch._scaled_mm (cuBLASLt, its bias fused) to a 16-bit output, the residual, activation, amax
+    and cast in torch."""
+    wide = _wide(out_dtype)
+    rowwise = sa.numel() != 1 or sb.numel() != 1
+    fused_bias = bias is not None and wide != torch.float32  # its bias is 16-bit only
+    y = torch._scaled_mm(a2, b2, scale_a=sa if rowwise else sa.reshape(()), scale_b=sb if rowwise else sb.reshape(()),
+                         bias=bias.to(wide) if fused_bias else None, out_dtype=wide)
+    if bias is not None and not fused_bias:
+        y = y + bias.float()
+    if residual is not None:
+        y = y + residual.to(wide)
+    y = torch_activation(y, activation, negative_slope)
+    am = torch_amax(y) if return_amax else None
+    out = fp8_cast(y.float(), out_dtype, scale_result) if out_dtype in FP8_DTYPES else y.to(out_dtype)
+    return out, am
+
+
+def plan_count() -> int:
+    return len(_plans)
+
+
+def refused() -> dict:
+    """{plan key: cuBLASLt's refusal} of this process (what runs split or through torch, and why)."""
+    with _lock:
+        return dict(_refused)
+
+
+def _scaled_mm_op_impl(a2: torch.Tensor, b2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       bias: Optional[torch.Tensor], activation: Optional[str], residual: Optional[torch.Tensor],
+                       out_dtype: torch.dtype, scale_result: Optional[torch.Tensor], return_amax: bool,
+                       negative_slope: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, am = scaled_mm_2d(a2, b2, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result,
+                           return_amax, negative_slope)
+    return out.contiguous(), (am if am is not None else torch.empty((0,), dtype=torch.float32, device=a2.device))
+
+
+# torch.compile sees the GPU path as one op (nvmath is not traceable); no autograd: FP8 operands take none
+scaled_mm_op = torch.library.custom_op("cudnn_fuse::scaled_mm_2d", mutates_args=())(_scaled_mm_op_impl)
+
+
+@scaled_mm_op.register_fake
+def _scaled_mm_fake(a2, b2, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result, return_amax,
+                    negative_slope):
+    out = a2.new_empty((a2.shape[0], b2.shape[1]), dtype=out_dtype)
+    return out, a2.new_empty(() if return_amax else (0,), dtype=torch.float32)

@@ -1,0 +1,150 @@
+"""The FP8 GEMM's dispatch (fp8_gemm.py), on the CPU: cuBLASLt's plan replaced by a fake that computes
+what its kernel computes (and refuses what the H100 refused), torch._scaled_mm run for real. Which form
+runs (the whole epilogue in the kernel, or the GEMM to bfloat16 and the rest in torch), which engine,
+and that every path gives the reference's result."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cudnn_fuse import fp8_gemm, reference
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+_ACT = {"BIAS": None, "RELU_BIAS": "relu", "GELU_BIAS": "gelu_tanh"}
+
+
+class _FakePlan:
+    """cuBLASLt's FP8 kernel: D' = act(bᵀ·aᵀ·sa·sb + bias + Cᵀ), times scale_d and saturated for an FP8
+    D, amax_d before scale_d; the product is handed over transposed, as the real plan gets it."""
+
+    def __init__(self, epilog, d_dtype, want_amax):
+        self.act, self.d_dtype, self.want_amax = _ACT[epilog], d_dtype, want_amax
+
+    def run(self, a2, b2, sa, sb, bias, residual, scale_d, stream):
+        a_t, b_t = b2.t(), a2.t()  # what the real plan's nvmath operands are
+        r = (a_t.float() * sb.float()) @ (b_t.float() * sa.float()) + bias.float()[:, None]
+        if residual is not None:
+            r = r + residual.t().float()
+        r = reference.activation(r, self.act)
+        am = reference.amax(r) if self.want_amax else None
+        d = reference.fp8_cast(r, self.d_dtype, scale_d) if self.d_dtype in (E4, E5) else r.to(self.d_dtype)
+        return d.t(), am
+
+
+@pytest.fixture
+def fake_cublaslt(monkeypatch):
+    calls = []
+
+    def plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_amax, stream):
+        calls.append(dict(key=key, epilog=epilog, d_dtype=d_dtype, amax=want_amax))
+        if d_dtype in (E4, E5) and epilog == "GELU_BIAS" and want_amax:  # NOT_SUPPORTED on the H100's cuBLASLt
+            fp8_gemm._refuse(key, "CUBLAS_STATUS_NOT_SUPPORTED")
+            return None
+        return _FakePlan(epilog, d_dtype, want_amax)
+
+    monkeypatch.setattr(fp8_gemm, "_plan", plan)
+    monkeypatch.setattr(fp8_gemm, "fp8_capable", lambda device: True)
+    monkeypatch.setattr(fp8_gemm, "_nvmath", lambda: (object(), None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(fp8_gemm, "_refused", {})
+    return calls
+
+
+def _ops(M=32, K=64, N=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g).to(E4)
+    w = torch.randn(N, K, generator=g).to(E4)
+    return a, w.t(), torch.tensor(0.5), torch.tensor(0.25)
+
+
+def _close(y, want, out):
+    rtol = {E4: 0.13, E5: 0.26, torch.float32: 1e-4, torch.float16: 2e-3}.get(out, 1e-2)
+    torch.testing.assert_close(y.float(), want.float(), atol=rtol * 0.5, rtol=rtol)
+
+
+@pytest.mark.parametrize("act", [None, "relu", "gelu_tanh", "gelu", "silu"])
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32, E4, E5])
+def test_every_form_gives_the_reference(fake_cublaslt, act, out):
+    a, b, sa, sb = _ops()
+    bias, res = torch.randn(48).bfloat16(), torch.randn(32, 48).bfloat16()
+    scale = torch.tensor(0.5) if out in (E4, E5) else None
+    y, am = fp8_gemm.scaled_mm_2d(a, b, sa, sb, bias, act, res, out, scale, True, 0.01)
+    want, want_am = reference.scaled_mm(a, b, sa, sb, bias, act, res, out, scale, True)
+    assert y.dtype == out and y.shape == (32, 48)
+    _close(y, want, out)
+    assert am.item() == pytest.approx(want_am.item(), rel=1e-2)
+    epilogs = [c["epilog"] for c in fake_cublaslt]
+    if act in (None, "relu", "gelu_tanh"):  # cuBLASLt's own activations run in its kernel
+        assert epilogs[0] == {None: "BIAS", "relu": "RELU_BIAS", "gelu_tanh": "GELU_BIAS"}[act]
+    else:  # the GEMM with bias and residual in the kernel, the activation in torch
+        assert epilogs == ["BIAS"] and fake_cublaslt[0]["d_dtype"] == fp8_gemm._wide(out)
+
+
+def test_an_fp8_output_with_its_amax_comes_from_the_kernel_where_it_can(fake_cublaslt):
+    a, b, sa, sb = _ops(seed=1)
+    fp8_gemm.scaled_mm_2d(a, b, sa, sb, None, "relu", None, E4, None, True, 0.01)
+    assert [(c["d_dtype"], c["amax"]) for c in fake_cublaslt] == [(E4, True)]
+
+
+def test_a_refused_combination_runs_split_to_bfloat16_and_is_asked_once(fake_cublaslt, caplog):
+    a, b, sa, sb = _ops(seed=2)
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.fp8_gemm"):
+        y, am = fp8_gemm.scaled_mm_2d(a, b, sa, sb, None, "gelu_tanh", None, E4, None, True, 0.01)
+    assert [(c["d_dtype"], c["amax"]) for c in fake_cublaslt] == [(E4, True), (torch.bfloat16, False)]
+    assert "CUBLAS_STATUS_NOT_SUPPORTED" in caplog.text and len(fp8_gemm.refused()) == 1
+    want, want_am = reference.scaled_mm(a, b, sa, sb, None, "gelu_tanh", None, E4, None, True)
+    _close(y, want, E4)
+    assert am.item() == pytest.approx(want_am.item(), rel=1e-2)
+
+
+def test_a_sixteen_bit_output_takes_its_amax_from_torch(fake_cublaslt):
+    a, b, sa, sb = _ops(seed=3)
+    y, am = fp8_gemm.scaled_mm_2d(a, b, sa, sb, None, "relu", None, torch.bfloat16, None, True, 0.01)
+    assert [c["amax"] for c in fake_cublaslt] == [False]  # cuBLASLt's amax_d is for FP8 outputs only
+    assert am.item() == pytest.approx(reference.amax(y.float()).item(), rel=1e-2)
+
+
+@pytest.mark.parametrize("case", ["unaligned_m", "rowwise", "no_nvmath"])
+def test_what_cublaslt_cannot_plan_runs_torch_scaled_mm(fake_cublaslt, monkeypatch, case):
+    a, b, sa, sb = _ops(M=40 if case == "unaligned_m" else 32, seed=4)
+    if case == "rowwise":
+        sa, sb = torch.rand(32, 1) + 0.5, torch.rand(1, 48) + 0.5
+    if case == "no_nvmath":
+        monkeypatch.setattr(fp8_gemm, "_nvmath", lambda: (None, "nvmath-python unavailable"))
+    bias = torch.randn(48).bfloat16()
+    assert fp8_gemm.engine_of(a, b, sa, sb) == "torch"
+    y, am = fp8_gemm.scaled_mm_2d(a, b, sa, sb, bias, "silu", None, torch.bfloat16, None, True, 0.01)
+    assert fake_cublaslt == []
+    want, want_am = reference.scaled_mm(a, b, sa, sb, bias, "silu", None, torch.bfloat16, None, True)
+    _close(y, want, torch.bfloat16)
+    assert am.item() == pytest.approx(want_am.item(), rel=1e-2)
+
+
+def test_a_row_major_b_is_transposed_once_and_logged(fake_cublaslt, caplog):
+    a, b, sa, sb = _ops(seed=5)
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.fp8_gemm"):
+        y, _ = fp8_gemm.scaled_mm_2d(a, b.contiguous(), sa, sb, None, None, None, torch.bfloat16, None, False, 0.01)
+    assert "not K-major" in caplog.text
+    _close(y, reference.scaled_mm(a, b, sa, sb), torch.bfloat16)
+
+
+def test_no_fp8_gpu_is_a_clear_error():
+    a, b, sa, sb = _ops()
+    with pytest.raises(fp8_gemm.Unsupported, match="compute capability 8.9"):
+        fp8_gemm.scaled_mm_2d(a, b, sa, sb, None, None, None, torch.bfloat16, None, False, 0.01)
+
+
+def test_the_custom_op_has_shapes_for_torch_compile():
+    a, b, sa, sb = _ops()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fa, fb = mode.from_tensor(a), mode.from_tensor(b)
+        fs = mode.from_tensor(sa)
+        y, am = fp8_gemm.scaled_mm_op(fa, fb, fs, fs, None, "relu", None, E4, None, True, 0.01)
+        y2, am2 = fp8_gemm.scaled_mm_op(fa, fb, fs, fs, None, None, None, torch.bfloat16, None, False, 0.01)
+    assert (y.shape, y.dtype, am.shape) == ((32, 48), E4, ())
+    assert (y2.dtype, am2.shape) == (torch.bfloat16, (0,))

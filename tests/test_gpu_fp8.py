@@ -1,0 +1,137 @@
+"""GPU: cf.scaled_mm through cuBLASLt (nvmath) and torch._scaled_mm, against the float32 reference:
+every epilogue, output format and engine; saturation; the amax before scale_result; CUDA graph capture
+and torch.compile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import cudnn_fuse as cf
+from cudnn_fuse import fp8_gemm, reference
+
+pytestmark = pytest.mark.gpu
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.fixture(autouse=True)
+def _fp8_gpu():
+    if not fp8_gemm.fp8_capable(torch.device("cuda")):
+        pytest.skip("FP8 GEMMs need compute capability 8.9 or newer")
+
+
+def _ops(M=64, K=128, N=96, seed=0, da=E4, db=E4, batch=()):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(*batch, M, K, device="cuda", generator=g).to(da)
+    w = torch.randn(N, K, device="cuda", generator=g).to(db)  # a weight [N, K]: b = w.t() is K-major
+    return a, w.t(), torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda")
+
+
+def _close(y, want, out):
+    """bfloat16's rounding of the result, or one FP8 step (e4m3: 2**-3 relative; e5m2: 2**-2)."""
+    rtol = {E4: 0.13, E5: 0.26, torch.float32: 1e-4, torch.float16: 2e-3}.get(out, 1e-2)
+    torch.testing.assert_close(y.float(), want.float(), atol=rtol * 0.5, rtol=rtol)
+
+
+@pytest.mark.parametrize("act", [None, "relu", "gelu_tanh", "gelu", "silu"])
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16, torch.float32, E4, E5])
+@pytest.mark.parametrize("M", [64, 40])  # 40: not a multiple of 16, torch._scaled_mm's
+def test_every_epilogue_and_output_matches_the_reference(act, out, M):
+    a, b, sa, sb = _ops(M=M)
+    bias = torch.randn(96, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(M, 96, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor(0.5, device="cuda") if out in (E4, E5) else None
+    y, am = cf.scaled_mm(a, b, sa, sb, bias=bias, activation=act, residual=res, out_dtype=out, scale_result=scale,
+                         return_amax=True)
+    want, want_am = reference.scaled_mm(a, b, sa, sb, bias, act, res, out, scale, True)
+    assert y.dtype == out and y.shape == (M, 96) and y.is_contiguous()
+    _close(y, want, out)
+    assert am.shape == () and am.item() == pytest.approx(want_am.item(), rel=1e-2)
+
+
+def test_cublaslt_plans_the_aligned_product_and_reuses_its_plan():
+    a, b, sa, sb = _ops(M=128, K=256, N=128, seed=1)
+    before = fp8_gemm.plan_count()
+    y1 = cf.scaled_mm(a, b, sa, sb, activation="relu")
+    made = fp8_gemm.plan_count() - before
+    refused = fp8_gemm.refused()
+    assert made == 1 or refused, "the aligned product neither planned nor was refused"
+    if made:
+        a2, _, sa2, _ = _ops(M=128, K=256, N=128, seed=2)
+        y2 = cf.scaled_mm(a2, b, sa2 * 2, sb, activation="relu")  # new operands and scales, the same plan
+        assert fp8_gemm.plan_count() - before == 1
+        _close(y2, reference.scaled_mm(a2, b, sa2 * 2, sb, None, "relu"), torch.bfloat16)
+    _close(y1, reference.scaled_mm(a, b, sa, sb, None, "relu"), torch.bfloat16)
+
+
+def test_an_fp8_output_saturates_and_its_amax_is_taken_before_the_scale():
+    a, b, sa, sb = _ops(M=64, K=128, N=64, seed=3)
+    big = torch.tensor(1e4, device="cuda")  # every |result| * 1e4 passes e4m3's 448
+    y, am = cf.scaled_mm(a, b, sa, sb, out_dtype=E4, scale_result=big, return_amax=True)
+    want, want_am = reference.scaled_mm(a, b, sa, sb, out_dtype=E4, scale_result=big, return_amax=True)
+    assert not torch.isnan(y.float()).any()
+    assert y.float().abs().max().item() == torch.finfo(E4).max
+    assert am.item() == pytest.approx(want_am.item(), rel=1e-2)
+    assert am.item() < 1e3  # the result's, not the scaled one's
+
+
+def test_batched_a_rowwise_scales_and_a_row_major_b():
+    a, b, sa, sb = _ops(M=32, batch=(3,), seed=4)
+    y = cf.scaled_mm(a, b, sa, sb, activation="gelu_tanh")
+    _close(y, reference.scaled_mm(a, b, sa, sb, None, "gelu_tanh"), torch.bfloat16)
+    a2, b2, _, _ = _ops(M=64, seed=5)
+    ra = torch.rand(64, 1, device="cuda") + 0.5
+    rb = torch.rand(1, 96, device="cuda") + 0.5
+    _close(cf.scaled_mm(a2, b2, ra, rb), reference.scaled_mm(a2, b2, ra, rb), torch.bfloat16)
+    b_rows = b2.contiguous()  # [K, N] row-major: transposed once, logged
+    _close(cf.scaled_mm(a2, b_rows, ra[:1, 0].reshape(()), rb[0, :1].reshape(())),
+           reference.scaled_mm(a2, b_rows, ra[:1, 0].reshape(()), rb[0, :1].reshape(())), torch.bfloat16)
+
+
+def test_it_replays_in_a_cuda_graph():
+    a, b, sa, sb = _ops(M=128, seed=6)
+    bias = torch.randn(96, device="cuda", dtype=torch.bfloat16)
+    fn = lambda: cf.scaled_mm(a, b, sa, sb, bias=bias, activation="relu", out_dtype=E4, return_amax=True)
+    want_y, want_am = fn()  # plans outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y, am = fn()
+    a.copy_(_ops(M=128, seed=7)[0])
+    g.replay()
+    torch.cuda.synchronize()
+    want_y, want_am = reference.scaled_mm(a, b, sa, sb, bias, "relu", None, E4, None, True)
+    _close(y, want_y, E4)
+    assert am.item() == pytest.approx(want_am.item(), rel=1e-2)
+
+
+def test_it_compiles_in_one_graph_on_the_gpu():
+    a, b, sa, sb = _ops(M=64, seed=8)
+    bias = torch.randn(96, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *t: cf.scaled_mm(*t, bias=bias, activation="gelu_tanh", out_dtype=E4,
+                                               return_amax=True), fullgraph=True)
+    y, am = fn(a, b, sa, sb)
+    want, want_am = reference.scaled_mm(a, b, sa, sb, bias, "gelu_tanh", None, E4, None, True)
+    _close(y, want, E4)
+    assert am.item() == pytest.approx(want_am.item(), rel=1e-2)
+
+
+def test_the_engines_in_use_are_logged(caplog):
+    """What cuBLASLt declined is in the log and in refused(), once per plan key (printed for the run's log)."""
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.fp8_gemm"):
+        a, b, sa, sb = _ops(M=256, K=256, N=256, seed=9)
+        for act in ("relu", "gelu_tanh"):
+            for out in (torch.bfloat16, E4):
+                cf.scaled_mm(a, b, sa, sb, bias=torch.zeros(256, device="cuda", dtype=torch.bfloat16),
+                             activation=act, out_dtype=out, return_amax=True)
+    for key, why in fp8_gemm.refused().items():
+        print("cuBLASLt declined", key, why)
+        assert str(key) in caplog.text
