@@ -1,7 +1,7 @@
 """cf.scaled_mm: torch._scaled_mm's conventions (scales dequantize) with cf's epilogues, an FP8 output
 saturated rather than NaN, and the amax before scale_result; its validation names the argument. The
-CPU runs the float32 reference; the GPU's path (dequantized operands through the bfloat16 matmul) is
-run here on CPU tensors."""
+CPU runs the float32 reference; the older GPUs' path (dequantized operands through the bfloat16 matmul)
+is run here on CPU tensors (the FP8 GPUs' dispatch: test_fp8_gemm.py)."""
 
 from __future__ import annotations
 
