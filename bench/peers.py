@@ -6,7 +6,7 @@ A thin wrapper of `cudnn-fuse bench` (cudnn_fuse/benchsuite.py) for running from
     python3 bench/peers.py --list
     python3 bench/peers.py --part core --out DIR/peers_core.json         # one part per run
     python3 bench/peers.py --merge bench/results/parts/peers_*.json      # -> bench/results/peers.json
-    python3 bench/plot_peers.py                                          # the PNGs and the table
+    python3 bench/plot_results.py                                        # the PNGs and the table
 """
 
 from __future__ import annotations

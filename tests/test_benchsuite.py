@@ -375,16 +375,15 @@ def test_a_tiny_kernel_is_not_compute_bound_whatever_its_intensity():
 
 def test_plot_script_on_a_fake_peers_json(tmp_path):
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, ROOT)
-    from bench import plot_peers
-
+    plot_peers = _plot_results()
     recs = [_rec("conv_x", kind="conv"), _rec("sdpa_y", kind="attention", tuned=None, cf=3.0),
             _rec("model_z", kind="model", nbytes=None)]
     doc = bs.summarize(_doc("all", recs, ceiling_tflops=790.0, hbm_tbps=4.3,
                             host_overhead_us={"eager": 31.0, "captured": 2.4, "torch_eager": 22.0}))
     path = tmp_path / "peers.json"
     path.write_text(json.dumps(doc))
-    assert plot_peers.main(["--json", str(path), "--out-dir", str(tmp_path / "out")]) == 0
+    assert plot_peers.main(["--peers", str(path), "--memory", str(tmp_path / "no.json"), "--cold",
+                            str(tmp_path / "no.json"), "--out-dir", str(tmp_path / "out")]) == 0
     for png in ("peers_speedup.png", "peers_roofline.png"):
         data = (tmp_path / "out" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -457,12 +456,12 @@ def test_plot_results_writes_both_pngs(tmp_path):
     cold.write_text(json.dumps({"graphs": 2, "warm_plans_built": 0,
                                 "per_graph_ms": {"a": {"cold_heuristic": 30.0, "warm": 2.0}, "b": {"warm": 1.5}},
                                 "eager_first_call": {"per_graph_ms": {"a": 9.0, "b": 4.0}}}))
-    assert pr.main(["--memory", str(mem), "--cold", str(cold), "--out-dir", str(tmp_path / "out")]) == 0
+    assert pr.main(["--memory", str(mem), "--cold", str(cold), "--peers", str(tmp_path / "none.json"), "--out-dir", str(tmp_path / "out")]) == 0
     for png in ("memory.png", "cold_start.png"):
         data = (tmp_path / "out" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert pr.main(["--memory", str(tmp_path / "none.json"), "--cold", str(tmp_path / "none2.json"),
-                    "--out-dir", str(tmp_path / "out2")]) == 1  # nothing to plot is a failure
+                    "--peers", str(tmp_path / "none3.json"), "--out-dir", str(tmp_path / "out2")]) == 1  # nothing to plot is a failure
 
 
 def test_plot_results_without_matplotlib_exits_2(monkeypatch, capsys):
