@@ -17,6 +17,7 @@
 #   host         bench/host_overhead.py                              -> host_overhead.json
 #   prewarm      bench/prewarm_scaling.py (needs 2 GPUs)              -> prewarm.json
 #   dynamic      bench/dynamic_shapes.py                              -> dynamic_shapes.json
+#   fp8          bench/fp8.py (FP8_ARGS, e.g. "--shapes 4096x4096x4096") -> fp8.json, fp8.png
 #   models:M:D   bench/models.py --models M --modes D (comma-separated; M or D empty: all), rows merged
 #                into $OUT/models.json (copy bench/results/models.json there first to extend it) -> models.json
 #
@@ -59,6 +60,8 @@ for s in $STEPS; do
         prewarm) step prewarm 240 python3 bench/prewarm_scaling.py --out "$OUT" --budget-s "${BUDGET:-3}" ;;
         dynamic) step dynamic "${DYNAMIC_TIMEOUT:-400}" python3 bench/dynamic_shapes.py --out "$OUT" \
                      ${COMMIT:+--commit "$COMMIT"} ${DYNAMIC_ARGS:-} ;;
+        fp8) step fp8 "${FP8_TIMEOUT:-300}" python3 bench/fp8.py --out "$OUT" ${COMMIT:+--commit "$COMMIT"} \
+                 ${FP8_ARGS:-} ;;
         models:*) spec=${s#models:}; m=${spec%%:*}; d=${spec#*:}; [ "$d" = "$spec" ] && d=""
                   step "$s" "${MODELS_TIMEOUT:-400}" python3 bench/models.py --out "$OUT" ${m:+--models "$m"} \
                       ${d:+--modes "$d"} ${COMMIT:+--commit "$COMMIT"} ${MODELS_ARGS:-} ;;

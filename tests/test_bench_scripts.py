@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import dynamic_shapes, models  # noqa: E402
@@ -74,3 +75,21 @@ def test_models_repeats_a_timing_and_keeps_its_median_and_spread(monkeypatch):
     ms, first_s, err, step, spread = models.run_variant(model, lambda bs: (torch.randn(bs, 4),), lambda m: m,
                                                         "infer_bs1", 1, None, repeat=3)
     assert ms == 1.5 and spread == pytest.approx(1.0 / 1.5) and err == 0.0 and first_s >= 0
+
+
+def test_fp8_bench_errors_count_only_what_the_format_does_not_round_away(tmp_path):
+    from bench import fp8
+
+    want = torch.tensor([100.0, -3.3, 0.5], dtype=torch.float64)
+    exact = want.to(fp8.E4)  # the format's own rounding of the reference: no error
+    assert fp8._err(exact, want, fp8.E4) == 0.0
+    off = exact.float().clone()
+    off[0] = 104.0  # one E4M3 step above 100's rounding (96, then 104)
+    assert fp8._err(off.to(fp8.E4), want, fp8.E4) == pytest.approx(8 / 100)
+    assert fp8._err(want.bfloat16(), want, torch.bfloat16) == pytest.approx(
+        float((want.bfloat16().double() - want).abs().max() / 100))
+    pytest.importorskip("matplotlib")
+    row = {"M": 8, "K": 16, "N": 16, "out_dtype": "bfloat16", "speedup_vs_torch": 1.2, "speedup_vs_bf16": 1.6}
+    (tmp_path / "fp8.json").write_text(json.dumps({"device": "X", "commit": "c", "scaled_mm": [row, row]}))
+    assert fp8.main(["--plot", str(tmp_path / "fp8.json")]) == 0
+    assert (tmp_path / "fp8.png").read_bytes()[:4] == b"\x89PNG"

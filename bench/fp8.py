@@ -1,0 +1,175 @@
+"""FP8 GEMMs: cf.scaled_mm with a bias and GELU (tanh) against the chain a user writes with torch
+(torch._scaled_mm with its bias, then GELU, amax and the cast to FP8) and against cf's bfloat16 linear,
+from operands already in FP8, for a bfloat16 output and an E4M3 output with its amax. Per shape: device
+times (ms), errors against a float64 reference (max |error| over max |reference|, in the output's own
+format), the kernels each launches (torch.profiler), and which engine cf ran. Writes fp8.json and fp8.png.
+
+    python3 bench/fp8.py --out bench/results [--shapes 1024x4096x4096,4096x4096x4096]
+    python3 bench/fp8.py --plot bench/results/fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.common import checkout_commit, device_ms, device_name, write_json  # noqa: E402
+
+SHAPES = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
+E4 = torch.float8_e4m3fn
+ACT = "gelu_tanh"  # cuBLASLt's GELU; torch's chain runs the same approximation
+
+
+def _operands(M, K, N, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(M, K, device="cuda", generator=g).to(E4)
+    w = torch.randn(N, K, device="cuda", generator=g).to(E4)  # a weight [N, K]: b = w.t() is K-major
+    bias = torch.randn(N, device="cuda", generator=g, dtype=torch.bfloat16)
+    sa = torch.tensor(1.0 / math.sqrt(K), device="cuda")
+    sb = torch.tensor(0.5, device="cuda")
+    return a, w.t(), bias, sa, sb
+
+
+def _torch_chain(a, b, bias, sa, sb, out, scale):
+    """What a user writes: torch._scaled_mm with its bias, GELU, amax and (for FP8) the saturating cast."""
+    import torch.nn.functional as F
+
+    y = F.gelu(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=torch.bfloat16), approximate="tanh")
+    am = y.abs().amax().float()
+    if out == E4:
+        big = torch.finfo(E4).max
+        y = (y.float() * scale).clamp(-big, big).to(E4)
+    return y, am
+
+
+def _kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+
+def _err(y, want, out) -> float:
+    """max |y - want| / max |want|, want rounded to ``out`` first (the format's own rounding is no error)."""
+    want_r = want.clamp(-torch.finfo(out).max, torch.finfo(out).max).to(out).double() if out == E4 else want
+    return float((y.double() - want_r).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def scaled_mm_rows(shapes) -> list:
+    import cudnn_fuse as cf
+    from cudnn_fuse import fp8_gemm
+
+    rows = []
+    for M, K, N in shapes:
+        a, b, bias, sa, sb = _operands(M, K, N)
+        ref = (a.double() * sa.double()) @ (b.double() * sb.double()) + bias.double()
+        ref = torch.nn.functional.gelu(ref, approximate="tanh")
+        x16, w16 = (a.to(torch.bfloat16) * sa.to(torch.bfloat16)), (b.t().to(torch.bfloat16) * sb.to(torch.bfloat16))
+        for out in (torch.bfloat16, E4):
+            scale = torch.tensor(448.0, device="cuda") / ref.abs().max().float() if out == E4 else None
+            cf_fn = lambda: cf.scaled_mm(a, b, sa, sb, bias=bias, activation=ACT, out_dtype=out,  # noqa: E731
+                                         scale_result=scale, return_amax=True)
+            torch_fn = lambda: _torch_chain(a, b, bias, sa, sb, out, scale)  # noqa: E731
+            only_fn = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias,  # noqa: E731
+                                               out_dtype=torch.bfloat16)
+            bf16_fn = lambda: cf.linear(x16, w16, bias, activation=ACT, return_amax=True)  # noqa: E731
+            before = dict(fp8_gemm.refused())
+            y, am = cf_fn()
+            refused = {str(k): v for k, v in fp8_gemm.refused().items() if k not in before}
+            ty, tam = torch_fn()
+            want = ref * scale.double() if out == E4 else ref
+            row = {"M": M, "K": K, "N": N, "out_dtype": str(out).replace("torch.", ""),
+                   "engine": fp8_gemm.engine_of(a, b, sa, sb), "cublaslt_refused": refused,
+                   "cf_ms": device_ms(cf_fn), "torch_ms": device_ms(torch_fn),
+                   "torch_scaled_mm_only_ms": device_ms(only_fn), "cf_bf16_ms": device_ms(bf16_fn),
+                   "cf_err": _err(y, want, out), "torch_err": _err(ty, want, out),
+                   "cf_amax_rel_err": float(abs(am.double() - ref.abs().max()) / ref.abs().max()),
+                   "torch_amax_rel_err": float(abs(tam.double() - ref.abs().max()) / ref.abs().max()),
+                   "cf_kernels": _kernels(cf_fn), "torch_kernels": _kernels(torch_fn)}
+            flops = 2.0 * M * K * N
+            row["cf_tflops"] = flops / row["cf_ms"] / 1e9
+            row["speedup_vs_torch"] = row["torch_ms"] / row["cf_ms"]
+            row["speedup_vs_bf16"] = row["cf_bf16_ms"] / row["cf_ms"]
+            rows.append(row)
+            print(f"{M}x{K}x{N} {row['out_dtype']:>13}: cf {row['cf_ms']:.3f} ms ({row['engine']}, "
+                  f"{row['cf_kernels']} kernels), torch chain {row['torch_ms']:.3f} ({row['torch_kernels']}), "
+                  f"_scaled_mm only {row['torch_scaled_mm_only_ms']:.3f}, cf bf16 {row['cf_bf16_ms']:.3f}; "
+                  f"err cf {row['cf_err']:.2e} torch {row['torch_err']:.2e}", flush=True)
+        del a, b, ref, x16, w16
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc.get("scaled_mm", [])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['M']}x{r['K']}x{r['N']}\n{r['out_dtype']}" for r in rows]
+    xs = range(len(rows))
+    for i, (key, name) in enumerate((("speedup_vs_torch", "torch chain / cf"), ("speedup_vs_bf16", "cf bf16 / cf"))):
+        ax.bar([x + 0.4 * i for x in xs], [r[key] for r in rows], width=0.4, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([x + 0.2 for x in xs], labels, fontsize=7)
+    ax.set_ylabel("speedup of cf.scaled_mm")
+    ax.set_title(f"FP8 GEMM + bias + GELU ({doc.get('device', '?')}, {doc.get('commit', '?')})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results", help="directory of fp8.json")
+    p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="MxKxN, comma-separated")
+    p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
+    p.add_argument("--plot", metavar="JSON", help="only plot an existing fp8.json")
+    args = p.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
+        return 0
+    if not torch.cuda.is_available():
+        print("fp8.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import cudnn
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    doc = {"commit": args.commit or checkout_commit(), "device": device_name(), "torch": torch.__version__,
+           "cudnn": cudnn.backend_version(), "scaled_mm": scaled_mm_rows(shapes),
+           "attention": "not built: scaled_dot_product_attention_fp8 runs the dequantized bfloat16 attention",
+           "training": "not built: the FP8 linear's GEMMs dequantize"}
+    try:
+        import nvmath
+
+        doc["nvmath"] = nvmath.__version__
+    except Exception as e:  # noqa: BLE001 - recorded, the torch engine ran
+        doc["nvmath"] = f"unavailable: {e}"
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "fp8.json")
+    write_json(path, doc)
+    try:
+        plot(doc, os.path.join(args.out, "fp8.png"))
+    except ImportError:
+        print("fp8.png not drawn: needs matplotlib", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
