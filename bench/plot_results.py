@@ -256,6 +256,13 @@ def _ff(ttr: dict, key: str):
     return (ttr.get(key + "_detail") or {}).get("first_forward_s", "–")
 
 
+def _peak_line(peak) -> str:
+    if not peak:
+        return "Card peak: not listed for this card (no % of peak)."
+    return (f"Card peak ({peak['card']} datasheet): dense bf16 {peak['bf16_tflops']} TFLOP/s, HBM {peak['hbm_tbps']} "
+            "TB/s; achieved is TFLOP/s for a compute-bound row, GB/s for a memory-bound one.")
+
+
 def table(doc: dict) -> str:
     """The README's results table (markdown), with the run's context above it."""
     s = doc.get("summary", {})
@@ -276,13 +283,19 @@ def table(doc: dict) -> str:
               if ttr else
               "Time to ready: not measured in the parts merged here (the `attention` part measures it)."),
              "",
-             "| workload | kind | cf ms | cf autotuned ms | best peer | peer ms | speedup | % of roofline |",
-             "|---|---|---|---|---|---|---|---|"]
+             _peak_line(doc.get("card_peak")),
+             "",
+             "| workload | kind | cf ms | cf autotuned ms | best peer | peer ms | speedup | % of roofline | "
+             "achieved | % of peak |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["workloads"]:
-        frac = r.get("roofline_fraction")
+        frac, peak = r.get("roofline_fraction"), r.get("peak_fraction")
+        achieved = (f"{_f(r.get('cf_tflops'))} TFLOP/s" if r.get("compute_bound")
+                    else f"{_f(r.get('cf_gbps'))} GB/s" if r.get("compute_bound") is False else "–")
         lines.append(f"| {r['name']} | {r['kind']} | {_f(r.get('cf_ms'))} | {_f(r.get('cf_autotuned_ms'))} | "
                      f"{r.get('best_peer') or '–'} | {_f(r.get('best_peer_ms'))} | "
-                     f"{_f(r.get('speedup_vs_best_peer'), '{:.2f}×')} | {_f(frac and 100 * frac, '{:.0f}')} |")
+                     f"{_f(r.get('speedup_vs_best_peer'), '{:.2f}×')} | {_f(frac and 100 * frac, '{:.0f}')} | "
+                     f"{achieved} | {_f(peak and 100 * peak, '{:.0f}')} |")
     return "\n".join(lines) + "\n"
 
 

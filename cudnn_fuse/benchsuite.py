@@ -53,6 +53,8 @@ COMPUTE_BOUND_TARGET = 0.85  # the suite's target: compute-bound workloads >= 85
 # Under this roofline floor a kernel is latency-bound whatever its intensity (a batch-1 conv's 8 us
 # against a 0.3 us floor): it does not count as compute-bound for the 85% target.
 MIN_COMPUTE_BOUND_FLOOR_MS = 0.01
+# the cards' datasheet peaks: dense bf16 TFLOP/s and HBM TB/s, the most specific name first
+CARD_PEAKS = (("H100 PCIe", 756.0, 2.0), ("H100 NVL", 835.0, 3.9), ("H100", 989.4, 3.35), ("H200", 989.4, 4.8))
 
 
 # ================================================================ workloads
@@ -1026,6 +1028,7 @@ def summarize(doc: dict) -> dict:
     from a part carries that run's ceilings (``run_ceiling_tflops``, ``run_hbm_tbps``, see ``merge``)
     and is judged against them: the ceiling measured in the same run, on the same GPU, not another
     part's (two machines of one GPU model differed by 12% in sustained bf16 matmul throughput)."""
+    peak = doc["card_peak"] = card_peak(doc.get("device"))
     for rec in doc["workloads"]:
         ceiling, bw = _run_ceilings(rec, doc)
         ridge = ceiling / bw if _finite(ceiling) and _finite(bw) else None  # FLOP per byte
@@ -1037,6 +1040,8 @@ def summarize(doc: dict) -> dict:
             if ridge and rec["intensity"] else None
         rec["floor_ms"] = round(floor, 5) if floor else None
         rec["roofline_fraction"] = round(floor / ms, 4) if floor and _finite(ms) else None
+        rec["cf_gbps"] = round(rec["bytes"] / ms / 1e6, 1) if rec.get("bytes") and _finite(ms) else None
+        rec["peak_fraction"] = _peak_fraction(rec, peak)
     kernels = [r for r in doc["workloads"] if r["kind"] in ("conv", "matmul", "attention")]
     below = [r["name"] for r in kernels if _finite(r.get("speedup_autotuned_vs_best_peer"))
              and r["speedup_autotuned_vs_best_peer"] < 1.0]
@@ -1064,6 +1069,23 @@ def _run_ceilings(rec: dict, doc: dict) -> tuple:
     """(bf16 TFLOP/s, HBM TB/s) of the run that measured ``rec``: its part's where merged, else the doc's."""
     ceiling, bw = rec.get("run_ceiling_tflops"), rec.get("run_hbm_tbps")
     return (ceiling if _finite(ceiling) else doc.get("ceiling_tflops"), bw if _finite(bw) else doc.get("hbm_tbps"))
+
+
+def card_peak(device) -> Optional[dict]:
+    """The datasheet peaks of ``device`` (its name as torch gives it), or None for a card not listed."""
+    for name, tflops, tbps in CARD_PEAKS:
+        if device and name in device:
+            return {"card": name, "bf16_tflops": tflops, "hbm_tbps": tbps}
+    return None
+
+
+def _peak_fraction(rec, peak) -> Optional[float]:
+    """cf's achieved throughput over the card's peak: TFLOP/s for a compute-bound row, GB/s otherwise."""
+    if not peak or rec.get("compute_bound") is None:
+        return None
+    if rec["compute_bound"]:
+        return round(rec["cf_tflops"] / peak["bf16_tflops"], 4) if _finite(rec.get("cf_tflops")) else None
+    return round(rec["cf_gbps"] / (peak["hbm_tbps"] * 1e3), 4) if _finite(rec.get("cf_gbps")) else None
 
 
 def _floor_ms(rec, ceiling, bw) -> Optional[float]:

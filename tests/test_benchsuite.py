@@ -362,6 +362,20 @@ def test_a_merged_record_is_judged_against_its_own_runs_ceiling():
     assert doc["summary"]["compute_bound_under_85pct_of_ceiling"] == [names[0]]
 
 
+def test_rows_carry_their_throughput_and_fraction_of_the_cards_peak():
+    # 1 TFLOP over 1 GB in 2 ms: compute-bound, 500 TFLOP/s; 1 GFLOP over 4 GB in 2 ms: memory-bound, 2000 GB/s
+    big, stream = _rec("big", cf=2.0, tuned=None), _rec("stream", cf=2.0, tuned=None, flops=10**9, nbytes=4 * 10**9)
+    doc = bs.summarize(_doc("all", [big, stream], ceiling_tflops=800.0, hbm_tbps=4.0))
+    assert doc["card_peak"] == {"card": "H200", "bf16_tflops": 989.4, "hbm_tbps": 4.8}
+    assert big["compute_bound"] and big["cf_tflops"] == 500.0 and big["peak_fraction"] == pytest.approx(500 / 989.4, abs=1e-4)
+    assert stream["compute_bound"] is False and stream["cf_gbps"] == 2000.0
+    assert stream["peak_fraction"] == pytest.approx(2000 / 4800, abs=1e-4)
+    assert bs.card_peak("NVIDIA H100 PCIe")["bf16_tflops"] == 756.0  # the most specific name wins
+    assert bs.card_peak("NVIDIA H100 80GB HBM3")["hbm_tbps"] == 3.35
+    unknown = bs.summarize(_doc("all", [_rec("u")], device="Some GPU", ceiling_tflops=800.0, hbm_tbps=4.0))
+    assert unknown["card_peak"] is None and unknown["workloads"][0]["peak_fraction"] is None
+
+
 def test_a_tiny_kernel_is_not_compute_bound_whatever_its_intensity():
     # 1 GFLOP over 1 MB is 1000 FLOP/B, far over the ridge, but its floor is 1.25 us: latency-bound
     tiny = _rec("t", cf=0.01, tuned=0.008, flops=10**9, nbytes=10**6)
