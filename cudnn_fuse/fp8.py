@@ -12,14 +12,16 @@ Under torch.distributed, ``DelayedScaling`` max-reduces the amaxes of a whole tr
 in one all_reduce, when the next step's first cast comes, so that every rank scales alike; current
 scaling uses each rank's own amax (a reduction per cast would cost a collective per tensor).
 "hybrid" casts the forward's X and W to E4M3 and the backward's dY to E5M2; "e4m3" casts all three to
-E4M3. The GEMMs here dequantize and multiply in float32, what an FP8 GEMM with float32 accumulation
-computes; no fused FP8 kernel runs yet.
+E4M3. On a GPU with FP8 GEMMs (compute capability 8.9 or newer) the linear's three GEMMs are FP8 GEMMs
+(fp8_gemm.py); elsewhere, or where K or N is not a multiple of 16, they dequantize and multiply in
+float32, what an FP8 GEMM with float32 accumulation computes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import fp8_gemm
 from .errors import ArgumentError
 from .reference import fp8_cast
 
@@ -153,8 +155,27 @@ class Casts:
         return fp8_cast(t.detach().float(), fmt, scale), scale
 
 
+def gemm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype, bias=None):
+    """``(aq / sa) @ (bq / sb) + bias`` as ``out_dtype``, from FP8 ``aq`` [M, K] and ``bq`` [K, N] cast with
+    the scales ``sa`` and ``sb``: an FP8 GEMM on a GPU that has them (``bq`` K-major, as Hopper's FP8
+    GEMMs want: the callers pass transposed copies), where K and N are multiples of 16; else the
+    dequantized operands in float32, what an FP8 GEMM with float32 accumulation computes."""
+    if aq.is_cuda and aq.shape[1] % 16 == 0 and bq.shape[1] % 16 == 0 and fp8_gemm.fp8_capable(aq.device):
+        y, _ = fp8_gemm.scaled_mm_2d(aq, bq, sa.reciprocal().reshape(1), sb.reciprocal().reshape(1), bias, None,
+                                     None, out_dtype, None, False, 0.01)
+        return y
+    y = (aq.float() / sa) @ (bq.float() / sb)
+    return (y if bias is None else y + bias.float()).to(out_dtype)
+
+
+def _k_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [K, N] as an FP8 GEMM's second operand: a copy whose K is the stride-1 dimension (on the GPU)."""
+    return t.t().contiguous().t() if t.is_cuda else t
+
+
 class LinearFunction(torch.autograd.Function):
-    """y = dequant(x_q) @ dequant(w_q).T + bias; dx and dw from dY cast to the backward format."""
+    """y = dequant(x_q) @ dequant(w_q).T + bias; dx and dw from dY cast to the backward format. The three
+    GEMMs are FP8 GEMMs on a GPU that has them (``gemm``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, casts):
@@ -162,22 +183,19 @@ class LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         xq, sx = casts.cast(x2, "x", fwd)
         wq, sw = casts.cast(weight, "w", fwd)
-        y = (xq.float() / sx) @ (wq.float() / sw).t()
-        if bias is not None:
-            y = y + bias.float()
+        y = gemm(xq, sx, wq.t(), sw, x.dtype, bias)
         ctx.save_for_backward(xq, wq, sx, sw)
         ctx.casts, ctx.bwd, ctx.shape, ctx.dtypes = casts, bwd, x.shape, (x.dtype, weight.dtype)
         ctx.has_bias = bias is not None
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         xq, wq, sx, sw = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dyq, sdy = ctx.casts.cast(dy2, "dy", ctx.bwd)
-        dyf = dyq.float() / sdy
-        dx = (dyf @ (wq.float() / sw)).to(ctx.dtypes[0]).reshape(ctx.shape)
-        dw = (dyf.t() @ (xq.float() / sx)).to(ctx.dtypes[1])
+        dx = gemm(dyq, sdy, _k_major(wq), sw, ctx.dtypes[0]).reshape(ctx.shape)  # dY·W, over N
+        dw = gemm(dyq.t().contiguous(), sdy, _k_major(xq), sx, ctx.dtypes[1])  # dYᵀ·X, over the tokens
         db = dy2.float().sum(0).to(ctx.dtypes[1]) if ctx.has_bias else None
         return dx, dw, db, None
 
