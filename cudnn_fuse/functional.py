@@ -10,9 +10,10 @@ logged once with the reason.
 
 from __future__ import annotations
 
+import math
 import torch
 
-from . import fp8_gemm, ops, reference, torch_ops
+from . import fp8_attention, fp8_gemm, ops, reference, torch_ops
 from .errors import ArgumentError
 from .ops import _any_autocast, _is_compiling  # read on every call: bound here, not looked up on ops
 from .spec import canonical_activation
@@ -383,8 +384,10 @@ def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *
     probabilities are quantized with ``scale_s`` (default: the format's largest value) and dequantized
     with ``descale_s`` (default its inverse); o is O · ``scale_o`` (default 1) in q's format, saturated;
     amax_o = max |O| before ``scale_o``. ``scale`` defaults to 1/sqrt(D); ``is_causal`` masks the top-left
-    triangle. Runs the float32 reference on the CPU and, on a GPU, the dequantized operands through cf's
-    bfloat16 attention (logged once; no fused FP8 engine yet), whose probabilities are not quantized.
+    triangle. Runs cuDNN's FP8 attention graph on a GPU of compute capability 9.0 or newer
+    (fp8_attention.py); where cuDNN declines the graph, or on an older GPU, the dequantized operands
+    through cf's bfloat16 attention (logged once), whose probabilities are not quantized; the float32
+    reference on the CPU.
     """
     op = "scaled_dot_product_attention_fp8"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -413,7 +416,15 @@ def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *
     if not q.is_cuda:
         return reference.scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s,
                                                           scale_s, is_causal, scale, scale_o)
-    ops._fallback(op, "no fused FP8 engine yet: the dequantized operands run the bfloat16 attention")
+    if fp8_attention.fp8_attention_capable(q.device):
+        fmax = torch.finfo(q.dtype).max
+        full = (lambda t, x: t if t is not None else torch.full((), x, dtype=torch.float32, device=q.device))
+        ss = full(scale_s, fmax)
+        args = (q, k, v, descale_q, descale_k, descale_v, full(descale_s, 1.0 / fmax), ss, full(scale_o, 1.0),
+                bool(is_causal), float(scale) if scale is not None else 1.0 / math.sqrt(D))
+        return tuple(fp8_attention.attention_op(*args) if _is_compiling() else fp8_attention.attention(*args))
+    ops._fallback(op, "FP8 attention needs compute capability 9.0: the dequantized operands run the bfloat16 "
+                      "attention")
     bf = torch.bfloat16
     o = scaled_dot_product_attention(q.to(bf) * descale_q.to(bf), k.to(bf) * descale_k.to(bf),
                                      v.to(bf) * descale_v.to(bf), is_causal=is_causal, scale=scale,

@@ -159,3 +159,43 @@ def test_the_fp8_linear_runs_fp8_gemms_and_matches_its_cpu_reference(recipe):
         torch.testing.assert_close(gpu.fp8_scales.cpu(), cpu.fp8_scales, rtol=1e-2, atol=0)
         cpu.weight.grad = gpu.weight.grad = None
     assert fp8_gemm.plan_count() > before or fp8_gemm.refused()  # the GEMMs ran through cuBLASLt's FP8 path
+
+
+def _attn_want(q, k, v, dq, dk, dv, causal, scale_s):
+    import math
+
+    qf, kf, vf = q.double() * dq.double(), k.double() * dk.double(), v.double() * dv.double()
+    rep = q.shape[1] // k.shape[1]
+    kf, vf = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
+    s = qf @ kf.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    p = torch.softmax(s, -1)
+    p = (p * scale_s).clamp(-448, 448).to(E4).double() / scale_s
+    return p @ vf
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv", [8, 2])
+def test_fp8_attention_runs_cudnns_graph_and_matches_the_reference(causal, heads_kv):
+    from cudnn_fuse import fp8_attention
+
+    if not fp8_attention.fp8_attention_capable(torch.device("cuda")):
+        pytest.skip("cuDNN's FP8 attention needs compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(2, 8, 512, 128, device="cuda", generator=g).to(E4)
+    k = torch.randn(2, heads_kv, 512, 128, device="cuda", generator=g).to(E4)
+    v = torch.randn(2, heads_kv, 512, 128, device="cuda", generator=g).to(E4)
+    dq, dk, dv = (torch.tensor(x, device="cuda") for x in (0.5, 0.5, 0.25))
+    scale_o = torch.tensor(4.0, device="cuda")
+    before = dict(fp8_attention.refused())
+    o, am = cf.scaled_dot_product_attention_fp8(q, k, v, dq, dk, dv, is_causal=causal, scale_o=scale_o)
+    new_refusals = {key: why for key, why in fp8_attention.refused().items() if key not in before}
+    print("cuDNN FP8 attention declined:", new_refusals or "nothing")
+    want = _attn_want(q, k, v, dq, dk, dv, causal, 448.0)
+    assert o.dtype == E4 and o.shape == q.shape
+    err = ((o.double() / 4.0 - want).abs().max() / want.abs().max()).item()
+    assert err < 0.08, err  # an FP8 output: within about one E4M3 step of the result
+    assert am.item() == pytest.approx(want.abs().max().item(), rel=3e-2)
+    if heads_kv == 8:
+        assert not new_refusals, new_refusals  # the plain MHA shape is cuDNN's own: it must take it

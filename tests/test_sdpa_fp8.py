@@ -101,3 +101,57 @@ def _call(**over):
 def test_bad_arguments_are_named(over, exc, match):
     with pytest.raises(exc, match=match):
         _call(**over)
+
+
+# ---------------------------------------------------------------- the GPU path's parts, on the CPU
+
+
+def test_the_fp8_graph_is_declared_whole_and_only_the_engine_search_needs_a_gpu():
+    """The IR validates and lowers (dims, strides, uids, dtypes); here cuDNN's plan search is what fails."""
+    import cudnn
+
+    from cudnn_fuse import fp8_attention
+
+    q, k, v, *_ = _qkv(S=64, D=64)
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="no engine"):
+        fp8_attention._build(q, k, v, torch.empty_like(q), True, 0.125, None)
+
+
+def test_a_declined_graph_is_asked_once_and_runs_the_dequantized_fallback(monkeypatch, caplog):
+    import logging
+
+    from cudnn_fuse import fp8_attention
+
+    builds = []
+
+    def declined(*args):
+        builds.append(args)
+        raise RuntimeError("no engine for this graph")
+
+    monkeypatch.setattr(fp8_attention, "_build", declined)
+    monkeypatch.setattr(fp8_attention, "_refused", {})
+    monkeypatch.setattr(fp8_attention.handles, "handle_for", lambda device: type("H", (), {"handle": None})())
+    monkeypatch.setattr(fp8_attention.handles, "held", lambda h, d: __import__("contextlib").nullcontext(h))
+    monkeypatch.setattr(fp8_attention.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    q, k, v, dq, dk, dv = _qkv(H=4, Hkv=2, S=32, D=32, seed=3)
+    args = (q, k, v, dq, dk, dv, torch.tensor(1 / BIG), torch.tensor(BIG), torch.tensor(0.5), True, 0.2)
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.fp8_attention"):
+        for _ in range(2):
+            o, am = fp8_attention.attention(*args)
+    assert len(builds) == 1 and "no engine for this graph" in caplog.text
+    want = _want(q, k, v, dq, dk, dv, causal=True, scale=0.2, quantize_p=False)
+    assert o.dtype == E4 and o.shape == q.shape
+    torch.testing.assert_close(o.double(), (want * 0.5).clamp(-BIG, BIG).to(E4).double(), atol=0.05, rtol=0.13)
+    assert am.item() == pytest.approx(want.abs().max().item(), rel=2e-2)
+
+
+def test_the_fp8_attention_op_has_shapes_for_torch_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cudnn_fuse import fp8_attention
+
+    q, k, v, dq, dk, dv = _qkv(S=16, D=32)
+    with FakeTensorMode() as mode:
+        f = [mode.from_tensor(t) for t in (q, k, v, dq, dk, dv, dq, dk, dv)]
+        o, am = fp8_attention.attention_op(*f, False, 0.1)
+    assert (o.shape, o.dtype, am.shape, am.dtype) == (q.shape, E4, (), torch.float32)

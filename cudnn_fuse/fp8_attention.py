@@ -1,0 +1,167 @@
+"""FP8 attention forward through cuDNN's ``sdpa_fp8`` graph (inference: no softmax stats).
+
+One graph per shape, strides, format, causality and scale, built on the device's shared handle (under
+its lock, bound to cf's side stream, as every build is: ``handles.held``) and kept in memory; a
+launch binds the handle to the caller's stream. The probabilities are quantized with ``scale_s`` and
+dequantized with ``descale_s`` inside the kernel; O is written in q's FP8 format (Hopper has no 16-bit
+O for this graph) times ``scale_o``, and the kernel writes max |O| before ``scale_o`` (``amax_o``).
+A graph cuDNN declines is remembered with its reason; the caller then runs its fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import List
+
+import torch
+from torch import Tensor
+
+from . import handles
+from .reference import amax as torch_amax, fp8_cast
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPHS = 64  # built graphs kept; least recently used go first
+_graphs: "OrderedDict[tuple, _Graph]" = OrderedDict()
+_refused: dict = {}  # key -> cuDNN's reason, asked once per process
+_lock = threading.Lock()
+_ROLES = ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "o", "amax_s",
+          "amax_o")
+UIDS = {role: i + 1 for i, role in enumerate(_ROLES)}
+
+
+def fp8_attention_capable(device: torch.device) -> bool:
+    """cuDNN's FP8 attention runs on Hopper and newer (compute capability 9.0)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+class _Graph:
+    __slots__ = ("graph", "workspace_size")
+
+    def __init__(self, graph, workspace_size: int):
+        self.graph, self.workspace_size = graph, workspace_size
+
+
+def _fp8_type(dtype):
+    import cudnn
+
+    return cudnn.data_type.FP8_E4M3 if dtype == torch.float8_e4m3fn else cudnn.data_type.FP8_E5M2
+
+
+def _build(q, k, v, o, is_causal: bool, scale: float, handle):
+    import cudnn
+
+    fmt, f32 = _fp8_type(q.dtype), cudnn.data_type.FLOAT
+    g = cudnn.pygraph(io_data_type=fmt, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+
+    def tensor(role, t, dtype):
+        return g.tensor(name=role, dim=list(t.shape), stride=list(t.stride()), data_type=dtype).set_uid(UIDS[role])
+
+    one = torch.empty((1, 1, 1, 1))
+    tq, tk, tv = tensor("q", q, fmt), tensor("k", k, fmt), tensor("v", v, fmt)
+    scales = [tensor(r, one, f32) for r in _ROLES[3:9]]
+    out, _, amax_s, amax_o = g.sdpa_fp8(q=tq, k=tk, v=tv, descale_q=scales[0], descale_k=scales[1],
+                                        descale_v=scales[2], descale_s=scales[3], scale_s=scales[4],
+                                        scale_o=scales[5], generate_stats=False, attn_scale=scale,
+                                        use_causal_mask=is_causal, name="sdpa_fp8")
+    out.set_output(True).set_dim(list(o.shape)).set_stride(list(o.stride())).set_data_type(fmt).set_uid(UIDS["o"])
+    for role, t in (("amax_s", amax_s), ("amax_o", amax_o)):
+        t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32).set_uid(UIDS[role])
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return _Graph(g, int(g.get_workspace_size()))
+
+
+def _key(q, k, v, is_causal, scale):
+    return (q.device.index, q.dtype, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
+            bool(is_causal), float(scale))
+
+
+def _graph(key, q, k, v, o, is_causal, scale):
+    with _lock:
+        found = _graphs.get(key)
+        if found is not None:
+            _graphs.move_to_end(key)
+            return found
+        if key in _refused:
+            return None
+    device = q.device.index
+    h = handles.handle_for(device)
+    try:
+        with torch.cuda.device(device), handles.held(h, device):
+            built = _build(q, k, v, o, is_causal, scale, h.handle)
+    except Exception as e:  # noqa: BLE001 - cuDNN declined the graph: the caller's fallback runs it
+        with _lock:
+            _refused[key] = f"{type(e).__name__}: {e}"
+        log.info("FP8 attention: cuDNN declined q%s k%s %s causal=%s (%s); the fallback runs it", tuple(q.shape),
+                 tuple(k.shape), q.dtype, is_causal, _refused[key])
+        return None
+    with _lock:
+        _graphs[key] = built
+        while len(_graphs) > MAX_GRAPHS:
+            _graphs.popitem(last=False)
+    return built
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, 1, 1, 1).contiguous()
+
+
+def sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, is_causal: bool, scale: float):
+    """(o, amax_o) from cuDNN's FP8 attention graph, or None where cuDNN declines it (remembered);
+    the arguments already validated, the defaults of ``descale_s``, ``scale_s`` and ``scale_o`` filled."""
+    key = _key(q, k, v, is_causal, scale)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    built = _graph(key, q, k, v, o, is_causal, scale)
+    if built is None:
+        return None
+    amax_s = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+    amax_o = torch.empty_like(amax_s)
+    pack = {UIDS["q"]: q, UIDS["k"]: k, UIDS["v"]: v, UIDS["o"]: o, UIDS["amax_s"]: amax_s, UIDS["amax_o"]: amax_o}
+    for role, t in zip(_ROLES[3:9], (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)):
+        pack[UIDS[role]] = _scalar(t)
+    device = q.device.index
+    ws = torch.empty(built.workspace_size, dtype=torch.uint8, device=q.device) if built.workspace_size else None
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    h = handles.handle_for(device)
+    with h.lock:  # one handle per device: the stream switch and the launch must not interleave
+        if h.stream != stream:
+            import cudnn
+
+            cudnn.set_stream(handle=h.handle, stream=stream)
+            h.stream = stream
+        built.graph.execute(pack, ws, handle=h.handle)
+    return o, amax_o.reshape(())
+
+
+def refused() -> dict:
+    with _lock:
+        return dict(_refused)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, descale_q: Tensor, descale_k: Tensor, descale_v: Tensor,
+              descale_s: Tensor, scale_s: Tensor, scale_o: Tensor, is_causal: bool, scale: float) -> List[Tensor]:
+    """[o, amax_o]: cuDNN's FP8 graph, or where cuDNN declines it torch's bfloat16 attention of the
+    dequantized operands (its probabilities not quantized), cast back as the graph would."""
+    got = sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, is_causal, scale)
+    if got is not None:
+        return list(got)
+    bf = torch.bfloat16
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.to(bf) * descale_q.to(bf), k.to(bf) * descale_k.to(bf), v.to(bf) * descale_v.to(bf), is_causal=is_causal,
+        scale=scale, enable_gqa=k.shape[1] != q.shape[1]).float()
+    return [fp8_cast(o, q.dtype, scale_o), torch_amax(o)]
+
+
+# torch.compile sees the GPU path as one op; no autograd (FP8 operands take none)
+attention_op = torch.library.custom_op("cudnn_fuse::attention_fp8", mutates_args=())(attention)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, is_causal, scale):
+    return [q.new_empty(q.shape), q.new_empty((), dtype=torch.float32)]
