@@ -91,7 +91,7 @@ def scaled_mm_rows(shapes) -> list:
             ty, tam = torch_fn()
             want = ref * scale.double() if out == E4 else ref
             row = {"M": M, "K": K, "N": N, "out_dtype": str(out).replace("torch.", ""),
-                   "engine": fp8_gemm.engine_of(a, b, sa, sb), "cublaslt_refused": refused,
+                   "engine": fp8_gemm.engine_of(a, b, sa, sb, out), "cublaslt_refused": refused,
                    "cf_ms": device_ms(cf_fn), "torch_ms": device_ms(torch_fn),
                    "torch_scaled_mm_only_ms": device_ms(only_fn), "cf_bf16_ms": device_ms(bf16_fn),
                    "cf_err": _err(y, want, out), "torch_err": _err(ty, want, out),
@@ -109,6 +109,47 @@ def scaled_mm_rows(shapes) -> list:
                   f"err cf {row['cf_err']:.2e} torch {row['torch_err']:.2e}", flush=True)
         del a, b, ref, x16, w16
         torch.cuda.empty_cache()
+    return rows
+
+
+def cublaslt_support(n: int = 256) -> list:
+    """Which FP8 GEMM forms cuBLASLt plans here, and whether each gives the reference's result: per D
+    format, epilogue, kernel amax, residual (C) and bias format, planned or refused (and why), and the
+    largest error over the largest magnitude."""
+    from cudnn_fuse import fp8_gemm, reference
+
+    a, b, bias, sa, sb = _operands(n, n, n, seed=1)
+    res = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream()
+    rows = []
+    for d in (torch.bfloat16, torch.float16, torch.float32, E4, torch.float8_e5m2):
+        fp8_d = d in reference.FP8_DTYPES
+        for epilog, act in (("BIAS", None), ("RELU_BIAS", "relu"), ("GELU_BIAS", "gelu_tanh")):
+            for kernel_amax in ((False, True) if fp8_d else (False,)):
+                for with_res in (False, True):
+                    for bias_dtype in ((torch.bfloat16, torch.float16) if fp8_d else (None,)):
+                        bd = bias_dtype or (d if d != torch.float32 else torch.float32)
+                        c_dtype = torch.bfloat16 if fp8_d else d
+                        c = res.to(c_dtype) if with_res else None
+                        scale_d = torch.ones(1, device="cuda") if fp8_d else None
+                        key = ("probe", d, epilog, kernel_amax, with_res, bd)
+                        row = {"d": str(d).replace("torch.", ""), "epilog": epilog, "amax": kernel_amax,
+                               "residual": with_res, "bias": str(bd).replace("torch.", "")}
+                        p = fp8_gemm._plan(key, a, b, sa.reshape(1), sb.reshape(1), bias.to(bd), c, scale_d, epilog,
+                                           d, kernel_amax, stream)
+                        if p is None:
+                            row["planned"], row["why"] = False, fp8_gemm.refused().get(key, "")[:160]
+                        else:
+                            y, am = p.run(a, b, sa.reshape(1), sb.reshape(1), bias.to(bd), c, scale_d, stream)
+                            want = reference.scaled_mm(a, b, sa, sb, bias.to(bd), act, c, torch.float32)
+                            top = want.abs().max()
+                            want_d = want.clamp(-torch.finfo(d).max, torch.finfo(d).max).to(d).float()
+                            row["planned"] = True
+                            row["err"] = float((y.float() - want_d).abs().max() / top)
+                            if kernel_amax:
+                                row["amax_err"] = float(abs(am.float() - top) / top)
+                        rows.append(row)
+    torch.cuda.synchronize()
     return rows
 
 
@@ -152,9 +193,12 @@ def main(argv=None) -> int:
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     doc = {"commit": args.commit or checkout_commit(), "device": device_name(), "torch": torch.__version__,
-           "cudnn": cudnn.backend_version(), "scaled_mm": scaled_mm_rows(shapes),
+           "cudnn": cudnn.backend_version(), "cublaslt_support": cublaslt_support(),
+           "scaled_mm": scaled_mm_rows(shapes),
            "attention": "not built: scaled_dot_product_attention_fp8 runs the dequantized bfloat16 attention",
            "training": "not built: the FP8 linear's GEMMs dequantize"}
+    for r in doc["cublaslt_support"]:
+        print("cuBLASLt", {k: v for k, v in r.items() if k != "why"}, r.get("why", ""), flush=True)
     try:
         import nvmath
 

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import FP8_DTYPES, activation as torch_activation, amax as torch_amax, fp8_cast
+from .reference import FP8_DTYPES, activation as torch_activation
 
 log = logging.getLogger(__name__)
 _NVMATH_LOG = logging.getLogger(__name__ + ".nvmath")  # nvmath logs to the root logger unless given one
@@ -118,11 +118,30 @@ def _refuse(key, why: str) -> None:
     log.info("FP8 GEMM: cuBLASLt declined %s (%s); the next form runs it", key, why)
 
 
-def engine_of(a2, b2, scale_a, scale_b) -> str:
-    """Which engine runs this product: "cublaslt" or "torch" (torch._scaled_mm)."""
-    if scale_a.numel() != 1 or scale_b.numel() != 1 or a2.shape[0] % 16 or _nvmath()[0] is None:
+def engine_of(a2, b2, scale_a, scale_b, out_dtype=torch.bfloat16) -> str:
+    """Which engine runs this product: "cublaslt" or "torch" (torch._scaled_mm). A float32 output is
+    torch's: cuBLASLt's FP8 GEMM with a float32 D (and C) gave results off by up to 2.8 where they were
+    about 3 (H100, cuBLASLt of CUDA 13, nvmath 1.0)."""
+    if (scale_a.numel() != 1 or scale_b.numel() != 1 or a2.shape[0] % 16 or out_dtype == torch.float32
+            or _nvmath()[0] is None):
         return "torch"
     return "cublaslt"
+
+
+def fast_amax(y: torch.Tensor) -> torch.Tensor:
+    """max |y| as a float32 0-dim tensor in one reduction (no |y| copy); NaN propagates."""
+    if y.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=y.device)
+    return torch.linalg.vector_norm(y.detach(), float("inf"), dtype=torch.float32)
+
+
+def _cast(r: torch.Tensor, fmt, scale) -> torch.Tensor:
+    """``fp8_cast`` of a 16-bit ``r`` in float32, each step in place on one float32 copy."""
+    big = torch.finfo(fmt).max
+    r = r.float()
+    if scale is not None:
+        r.mul_(scale)
+    return r.clamp_(-big, big).to(fmt)
 
 
 def _k_major(b2: torch.Tensor) -> torch.Tensor:
@@ -146,7 +165,7 @@ def scaled_mm_2d(a2, b2, scale_a, scale_b, bias, activation, residual, out_dtype
         raise Unsupported("FP8 GEMMs need a GPU of compute capability 8.9 or newer")
     a2 = a2 if a2.stride(1) == 1 else a2.contiguous()
     b2 = _k_major(b2)
-    if engine_of(a2, b2, scale_a, scale_b) == "cublaslt":
+    if engine_of(a2, b2, scale_a, scale_b, out_dtype) == "cublaslt":
         got = _cublaslt(a2, b2, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result,
                         return_amax, negative_slope)
         if got is not None:
@@ -183,10 +202,10 @@ def _cublaslt(a2, b2, sa, sb, bias, activation, residual, out_dtype, scale_resul
             continue
         d, am = p.run(a2, b2, sa, sb, bb, c, scale_d, stream)
         if form == "full":
-            return d, (am if am is not None else torch_amax(d)) if return_amax else None
+            return d, (am if am is not None else fast_amax(d)) if return_amax else None
         r = d if in_kernel else torch_activation(d, activation, negative_slope)
-        am = torch_amax(r) if return_amax else None
-        out = fp8_cast(r.float(), out_dtype, scale_result) if fp8_out else r.to(out_dtype)
+        am = fast_amax(r) if return_amax else None
+        out = _cast(r, out_dtype, scale_result) if fp8_out else r.to(out_dtype)
         return out, am
     return None
 
@@ -229,8 +248,8 @@ def _torch_scaled_mm(a2, b2, sa, sb, bias, activation, residual, out_dtype, scal
     if residual is not None:
         y = y + residual.to(wide)
     y = torch_activation(y, activation, negative_slope)
-    am = torch_amax(y) if return_amax else None
-    out = fp8_cast(y.float(), out_dtype, scale_result) if out_dtype in FP8_DTYPES else y.to(out_dtype)
+    am = fast_amax(y) if return_amax else None
+    out = _cast(y, out_dtype, scale_result) if out_dtype in FP8_DTYPES else y.to(out_dtype)
     return out, am
 
 

@@ -77,7 +77,9 @@ def test_every_form_gives_the_reference(fake_cublaslt, act, out):
     _close(y, want, out)
     assert am.item() == pytest.approx(want_am.item(), rel=1e-2)
     epilogs = [c["epilog"] for c in fake_cublaslt]
-    if act in (None, "relu", "gelu_tanh"):  # cuBLASLt's own activations run in its kernel
+    if out == torch.float32:  # torch._scaled_mm's (cuBLASLt's float32 D gave wrong results)
+        assert epilogs == []
+    elif act in (None, "relu", "gelu_tanh"):  # cuBLASLt's own activations run in its kernel
         assert epilogs[0] == {None: "BIAS", "relu": "RELU_BIAS", "gelu_tanh": "GELU_BIAS"}[act]
     else:  # the GEMM with bias and residual in the kernel, the activation in torch
         assert epilogs == ["BIAS"] and fake_cublaslt[0]["d_dtype"] == fp8_gemm._wide(out)

@@ -31,9 +31,12 @@ def _ops(M=64, K=128, N=96, seed=0, da=E4, db=E4, batch=()):
 
 
 def _close(y, want, out):
-    """bfloat16's rounding of the result, or one FP8 step (e4m3: 2**-3 relative; e5m2: 2**-2)."""
-    rtol = {E4: 0.13, E5: 0.26, torch.float32: 1e-4, torch.float16: 2e-3}.get(out, 1e-2)
-    torch.testing.assert_close(y.float(), want.float(), atol=rtol * 0.5, rtol=rtol)
+    """Within the output format's rounding of each element (e4m3: 2**-3 relative; e5m2: 2**-2) plus an
+    error bounded by the result's largest magnitude: an FP8 GEMM accumulates with less than float32's
+    precision on Hopper, and an epilogue in torch rounds an intermediate to 16 bits."""
+    rtol = {E4: 0.13, E5: 0.26, torch.float32: 1e-3, torch.float16: 2e-3}.get(out, 1e-2)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(y.float(), want.float(), atol=max(rtol, 4e-3) * scale, rtol=rtol)
 
 
 @pytest.mark.parametrize("act", [None, "relu", "gelu_tanh", "gelu", "silu"])
@@ -126,6 +129,7 @@ def test_it_compiles_in_one_graph_on_the_gpu():
 
 def test_the_engines_in_use_are_logged(caplog):
     """What cuBLASLt declined is in the log and in refused(), once per plan key (printed for the run's log)."""
+    before = dict(fp8_gemm.refused())
     with caplog.at_level(logging.INFO, logger="cudnn_fuse.fp8_gemm"):
         a, b, sa, sb = _ops(M=256, K=256, N=256, seed=9)
         for act in ("relu", "gelu_tanh"):
@@ -134,6 +138,8 @@ def test_the_engines_in_use_are_logged(caplog):
                              activation=act, out_dtype=out, return_amax=True)
     for key, why in fp8_gemm.refused().items():
         print("cuBLASLt declined", key, why)
+        if key in before:
+            continue
         assert str(key) in caplog.text
 
 

@@ -56,7 +56,10 @@ def test_a_remembered_depthwise_conv_runs_eagers_expression(cache_dir):
     b = torch.randn(96, device="cuda", dtype=torch.half)
     loader.clear()
     outs = [cf.conv2d(x, w, b, padding=3, groups=96, activation="gelu") for _ in range(4)]
-    plan = loader.plans_in_memory()[-1]
+    remembered = [e.plan for e in ops._FAST.values() if hasattr(e, "plan")]
+    held = loader.plans_in_memory() or remembered
+    assert held, f"no plan held or remembered: {cf.plan_stats()}"
+    plan = held[-1]
     want = F.gelu(F.conv2d(x.float(), w.float(), b.float(), padding=3, groups=96))
     for y in outs:
         assert y.is_contiguous(memory_format=cl)
@@ -75,10 +78,13 @@ def test_a_near_size_of_a_tuned_linear_takes_its_engine_untuned(cache_dir):
         tuned = cf.plan_stats()["autotune_seconds"]
         hits = cf.plan_stats()["family_hits"]
         x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
-        y = cf.linear(x, w, b, activation="gelu")
+        for _ in range(loader.STANDIN_CALLS):  # torch's kernels stand in, then the plan is built and swapped in
+            y = cf.linear(x, w, b, activation="gelu")
         assert cf.plan_stats()["family_hits"] == hits + 1
         assert cf.plan_stats()["autotune_seconds"] == tuned  # no tuning of its own
-    spec = loader.plans_in_memory()[-1].spec
+    plans = [p for p in loader.plans_in_memory() if not getattr(p, "standin", False)]
+    assert plans, f"no plan swapped in: {cf.plan_stats()}"
+    spec = plans[-1].spec
     assert families.sizes(spec)["m"] == 4096
     want = F.gelu(F.linear(x.float(), w.float(), b.float()))
     assert (y.float() - want).abs().max() / want.abs().max() < 2e-2
