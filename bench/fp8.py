@@ -1,8 +1,10 @@
-"""FP8 GEMMs: cf.scaled_mm with a bias and GELU (tanh) against the chain a user writes with torch
+"""FP8 GEMMs and attention. cf.scaled_mm with a bias and GELU (tanh) against the chain a user writes with torch
 (torch._scaled_mm with its bias, then GELU, amax and the cast to FP8) and against cf's bfloat16 linear,
 from operands already in FP8, for a bfloat16 output and an E4M3 output with its amax. Per shape: device
 times (ms), errors against a float64 reference (max |error| over max |reference|, in the output's own
-format), the kernels each launches (torch.profiler), and which engine cf ran. Writes fp8.json and fp8.png.
+format), the kernels each launches (torch.profiler), and which engine cf ran; which forms cuBLASLt plans
+and whether they are right. cf's FP8 attention against its bfloat16 attention (``attention_rows``).
+Writes fp8.json and fp8.png.
 
     python3 bench/fp8.py --out bench/results [--shapes 1024x4096x4096,4096x4096x4096]
     python3 bench/fp8.py --plot bench/results/fp8.json
@@ -112,6 +114,58 @@ def scaled_mm_rows(shapes) -> list:
     return rows
 
 
+ATTN_SEQS = (2048, 4096, 8192)
+ATTN_B, ATTN_H, ATTN_D = 4, 16, 128
+
+
+def _per_tensor_cast(t: torch.Tensor):
+    """(``t`` cast to E4M3 with a per-tensor scale from its amax, the dequantization factor)."""
+    scale = torch.finfo(E4).max / t.abs().amax().float().clamp_min(1e-12)
+    return (t.float() * scale).clamp(-448, 448).to(E4), scale.reciprocal()
+
+
+def attention_rows(seqs) -> list:
+    """cf's FP8 attention against cf's bfloat16 attention (B=4, H=16, D=128): from FP8 q, k, v
+    (``fp8_only_ms``) and from bfloat16 q, k, v with the three casts counted (``fp8_ms``); errors of
+    the dequantized output against a float32 attention of the bfloat16 operands."""
+    import cudnn_fuse as cf
+    from cudnn_fuse import fp8_attention
+
+    rows = []
+    for S in seqs:
+        for causal in (False, True):
+            g = torch.Generator(device="cuda").manual_seed(S)
+            q, k, v = (torch.randn(ATTN_B, ATTN_H, S, ATTN_D, device="cuda", generator=g, dtype=torch.bfloat16)
+                       for _ in range(3))
+            (q8, dq), (k8, dk), (v8, dv) = (_per_tensor_cast(t) for t in (q, k, v))
+            scale_o = torch.tensor(1.0, device="cuda")
+            bf16_fn = lambda: cf.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+            only_fn = lambda: cf.scaled_dot_product_attention_fp8(q8, k8, v8, dq, dk, dv, is_causal=causal,  # noqa: E731
+                                                                 scale_o=scale_o)
+
+            def full_fn():
+                (a8, da), (b8, db), (c8, dc) = (_per_tensor_cast(t) for t in (q, k, v))
+                return cf.scaled_dot_product_attention_fp8(a8, b8, c8, da, db, dc, is_causal=causal, scale_o=scale_o)
+
+            o8, _ = only_fn()
+            ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+            top = ref.abs().max()
+            row = {"seq": S, "causal": causal, "batch": ATTN_B, "heads": ATTN_H, "head_dim": ATTN_D,
+                   "declined": bool(fp8_attention.refused()),
+                   "bf16_ms": device_ms(bf16_fn), "fp8_ms": device_ms(full_fn), "fp8_only_ms": device_ms(only_fn),
+                   "fp8_err": float((o8.float() - ref).abs().max() / top),
+                   "bf16_err": float((bf16_fn().float() - ref).abs().max() / top)}
+            row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+            row["speedup_fp8_only"] = row["bf16_ms"] / row["fp8_only_ms"]
+            rows.append(row)
+            print(f"attention S={S} causal={causal}: bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} "
+                  f"(casts counted), fp8 only {row['fp8_only_ms']:.3f}; err fp8 {row['fp8_err']:.2e} "
+                  f"bf16 {row['bf16_err']:.2e}", flush=True)
+            del q, k, v, q8, k8, v8, ref
+            torch.cuda.empty_cache()
+    return rows
+
+
 def cublaslt_support(n: int = 256) -> list:
     """Which FP8 GEMM forms cuBLASLt plans here, and whether each gives the reference's result: per D
     format, epilogue, kernel amax, residual (C) and bias format, planned or refused (and why), and the
@@ -179,6 +233,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="directory of fp8.json")
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="MxKxN, comma-separated")
+    p.add_argument("--seqs", default=",".join(map(str, ATTN_SEQS)), help="attention sequence lengths ('' for none)")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing fp8.json")
     args = p.parse_args(argv)
@@ -195,8 +250,8 @@ def main(argv=None) -> int:
     doc = {"commit": args.commit or checkout_commit(), "device": device_name(), "torch": torch.__version__,
            "cudnn": cudnn.backend_version(), "cublaslt_support": cublaslt_support(),
            "scaled_mm": scaled_mm_rows(shapes),
-           "attention": "not built: scaled_dot_product_attention_fp8 runs the dequantized bfloat16 attention",
-           "training": "not built: the FP8 linear's GEMMs dequantize"}
+           "attention": attention_rows([int(x) for x in args.seqs.split(",") if x]),
+           "training": "not measured yet"}
     for r in doc["cublaslt_support"]:
         print("cuBLASLt", {k: v for k, v in r.items() if k != "why"}, r.get("why", ""), flush=True)
     try:
