@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8_gemm
+from . import fp8_cast, fp8_gemm
 from .errors import ArgumentError
-from .reference import fp8_cast
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
@@ -51,6 +50,7 @@ class _Recipe:
         return FORMATS[self.fp8_format]
 
     history_len = 1
+    scales_from_history = False  # DelayedScaling: its scale is known before the tensor's amax
 
     def before_cast(self, history, i) -> None:  # recipes with cross-rank amaxes (DelayedScaling) override these
         pass
@@ -84,6 +84,8 @@ class DelayedScaling(_Recipe):
         self.amax_history_len, self.amax_compute_algo = amax_history_len, amax_compute_algo
 
         self._pending: dict = {}  # (id(history), role) -> (history, role) of the amaxes pushed since the last reduction
+
+    scales_from_history = True
 
     @property
     def history_len(self) -> int:
@@ -144,15 +146,20 @@ class Casts:
         """(``t`` cast to ``fmt`` with its role's scale, that scale); the scale and history are updated
         in place: the scale this cast used, the amax pushed into the history."""
         i = ROLES.index(role)
-        amax = t.detach().abs().amax().float()
         self.recipe.before_cast(self.history, i)
-        scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
+        if self.recipe.scales_from_history:  # the scale is known before the cast: one pass casts and takes the amax
+            scale = self.recipe.scale(None, self.history[i], self.scales[i], fmt)
+            q, amax = fp8_cast.cast_amax(t, fmt, scale)
+        else:  # the scale needs this tensor's amax first
+            amax = fp8_gemm.fast_amax(t)
+            scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
+            q = fp8_cast.cast_amax(t, fmt, scale)[0]
         with torch.no_grad():
             self.scales[i] = scale
             self.history[i] = torch.roll(self.history[i], 1)
             self.history[i, 0] = amax
         self.recipe.after_cast(self.history, i)
-        return fp8_cast(t.detach().float(), fmt, scale), scale
+        return q, scale
 
 
 def gemm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype, bias=None):

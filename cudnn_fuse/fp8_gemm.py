@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import fp8_cast
 from .reference import FP8_DTYPES, activation as torch_activation
 
 log = logging.getLogger(__name__)
@@ -135,13 +136,12 @@ def fast_amax(y: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(y.detach(), float("inf"), dtype=torch.float32)
 
 
-def _cast(r: torch.Tensor, fmt, scale) -> torch.Tensor:
-    """``fp8_cast`` of a 16-bit ``r`` in float32, each step in place on one float32 copy."""
-    big = torch.finfo(fmt).max
-    r = r.float()
-    if scale is not None:
-        r.mul_(scale)
-    return r.clamp_(-big, big).to(fmt)
+def _finish(r: torch.Tensor, out_dtype, scale_result, return_amax: bool):
+    """(``r`` as ``out_dtype``: an FP8 output cast with its amax in one pass (fp8_cast.py), amax or None)."""
+    if out_dtype in FP8_DTYPES:
+        out, am = fp8_cast.cast_amax(r, out_dtype, scale_result)
+        return out, am if return_amax else None
+    return r.to(out_dtype), fast_amax(r) if return_amax else None
 
 
 def _k_major(b2: torch.Tensor) -> torch.Tensor:
@@ -204,9 +204,7 @@ def _cublaslt(a2, b2, sa, sb, bias, activation, residual, out_dtype, scale_resul
         if form == "full":
             return d, (am if am is not None else fast_amax(d)) if return_amax else None
         r = d if in_kernel else torch_activation(d, activation, negative_slope)
-        am = fast_amax(r) if return_amax else None
-        out = _cast(r, out_dtype, scale_result) if fp8_out else r.to(out_dtype)
-        return out, am
+        return _finish(r, out_dtype, scale_result, return_amax)
     return None
 
 
@@ -247,10 +245,7 @@ def _torch_scaled_mm(a2, b2, sa, sb, bias, activation, residual, out_dtype, scal
         y = y + bias.float()
     if residual is not None:
         y = y + residual.to(wide)
-    y = torch_activation(y, activation, negative_slope)
-    am = fast_amax(y) if return_amax else None
-    out = _cast(y, out_dtype, scale_result) if out_dtype in FP8_DTYPES else y.to(out_dtype)
-    return out, am
+    return _finish(torch_activation(y, activation, negative_slope), out_dtype, scale_result, return_amax)
 
 
 def plan_count() -> int:

@@ -150,3 +150,22 @@ def test_the_custom_op_has_shapes_for_torch_compile():
         y2, am2 = fp8_gemm.scaled_mm_op(fa, fb, fs, fs, None, None, None, torch.bfloat16, None, False, 0.01)
     assert (y.shape, y.dtype, am.shape) == ((32, 48), E4, ())
     assert (y2.dtype, am2.shape) == (torch.bfloat16, (0,))
+
+
+@pytest.mark.parametrize("fmt", [E4, E5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cast_with_its_amax_saturates_keeps_nan_and_leaves_its_input(fmt, dtype):
+    from cudnn_fuse import fp8_cast
+
+    x = (torch.randn(1000) * 300).to(dtype)
+    x[7] = float("nan")
+    keep = x.clone()
+    scale = torch.tensor(2.0)
+    y, am = fp8_cast.cast_amax(x, fmt, scale)
+    assert torch.equal(x.nan_to_num(), keep.nan_to_num())  # the input is not scaled in place
+    want = reference.fp8_cast(x.float(), fmt, scale)
+    assert y.dtype == fmt and torch.equal(y.float().nan_to_num(), want.float().nan_to_num())
+    assert torch.isnan(y.float()[7]) and torch.isnan(am)
+    x[7] = 1.0
+    y, am = fp8_cast.cast_amax(x, fmt, torch.tensor(100.0))  # |x| * 100 passes both formats' largest
+    assert am.item() == x.float().abs().max().item() and y.float().abs().max() == torch.finfo(fmt).max

@@ -205,3 +205,23 @@ def test_fp8_attention_runs_cudnns_graph_and_matches_the_reference(causal, heads
     assert am.item() == pytest.approx(want.abs().max().item(), rel=3e-2)
     if heads_kv == 8:
         assert not new_refusals, new_refusals  # the plain MHA shape is cuDNN's own: it must take it
+
+
+@pytest.mark.parametrize("fmt", [E4, E5])
+@pytest.mark.parametrize("n", [1, 4095, 3 * 4096 + 17, 1 << 22])
+def test_the_triton_cast_matches_torchs_bit_for_bit(fmt, n):
+    from cudnn_fuse import fp8_cast
+
+    if not fp8_cast._triton_kernel():
+        pytest.skip("no Triton")
+    x = (torch.randn(n, device="cuda") * 500).bfloat16()
+    if n > 8:
+        x[n // 2] = float("nan")
+    scale = torch.tensor(0.75, device="cuda")
+    y, am = fp8_cast.cast_amax(x, fmt, scale)
+    ty, tam = fp8_cast.torch_cast_amax(x, fmt, scale)
+    assert torch.equal(y.view(torch.uint8), ty.view(torch.uint8))  # NaN's bits too
+    assert torch.equal(am.isnan(), tam.isnan()) and (am.isnan() or am.item() == tam.item())
+    y2, am2 = fp8_cast.cast_amax(x.t() if x.dim() > 1 else x[::2], fmt)  # a strided input
+    ty2, tam2 = fp8_cast.torch_cast_amax(x[::2], fmt)
+    assert torch.equal(y2.view(torch.uint8), ty2.view(torch.uint8))
