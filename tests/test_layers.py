@@ -14,11 +14,13 @@ LAYERS = [
     {"_version", "_native", "errors", "envvars", "spec", "progress", "graphs"},
     # shape families of specs
     {"families"},
-    # graphs of specs, their reference, the environment, the driver's launches, manifests
+    # graphs of specs, their reference, the environment, the driver's launches, manifests; the FP8
+    # GEMM (cuBLASLt) and cast kernels
     {"env", "builders", "builders.common", "builders.epilogue", "builders.conv", "builders.matmul",
-     "builders.attention", "builders.backward", "reference", "launch_graphs", "manifest", "conv_gemm"},
-    # the cache; a device's handle; which engines may serve a graph
-    {"cache", "handles", "engines"},
+     "builders.attention", "builders.backward", "reference", "launch_graphs", "manifest", "conv_gemm",
+     "fp8_cast", "fp8_gemm"},
+    # the cache; a device's handle; which engines may serve a graph; FP8 attention's graphs
+    {"cache", "handles", "engines", "fp8_attention"},
     # a built plan and its launch; torch standing in for one
     {"plans", "torch_engine"},
     {"autotune"},
