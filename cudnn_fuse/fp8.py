@@ -139,14 +139,24 @@ class Casts:
     """A module's FP8 state: per role (x, w, dy) its current scale and amax history, in buffers the module
     owns (``scales``: [3]; ``history``: [3, history_len], newest first)."""
 
-    def __init__(self, recipe, scales: torch.Tensor, history: torch.Tensor):
+    def __init__(self, recipe, scales: torch.Tensor, history: torch.Tensor, weight_cache: dict | None = None):
         self.recipe, self.scales, self.history = recipe, scales, history
+        # current scaling: the weight's cast, kept per (storage, weight._version), is made once per update
+        self.weight_cache = weight_cache
 
     def cast(self, t: torch.Tensor, role: str, fmt) -> tuple:
         """(``t`` cast to ``fmt`` with its role's scale, that scale); the scale and history are updated
         in place: the scale this cast used, the amax pushed into the history."""
         i = ROLES.index(role)
         self.recipe.before_cast(self.history, i)
+        key = None
+        if role == "w" and self.weight_cache is not None and not self.recipe.scales_from_history:
+            key = (t.data_ptr(), t._version, t.dtype, fmt)
+            hit = self.weight_cache.get(key)
+            if hit is not None:
+                q, scale, amax = hit
+                self._record(i, scale, amax)
+                return q, scale
         if self.recipe.scales_from_history:  # the scale is known before the cast: one pass casts and takes the amax
             scale = self.recipe.scale(None, self.history[i], self.scales[i], fmt)
             q, amax = fp8_cast.cast_amax(t, fmt, scale)
@@ -154,12 +164,19 @@ class Casts:
             amax = fp8_gemm.fast_amax(t)
             scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
             q = fp8_cast.cast_amax(t, fmt, scale)[0]
+        if key is not None:
+            self.weight_cache.clear()  # the weight's older casts are of its older values
+            self.weight_cache[key] = (q, scale, amax)
+        self._record(i, scale, amax)
+        return q, scale
+
+    def _record(self, i: int, scale, amax) -> None:
+        """The scale this cast used, and its amax pushed into the history."""
         with torch.no_grad():
             self.scales[i] = scale
             self.history[i] = torch.roll(self.history[i], 1)
             self.history[i, 0] = amax
         self.recipe.after_cast(self.history, i)
-        return q, scale
 
 
 def gemm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype, bias=None):

@@ -363,7 +363,8 @@ class Linear(torch.nn.Linear):
         if self.in_features % 16 or self.out_features % 16:
             ops._fallback("linear", "FP8 needs in_features and out_features that are multiples of 16: bfloat16")
             return None
-        casts = fp8_.Casts(self.fp8, self.fp8_scales, self.fp8_amax_history)
+        cache = self.__dict__.setdefault("_fp8_weight_cast", {})  # not state: a copy or a load recasts
+        casts = fp8_.Casts(self.fp8, self.fp8_scales, self.fp8_amax_history, cache)
         y = fp8_.LinearFunction.apply(x, self.weight, self.bias, casts)
         if residual is not None:
             y = y + residual

@@ -4,6 +4,8 @@ state_dict, and a small MLP trained 200 steps with each recipe tracking the same
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -159,3 +161,29 @@ def test_optimize_with_a_recipe_makes_every_linear_it_can_fp8():
     assert "fc1.fp8_scales" in o.state_dict()
     with pytest.raises(TypeError, match="fp8 must be None"):
         cf.optimize(m, fp8="e4m3")
+
+
+def test_current_scaling_casts_the_weight_once_per_update(monkeypatch):
+    from cudnn_fuse import fp8_cast
+
+    torch.manual_seed(0)
+    lin = cf.nn.Linear(32, 16, fp8=cf.Float8CurrentScaling())
+    fresh = copy.deepcopy(lin)
+    casts = []
+    real = fp8_cast.cast_amax
+    monkeypatch.setattr(fp8_cast, "cast_amax", lambda t, fmt, scale=None: casts.append(tuple(t.shape)) or real(t, fmt, scale))
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        y1, y2 = lin(x), lin(x)
+    assert casts.count((16, 32)) == 1 and casts.count((8, 32)) == 2  # W once, x every call
+    assert torch.equal(y1, y2)
+    assert lin.fp8_amax_history[1, 0] > 0  # the cached cast still records W's amax and scale
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin(x).sum().backward()
+    opt.step()  # an in-place update: a new weight._version
+    with torch.no_grad():
+        y3 = lin(x)
+        fresh.load_state_dict(lin.state_dict())
+        want = fresh(x)
+    assert casts.count((16, 32)) == 3  # the training forward reused it; after the update this layer and the copy cast
+    torch.testing.assert_close(y3, want)
