@@ -214,7 +214,9 @@ def plot(doc: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = doc.get("scaled_mm", [])
-    fig, ax = plt.subplots(figsize=(9, 4))
+    attn = doc.get("attention") if isinstance(doc.get("attention"), list) else []
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [max(len(rows), 1),
+                                                                                   max(len(attn), 1)]})
     labels = [f"{r['M']}x{r['K']}x{r['N']}\n{r['out_dtype']}" for r in rows]
     xs = range(len(rows))
     for i, (key, name) in enumerate((("speedup_vs_torch", "torch chain / cf"), ("speedup_vs_bf16", "cf bf16 / cf"))):
@@ -224,6 +226,13 @@ def plot(doc: dict, path: str) -> None:
     ax.set_ylabel("speedup of cf.scaled_mm")
     ax.set_title(f"FP8 GEMM + bias + GELU ({doc.get('device', '?')}, {doc.get('commit', '?')})")
     ax.legend()
+    for i, (key, name) in enumerate((("speedup", "bf16 / fp8 (casts counted)"), ("speedup_fp8_only", "bf16 / fp8"))):
+        ax2.bar([x + 0.4 * i for x in range(len(attn))], [r[key] for r in attn], width=0.4, label=name)
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_xticks([x + 0.2 for x in range(len(attn))], [f"S={r['seq']}\n{'causal' if r['causal'] else 'full'}"
+                                                         for r in attn], fontsize=7)
+    ax2.set_title("FP8 attention against cf's bfloat16 attention")
+    ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -90,6 +90,8 @@ def test_fp8_bench_errors_count_only_what_the_format_does_not_round_away(tmp_pat
         float((want.bfloat16().double() - want).abs().max() / 100))
     pytest.importorskip("matplotlib")
     row = {"M": 8, "K": 16, "N": 16, "out_dtype": "bfloat16", "speedup_vs_torch": 1.2, "speedup_vs_bf16": 1.6}
-    (tmp_path / "fp8.json").write_text(json.dumps({"device": "X", "commit": "c", "scaled_mm": [row, row]}))
+    attn = {"seq": 2048, "causal": True, "speedup": 1.3, "speedup_fp8_only": 1.5}
+    (tmp_path / "fp8.json").write_text(json.dumps({"device": "X", "commit": "c", "scaled_mm": [row, row],
+                                                   "attention": [attn]}))
     assert fp8.main(["--plot", str(tmp_path / "fp8.json")]) == 0
     assert (tmp_path / "fp8.png").read_bytes()[:4] == b"\x89PNG"
