@@ -192,8 +192,10 @@ def _cublaslt(a2, b2, sa, sb, bias, activation, residual, out_dtype, scale_resul
         c_dtype = _wide(d_dtype) if d_dtype in FP8_DTYPES else d_dtype
         bias_dtype = torch.float16 if d_dtype == torch.float16 else (torch.float32 if d_dtype == torch.float32
                                                                       else torch.bfloat16)
-        key = (dev.index, M, a2.shape[1], N, a2.dtype, b2.dtype, d_dtype, act, residual is not None, kernel_amax)
         c = None if residual is None else _rowmajor(residual.to(c_dtype))
+        # the layouts too: a plan rebinds pointers unchecked, so another leading dimension is another plan
+        key = (dev.index, M, a2.shape[1], N, a2.dtype, b2.dtype, d_dtype, act, residual is not None, kernel_amax,
+               a2.stride(0), b2.stride(1), None if c is None else c.stride(0))
         bb = _bias(bias, N, bias_dtype, dev)
         scale_d = (scale_result if scale_result is not None else _one(dev)).reshape(1) \
             if d_dtype in FP8_DTYPES else None

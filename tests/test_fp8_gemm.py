@@ -169,3 +169,16 @@ def test_the_cast_with_its_amax_saturates_keeps_nan_and_leaves_its_input(fmt, dt
     x[7] = 1.0
     y, am = fp8_cast.cast_amax(x, fmt, torch.tensor(100.0))  # |x| * 100 passes both formats' largest
     assert am.item() == x.float().abs().max().item() and y.float().abs().max() == torch.finfo(fmt).max
+
+
+def test_a_view_with_another_leading_dimension_gets_its_own_plan(fake_cublaslt):
+    """A plan rebinds pointers without checking layouts: a sliced a (rows K+32 apart) must not reuse the
+    plan of a contiguous one."""
+    a, b, sa, sb = _ops(seed=6)
+    wide = torch.cat([a.float(), torch.zeros(32, 32)], dim=1).to(E4)  # [32, 96]
+    view = wide[:, :64]
+    assert view.stride(0) == 96
+    fp8_gemm.scaled_mm_2d(a, b, sa, sb, None, "relu", None, torch.bfloat16, None, False, 0.01)
+    y, _ = fp8_gemm.scaled_mm_2d(view, b, sa, sb, None, "relu", None, torch.bfloat16, None, False, 0.01)
+    assert len({c["key"] for c in fake_cublaslt}) == 2
+    _close(y, reference.scaled_mm(a, b, sa, sb, None, "relu"), torch.bfloat16)
