@@ -140,9 +140,13 @@ def test_the_weight_format_follows_the_device_keeping_the_parameter(swap_on_move
     with torch.no_grad():
         for p, v in zip(params, values):
             p.copy_(v)
-    opt(torch.randn(1, 3, 8, 8)).sum().backward()
-    sgd.step()  # the optimizer holds the same Parameters: it moved them
-    assert all(not torch.equal(p, v) for p, v in zip(params, values))
+    held = {id(q) for group in sgd.param_groups for q in group["params"]}
+    assert all(id(p) in held for p in params)  # the optimizer holds the very Parameters the layers use
+    opt(torch.rand(1, 3, 8, 8)).sum().backward()
+    sgd.step()  # and it moves them: every weight that got a gradient changed, as SGD's rule says
+    for p, v in zip(params, values):
+        torch.testing.assert_close(p.detach(), v - 0.1 * p.grad)
+    assert any(p.grad.abs().sum() > 0 for p in params)
 
 
 def test_the_cuda_weight_format_is_channels_last():
