@@ -35,6 +35,7 @@ MAX_PLANS = 64  # nvmath plans kept (each holds descriptors and a workspace); le
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _refused: dict = {}  # plan key -> why cuBLASLt refused it: asked once per process
 _zero_bias: dict = {}  # (N, dtype, device) -> zeros: a plan without a bias still wants column-major D
+_transposed: set = set()  # shapes of b already logged as not K-major
 _lock = threading.Lock()
 
 
@@ -148,7 +149,10 @@ def _k_major(b2: torch.Tensor) -> torch.Tensor:
     """``b`` [K, N] with K contiguous, as FP8 GEMMs want (one logged transpose otherwise)."""
     if b2.stride(0) == 1 and b2.stride(1) >= b2.shape[0]:
         return b2
-    log.info("scaled_mm: b of shape %s is not K-major (b.t() contiguous): transposed once per call", tuple(b2.shape))
+    shape = tuple(b2.shape)
+    if shape not in _transposed:  # said once per shape: a loop would repeat it every call
+        _transposed.add(shape)
+        log.info("scaled_mm: b of shape %s is not K-major (b.t() contiguous): transposed at every call", shape)
     return b2.t().contiguous().t()
 
 
