@@ -76,6 +76,7 @@ class _Plan:
             self.mm.reset_operands_unchecked(a=b2.t(), b=a2.t(), c=None if residual is None else residual.t(),
                                              quantization_scales=scales, epilog_inputs={"bias": bias})
             out = self.mm.execute(stream=stream)
+            self.mm.release_operands()  # the plan outlives the call: it must not keep the caller's tensors alive
         d, aux = out if isinstance(out, tuple) else (out, {})
         am = aux.get("result_amax")
         return d.t(), None if am is None else am.reshape(())
@@ -103,6 +104,7 @@ def _plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_am
                              beta=None if residual is None else 1.0, quantization_scales=scales,
                              options=options, stream=stream)
         mm.plan(epilog=getattr(advanced.MatmulEpilog, epilog), epilog_inputs={"bias": bias}, stream=stream)
+        mm.release_operands()  # the sample operands: each run binds its own
     except Exception as e:  # cuBLASLt has no algorithm for it, or nvmath rejects the layout
         _refuse(key, f"{type(e).__name__}: {e}")
         return None

@@ -185,3 +185,24 @@ def test_a_view_with_another_leading_dimension_gets_its_own_plan(fake_cublaslt):
     y, _ = fp8_gemm.scaled_mm_2d(view, b, sa, sb, None, "relu", None, torch.bfloat16, None, False, 0.01)
     assert len({c["key"] for c in fake_cublaslt}) == 2
     _close(y, reference.scaled_mm(a, b, sa, sb, None, "relu"), torch.bfloat16)
+
+
+def test_a_plan_lets_go_of_the_callers_tensors_after_each_run():
+    """A plan lives across calls (64 kept): holding the last call's operands would keep them alive."""
+    events = []
+
+    class FakeMatmul:
+        def reset_operands_unchecked(self, **kw):
+            events.append("bind")
+
+        def execute(self, stream=None):
+            events.append("execute")
+            return torch.zeros(48, 32), {"result_amax": torch.ones(1)}
+
+        def release_operands(self):
+            events.append("release")
+
+    a, b, sa, sb = _ops()
+    d, am = fp8_gemm._Plan(FakeMatmul()).run(a, b, sa, sb, torch.zeros(48), None, None, None)
+    assert events == ["bind", "execute", "release"]
+    assert d.shape == (32, 48) and am.shape == ()
