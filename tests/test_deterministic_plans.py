@@ -15,17 +15,9 @@ import torch
 import cudnn_fuse as cf
 from cudnn_fuse import engines, loader, ops, plans, prewarm, families
 from cudnn_fuse.manifest import Entry
-from tuning import RecordingGraph
+from tuning import RecordingGraph, deterministic
 
 
-@contextlib.contextmanager
-def deterministic(on: bool):
-    old = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(on, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
 
 
 def _spec():

@@ -6,7 +6,6 @@ build, never a failed op. cuDNN, the torch check and the GPU are stood in for on
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from cudnn_fuse import families, loader, ops, torch_engine
 from cudnn_fuse.cache import PlanCache
 from cudnn_fuse.spec import ConvSpec, TensorSpec
-from tuning import StoredGraph, StoredPlan, family_spec, stand_in_device
+from tuning import StoredGraph, StoredPlan, deterministic, family_spec, stand_in_device
 
 
 @pytest.fixture
@@ -40,14 +39,6 @@ def env(tmp_path, monkeypatch):
     return ns
 
 
-@contextlib.contextmanager
-def _deterministic():
-    old = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
 
 
 def _fresh_process(env):
@@ -114,7 +105,7 @@ def test_what_keeps_building_at_once(env, monkeypatch, case):
         monkeypatch.setattr(autotune, "torch_wins", lambda w, t: False)
         monkeypatch.setattr(autotune, "gemm_wins", lambda w, t: False)
     if case == "deterministic":
-        with _deterministic():
+        with deterministic(True):
             plan = env.lru.get(spec, 0)
     elif case == "direct load":  # prewarm and the autotune CLI build what they are given
         plan = loader.load_or_build(spec, 0)

@@ -12,6 +12,19 @@ from cudnn_fuse import autotune, loader, set_autotune
 
 
 @contextlib.contextmanager
+def deterministic(on: bool):
+    """torch.use_deterministic_algorithms(on, warn_only=True) for the block, the old setting restored."""
+    import torch
+
+    old = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old[0], warn_only=old[1])
+
+
+@contextlib.contextmanager
 def autotuning(**config):
     """Autotune on, autotune.DEFAULT_CONFIG = Config(**config), in-memory plans cleared around."""
     loader.clear()
