@@ -11,22 +11,19 @@ A graph cuDNN declines is remembered with its reason; the caller then runs its f
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from typing import List
 
 import torch
 from torch import Tensor
 
 from . import handles
+from .fp8_gemm import Kept, capability
 from .reference import amax as torch_amax, fp8_cast
 
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 64  # built graphs kept; least recently used go first
-_graphs: "OrderedDict[tuple, _Graph]" = OrderedDict()
-_refused: dict = {}  # key -> cuDNN's reason, asked once per process
-_lock = threading.Lock()
+_kept = Kept(MAX_GRAPHS, log, "FP8 attention: cuDNN")
 _ROLES = ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "o", "amax_s",
           "amax_o")
 UIDS = {role: i + 1 for i, role in enumerate(_ROLES)}
@@ -34,7 +31,7 @@ UIDS = {role: i + 1 for i, role in enumerate(_ROLES)}
 
 def fp8_attention_capable(device: torch.device) -> bool:
     """cuDNN's FP8 attention runs on Hopper and newer (compute capability 9.0)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cuda" and capability(device) >= (9, 0)
 
 
 class _Graph:
@@ -83,29 +80,15 @@ def _key(q, k, v, is_causal, scale):
 
 
 def _graph(key, q, k, v, o, is_causal, scale):
-    with _lock:
-        found = _graphs.get(key)
-        if found is not None:
-            _graphs.move_to_end(key)
-            return found
-        if key in _refused:
-            return None
-    device = q.device.index
-    h = handles.handle_for(device)
-    try:
+    """The kept graph of ``key``, built now if new; None where cuDNN declined it (remembered)."""
+
+    def build():
+        device = q.device.index
+        h = handles.handle_for(device)
         with torch.cuda.device(device), handles.held(h, device):
-            built = _build(q, k, v, o, is_causal, scale, h.handle)
-    except Exception as e:  # noqa: BLE001 - cuDNN declined the graph: the caller's fallback runs it
-        with _lock:
-            _refused[key] = f"{type(e).__name__}: {e}"
-        log.info("FP8 attention: cuDNN declined q%s k%s %s causal=%s (%s); the fallback runs it", tuple(q.shape),
-                 tuple(k.shape), q.dtype, is_causal, _refused[key])
-        return None
-    with _lock:
-        _graphs[key] = built
-        while len(_graphs) > MAX_GRAPHS:
-            _graphs.popitem(last=False)
-    return built
+            return _build(q, k, v, o, is_causal, scale, h.handle)
+
+    return _kept.get(key, build)
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
@@ -140,8 +123,7 @@ def sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale
 
 
 def refused() -> dict:
-    with _lock:
-        return dict(_refused)
+    return _kept.refusals()
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, descale_q: Tensor, descale_k: Tensor, descale_v: Tensor,

@@ -32,27 +32,81 @@ _NVMATH_LOG = logging.getLogger(__name__ + ".nvmath")  # nvmath logs to the root
 # cuBLASLt's epilogues by (activation in the kernel, bias): GELU is its tanh approximation
 _EPILOG = {None: "BIAS", "relu": "RELU_BIAS", "gelu_tanh": "GELU_BIAS"}
 MAX_PLANS = 64  # nvmath plans kept (each holds descriptors and a workspace); least recently used go first
-_plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
-_refused: dict = {}  # plan key -> why cuBLASLt refused it: asked once per process
 _zero_bias: dict = {}  # (N, dtype, device) -> zeros: a plan without a bias still wants column-major D
+_constants: dict = {}  # (device, value) -> a float32 one-element tensor
 _transposed: set = set()  # shapes of b already logged as not K-major
-_lock = threading.Lock()
+_capability: dict = {}  # device index -> compute capability, asked once
+_nvmath_found: list = []  # [(module, why)] once imported (or not)
+
+
+class Kept:
+    """What an FP8 engine built, by key, the least recently used dropped past ``capacity``, and the keys
+    whose build failed with the reason: a build is tried once per process, its refusal logged once."""
+
+    def __init__(self, capacity: int, logger: logging.Logger, what: str):
+        self.capacity, self.log, self.what = capacity, logger, what
+        self.items: OrderedDict = OrderedDict()
+        self.refused: dict = {}
+        self.lock = threading.Lock()
+
+    def get(self, key, build):
+        """The item of ``key``, built by ``build()`` if new; None where a build failed (now or before)."""
+        with self.lock:
+            item = self.items.get(key)
+            if item is not None:
+                self.items.move_to_end(key)
+                return item
+            if key in self.refused:
+                return None
+        try:
+            item = build()
+        except Exception as e:  # noqa: BLE001 - the engine declined it: the caller's next form runs it
+            self.refuse(key, f"{type(e).__name__}: {e}")
+            return None
+        with self.lock:
+            self.items[key] = item
+            while len(self.items) > self.capacity:
+                self.items.popitem(last=False)
+        return item
+
+    def refuse(self, key, why: str) -> None:
+        with self.lock:
+            self.refused[key] = why
+        self.log.info("%s declined %s (%s); the next form runs it", self.what, key, why)
+
+    def refusals(self) -> dict:
+        with self.lock:
+            return dict(self.refused)
+
+
+_kept = Kept(MAX_PLANS, log, "FP8 GEMM: cuBLASLt")
 
 
 class Unsupported(RuntimeError):
     """No FP8 GEMM engine here (no GPU of compute capability 8.9 or newer)."""
 
 
+def capability(device: torch.device) -> tuple:
+    """``device``'s compute capability, asked of the driver once (the ops ask at every call)."""
+    cap = _capability.get(device.index)
+    if cap is None:
+        cap = _capability[device.index] = torch.cuda.get_device_capability(device)
+    return cap
+
+
 def fp8_capable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and capability(device) >= (8, 9)
 
 
 def _nvmath():
-    try:
-        from nvmath.linalg import advanced
-    except Exception as e:  # not installed, or its CUDA libraries not found
-        return None, f"nvmath-python unavailable ({type(e).__name__}: {e})"
-    return advanced, None
+    """(nvmath's linalg.advanced module, None), or (None, why it is unavailable); imported once."""
+    if not _nvmath_found:
+        try:
+            from nvmath.linalg import advanced
+            _nvmath_found.append((advanced, None))
+        except Exception as e:  # noqa: BLE001 - not installed, or its CUDA libraries not found
+            _nvmath_found.append((None, f"nvmath-python unavailable ({type(e).__name__}: {e})"))
+    return _nvmath_found[0]
 
 
 def _cuda_type(dtype: torch.dtype):
@@ -83,43 +137,24 @@ class _Plan:
 
 
 def _plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_amax, stream):
-    """The cached plan of ``key``, made now if new; None where cuBLASLt refused it (remembered)."""
-    with _lock:
-        p = _plans.get(key)
-        if p is not None:
-            _plans.move_to_end(key)
-            return p
-        if key in _refused:
-            return None
-    advanced, why = _nvmath()
-    if advanced is None:
-        _refuse(key, why)
-        return None
-    scales = {"a": sb, "b": sa}
-    if scale_d is not None:
-        scales["d"] = scale_d
-    options = {"logger": _NVMATH_LOG, "result_type": _cuda_type(d_dtype), "result_amax": want_amax}
-    try:
+    """The kept plan of ``key``, made now if new; None where cuBLASLt refused it (remembered)."""
+
+    def build():
+        advanced, why = _nvmath()
+        if advanced is None:
+            raise Unsupported(why)
+        scales = {"a": sb, "b": sa}
+        if scale_d is not None:
+            scales["d"] = scale_d
+        options = {"logger": _NVMATH_LOG, "result_type": _cuda_type(d_dtype), "result_amax": want_amax}
         mm = advanced.Matmul(b2.t(), a2.t(), c=None if residual is None else residual.t(),
                              beta=None if residual is None else 1.0, quantization_scales=scales,
                              options=options, stream=stream)
         mm.plan(epilog=getattr(advanced.MatmulEpilog, epilog), epilog_inputs={"bias": bias}, stream=stream)
         mm.release_operands()  # the sample operands: each run binds its own
-    except Exception as e:  # cuBLASLt has no algorithm for it, or nvmath rejects the layout
-        _refuse(key, f"{type(e).__name__}: {e}")
-        return None
-    p = _Plan(mm)
-    with _lock:
-        _plans[key] = p
-        while len(_plans) > MAX_PLANS:
-            _plans.popitem(last=False)
-    return p
+        return _Plan(mm)
 
-
-def _refuse(key, why: str) -> None:
-    with _lock:
-        _refused[key] = why
-    log.info("FP8 GEMM: cuBLASLt declined %s (%s); the next form runs it", key, why)
+    return _kept.get(key, build)
 
 
 def engine_of(a2, b2, scale_a, scale_b, out_dtype=torch.bfloat16) -> str:
@@ -203,7 +238,7 @@ def _cublaslt(a2, b2, sa, sb, bias, activation, residual, out_dtype, scale_resul
         key = (dev.index, M, a2.shape[1], N, a2.dtype, b2.dtype, d_dtype, act, residual is not None, kernel_amax,
                a2.stride(0), b2.stride(1), None if c is None else c.stride(0))
         bb = _bias(bias, N, bias_dtype, dev)
-        scale_d = (scale_result if scale_result is not None else _one(dev)).reshape(1) \
+        scale_d = (scale_result if scale_result is not None else constant(dev, 1.0)).reshape(1) \
             if d_dtype in FP8_DTYPES else None
         p = _plan(key, a2, b2, sa, sb, bb, c, scale_d, _EPILOG[act], d_dtype, kernel_amax, stream)
         if p is None:
@@ -230,13 +265,13 @@ def _bias(bias, N, dtype, device):
     return z
 
 
-_ones: dict = {}
-
-
-def _one(device):
-    t = _ones.get(device)
+def constant(device, value: float) -> torch.Tensor:
+    """A float32 one-element tensor of ``value`` on ``device``, made once (a default scale: no fill kernel
+    per call)."""
+    key = (device, value)
+    t = _constants.get(key)
     if t is None:
-        t = _ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        t = _constants[key] = torch.full((), value, dtype=torch.float32, device=device)
     return t
 
 
@@ -257,13 +292,12 @@ def _torch_scaled_mm(a2, b2, sa, sb, bias, activation, residual, out_dtype, scal
 
 
 def plan_count() -> int:
-    return len(_plans)
+    return len(_kept.items)
 
 
 def refused() -> dict:
     """{plan key: cuBLASLt's refusal} of this process (what runs split or through torch, and why)."""
-    with _lock:
-        return dict(_refused)
+    return _kept.refusals()
 
 
 def _scaled_mm_op_impl(a2: torch.Tensor, b2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

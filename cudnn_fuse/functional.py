@@ -418,7 +418,7 @@ def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *
                                                           scale_s, is_causal, scale, scale_o)
     if fp8_attention.fp8_attention_capable(q.device):
         fmax = torch.finfo(q.dtype).max
-        full = (lambda t, x: t if t is not None else torch.full((), x, dtype=torch.float32, device=q.device))
+        full = (lambda t, x: t if t is not None else fp8_gemm.constant(q.device, x))
         ss = full(scale_s, fmax)
         args = (q, k, v, descale_q, descale_k, descale_v, full(descale_s, 1.0 / fmax), ss, full(scale_o, 1.0),
                 bool(is_causal), float(scale) if scale is not None else 1.0 / math.sqrt(D))

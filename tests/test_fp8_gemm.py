@@ -41,7 +41,7 @@ def fake_cublaslt(monkeypatch):
     def plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_amax, stream):
         calls.append(dict(key=key, epilog=epilog, d_dtype=d_dtype, amax=want_amax))
         if d_dtype in (E4, E5) and epilog == "GELU_BIAS" and want_amax:  # NOT_SUPPORTED on the H100's cuBLASLt
-            fp8_gemm._refuse(key, "CUBLAS_STATUS_NOT_SUPPORTED")
+            fp8_gemm._kept.refuse(key, "CUBLAS_STATUS_NOT_SUPPORTED")
             return None
         return _FakePlan(epilog, d_dtype, want_amax)
 
@@ -49,7 +49,7 @@ def fake_cublaslt(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "fp8_capable", lambda device: True)
     monkeypatch.setattr(fp8_gemm, "_nvmath", lambda: (object(), None))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(fp8_gemm, "_refused", {})
+    monkeypatch.setattr(fp8_gemm, "_kept", fp8_gemm.Kept(fp8_gemm.MAX_PLANS, fp8_gemm.log, "FP8 GEMM: cuBLASLt"))
     return calls
 
 
@@ -206,3 +206,28 @@ def test_a_plan_lets_go_of_the_callers_tensors_after_each_run():
     d, am = fp8_gemm._Plan(FakeMatmul()).run(a, b, sa, sb, torch.zeros(48), None, None, None)
     assert events == ["bind", "execute", "release"]
     assert d.shape == (32, 48) and am.shape == ()
+
+
+def test_kept_builds_once_drops_the_least_recently_used_and_remembers_a_refusal(caplog):
+    import logging
+
+    builds = []
+    kept = fp8_gemm.Kept(2, logging.getLogger("cudnn_fuse.fp8_gemm"), "an engine")
+
+    def build(key):
+        def make():
+            builds.append(key)
+            if key == "bad":
+                raise RuntimeError("no algorithm")
+            return f"plan {key}"
+        return make
+
+    assert kept.get("a", build("a")) == "plan a" and kept.get("a", build("a")) == "plan a"
+    kept.get("b", build("b"))
+    kept.get("a", build("a"))  # a is now the most recent: b goes when c comes
+    kept.get("c", build("c"))
+    assert list(kept.items) == ["a", "c"]
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.fp8_gemm"):
+        assert kept.get("bad", build("bad")) is None and kept.get("bad", build("bad")) is None
+    assert builds == ["a", "b", "c", "bad"] and kept.refusals() == {"bad": "RuntimeError: no algorithm"}
+    assert caplog.text.count("an engine declined bad (RuntimeError: no algorithm)") == 1

@@ -120,7 +120,7 @@ def test_the_fp8_graph_is_declared_whole_and_only_the_engine_search_needs_a_gpu(
 def test_a_declined_graph_is_asked_once_and_runs_the_dequantized_fallback(monkeypatch, caplog):
     import logging
 
-    from cudnn_fuse import fp8_attention
+    from cudnn_fuse import fp8_attention, fp8_gemm
 
     builds = []
 
@@ -129,7 +129,7 @@ def test_a_declined_graph_is_asked_once_and_runs_the_dequantized_fallback(monkey
         raise RuntimeError("no engine for this graph")
 
     monkeypatch.setattr(fp8_attention, "_build", declined)
-    monkeypatch.setattr(fp8_attention, "_refused", {})
+    monkeypatch.setattr(fp8_attention, "_kept", fp8_gemm.Kept(4, fp8_attention.log, "FP8 attention: cuDNN"))
     monkeypatch.setattr(fp8_attention.handles, "handle_for", lambda device: type("H", (), {"handle": None})())
     monkeypatch.setattr(fp8_attention.handles, "held", lambda h, d: __import__("contextlib").nullcontext(h))
     monkeypatch.setattr(fp8_attention.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
