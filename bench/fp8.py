@@ -22,7 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.common import checkout_commit, device_ms, device_name, write_json  # noqa: E402
+from bench.common import checkout_commit, device_ms, device_name, time_ms, write_json  # noqa: E402
 
 SHAPES = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192))
 E4 = torch.float8_e4m3fn
@@ -207,6 +207,117 @@ def cublaslt_support(n: int = 256) -> list:
     return rows
 
 
+# training: name -> (tokens as batch x seq, hidden, ffn, heads; 0 heads: the MLP alone)
+TRAINING = {"mlp": (1, 8192, 4096, 16384, 0), "gpt2_medium_block": (8, 1024, 1024, 4096, 16)}
+TRAIN_STEPS = 300  # the loss curves' length
+TRAIN_LR = 3e-4
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block (causal attention, GELU-tanh MLP) or, with ``heads`` 0, the MLP alone;
+    ``linear(i, o)`` and ``mlp(fc1, fc2)`` make its layers, so each variant runs its own."""
+
+    def __init__(self, hidden, ffn, heads, linear, mlp):
+        super().__init__()
+        self.heads = heads
+        if heads:
+            self.ln1, self.qkv, self.proj = torch.nn.LayerNorm(hidden), linear(hidden, 3 * hidden), linear(hidden, hidden)
+            self.ln2 = torch.nn.LayerNorm(hidden)
+        self.mlp = mlp(hidden, ffn)
+
+    def forward(self, x):
+        if not self.heads:
+            return self.mlp(x)
+        B, S, H = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, S, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, S, H))
+        return x + self.mlp(self.ln2(x))
+
+
+def _torch_mlp(hidden, ffn):
+    return torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(approximate="tanh"),
+                               torch.nn.Linear(ffn, hidden))
+
+
+def _variant(name, hidden, ffn, heads, reference):
+    """The block of variant ``name`` with ``reference``'s weights, in bfloat16 on the GPU."""
+    import cudnn_fuse as cf
+
+    if name in ("torch_compile", "torchao"):
+        m = _Block(hidden, ffn, heads, torch.nn.Linear, _torch_mlp)
+    else:
+        recipe = {"cf_bf16": None, "cf_fp8_current": cf.Float8CurrentScaling(),
+                  "cf_fp8_delayed": cf.DelayedScaling(amax_history_len=16)}[name]
+        m = _Block(hidden, ffn, heads, lambda i, o: cf.nn.Linear(i, o, fp8=recipe),
+                   lambda h, f: cf.nn.FusedMLP(cf.nn.Linear(h, f, activation="gelu_tanh"), torch.nn.Linear(f, h),
+                                               fp8=recipe))
+    m = m.to("cuda", torch.bfloat16)
+    ref = {k.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2."): v for k, v in reference.state_dict().items()}
+    m.load_state_dict({k.replace("mlp.fc1.", "mlp.0.").replace("mlp.fc2.", "mlp.2."): v for k, v in ref.items()}
+                      if name in ("torch_compile", "torchao") else ref)
+    if name == "torchao":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(m)
+    if name in ("torch_compile", "torchao"):
+        m = torch.compile(m)
+    return m
+
+
+TRAIN_VARIANTS = ("cf_bf16", "cf_fp8_current", "cf_fp8_delayed", "torch_compile", "torchao")
+
+
+def training_rows(names, steps: int = TRAIN_STEPS) -> tuple:
+    """(rows, loss curves): per block and variant the median step (forward, backward, fused AdamW) and
+    ``steps`` steps' losses toward a fixed teacher, every variant from the same weights and batches."""
+    rows, curves = [], {}
+    for name in names:
+        batch, seq, hidden, ffn, heads = TRAINING[name]
+        torch.manual_seed(0)
+        reference = _Block(hidden, ffn, heads, torch.nn.Linear, _torch_mlp).to("cuda", torch.bfloat16)
+        teacher = _Block(hidden, ffn, heads, torch.nn.Linear, _torch_mlp).to("cuda", torch.bfloat16)
+        shape = (batch, seq, hidden) if heads else (batch * seq, hidden)
+        with torch.no_grad():
+            data = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+            targets = [teacher(x) for x in data]
+        times, curves[name] = {}, {}
+        for v in TRAIN_VARIANTS:
+            try:
+                m = _variant(v, hidden, ffn, heads, reference)
+            except ImportError as e:
+                print(f"training {name} {v}: skipped ({e})", flush=True)
+                continue
+            opt = torch.optim.AdamW(m.parameters(), lr=TRAIN_LR, fused=True)
+            it = [0]
+
+            def step():
+                i = it[0] % len(data)
+                it[0] += 1
+                loss = (m(data[i]).float() - targets[i].float()).square().mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                return loss
+
+            losses = [step().item() for _ in range(steps)]
+            times[v] = time_ms(step, warmup=5, iters=30)
+            curves[name][v] = losses
+            print(f"training {name} {v}: {times[v]:.3f} ms/step, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+            del m, opt
+            torch.cuda.empty_cache()
+        for recipe in ("current", "delayed"):
+            fp8_ms = times.get(f"cf_fp8_{recipe}")
+            row = {"name": name, "recipe": recipe, "tokens": batch * seq, "hidden": hidden, "ffn": ffn, "heads": heads,
+                   "bf16_ms": times.get("cf_bf16"), "fp8_ms": fp8_ms, "torchao_ms": times.get("torchao"),
+                   "torch_compile_bf16_ms": times.get("torch_compile")}
+            if fp8_ms:
+                row["speedup_vs_bf16"] = row["bf16_ms"] / fp8_ms if row["bf16_ms"] else None
+                row["speedup_vs_torchao"] = row["torchao_ms"] / fp8_ms if row["torchao_ms"] else None
+            rows.append(row)
+    return rows, curves
+
+
 def plot(doc: dict, path: str) -> None:
     import matplotlib
 
@@ -215,8 +326,10 @@ def plot(doc: dict, path: str) -> None:
 
     rows = doc.get("scaled_mm", [])
     attn = doc.get("attention") if isinstance(doc.get("attention"), list) else []
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [max(len(rows), 1),
-                                                                                   max(len(attn), 1)]})
+    training = doc.get("training") if isinstance(doc.get("training"), list) else []
+    curves = doc.get("loss_curves") or {}
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    (ax, ax2), (ax3, ax4) = axes
     labels = [f"{r['M']}x{r['K']}x{r['N']}\n{r['out_dtype']}" for r in rows]
     xs = range(len(rows))
     for i, (key, name) in enumerate((("speedup_vs_torch", "torch chain / cf"), ("speedup_vs_bf16", "cf bf16 / cf"))):
@@ -233,6 +346,20 @@ def plot(doc: dict, path: str) -> None:
                                                          for r in attn], fontsize=7)
     ax2.set_title("FP8 attention against cf's bfloat16 attention")
     ax2.legend()
+    for i, (key, name) in enumerate((("speedup_vs_bf16", "cf bf16 / cf fp8"), ("speedup_vs_torchao", "torchao / cf fp8"))):
+        ax3.bar([x + 0.4 * i for x in range(len(training))], [r.get(key) or 0 for r in training], width=0.4, label=name)
+    ax3.axhline(1.0, color="k", lw=0.8)
+    ax3.set_xticks([x + 0.2 for x in range(len(training))], [f"{r['name']}\n{r['recipe']}" for r in training],
+                   fontsize=7)
+    ax3.set_title("training step speedup of cf's FP8")
+    ax3.legend()
+    for block, style in zip(curves, ("-", "--", ":")):
+        for variant, losses in curves[block].items():
+            ax4.plot(losses, style, lw=0.8, label=f"{block} {variant}")
+    ax4.set_yscale("log")
+    ax4.set_xlabel("step")
+    ax4.set_title("training loss")
+    ax4.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -243,6 +370,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results", help="directory of fp8.json")
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="MxKxN, comma-separated")
     p.add_argument("--seqs", default=",".join(map(str, ATTN_SEQS)), help="attention sequence lengths ('' for none)")
+    p.add_argument("--training", default=",".join(TRAINING), help=f"training blocks among {', '.join(TRAINING)} "
+                   "('' for none)")
+    p.add_argument("--steps", type=int, default=TRAIN_STEPS, help="training steps of the loss curves")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing fp8.json")
     args = p.parse_args(argv)
@@ -259,8 +389,8 @@ def main(argv=None) -> int:
     doc = {"commit": args.commit or checkout_commit(), "device": device_name(), "torch": torch.__version__,
            "cudnn": cudnn.backend_version(), "cublaslt_support": cublaslt_support(),
            "scaled_mm": scaled_mm_rows(shapes),
-           "attention": attention_rows([int(x) for x in args.seqs.split(",") if x]),
-           "training": "not measured yet"}
+           "attention": attention_rows([int(x) for x in args.seqs.split(",") if x])}
+    doc["training"], doc["loss_curves"] = training_rows([n for n in args.training.split(",") if n], args.steps)
     for r in doc["cublaslt_support"]:
         print("cuBLASLt", {k: v for k, v in r.items() if k != "why"}, r.get("why", ""), flush=True)
     try:

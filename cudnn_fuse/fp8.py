@@ -23,6 +23,7 @@ import torch
 
 from . import fp8_cast, fp8_gemm
 from .errors import ArgumentError
+from .reference import activation as torch_activation
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
@@ -179,17 +180,42 @@ class Casts:
         self.recipe.after_cast(self.history, i)
 
 
-def gemm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype, bias=None):
-    """``(aq / sa) @ (bq / sb) + bias`` as ``out_dtype``, from FP8 ``aq`` [M, K] and ``bq`` [K, N] cast with
-    the scales ``sa`` and ``sb``: an FP8 GEMM on a GPU that has them (``bq`` K-major, as Hopper's FP8
-    GEMMs want: the callers pass transposed copies), where K and N are multiples of 16; else the
-    dequantized operands in float32, what an FP8 GEMM with float32 accumulation computes."""
+def gemm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype, bias=None,
+         activation=None, residual=None, negative_slope: float = 0.01):
+    """``act((aq / sa) @ (bq / sb) + bias + residual)`` as ``out_dtype``, from FP8 ``aq`` [M, K] and ``bq``
+    [K, N] cast with the scales ``sa`` and ``sb`` (``residual`` [M, N]): an FP8 GEMM with that epilogue on a
+    GPU that has them (``bq`` K-major, as Hopper's FP8 GEMMs want: the callers pass transposed copies),
+    where K and N are multiples of 16; else the dequantized operands in float32, what an FP8 GEMM with
+    float32 accumulation computes."""
     if aq.is_cuda and aq.shape[1] % 16 == 0 and bq.shape[1] % 16 == 0 and fp8_gemm.fp8_capable(aq.device):
-        y, _ = fp8_gemm.scaled_mm_2d(aq, bq, sa.reciprocal().reshape(1), sb.reciprocal().reshape(1), bias, None,
-                                     None, out_dtype, None, False, 0.01)
+        y, _ = fp8_gemm.scaled_mm_2d(aq, bq, sa.reciprocal().reshape(1), sb.reciprocal().reshape(1), bias,
+                                     activation, residual, out_dtype, None, False, negative_slope)
         return y
     y = (aq.float() / sa) @ (bq.float() / sb)
-    return (y if bias is None else y + bias.float()).to(out_dtype)
+    y = y if bias is None else y + bias.float()
+    y = y if residual is None else y + residual.float()
+    return torch_activation(y, activation, negative_slope).to(out_dtype)
+
+
+def linear(x, weight, bias, casts: "Casts", activation=None, residual=None, negative_slope: float = 0.01):
+    """``act(x @ weightᵀ + bias + residual)`` with x and the weight cast to FP8 by ``casts``. With autograd,
+    ``LinearFunction`` (its backward casts dY), then the residual and activation; without, one GEMM whose
+    epilogue takes the bias, residual and activation where the engine has them."""
+    operands = (x, weight, bias, residual)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in operands):
+        y = LinearFunction.apply(x, weight, bias, casts)
+        y = y if residual is None else y + residual
+        return torch_activation(y, activation, negative_slope)
+    fwd = casts.recipe.formats()[0]
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    fused_residual = residual is not None and tuple(residual.shape) == out_shape and residual.dtype == x.dtype
+    xq, sx = casts.cast(x.reshape(-1, x.shape[-1]), "x", fwd)
+    wq, sw = casts.cast(weight, "w", fwd)
+    if residual is not None and not fused_residual:  # a broadcast residual: added before the activation
+        y = gemm(xq, sx, wq.t(), sw, x.dtype, bias).reshape(out_shape) + residual
+        return torch_activation(y, activation, negative_slope)
+    r2 = residual.reshape(-1, out_shape[-1]) if fused_residual else None
+    return gemm(xq, sx, wq.t(), sw, x.dtype, bias, activation, r2, negative_slope).reshape(out_shape)
 
 
 def _k_major(t: torch.Tensor) -> torch.Tensor:

@@ -320,6 +320,17 @@ class ConvChain(torch.nn.Module):
         return f"{len(self._layers)} layers, chained={self.chained}"
 
 
+_FP8_STATE = ("fp8_scales", "fp8_amax_history")
+
+
+def _forgive_fp8_state(prefix: str, missing_keys: list) -> None:
+    """A checkpoint without FP8 state (a plain bfloat16 one) loads: the layer's FP8 state starts fresh."""
+    for key in list(missing_keys):
+        rest = key[len(prefix):]
+        if key.startswith(prefix) and "." not in rest and rest.endswith(_FP8_STATE):
+            missing_keys.remove(key)
+
+
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` + fused epilogue: ``act(x @ W.T + bias + residual)``.
 
@@ -333,7 +344,8 @@ class Linear(torch.nn.Linear):
     ``fp8``: a recipe (``cf.Float8CurrentScaling()``, ``cf.DelayedScaling()``) casts x and the weight
     to FP8 in the forward and dY in the backward, their scales and amax histories buffers of the module
     (fp8.py); in and out features must be multiples of 16, else the layer runs unquantized (logged once).
-    The FP8 GEMMs are computed dequantized in float32 for now.
+    On a GPU with FP8 GEMMs (compute capability 8.9 or newer) its three GEMMs are FP8 GEMMs; without
+    autograd the bias, a ReLU or tanh-GELU and the residual run in the GEMM's epilogue.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation=None,
@@ -355,9 +367,7 @@ class Linear(torch.nn.Linear):
                               error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        for name in ("fp8_scales", "fp8_amax_history"):  # a checkpoint without FP8 state: the layer starts fresh
-            if prefix + name in missing_keys:
-                missing_keys.remove(prefix + name)
+        _forgive_fp8_state(prefix, missing_keys)
 
     def _fp8_forward(self, x, residual):
         if self.in_features % 16 or self.out_features % 16:
@@ -365,10 +375,7 @@ class Linear(torch.nn.Linear):
             return None
         cache = self.__dict__.setdefault("_fp8_weight_cast", {})  # not state: a copy or a load recasts
         casts = fp8_.Casts(self.fp8, self.fp8_scales, self.fp8_amax_history, cache)
-        y = fp8_.LinearFunction.apply(x, self.weight, self.bias, casts)
-        if residual is not None:
-            y = y + residual
-        return reference.activation(y, self.activation, self.negative_slope)
+        return fp8_.linear(x, self.weight, self.bias, casts, self.activation, residual, self.negative_slope)
 
     def forward(self, x, residual=None):
         if self.fp8 is not None and isinstance(x, torch.Tensor):
@@ -441,9 +448,15 @@ class FusedMLP(torch.nn.Module):
     stay where they were, the model's own, so the state_dict keys (``fc1.weight``, ``fc2.weight``),
     ``.to()`` and optimizers see them as before, as with ConvChain; this module holds them as plain
     attributes and reads their parameters at each call.
+
+    ``fp8``: a recipe (``cf.Float8CurrentScaling()``, ``cf.DelayedScaling()``) runs both layers as FP8
+    linears (``Linear``'s ``fp8``), their scales and amax histories this module's buffers
+    (``fc1_fp8_scales``, ``fc1_fp8_amax_history``, ``fc2_...``); fc1 must then carry no recipe of its
+    own. Features that are not multiples of 16 run the bfloat16 block (logged once). Without autograd,
+    fc1's activation (ReLU, tanh-GELU) runs in its GEMM's epilogue.
     """
 
-    def __init__(self, fc1: "Linear", fc2: torch.nn.Linear, *, own: bool = True):
+    def __init__(self, fc1: "Linear", fc2: torch.nn.Linear, *, own: bool = True, fp8=None):
         super().__init__()
         if not isinstance(fc1, Linear) or fc1.activation is None:
             raise ArgumentError("FusedMLP: fc1 must be a cudnn_fuse.nn.Linear with an activation")
@@ -451,10 +464,37 @@ class FusedMLP(torch.nn.Module):
             raise ArgumentError(f"FusedMLP: fc2 must be a torch.nn.Linear taking fc1's {fc1.out_features} outputs")
         if not isinstance(own, bool):
             raise TypeError(f"FusedMLP: own must be a bool, got {own!r}")
+        fp8_.check_recipe(fp8)
+        if fp8 is not None and (getattr(fc1, "fp8", None) is not None or getattr(fc2, "fp8", None) is not None):
+            raise ArgumentError("FusedMLP: fp8 is given, so fc1 and fc2 must have no recipe of their own")
         if own:
             self.fc1, self.fc2 = fc1, fc2
         else:  # plain attributes, found before nn.Module.__getattr__: not registered, not in state_dict
             self.__dict__["fc1"], self.__dict__["fc2"] = fc1, fc2
+        self.fp8 = fp8
+        if fp8 is not None:  # per layer, the scales and amax histories of x, w and dY
+            for layer in ("fc1", "fc2"):
+                self.register_buffer(f"{layer}_fp8_scales", torch.ones(3, device=fc1.weight.device))
+                self.register_buffer(f"{layer}_fp8_amax_history",
+                                     torch.zeros(3, fp8.history_len, device=fc1.weight.device))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        _forgive_fp8_state(prefix, missing_keys)
+
+    def _fp8_mlp(self, x, residual):
+        """Both layers as FP8 linears; None where their features are not multiples of 16."""
+        fc1, fc2 = self.fc1, self.fc2
+        if fc1.in_features % 16 or fc1.out_features % 16 or fc2.out_features % 16:
+            ops._fallback("linear", "FP8 needs in_features and out_features that are multiples of 16: bfloat16")
+            return None
+        caches = self.__dict__.setdefault("_fp8_weight_cast", ({}, {}))  # not state: a copy or a load recasts
+        c1 = fp8_.Casts(self.fp8, self.fc1_fp8_scales, self.fc1_fp8_amax_history, caches[0])
+        c2 = fp8_.Casts(self.fp8, self.fc2_fp8_scales, self.fc2_fp8_amax_history, caches[1])
+        h = fp8_.linear(x, fc1.weight, fc1.bias, c1, fc1.activation, None, fc1.negative_slope)
+        return fp8_.linear(h, fc2.weight, fc2.bias, c2, None, residual, 0.01)
 
     def _fused(self, x, residual) -> bool:
         fc1 = self.fc1
@@ -469,6 +509,10 @@ class FusedMLP(torch.nn.Module):
 
     def forward(self, x, residual=None):
         fc1, fc2 = self.fc1, self.fc2
+        if getattr(self, "fp8", None) is not None and isinstance(x, torch.Tensor) and not _dropping(self):
+            y = self._fp8_mlp(x, residual)
+            if y is not None:
+                return y
         if residual is not None and _dropping(self):
             return _through_dropouts(self, fc2(fc1(x))) + residual
         if residual is not None and isinstance(x, torch.Tensor) and \
@@ -495,11 +539,12 @@ class FusedMLP(torch.nn.Module):
         return torch_ops.mlp(x, w1, b1, w2, b2, fc1.activation, residual, fc1.negative_slope)
 
     def extra_repr(self) -> str:
+        fp8 = f"fp8={self.fp8!r}" if getattr(self, "fp8", None) is not None else ""
         if "fc1" in self._modules:  # its own children: printed below
-            return ""
+            return fp8
         fc1, fc2 = self.fc1, self.fc2
         return (f"holds the model's layers: {fc1.in_features} -> {fc1.out_features} ({fc1.activation}) -> "
-                f"{fc2.out_features}")
+                f"{fc2.out_features}" + (", " + fp8 if fp8 else ""))
 
 
 class TransposedLinear(torch.nn.Module):

@@ -187,3 +187,78 @@ def test_current_scaling_casts_the_weight_once_per_update(monkeypatch):
         want = fresh(x)
     assert casts.count((16, 32)) == 3  # the training forward reused it; after the update this layer and the copy cast
     torch.testing.assert_close(y3, want)
+
+
+def test_without_autograd_the_fp8_linear_fuses_its_epilogue_and_agrees_with_the_training_path():
+    torch.manual_seed(0)
+    lin = cf.nn.Linear(32, 16, activation="relu", fp8=cf.Float8CurrentScaling())
+    x, res = torch.randn(6, 32), torch.randn(6, 16)
+    with torch.no_grad():
+        fused = lin(x, res)
+        broadcast = lin(x, res[:1])  # a residual of another shape is added after the GEMM
+    trained = lin(x.requires_grad_(), res)
+    torch.testing.assert_close(fused, trained.detach(), rtol=1e-2, atol=1e-2)  # one rounding fewer
+    with torch.no_grad():
+        exact = torch.relu(x @ lin.weight.t() + lin.bias + res)
+        exact_broadcast = torch.relu(x @ lin.weight.t() + lin.bias + res[:1])
+    torch.testing.assert_close(broadcast, exact_broadcast, rtol=0.15, atol=0.2)
+    assert fused.min() >= 0 and not torch.equal(fused, exact)  # the operands were rounded to FP8
+
+
+def _fp8_block(recipe, act="gelu_tanh"):
+    torch.manual_seed(0)
+    fc1, fc2 = cf.nn.Linear(32, 64, activation=act), nn.Linear(64, 16)
+    return cf.nn.FusedMLP(fc1, fc2, fp8=recipe), fc1, fc2
+
+
+@pytest.mark.parametrize("recipe", [cf.Float8CurrentScaling(), cf.DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_fused_mlp_with_a_recipe_runs_both_layers_fp8_as_two_fp8_linears_would(recipe):
+    mlp, fc1, fc2 = _fp8_block(recipe)
+    lin1 = cf.nn.Linear(32, 64, activation="gelu_tanh", fp8=recipe)
+    lin2 = cf.nn.Linear(64, 16, fp8=recipe)
+    with torch.no_grad():
+        for a, b in ((lin1, fc1), (lin2, fc2)):
+            a.weight.copy_(b.weight)
+            a.bias.copy_(b.bias)
+    x = torch.randn(8, 32, requires_grad=True)
+    res = torch.randn(8, 16)
+    y = mlp(x, res)
+    want = lin2(lin1(x.detach().requires_grad_()), res)
+    torch.testing.assert_close(y, want)
+    y.square().sum().backward()
+    assert fc1.weight.grad is not None and fc2.weight.grad is not None and x.grad is not None
+    plain = fc2(fc1(x.detach())) + res
+    assert not torch.equal(y.detach(), plain)  # the operands were rounded to FP8
+    torch.testing.assert_close(y.detach(), plain.detach(), rtol=0.15, atol=0.3)
+    assert mlp.fc1_fp8_amax_history[:, 0].min() > 0 and mlp.fc2_fp8_amax_history[2, 0] > 0  # x, w, dY of both
+    assert torch.equal(mlp.fc1_fp8_amax_history[0, 0], x.detach().abs().max())
+
+
+def test_fused_mlp_fp8_state_is_in_the_state_dict_and_a_plain_checkpoint_loads():
+    mlp, _, _ = _fp8_block(cf.DelayedScaling(amax_history_len=8))
+    with torch.no_grad():
+        mlp(torch.randn(4, 32))
+    sd = mlp.state_dict()
+    assert {"fc1_fp8_scales", "fc1_fp8_amax_history", "fc2_fp8_scales", "fc2_fp8_amax_history"} <= set(sd)
+    assert sd["fc2_fp8_amax_history"].shape == (3, 8)
+    again, _, _ = _fp8_block(cf.DelayedScaling(amax_history_len=8))
+    again.load_state_dict(sd)
+    assert torch.equal(again.fc1_fp8_amax_history, mlp.fc1_fp8_amax_history)
+    plain, _, _ = _fp8_block(None)
+    plain.load_state_dict(mlp.state_dict(), strict=False)
+    again.load_state_dict(plain.state_dict())  # strict: a bfloat16 block's checkpoint loads, FP8 state fresh
+    assert "fp8=DelayedScaling" in repr(again)
+
+
+def test_fused_mlp_refuses_a_second_recipe_and_runs_odd_features_unquantized():
+    with pytest.raises(ArgumentError, match="fp8"):
+        cf.nn.FusedMLP(cf.nn.Linear(32, 64, activation="gelu", fp8=cf.Float8CurrentScaling()), nn.Linear(64, 16),
+                       fp8=cf.Float8CurrentScaling())
+    with pytest.raises(TypeError, match="fp8 must be None"):
+        cf.nn.FusedMLP(cf.nn.Linear(32, 64, activation="gelu"), nn.Linear(64, 16), fp8="hybrid")
+    torch.manual_seed(0)
+    mlp = cf.nn.FusedMLP(cf.nn.Linear(32, 40, activation="relu"), nn.Linear(40, 16), fp8=cf.Float8CurrentScaling())
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(mlp(x), mlp.fc2(torch.relu(x @ mlp.fc1.weight.t() + mlp.fc1.bias)))
+    assert mlp.fc1_fp8_amax_history.abs().sum() == 0  # nothing cast
