@@ -385,14 +385,9 @@ def main(argv=None) -> int:
         return 2
     import cudnn
 
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     doc = {"commit": args.commit or checkout_commit(), "device": device_name(), "torch": torch.__version__,
-           "cudnn": cudnn.backend_version(), "cublaslt_support": cublaslt_support(),
-           "scaled_mm": scaled_mm_rows(shapes),
-           "attention": attention_rows([int(x) for x in args.seqs.split(",") if x])}
-    doc["training"], doc["loss_curves"] = training_rows([n for n in args.training.split(",") if n], args.steps)
-    for r in doc["cublaslt_support"]:
-        print("cuBLASLt", {k: v for k, v in r.items() if k != "why"}, r.get("why", ""), flush=True)
+           "cudnn": cudnn.backend_version()}
     try:
         import nvmath
 
@@ -401,7 +396,19 @@ def main(argv=None) -> int:
         doc["nvmath"] = f"unavailable: {e}"
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "fp8.json")
-    write_json(path, doc)
+    sections = (("cublaslt_support", lambda: cublaslt_support()), ("scaled_mm", lambda: scaled_mm_rows(shapes)),
+                ("attention", lambda: attention_rows([int(x) for x in args.seqs.split(",") if x])),
+                ("training", lambda: training_rows([n for n in args.training.split(",") if n], args.steps)))
+    for key, run in sections:  # written after each: a run cut short keeps what it measured
+        got = run()
+        if key == "training":
+            doc["training"], doc["loss_curves"] = got
+        else:
+            doc[key] = got
+        if key == "cublaslt_support":
+            for r in got:
+                print("cuBLASLt", {k: v for k, v in r.items() if k != "why"}, r.get("why", ""), flush=True)
+        write_json(path, doc)
     try:
         plot(doc, os.path.join(args.out, "fp8.png"))
     except ImportError:
