@@ -16,8 +16,10 @@ torch._scaled_mm does not need), or no nvmath run torch._scaled_mm and the epilo
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import Optional, Tuple
 
@@ -32,6 +34,8 @@ _NVMATH_LOG = logging.getLogger(__name__ + ".nvmath")  # nvmath logs to the root
 # cuBLASLt's epilogues by (activation in the kernel, bias): GELU is its tanh approximation
 _EPILOG = {None: "BIAS", "relu": "RELU_BIAS", "gelu_tanh": "GELU_BIAS"}
 MAX_PLANS = 64  # nvmath plans kept (each holds descriptors and a workspace); least recently used go first
+AUTOTUNE_ITERATIONS = 10  # timed runs per candidate algorithm when autotuning
+STATS = {"from_cache": 0, "heuristics": 0, "tuned": 0}  # how this process's plans chose their algorithm
 _zero_bias: dict = {}  # (N, dtype, device) -> zeros: a plan without a bias still wants column-major D
 _constants: dict = {}  # (device, value) -> a float32 one-element tensor
 _transposed: set = set()  # shapes of b already logged as not K-major
@@ -136,13 +140,60 @@ class _Plan:
         return d.t(), None if am is None else am.reshape(())
 
 
+def cache_key(key, epilog: str, device: torch.device) -> str:
+    """The plan cache's key of a cuBLASLt plan: the problem (``key`` without the device index), its
+    epilogue, the card and cuBLASLt's version (an algorithm is only valid where it was chosen)."""
+    try:
+        from nvmath.bindings import cublasLt
+
+        version = cublasLt.get_version()
+    except Exception:  # noqa: BLE001 - no cuBLASLt: no plan will be built to store
+        version = None
+    text = repr(("fp8-gemm", tuple(str(k) for k in key[1:]), epilog, torch.cuda.get_device_name(device), version))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _stored_algorithm(pc, ckey: str, tuning: bool):
+    """The cuBLASLt algorithm the plan cache holds for ``ckey`` (a tuned one when tuning), else None."""
+    entry = pc.get(ckey) if pc is not None else None
+    if entry is None or (tuning and entry.meta.get("tuned") is not True):
+        return None
+    try:
+        import numpy as np
+        from nvmath.bindings.cublasLt import matmul_heuristic_result_dtype
+        from nvmath.linalg.advanced import Algorithm
+
+        return Algorithm.from_numpy(np.frombuffer(entry.blob, dtype=matmul_heuristic_result_dtype))
+    except Exception as e:  # noqa: BLE001 - written by another nvmath: heuristics run, the entry is replaced
+        log.info("FP8 GEMM: the cached algorithm of %s is unreadable (%s); heuristics choose", ckey[:12], e)
+        return None
+
+
+def _store_algorithm(pc, ckey: str, mm, key, epilog: str, tuned: bool) -> None:
+    """The algorithm ``mm`` runs (its fastest measured when ``tuned``), into the plan cache."""
+    if pc is None or getattr(pc, "read_only", False):
+        return
+    best = mm.algorithms[0]
+    meta = {"kind": "fp8-gemm", "op": "scaled_mm", "engine": f"cuBLASLt algorithm {best.algorithm_id}",
+            "tuned": tuned, "mkn": [int(k) for k in key[1:4]], "epilog": epilog,
+            "dtypes": [str(k) for k in key[4:7]]}
+    if tuned:
+        meta["tuned_at"] = time.time()
+    pc.put(ckey, meta, best.as_numpy().tobytes())  # the cache logs and absorbs its own faults
+
+
 def _plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_amax, stream):
-    """The kept plan of ``key``, made now if new; None where cuBLASLt refused it (remembered)."""
+    """The kept plan of ``key``, made now if new; None where cuBLASLt refused it (remembered). A new plan
+    takes its algorithm from the plan cache where it is there (no heuristic query); otherwise heuristics
+    choose, or, with autotuning on, every candidate is timed; the choice is stored either way."""
 
     def build():
         advanced, why = _nvmath()
         if advanced is None:
             raise Unsupported(why)
+        from . import autotune
+        from .cache import open_default_cache
+
         scales = {"a": sb, "b": sa}
         if scale_d is not None:
             scales["d"] = scale_d
@@ -150,7 +201,23 @@ def _plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_am
         mm = advanced.Matmul(b2.t(), a2.t(), c=None if residual is None else residual.t(),
                              beta=None if residual is None else 1.0, quantization_scales=scales,
                              options=options, stream=stream)
-        mm.plan(epilog=getattr(advanced.MatmulEpilog, epilog), epilog_inputs={"bias": bias}, stream=stream)
+        tuning = autotune.autotune_enabled()
+        pc = open_default_cache(a2.device.index)
+        ckey = cache_key(key, epilog, a2.device)
+        stored = _stored_algorithm(pc, ckey, tuning)
+        plan = dict(epilog=getattr(advanced.MatmulEpilog, epilog), epilog_inputs={"bias": bias}, stream=stream)
+        if stored is not None:
+            try:
+                mm.plan(algorithms=[stored], **plan)
+            except Exception as e:  # noqa: BLE001 - another driver or library: heuristics choose again
+                log.info("FP8 GEMM: cuBLASLt refused the cached algorithm of %s (%s); heuristics choose", key, e)
+                stored = None
+        if stored is None:
+            mm.plan(**plan)
+            if tuning:
+                mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)  # on this call's own operands
+            _store_algorithm(pc, ckey, mm, key, epilog, tuning)
+        STATS["from_cache" if stored is not None else ("tuned" if tuning else "heuristics")] += 1
         mm.release_operands()  # the sample operands: each run binds its own
         return _Plan(mm)
 

@@ -231,3 +231,116 @@ def test_kept_builds_once_drops_the_least_recently_used_and_remembers_a_refusal(
         assert kept.get("bad", build("bad")) is None and kept.get("bad", build("bad")) is None
     assert builds == ["a", "b", "c", "bad"] and kept.refusals() == {"bad": "RuntimeError: no algorithm"}
     assert caplog.text.count("an engine declined bad (RuntimeError: no algorithm)") == 1
+
+
+class _FakeAlgorithm:
+    def __init__(self, ident: int):
+        import numpy as np
+        from nvmath.bindings.cublasLt import matmul_heuristic_result_dtype
+
+        self.algorithm_id = ident
+        self.array = np.zeros(1, dtype=matmul_heuristic_result_dtype)
+        self.array["workspace_size"] = ident
+
+    def as_numpy(self):
+        return self.array
+
+
+def _fake_nvmath(monkeypatch, refuse_stored=False):
+    """An nvmath whose Matmul records how it was planned: heuristics (algorithms 7 then 3), a stored
+    algorithm, or autotuning (which puts 3 first)."""
+    pytest.importorskip("nvmath")
+    seen = []
+
+    class Matmul:
+        def __init__(self, *args, **kwargs):
+            self.algorithms = ()
+
+        def plan(self, algorithms=None, epilog=None, epilog_inputs=None, stream=None):
+            if algorithms is not None:
+                ident = int(algorithms[0].as_numpy()["workspace_size"][0])
+                seen.append(("stored", ident))
+                if refuse_stored:
+                    raise RuntimeError("CUBLAS_STATUS_INVALID_VALUE")
+                self.algorithms = (_FakeAlgorithm(ident),)
+            else:
+                seen.append(("heuristics", None))
+                self.algorithms = (_FakeAlgorithm(7), _FakeAlgorithm(3))
+
+        def autotune(self, iterations=10, stream=None):
+            seen.append(("autotune", iterations))
+            self.algorithms = self.algorithms[::-1]
+
+        def release_operands(self):
+            pass
+
+    class Epilog:
+        BIAS = "BIAS"
+
+    fake = type("advanced", (), {"Matmul": Matmul, "MatmulEpilog": Epilog})
+    monkeypatch.setattr(fp8_gemm, "_nvmath", lambda: (fake, None))
+    monkeypatch.setattr(fp8_gemm, "_cuda_type", lambda dtype: dtype)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(fp8_gemm, "_kept", fp8_gemm.Kept(fp8_gemm.MAX_PLANS, fp8_gemm.log, "FP8 GEMM: cuBLASLt"))
+    return seen
+
+
+def _plan_once(key=(0, 32, 64, 48)):
+    a, b, sa, sb = _ops()
+    return fp8_gemm._plan(key + (E4, E4, torch.bfloat16), a, b, sa, sb, torch.zeros(48), None, None, "BIAS",
+                          torch.bfloat16, False, None)
+
+
+def test_a_new_process_plans_with_the_algorithm_the_plan_cache_holds(monkeypatch):
+    from cudnn_fuse import autotune
+    from cudnn_fuse.cache import open_default_cache
+
+    seen = _fake_nvmath(monkeypatch)
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: False)
+    assert _plan_once() is not None and seen == [("heuristics", None)]
+    entries = [(meta["op"], meta["tuned"], meta["engine"]) for _, meta, _ in open_default_cache().entries()]
+    assert entries == [("scaled_mm", False, "cuBLASLt algorithm 7")]  # heuristics' first choice, stored
+    monkeypatch.setattr(fp8_gemm, "_kept", fp8_gemm.Kept(fp8_gemm.MAX_PLANS, fp8_gemm.log, "x"))  # a new process
+    assert _plan_once() is not None and seen[-1] == ("stored", 7)  # no heuristic query
+    _plan_once((0, 32, 64, 64))  # another shape is another entry
+    assert seen[-1] == ("heuristics", None) and len(list(open_default_cache().entries())) == 2
+
+
+def test_autotuning_times_the_candidates_stores_the_fastest_and_outranks_a_heuristic_entry(monkeypatch):
+    from cudnn_fuse import autotune
+    from cudnn_fuse.cache import open_default_cache
+
+    seen = _fake_nvmath(monkeypatch)
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: False)
+    _plan_once()
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(fp8_gemm, "_kept", fp8_gemm.Kept(fp8_gemm.MAX_PLANS, fp8_gemm.log, "x"))
+    _plan_once()  # the stored heuristic choice is no tuning: the candidates are timed
+    assert seen[1:] == [("heuristics", None), ("autotune", fp8_gemm.AUTOTUNE_ITERATIONS)]
+    (_, meta, _), = open_default_cache().entries()
+    assert meta["tuned"] is True and meta["engine"] == "cuBLASLt algorithm 3" and "tuned_at" in meta
+    monkeypatch.setattr(fp8_gemm, "_kept", fp8_gemm.Kept(fp8_gemm.MAX_PLANS, fp8_gemm.log, "x"))
+    _plan_once()
+    assert seen[-1] == ("stored", 3)  # the tuned entry serves a tuning process without timing again
+
+
+def test_a_cached_algorithm_cuBLASLt_refuses_falls_back_to_heuristics_and_is_replaced(monkeypatch, caplog):
+    from cudnn_fuse import autotune
+
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: False)
+    _fake_nvmath(monkeypatch)
+    _plan_once()
+    seen = _fake_nvmath(monkeypatch, refuse_stored=True)
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.fp8_gemm"):
+        assert _plan_once() is not None
+    assert seen == [("stored", 7), ("heuristics", None)] and "refused the cached algorithm" in caplog.text
+
+
+def test_the_cache_key_names_the_problem_the_card_and_not_the_device_index(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Card A")
+    k = (0, 32, 64, 48, E4, E4, torch.bfloat16)
+    same = fp8_gemm.cache_key((1,) + k[1:], "BIAS", None)
+    assert fp8_gemm.cache_key(k, "BIAS", None) == same and len(same) == 64 and int(same, 16) >= 0
+    assert fp8_gemm.cache_key(k, "GELU_BIAS", None) != same
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Card B")
+    assert fp8_gemm.cache_key(k, "BIAS", None) != same

@@ -18,14 +18,14 @@ LAYERS = [
     # GEMM (cuBLASLt) and cast kernels
     {"env", "builders", "builders.common", "builders.epilogue", "builders.conv", "builders.matmul",
      "builders.attention", "builders.backward", "reference", "launch_graphs", "manifest", "conv_gemm",
-     "fp8_cast", "fp8_gemm"},
-    # the cache; a device's handle; which engines may serve a graph; FP8 attention's graphs
-    {"cache", "handles", "engines", "fp8_attention"},
+     "fp8_cast"},
+    # the cache; a device's handle; which engines may serve a graph
+    {"cache", "handles", "engines"},
     # a built plan and its launch; torch standing in for one
     {"plans", "torch_engine"},
     {"autotune"},
-    # a spec's plan: memory, disk, build or tuning
-    {"loader"},
+    # a spec's plan: memory, disk, build or tuning; FP8 GEMM plans (cuBLASLt) and FP8 attention's graphs
+    {"loader", "fp8_gemm", "fp8_attention"},
     # the ops: validation, the memoized launch, the fused forward
     {"ops"},
     {"backward"},
