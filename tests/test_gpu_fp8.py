@@ -167,6 +167,46 @@ def test_the_fp8_linear_runs_fp8_gemms_and_matches_its_cpu_reference(recipe):
     assert fp8_gemm.plan_count() > before or fp8_gemm.refused()  # the GEMMs ran through cuBLASLt's FP8 path
 
 
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_the_fp8_mlp_trains_on_fp8_gemms_and_its_inference_epilogue_agrees(recipe):
+    import copy
+
+    torch.manual_seed(0)
+    r = cf.Float8CurrentScaling() if recipe == "current" else cf.DelayedScaling(amax_history_len=4)
+    cpu = cf.nn.FusedMLP(cf.nn.Linear(256, 512, activation="gelu_tanh"), torch.nn.Linear(512, 128),
+                         fp8=r).to(torch.bfloat16)
+    gpu = copy.deepcopy(cpu).cuda()
+    for step in range(3):
+        x = torch.randn(64, 256, dtype=torch.bfloat16)
+        cx, gx = x.clone().requires_grad_(), x.cuda().requires_grad_()
+        cy, gy = cpu(cx), gpu(gx)
+        g = torch.randn_like(cy)
+        cy.backward(g)
+        gy.backward(g.cuda())
+        _close(gy.detach().cpu(), cy.detach(), torch.bfloat16)
+        _close(gx.grad.cpu(), cx.grad, torch.bfloat16)
+        _close(gpu.fc1.weight.grad.cpu(), cpu.fc1.weight.grad, torch.bfloat16)
+    with torch.no_grad():  # the GELU in fc1's GEMM epilogue
+        _close(gpu(gx.detach()).cpu(), cpu(cx.detach()), torch.bfloat16)
+
+
+def test_a_new_plan_takes_its_algorithm_from_the_plan_cache(monkeypatch):
+    from cudnn_fuse.cache import open_default_cache
+
+    a, b, sa, sb = _ops(M=128, K=512, N=256, seed=3)
+    y1 = cf.scaled_mm(a, b, sa, sb, activation="gelu_tanh")
+    if fp8_gemm.refused():
+        pytest.skip(f"cuBLASLt refused: {fp8_gemm.refused()}")
+    entries = [meta for _, meta, _ in open_default_cache().entries() if meta.get("op") == "scaled_mm"]
+    assert entries and entries[0]["engine"].startswith("cuBLASLt algorithm")
+    monkeypatch.setattr(fp8_gemm, "_kept", fp8_gemm.Kept(fp8_gemm.MAX_PLANS, fp8_gemm.log, "x"))  # a new process
+    before = dict(fp8_gemm.STATS)
+    y2 = cf.scaled_mm(a, b, sa, sb, activation="gelu_tanh")
+    assert fp8_gemm.STATS["from_cache"] == before["from_cache"] + 1
+    assert fp8_gemm.STATS["heuristics"] == before["heuristics"]
+    torch.testing.assert_close(y2, y1, rtol=0, atol=0)  # the same algorithm: the same bits
+
+
 def _attn_want(q, k, v, dq, dk, dv, causal, scale_s):
     import math
 
