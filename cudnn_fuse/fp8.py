@@ -246,6 +246,6 @@ class LinearFunction(torch.autograd.Function):
         dyq, sdy = ctx.casts.cast(dy2, "dy", ctx.bwd)
         dx = gemm(dyq, sdy, _k_major(wq), sw, ctx.dtypes[0]).reshape(ctx.shape)  # dY·W, over N
         dw = gemm(dyq.t().contiguous(), sdy, _k_major(xq), sx, ctx.dtypes[1])  # dYᵀ·X, over the tokens
-        db = dy2.float().sum(0).to(ctx.dtypes[1]) if ctx.has_bias else None
+        db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.has_bias else None  # no float32 copy of dY
         return dx, dw, db, None
 
