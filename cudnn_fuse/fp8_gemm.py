@@ -27,6 +27,7 @@ import torch
 
 from . import fp8_cast
 from .reference import FP8_DTYPES, activation as torch_activation
+from .spec import Epilogue, ScaledMMSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 _NVMATH_LOG = logging.getLogger(__name__ + ".nvmath")  # nvmath logs to the root logger unless given one
@@ -179,7 +180,12 @@ def _store_algorithm(pc, ckey: str, mm, key, epilog: str, tuned: bool) -> None:
             "dtypes": [str(k) for k in key[4:7]]}
     if tuned:
         meta["tuned_at"] = time.time()
-    pc.put(ckey, meta, best.as_numpy().tobytes())  # the cache logs and absorbs its own faults
+    from .loader import pinning_now
+
+    pinned = pinning_now()  # stored by a pre-warm: never evicted for space
+    if pinned:
+        meta["pinned"] = True
+    pc.put(ckey, meta, best.as_numpy().tobytes(), pinned=pinned)  # the cache logs and absorbs its own faults
 
 
 def _plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_amax, stream):
@@ -282,28 +288,38 @@ def scaled_mm_2d(a2, b2, scale_a, scale_b, bias, activation, residual, out_dtype
                             return_amax, negative_slope)
 
 
+def _forms(index, M, K, N, a_dtype, b_dtype, a_ld, b_ld, activation, has_residual, out_dtype, return_amax):
+    """The plans cuBLASLt is asked for, in order, as (form, D's dtype, amax in the kernel, the kernel's
+    activation, plan key): "full" puts the whole epilogue in the kernel; "split" writes a 16-bit D with
+    the bias (and the activation the kernel has), the rest in torch. The key holds the layouts too: a
+    plan rebinds pointers unchecked, so another leading dimension is another plan."""
+    in_kernel = activation in _EPILOG
+    fp8_out = out_dtype in FP8_DTYPES
+    forms = []
+    if in_kernel:
+        forms.append(("full", out_dtype, fp8_out and return_amax))
+    if fp8_out or not in_kernel:
+        forms.append(("split", _wide(out_dtype), False))
+    act = activation if in_kernel else None
+    return [(form, d_dtype, kernel_amax, act,
+             (index, M, K, N, a_dtype, b_dtype, d_dtype, act, has_residual, kernel_amax, a_ld, b_ld,
+              N if has_residual else None))  # C is row-major [M, N]
+            for form, d_dtype, kernel_amax in forms]
+
+
 def _cublaslt(a2, b2, sa, sb, bias, activation, residual, out_dtype, scale_result, return_amax, negative_slope):
     """The most of the epilogue cuBLASLt takes in its kernel, the rest in torch; None if it takes none."""
     M, N = a2.shape[0], b2.shape[1]
     dev, stream = a2.device, torch.cuda.current_stream(a2.device)
     sa, sb = sa.reshape(1), sb.reshape(1)
     in_kernel = activation in _EPILOG
-    fp8_out = out_dtype in FP8_DTYPES
-    # full: everything in the kernel; split: the GEMM, bias (and the activation it has) to a 16-bit D
-    forms = []
-    if in_kernel:
-        forms.append(("full", out_dtype, fp8_out and return_amax))
-    if fp8_out or not in_kernel:
-        forms.append(("split", _wide(out_dtype), False))
-    for form, d_dtype, kernel_amax in forms:
-        act = activation if in_kernel else None
+    for form, d_dtype, kernel_amax, act, key in _forms(dev.index, M, a2.shape[1], N, a2.dtype, b2.dtype,
+                                                       a2.stride(0), b2.stride(1), activation, residual is not None,
+                                                       out_dtype, return_amax):
         c_dtype = _wide(d_dtype) if d_dtype in FP8_DTYPES else d_dtype
         bias_dtype = torch.float16 if d_dtype == torch.float16 else (torch.float32 if d_dtype == torch.float32
                                                                       else torch.bfloat16)
         c = None if residual is None else _rowmajor(residual.to(c_dtype))
-        # the layouts too: a plan rebinds pointers unchecked, so another leading dimension is another plan
-        key = (dev.index, M, a2.shape[1], N, a2.dtype, b2.dtype, d_dtype, act, residual is not None, kernel_amax,
-               a2.stride(0), b2.stride(1), None if c is None else c.stride(0))
         bb = _bias(bias, N, bias_dtype, dev)
         scale_d = (scale_result if scale_result is not None else constant(dev, 1.0)).reshape(1) \
             if d_dtype in FP8_DTYPES else None
@@ -319,7 +335,8 @@ def _cublaslt(a2, b2, sa, sb, bias, activation, residual, out_dtype, scale_resul
 
 
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+    """``t`` [M, N] with rows of exactly N elements: the leading dimension the plan keys assume."""
+    return t if t.stride(1) == 1 and t.stride(0) == t.shape[1] else t.contiguous()
 
 
 def _bias(bias, N, dtype, device):
@@ -356,6 +373,83 @@ def _torch_scaled_mm(a2, b2, sa, sb, bias, activation, residual, out_dtype, scal
     if residual is not None:
         y = y + residual.to(wide)
     return _finish(torch_activation(y, activation, negative_slope), out_dtype, scale_result, return_amax)
+
+
+# ------------------------------------------------------------------ specs: record, pre-warm, the plan cache
+
+
+def spec_of(a2, b2, bias, activation, residual, out_dtype, return_amax, negative_slope=0.01) -> ScaledMMSpec:
+    """The spec of a 2-D product as the GPU path runs it: b K-major (the plan's operand: a b that is not
+    is transposed first), the residual a row-major [M, N] of its own dtype."""
+    M, K, N = a2.shape[0], a2.shape[1], b2.shape[1]
+    b_stride = tuple(b2.stride()) if b2.stride(0) == 1 and b2.stride(1) >= K else (1, K)
+    a_stride = tuple(a2.stride()) if a2.stride(1) == 1 else (K, 1)
+    name = lambda t: str(t).replace("torch.", "")  # noqa: E731
+    epi = Epilogue(bias=None if bias is None else TensorSpec((N,), (1,), name(bias.dtype)),
+                   residual=None if residual is None else TensorSpec((M, N), (N, 1), name(residual.dtype)),
+                   activation=activation, negative_slope=negative_slope, amax=bool(return_amax))
+    return ScaledMMSpec(TensorSpec((M, K), a_stride, name(a2.dtype)), TensorSpec((K, N), b_stride, name(b2.dtype)),
+                        TensorSpec((M, N), (N, 1), name(out_dtype)), epi)
+
+
+def _spec_keys(spec, device: torch.device) -> list:
+    """The plan cache keys of the cuBLASLt plans ``spec`` asks for, in the order they are asked."""
+    (M, K), N = spec.a.shape, spec.b.shape[1]
+    dt = lambda n: getattr(torch, n)  # noqa: E731
+    e = spec.epilogue
+    return [cache_key(key, _EPILOG[act], device)
+            for _, _, _, act, key in _forms(device.index, M, K, N, dt(spec.a.dtype), dt(spec.b.dtype), spec.a.stride[0],
+                                            spec.b.stride[1], e.activation, e.residual is not None, dt(spec.y.dtype),
+                                            e.amax)]
+
+
+def spec_cached(pc, spec, device: int, want_tuned: bool) -> bool:
+    """Whether the plan cache holds an algorithm for ``spec`` on ``device`` (a tuned one if ``want_tuned``)."""
+    if pc is None or not torch.cuda.is_available():
+        return False
+    for k in _spec_keys(spec, torch.device("cuda", device)):
+        entry = pc.get(k, count=False)  # a pre-warm's look: the hit rate leaves it out
+        if entry is not None and (entry.meta.get("tuned") is True or not want_tuned):
+            return True
+    return False
+
+
+def pin_spec(pc, spec, device: int) -> int:
+    """Pin the cached algorithms of ``spec``; how many were newly pinned."""
+    n = 0
+    for k in _spec_keys(spec, torch.device("cuda", device)):
+        e = pc.get(k, count=False)
+        if e is not None and not e.meta.get("pinned") and pc.put(k, dict(e.meta, pinned=True), e.blob, pinned=True):
+            n += 1
+    return n
+
+
+def prewarm_spec(spec, device: int) -> None:
+    """Plan ``spec`` on ``device`` as a call would (its algorithm stored in the plan cache, autotuned when
+    autotuning is on), on operands made for it; UnsupportedError where no cuBLASLt plan would serve it."""
+    from .errors import UnsupportedError
+
+    dev = torch.device("cuda", device)
+    if not fp8_capable(dev):
+        raise UnsupportedError("FP8 GEMMs need a GPU of compute capability 8.9 or newer")
+    dt = lambda n: getattr(torch, n)  # noqa: E731
+
+    def operand(t):
+        x = torch.empty_strided(t.shape, t.stride, dtype=dt(t.dtype), device=dev)
+        x.copy_(torch.randn(t.shape, device=dev).clamp(-8, 8))
+        return x
+
+    a2, b2 = operand(spec.a), operand(spec.b)
+    e = spec.epilogue
+    one = constant(dev, 1.0)
+    if engine_of(a2, b2, one, one, dt(spec.y.dtype)) != "cublaslt":
+        raise UnsupportedError("this product runs torch._scaled_mm (M not a multiple of 16, a float32 output or "
+                               "no nvmath): nothing to pre-warm")
+    with torch.cuda.device(dev):
+        scaled_mm_2d(a2, b2, one, one, None if e.bias is None else operand(e.bias), e.activation,
+                     None if e.residual is None else operand(e.residual), dt(spec.y.dtype), None, e.amax,
+                     e.negative_slope)
+        torch.cuda.synchronize(dev)
 
 
 def plan_count() -> int:

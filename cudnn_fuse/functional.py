@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import torch
 
-from . import fp8_attention, fp8_gemm, ops, reference, torch_ops
+from . import fp8_attention, fp8_gemm, manifest, ops, reference, torch_ops
 from .errors import ArgumentError
 from .ops import _any_autocast, _is_compiling  # read on every call: bound here, not looked up on ops
 from .spec import canonical_activation
@@ -348,6 +348,10 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
                                 f"{tuple(out_shape)}") from None
     activation, negative_slope = canonical_activation(activation, negative_slope, op)
     args = (bias, activation, residual, out_dtype, scale_result, return_amax, negative_slope)
+    rec = manifest.active()
+    if rec is not None and b.dim() == 2 and scale_a.numel() == scale_b.numel() == 1:  # what cuBLASLt would plan
+        rec.add(fp8_gemm.spec_of(a.reshape(-1, K), b, bias, activation, residual, out_dtype, return_amax,
+                                 negative_slope))
     if not a.is_cuda:
         return reference.scaled_mm(a, b, scale_a, scale_b, *args)
     if not fp8_gemm.fp8_capable(a.device):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import families
-from .spec import _BY_OP, DTYPES, Epilogue, spec_from_dict
+from .spec import _BY_OP, DTYPES, FP8_DTYPES, Epilogue, spec_from_dict
 
 SCHEMA = "cudnn_fuse.manifest"
 VERSION = 1
@@ -226,8 +226,8 @@ def _check_tensor(where: str, v: dict) -> None:
             raise ManifestError(f"{where}.{name} must be a list of non-negative ints, got {v[name]!r}")
     if len(v["shape"]) != len(v["stride"]):
         raise ManifestError(f"{where}: shape {v['shape']} and stride {v['stride']} differ in length")
-    if v["dtype"] not in DTYPES:
-        raise ManifestError(f"{where}.dtype must be one of {DTYPES}, got {v['dtype']!r}")
+    if v["dtype"] not in DTYPES + FP8_DTYPES:
+        raise ManifestError(f"{where}.dtype must be one of {DTYPES + FP8_DTYPES}, got {v['dtype']!r}")
 
 
 def _is_int(v, least: int) -> bool:

@@ -53,17 +53,27 @@ def default_builder(autotune: bool, device: int) -> Callable:
         old = at._enabled  # None (the environment decides) is restored as None
         at.set_autotune(autotune)
         try:
-            loader.load_or_build(spec, device)
+            if getattr(spec, "op", None) == "scaled_mm":  # an FP8 GEMM: cuBLASLt's algorithm, not a cuDNN plan
+                from . import fp8_gemm
+
+                fp8_gemm.prewarm_spec(spec, device)
+            else:
+                loader.load_or_build(spec, device)
         finally:
             at._enabled = old
 
     return build
 
 
-def _cached(pc, digest: str, want_tuned: bool) -> bool:
+def _cached(pc, digest: str, want_tuned: bool, spec=None, device: int = 0) -> bool:
     if pc is None:
         return False
     from . import loader
+
+    if getattr(spec, "op", None) == "scaled_mm":  # its entries are keyed by cuBLASLt's problem
+        from . import fp8_gemm
+
+        return fp8_gemm.spec_cached(pc, spec, device, want_tuned)
 
     entry = pc.get(digest, count=False)  # a pre-warm's look, no plan lookup: the cache's hit rate leaves it out
     return entry is not None and (loader.is_tuned(entry.meta) or not want_tuned)
@@ -83,7 +93,7 @@ def work_order(entries) -> list:
     return sorted(range(len(entries)), key=lambda i: (-cost(i), i))
 
 
-def prewarm_one(i: int, e, *, autotune: bool, dry_run: bool, builder, cache, rank: int = 0) -> Row:
+def prewarm_one(i: int, e, *, autotune: bool, dry_run: bool, builder, cache, rank: int = 0, device: int = 0) -> Row:
     """Build entry ``i`` unless the cache has it; never raises for a bad entry."""
     from . import loader
 
@@ -91,7 +101,7 @@ def prewarm_one(i: int, e, *, autotune: bool, dry_run: bool, builder, cache, ran
     row = Row(i, e.name or f"{e.spec.op}#{i}", e.spec.op, digest[:16], "cached", rank=rank)
     t0 = time.perf_counter()
 
-    if not _cached(cache, digest, autotune):
+    if not _cached(cache, digest, autotune, e.spec, device):
         if dry_run:
             row.status = "would build"
         else:
@@ -105,7 +115,12 @@ def prewarm_one(i: int, e, *, autotune: bool, dry_run: bool, builder, cache, ran
                 row.status, row.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     elif not dry_run:
         try:  # found cached (a lazy first run stored it): pinned now, as if pre-warmed
-            loader.pin_cached(cache, e.spec)
+            if getattr(e.spec, "op", None) == "scaled_mm":
+                from . import fp8_gemm
+
+                fp8_gemm.pin_spec(cache, e.spec, device)
+            else:
+                loader.pin_cached(cache, e.spec)
         except Exception as exc:  # noqa: BLE001 - a pin is an eviction policy, never a failed entry
             log.debug("pre-warm: could not pin %s: %s", digest[:16], exc)
     row.seconds = time.perf_counter() - t0
@@ -125,7 +140,7 @@ def prewarm(entries, *, autotune: bool = False, dry_run: bool = False, builder: 
         if progress is not None:
             progress(n, len(mine))
         rows.append(prewarm_one(i, entries[i], autotune=autotune, dry_run=dry_run, builder=builder, cache=cache,
-                                rank=rank))
+                                rank=rank, device=device))
     if progress is not None:
         progress(len(mine), len(mine))
     return sorted(rows, key=lambda r: r.index)
@@ -154,7 +169,8 @@ def _local_worker(rank: int, entries, autotune: bool, work, results, builder_fac
             i = work.get()
             if i is None:
                 break
-            row = prewarm_one(i, entries[i], autotune=autotune, dry_run=False, builder=builder, cache=cache, rank=rank)
+            row = prewarm_one(i, entries[i], autotune=autotune, dry_run=False, builder=builder, cache=cache, rank=rank,
+                              device=rank)
             results.put(asdict(row))
     except Exception as exc:  # noqa: BLE001 - the parent must hear of it, not wait forever
         # reported per entry by the parent; raised on, multiprocessing would print a traceback

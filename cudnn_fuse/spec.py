@@ -22,6 +22,7 @@ from .errors import ArgumentError
 SCHEMA_VERSION = 1
 
 DTYPES = ("float16", "bfloat16", "float32")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # scaled_mm's operands and outputs
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu")
 NO_ACTIVATION = ("none", "identity")  # names of no activation (any case), as None
 DEFAULT_SLOPE = 0.01  # leaky_relu's, torch's default; the one slope every other activation takes
@@ -242,6 +243,22 @@ class MatmulSpec(_SpecMixin):
         return (self.a, self.b)
 
 
+@dataclass(frozen=True)
+class ScaledMMSpec(_SpecMixin):
+    """An FP8 GEMM a [M, K] @ b [K, N] -> y [M, N] with per-tensor scales and cf's epilogue, as the
+    GPU path runs it (``functional.scaled_mm``: batched operands flattened to 2-D, b K-major; cuBLASLt
+    through fp8_gemm.py). ``y.dtype`` is the output's dtype, ``epilogue.amax`` whether it is returned."""
+
+    a: TensorSpec
+    b: TensorSpec
+    y: TensorSpec
+    epilogue: Epilogue = field(default_factory=Epilogue)
+    op = "scaled_mm"
+
+    def operands(self):
+        return (self.a, self.b)
+
+
 def _check_sdpa_attrs(spec) -> None:
     """An attention spec's scale as a float (1 and 1.0, -0.0 and 0.0 are one scale: equal specs, one
     in-memory plan) and is_causal as a bool, so that equal specs have one canonical JSON (one digest)."""
@@ -448,7 +465,7 @@ class SdpaBwdSpec(_SpecMixin):
 OpSpec = Any  # ConvSpec | MatmulSpec | SdpaSpec | the training specs above
 
 _BY_OP = {c.op: c for c in (ConvSpec, MatmulSpec, SdpaSpec, SaveZSpec, RecomputeGradSpec, ActGradSpec,
-                            ConvDgradSpec, ConvWgradSpec, SdpaTrainSpec, SdpaBwdSpec)}
+                            ConvDgradSpec, ConvWgradSpec, SdpaTrainSpec, SdpaBwdSpec, ScaledMMSpec)}
 
 
 def spec_from_dict(d: dict) -> OpSpec:
@@ -495,6 +512,9 @@ def flops(spec) -> int:
     if isinstance(spec, MatmulSpec):
         b, m, n = spec.y.shape
         return 2 * b * m * n * spec.a.shape[-1]
+    if isinstance(spec, ScaledMMSpec):
+        m, n = spec.y.shape
+        return 2 * m * n * spec.a.shape[-1]
     b, h, sq, d = spec.q.shape
     skv, dv = spec.k.shape[-2], spec.v.shape[-1]
     if not spec.is_causal:

@@ -275,7 +275,7 @@ def _fake_nvmath(monkeypatch, refuse_stored=False):
             pass
 
     class Epilog:
-        BIAS = "BIAS"
+        BIAS, RELU_BIAS, GELU_BIAS = "BIAS", "RELU_BIAS", "GELU_BIAS"
 
     fake = type("advanced", (), {"Matmul": Matmul, "MatmulEpilog": Epilog})
     monkeypatch.setattr(fp8_gemm, "_nvmath", lambda: (fake, None))
@@ -344,3 +344,74 @@ def test_the_cache_key_names_the_problem_the_card_and_not_the_device_index(monke
     assert fp8_gemm.cache_key(k, "GELU_BIAS", None) != same
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Card B")
     assert fp8_gemm.cache_key(k, "BIAS", None) != same
+
+
+def test_record_writes_the_fp8_gemm_as_the_gpu_would_plan_it_and_the_manifest_loads(tmp_path):
+    import cudnn_fuse as cf
+    from cudnn_fuse import manifest
+    from cudnn_fuse.spec import ScaledMMSpec
+
+    a, _, sa, sb = _ops(M=32, K=64, N=48)
+    b_row_major = _ops(M=32, K=64, N=48)[1].contiguous()  # [K, N] row-major: the GPU path transposes it
+    path = tmp_path / "fp8.json"
+    with cf.record(path):
+        for _ in range(2):
+            cf.scaled_mm(a.reshape(2, 16, 64), b_row_major, sa, sb, bias=torch.zeros(48, dtype=torch.bfloat16),
+                         activation="gelu_tanh", out_dtype=E4, return_amax=True)
+        cf.scaled_mm(a, b_row_major, sa.expand(32, 1).contiguous(), sb)  # rowwise: torch._scaled_mm, no plan
+    (entry,) = manifest.load(path)
+    spec = entry.spec
+    assert isinstance(spec, ScaledMMSpec) and entry.count == 2
+    assert spec.a.shape == (32, 64) and spec.b.stride == (1, 64) and spec.y.dtype == "float8_e4m3fn"
+    assert spec.epilogue.activation == "gelu_tanh" and spec.epilogue.amax and spec.epilogue.bias.dtype == "bfloat16"
+
+
+def test_a_spec_names_the_keys_its_call_stores(monkeypatch):
+    """The pre-warm's look (spec_cached) finds what a call through the fake cuBLASLt stored."""
+    from cudnn_fuse import autotune
+    from cudnn_fuse.cache import open_default_cache
+
+    seen = _fake_nvmath(monkeypatch)
+    monkeypatch.setattr(autotune, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(fp8_gemm, "fp8_capable", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fp8_gemm._Plan, "run", lambda self, a2, b2, *rest: (torch.zeros(a2.shape[0], b2.shape[1],
+                                                                                      dtype=torch.bfloat16), None))
+    a, b, sa, sb = _ops(M=32, K=64, N=48)
+    spec = fp8_gemm.spec_of(a, b, None, "relu", None, torch.bfloat16, False)
+    pc = open_default_cache()
+    assert not fp8_gemm.spec_cached(pc, spec, 0, False)
+    fp8_gemm.scaled_mm_2d(a, b, sa, sb, None, "relu", None, torch.bfloat16, None, False, 0.01)
+    assert seen == [("heuristics", None)]
+    assert fp8_gemm.spec_cached(pc, spec, 0, False) and not fp8_gemm.spec_cached(pc, spec, 0, True)
+    other = fp8_gemm.spec_of(a, b, None, "gelu_tanh", None, torch.bfloat16, False)
+    assert not fp8_gemm.spec_cached(pc, other, 0, False)
+    assert fp8_gemm.pin_spec(pc, spec, 0) == 1 and fp8_gemm.pin_spec(pc, spec, 0) == 0
+
+
+def test_prewarm_sends_an_fp8_gemm_to_cublaslt_and_asks_its_own_keys(monkeypatch):
+    from cudnn_fuse import loader, manifest, prewarm
+
+    a, b, _, _ = _ops()
+    spec = fp8_gemm.spec_of(a, b, None, None, None, torch.bfloat16, False)
+    built, asked = [], []
+    monkeypatch.setattr(fp8_gemm, "prewarm_spec", lambda s, device: built.append((s, device)))
+    monkeypatch.setattr(loader, "load_or_build", lambda s, device: pytest.fail("a cuDNN build"))
+    monkeypatch.setattr(fp8_gemm, "spec_cached", lambda pc, s, device, tuned: asked.append((s, device)) or False)
+    rows = prewarm.prewarm([manifest.Entry(spec)], cache=object(), device=1)
+    assert [r.status for r in rows] == ["built"] and built == [(spec, 1)] and asked == [(spec, 1)]
+
+
+def test_prewarm_spec_refuses_what_torch_scaled_mm_would_run(monkeypatch):
+    from cudnn_fuse.errors import UnsupportedError
+
+    a, b, _, _ = _ops(M=40)
+    spec = fp8_gemm.spec_of(a, b, None, None, None, torch.bfloat16, False)  # M=40: no cuBLASLt plan
+    monkeypatch.setattr(fp8_gemm, "fp8_capable", lambda device: True)
+    monkeypatch.setattr(fp8_gemm, "_nvmath", lambda: (object(), None))
+    monkeypatch.setattr(torch, "randn", lambda shape, device=None: torch.ones(shape))
+    monkeypatch.setattr(torch, "empty_strided", lambda shape, stride, dtype, device: torch.zeros(shape, dtype=dtype))
+    monkeypatch.setattr(fp8_gemm, "constant", lambda device, value: torch.tensor(value))
+    with pytest.raises(UnsupportedError, match="torch._scaled_mm"):
+        fp8_gemm.prewarm_spec(spec, 0)

@@ -207,6 +207,27 @@ def test_a_new_plan_takes_its_algorithm_from_the_plan_cache(monkeypatch):
     torch.testing.assert_close(y2, y1, rtol=0, atol=0)  # the same algorithm: the same bits
 
 
+def test_a_recorded_fp8_gemm_prewarms_and_serves_a_new_process(tmp_path, monkeypatch):
+    from cudnn_fuse import manifest, prewarm
+    from cudnn_fuse.cache import open_default_cache
+
+    a, b, sa, sb = _ops(M=256, K=512, N=128, seed=4)
+    with cf.record(tmp_path / "m.json"):
+        cf.scaled_mm(a, b, sa, sb, activation="relu")
+    monkeypatch.setattr(fp8_gemm, "_kept", fp8_gemm.Kept(fp8_gemm.MAX_PLANS, fp8_gemm.log, "x"))
+    open_default_cache().clear()  # the run stored its heuristic choice: the pre-warm starts from nothing
+    entries = manifest.load(tmp_path / "m.json")
+    rows = prewarm.prewarm(entries, cache=open_default_cache(), autotune=True)
+    assert [r.status for r in rows] == ["built"], rows
+    again = prewarm.prewarm(entries, cache=open_default_cache(), autotune=True)
+    assert [r.status for r in again] == ["cached"]  # tuned, stored and found by its own keys
+    monkeypatch.setattr(fp8_gemm, "_kept", fp8_gemm.Kept(fp8_gemm.MAX_PLANS, fp8_gemm.log, "x"))  # a new process
+    before = fp8_gemm.STATS["from_cache"]
+    y = cf.scaled_mm(a, b, sa, sb, activation="relu")
+    assert fp8_gemm.STATS["from_cache"] == before + 1
+    _close(y, reference.scaled_mm(a, b, sa, sb, None, "relu"), torch.bfloat16)
+
+
 def _attn_want(q, k, v, dq, dk, dv, causal, scale_s):
     import math
 
