@@ -148,28 +148,39 @@ class Casts:
     def cast(self, t: torch.Tensor, role: str, fmt) -> tuple:
         """(``t`` cast to ``fmt`` with its role's scale, that scale); the scale and history are updated
         in place: the scale this cast used, the amax pushed into the history."""
+        q, _, scale = self._cast(t, role, fmt, False)
+        return q, scale
+
+    def cast_t(self, t: torch.Tensor, role: str, fmt) -> tuple:
+        """(the cast of 2-D ``t``, its transpose contiguous, the scale): both from one pass over ``t``, the
+        layouts an FP8 GEMM needs of an operand it reduces along either dimension."""
+        return self._cast(t, role, fmt, True)
+
+    def _cast(self, t: torch.Tensor, role: str, fmt, transpose: bool) -> tuple:
         i = ROLES.index(role)
         self.recipe.before_cast(self.history, i)
         key = None
         if role == "w" and self.weight_cache is not None and not self.recipe.scales_from_history:
             key = (t.data_ptr(), t._version, t.dtype, fmt)
             hit = self.weight_cache.get(key)
-            if hit is not None:
-                q, scale, amax = hit
+            if hit is not None and (hit[1] is not None or not transpose):
+                q, qt, scale, amax = hit
                 self._record(i, scale, amax)
-                return q, scale
+                return q, qt, scale
+        cast = fp8_cast.cast_transpose_amax if transpose else \
+            lambda x, f, s: (lambda q, am: (q, None, am))(*fp8_cast.cast_amax(x, f, s))
         if self.recipe.scales_from_history:  # the scale is known before the cast: one pass casts and takes the amax
             scale = self.recipe.scale(None, self.history[i], self.scales[i], fmt)
-            q, amax = fp8_cast.cast_amax(t, fmt, scale)
+            q, qt, amax = cast(t, fmt, scale)
         else:  # the scale needs this tensor's amax first
             amax = fp8_gemm.fast_amax(t)
             scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
-            q = fp8_cast.cast_amax(t, fmt, scale)[0]
+            q, qt, _ = cast(t, fmt, scale)
         if key is not None:
             self.weight_cache.clear()  # the weight's older casts are of its older values
-            self.weight_cache[key] = (q, scale, amax)
+            self.weight_cache[key] = (q, qt, scale, amax)
         self._record(i, scale, amax)
-        return q, scale
+        return q, qt, scale
 
     def _record(self, i: int, scale, amax) -> None:
         """The scale this cast used, and its amax pushed into the history."""
@@ -218,34 +229,31 @@ def linear(x, weight, bias, casts: "Casts", activation=None, residual=None, nega
     return gemm(xq, sx, wq.t(), sw, x.dtype, bias, activation, r2, negative_slope).reshape(out_shape)
 
 
-def _k_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` [K, N] as an FP8 GEMM's second operand: a copy whose K is the stride-1 dimension (on the GPU)."""
-    return t.t().contiguous().t() if t.is_cuda else t
-
-
 class LinearFunction(torch.autograd.Function):
     """y = dequant(x_q) @ dequant(w_q).T + bias; dx and dw from dY cast to the backward format. The three
-    GEMMs are FP8 GEMMs on a GPU that has them (``gemm``)."""
+    GEMMs are FP8 GEMMs on a GPU that has them (``gemm``). Hopper's FP8 GEMMs take both operands K-major,
+    so each cast also writes its tensor's transpose (one pass, ``Casts.cast_t``): X·Wᵀ reads x_q and
+    w_q, dY·W reads dy_q and w_qᵀ, dYᵀ·X reads dy_qᵀ and x_qᵀ; the forward keeps x_qᵀ and w_qᵀ."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, casts):
         fwd, bwd = casts.recipe.formats()
         x2 = x.reshape(-1, x.shape[-1])
-        xq, sx = casts.cast(x2, "x", fwd)
-        wq, sw = casts.cast(weight, "w", fwd)
+        xq, xqt, sx = casts.cast_t(x2, "x", fwd)
+        wq, wqt, sw = casts.cast_t(weight, "w", fwd)
         y = gemm(xq, sx, wq.t(), sw, x.dtype, bias)
-        ctx.save_for_backward(xq, wq, sx, sw)
+        ctx.save_for_backward(xqt, wqt, sx, sw)
         ctx.casts, ctx.bwd, ctx.shape, ctx.dtypes = casts, bwd, x.shape, (x.dtype, weight.dtype)
         ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        xq, wq, sx, sw = ctx.saved_tensors
+        xqt, wqt, sx, sw = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq, sdy = ctx.casts.cast(dy2, "dy", ctx.bwd)
-        dx = gemm(dyq, sdy, _k_major(wq), sw, ctx.dtypes[0]).reshape(ctx.shape)  # dY·W, over N
-        dw = gemm(dyq.t().contiguous(), sdy, _k_major(xq), sx, ctx.dtypes[1])  # dYᵀ·X, over the tokens
+        dyq, dyqt, sdy = ctx.casts.cast_t(dy2, "dy", ctx.bwd)
+        dx = gemm(dyq, sdy, wqt.t(), sw, ctx.dtypes[0]).reshape(ctx.shape)  # dY·W, over N
+        dw = gemm(dyqt, sdy, xqt.t(), sx, ctx.dtypes[1])  # dYᵀ·X, over the tokens
         db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.has_bias else None  # no float32 copy of dY
         return dx, dw, db, None
 

@@ -1,4 +1,5 @@
-"""The FP8 cast that also yields the amax, in one pass over the tensor (a Triton kernel).
+"""The FP8 cast that also yields the amax (and, for a GEMM operand, the transposed copy), in one pass over
+the tensor (Triton kernels).
 
 ``cast_amax(x, fmt, scale)`` returns (``x * scale`` saturated to ±fmt's largest value and rounded to
 ``fmt``, max |x| as float32): what the FP8 recipes and the split FP8 GEMM need before every cast. In torch
@@ -16,6 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # elements per program: each reads 8-16 KB and keeps one running max
+TILE = 64  # the cast-and-transpose kernel's square tiles: 64x64 elements per program
 _kernel = None  # compiled on first use; False: Triton is not there
 
 
@@ -44,7 +46,25 @@ def _triton_kernel():
             x = tl.where(nan, x, tl.minimum(tl.maximum(x, -big), big))  # saturate; NaN stays NaN
             tl.store(y_ptr + offs, x.to(y_ptr.dtype.element_ty), mask=mask)
 
-        _kernel = cast_amax
+        @triton.jit
+        def cast_transpose_amax(x_ptr, y_ptr, yt_ptr, amax_ptr, scale_ptr, rows, cols, stride_x, big,
+                                HAS_SCALE: tl.constexpr, TILE: tl.constexpr):
+            r = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+            c = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+            mask = (r[:, None] < rows) & (c[None, :] < cols)
+            x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            nan = x != x
+            m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            m = tl.where(tl.max(tl.max(nan.to(tl.int32), axis=1), axis=0) > 0, float("nan"), m)
+            tl.atomic_max(amax_ptr, m)
+            if HAS_SCALE:
+                x = x * tl.load(scale_ptr)
+            y = tl.where(nan, x, tl.minimum(tl.maximum(x, -big), big)).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + r[:, None] * cols + c[None, :], y, mask=mask)
+            tl.store(yt_ptr + c[:, None] * rows + r[None, :], tl.trans(y),
+                     mask=(c[:, None] < cols) & (r[None, :] < rows))
+
+        _kernel = (cast_amax, cast_transpose_amax)
     return _kernel
 
 
@@ -61,10 +81,32 @@ def torch_cast_amax(x: torch.Tensor, fmt, scale=None):
 
 def cast_amax(x: torch.Tensor, fmt, scale=None):
     """(``x * scale`` saturated and cast to ``fmt``, max |x| before the scale as a float32 0-dim tensor)."""
-    kernel = _triton_kernel() if x.is_cuda and x.numel() else False
-    if not kernel:
+    kernels = _triton_kernel() if x.is_cuda and x.numel() else False
+    if not kernels:
         return torch_cast_amax(x, fmt, scale)
-    return _launch(kernel, x, fmt, scale)
+    return _launch(kernels[0], x, fmt, scale)
+
+
+def cast_transpose_amax(x: torch.Tensor, fmt, scale=None):
+    """(the cast of 2-D ``x`` as ``cast_amax`` makes it, its transpose as a contiguous [N, M] tensor, the
+    amax), from one read of ``x``: an FP8 GEMM on Hopper wants both operands K-major, so a tensor that is
+    the reduction's left operand in one GEMM and its right in another (X, W and dY of a linear) needs
+    both layouts."""
+    kernels = _triton_kernel() if x.is_cuda and x.numel() and x.dim() == 2 else False
+    if not kernels:
+        y, am = torch_cast_amax(x, fmt, scale)
+        return y, y.t().contiguous(), am
+    x = x.detach()
+    xc = x if x.stride(1) == 1 else x.contiguous()
+    rows, cols = xc.shape
+    y = torch.empty((rows, cols), dtype=fmt, device=x.device)
+    yt = torch.empty((cols, rows), dtype=fmt, device=x.device)
+    am = torch.zeros((), dtype=torch.float32, device=x.device)
+    s = scale.reshape(()).float() if scale is not None else am
+    grid = (-(-rows // TILE), -(-cols // TILE))
+    kernels[1][grid](xc, y, yt, am, s, rows, cols, xc.stride(0), torch.finfo(fmt).max, HAS_SCALE=scale is not None,
+                     TILE=TILE)
+    return y, yt, am
 
 
 def _launch(kernel, x, fmt, scale):

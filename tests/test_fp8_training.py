@@ -169,9 +169,11 @@ def test_current_scaling_casts_the_weight_once_per_update(monkeypatch):
     torch.manual_seed(0)
     lin = cf.nn.Linear(32, 16, fp8=cf.Float8CurrentScaling())
     fresh = copy.deepcopy(lin)
-    casts = []
-    real = fp8_cast.cast_amax
+    casts, transposed = [], []
+    real, real_t = fp8_cast.cast_amax, fp8_cast.cast_transpose_amax
     monkeypatch.setattr(fp8_cast, "cast_amax", lambda t, fmt, scale=None: casts.append(tuple(t.shape)) or real(t, fmt, scale))
+    monkeypatch.setattr(fp8_cast, "cast_transpose_amax",
+                        lambda t, fmt, scale=None: transposed.append(tuple(t.shape)) or real_t(t, fmt, scale))
     x = torch.randn(8, 32)
     with torch.no_grad():
         y1, y2 = lin(x), lin(x)
@@ -179,13 +181,16 @@ def test_current_scaling_casts_the_weight_once_per_update(monkeypatch):
     assert torch.equal(y1, y2)
     assert lin.fp8_amax_history[1, 0] > 0  # the cached cast still records W's amax and scale
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin(x).sum().backward()  # training wants W's transpose too: cast again, with it, and kept
     lin(x).sum().backward()
+    assert transposed.count((16, 32)) == 1 and transposed.count((8, 32)) == 2  # W once; x every call
+    assert transposed.count((8, 16)) == 2  # dY, each backward
     opt.step()  # an in-place update: a new weight._version
     with torch.no_grad():
         y3 = lin(x)
         fresh.load_state_dict(lin.state_dict())
         want = fresh(x)
-    assert casts.count((16, 32)) == 3  # the training forward reused it; after the update this layer and the copy cast
+    assert casts.count((16, 32)) == 3  # after the update this layer and the copy cast
     torch.testing.assert_close(y3, want)
 
 
@@ -262,3 +267,14 @@ def test_fused_mlp_refuses_a_second_recipe_and_runs_odd_features_unquantized():
     x = torch.randn(3, 32)
     torch.testing.assert_close(mlp(x), mlp.fc2(torch.relu(x @ mlp.fc1.weight.t() + mlp.fc1.bias)))
     assert mlp.fc1_fp8_amax_history.abs().sum() == 0  # nothing cast
+
+
+def test_the_cast_with_its_transpose_is_the_cast_and_its_transpose():
+    from cudnn_fuse import fp8_cast
+
+    x = torch.randn(7, 33, dtype=torch.bfloat16)[:, 1:] * 300  # rows with a pitch
+    y, yt, am = fp8_cast.cast_transpose_amax(x, E4, torch.tensor(0.5))
+    want, want_am = fp8_cast.torch_cast_amax(x, E4, torch.tensor(0.5))
+    assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)) and yt.is_contiguous()
+    assert torch.equal(yt.view(torch.uint8), want.t().contiguous().view(torch.uint8)) and am == want_am
+    assert am == x.abs().max().float()

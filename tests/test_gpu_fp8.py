@@ -286,3 +286,21 @@ def test_the_triton_cast_matches_torchs_bit_for_bit(fmt, n):
     y2, am2 = fp8_cast.cast_amax(x.t() if x.dim() > 1 else x[::2], fmt)  # a strided input
     ty2, tam2 = fp8_cast.torch_cast_amax(x[::2], fmt)
     assert torch.equal(y2.view(torch.uint8), ty2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", [E4, E5])
+@pytest.mark.parametrize("shape", [(1, 1), (64, 64), (100, 37), (4096, 1000), (129, 4160)])
+def test_the_triton_cast_and_transpose_matches_torchs_bit_for_bit(fmt, shape):
+    from cudnn_fuse import fp8_cast
+
+    if not fp8_cast._triton_kernel():
+        pytest.skip("no Triton")
+    x = (torch.randn(shape[0], shape[1] + 5, device="cuda") * 500).bfloat16()[:, 3:3 + shape[1]]  # padded rows
+    x[shape[0] // 2, shape[1] // 2] = float("nan") if shape[0] > 1 else x[0, 0]
+    scale = torch.tensor(0.75, device="cuda")
+    y, yt, am = fp8_cast.cast_transpose_amax(x, fmt, scale)
+    ty, tam = fp8_cast.torch_cast_amax(x, fmt, scale)
+    assert y.shape == shape and yt.shape == shape[::-1] and yt.is_contiguous()
+    assert torch.equal(y.view(torch.uint8), ty.view(torch.uint8))
+    assert torch.equal(yt.view(torch.uint8), ty.t().contiguous().view(torch.uint8))
+    assert torch.equal(am.isnan(), tam.isnan()) and (am.isnan() or am.item() == tam.item())
