@@ -84,7 +84,11 @@ def cast_amax(x: torch.Tensor, fmt, scale=None):
     kernels = _triton_kernel() if x.is_cuda and x.numel() else False
     if not kernels:
         return torch_cast_amax(x, fmt, scale)
-    return _launch(kernels[0], x, fmt, scale)
+    try:
+        return _launch(kernels[0], x, fmt, scale)
+    except Exception as e:  # noqa: BLE001 - a Triton that cannot compile it: torch's ops, from now on
+        _give_up(e)
+        return torch_cast_amax(x, fmt, scale)
 
 
 def cast_transpose_amax(x: torch.Tensor, fmt, scale=None):
@@ -104,9 +108,20 @@ def cast_transpose_amax(x: torch.Tensor, fmt, scale=None):
     am = torch.zeros((), dtype=torch.float32, device=x.device)
     s = scale.reshape(()).float() if scale is not None else am
     grid = (-(-rows // TILE), -(-cols // TILE))
-    kernels[1][grid](xc, y, yt, am, s, rows, cols, xc.stride(0), torch.finfo(fmt).max, HAS_SCALE=scale is not None,
-                     TILE=TILE)
+    try:
+        kernels[1][grid](xc, y, yt, am, s, rows, cols, xc.stride(0), torch.finfo(fmt).max,
+                         HAS_SCALE=scale is not None, TILE=TILE)
+    except Exception as e:  # noqa: BLE001 - a Triton that cannot compile it: torch's ops, from now on
+        _give_up(e)
+        y, am = torch_cast_amax(x, fmt, scale)
+        return y, y.t().contiguous(), am
     return y, yt, am
+
+
+def _give_up(e: Exception) -> None:
+    global _kernel
+    log.warning("FP8 cast: the Triton kernel failed (%s: %s); the casts run as torch ops", type(e).__name__, e)
+    _kernel = False
 
 
 def _launch(kernel, x, fmt, scale):
