@@ -323,6 +323,14 @@ class ConvChain(torch.nn.Module):
 _FP8_STATE = ("fp8_scales", "fp8_amax_history")
 
 
+def _fp8_state_float32(module) -> None:
+    """The FP8 scales and amax histories stay float32 when the module is cast (``.to(torch.bfloat16)``,
+    ``.half()``): a 16-bit scale would round every cast's scale, as TransformerEngine's FP8 state avoids."""
+    for name, t in module._buffers.items():
+        if t is not None and name.endswith(_FP8_STATE) and t.dtype != torch.float32:
+            module._buffers[name] = t.float()
+
+
 def _forgive_fp8_state(prefix: str, missing_keys: list) -> None:
     """A checkpoint without FP8 state (a plain bfloat16 one) loads: the layer's FP8 state starts fresh."""
     for key in list(missing_keys):
@@ -368,6 +376,11 @@ class Linear(torch.nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         _forgive_fp8_state(prefix, missing_keys)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        _fp8_state_float32(self)
+        return self
 
     def _fp8_forward(self, x, residual):
         if self.in_features % 16 or self.out_features % 16:
@@ -483,6 +496,11 @@ class FusedMLP(torch.nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         _forgive_fp8_state(prefix, missing_keys)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        _fp8_state_float32(self)
+        return self
 
     def _fp8_mlp(self, x, residual):
         """Both layers as FP8 linears; None where their features are not multiples of 16."""

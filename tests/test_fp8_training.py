@@ -278,3 +278,14 @@ def test_the_cast_with_its_transpose_is_the_cast_and_its_transpose():
     assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)) and yt.is_contiguous()
     assert torch.equal(yt.view(torch.uint8), want.t().contiguous().view(torch.uint8)) and am == want_am
     assert am == x.abs().max().float()
+
+
+def test_the_fp8_state_stays_float32_when_the_module_is_cast():
+    lin = cf.nn.Linear(16, 16, fp8=cf.DelayedScaling(amax_history_len=4)).to(torch.bfloat16)
+    mlp = cf.nn.FusedMLP(cf.nn.Linear(16, 32, activation="relu"), nn.Linear(32, 16), fp8=cf.Float8CurrentScaling())
+    mlp = mlp.half().to(torch.bfloat16)
+    assert lin.weight.dtype == torch.bfloat16 and mlp.fc1.weight.dtype == torch.bfloat16
+    assert lin.fp8_scales.dtype == lin.fp8_amax_history.dtype == torch.float32
+    assert mlp.fc1_fp8_scales.dtype == mlp.fc2_fp8_amax_history.dtype == torch.float32
+    lin(torch.randn(4, 16, dtype=torch.bfloat16))
+    assert lin.fp8_amax_history.dtype == torch.float32 and lin.fp8_amax_history[0, 0] > 0
