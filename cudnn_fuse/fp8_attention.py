@@ -1,8 +1,9 @@
 """FP8 attention forward through cuDNN's ``sdpa_fp8`` graph (inference: no softmax stats).
 
 One graph per shape, strides, format, causality and scale, built on the device's shared handle (under
-its lock, bound to cf's side stream, as every build is: ``handles.held``) and kept in memory; a
-launch binds the handle to the caller's stream. The probabilities are quantized with ``scale_s`` and
+its lock, bound to cf's side stream, as every build is: ``handles.held``), kept in memory and stored
+serialized in the plan cache, where a new process finds it; a launch binds the handle to the caller's
+stream. The probabilities are quantized with ``scale_s`` and
 dequantized with ``descale_s`` inside the kernel; O is written in q's FP8 format (Hopper has no 16-bit
 O for this graph) times ``scale_o``, and the kernel writes max |O| before ``scale_o`` (``amax_o``).
 A graph cuDNN declines is remembered with its reason; the caller then runs its fallback.
@@ -10,6 +11,7 @@ A graph cuDNN declines is remembered with its reason; the caller then runs its f
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import List
 
@@ -23,6 +25,7 @@ from .reference import amax as torch_amax, fp8_cast
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 64  # built graphs kept; least recently used go first
+STATS = {"from_cache": 0, "built": 0}  # where this process's graphs came from
 _kept = Kept(MAX_GRAPHS, log, "FP8 attention: cuDNN")
 _ROLES = ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "o", "amax_s",
           "amax_o")
@@ -79,14 +82,60 @@ def _key(q, k, v, is_causal, scale):
             bool(is_causal), float(scale))
 
 
+def cache_key(key) -> str:
+    """The plan cache's key of the graph of ``key`` (without the device index: the cache's namespace is
+    the device's environment)."""
+    return hashlib.sha256(repr(("fp8-attention", tuple(str(k) for k in key[1:]))).encode()).hexdigest()
+
+
+def _from_cache(pc, ckey: str, h, device: int):
+    """The graph the plan cache holds for ``ckey``, deserialized; None where there is none or it does not
+    deserialize (logged: the graph is built again and replaces it)."""
+    entry = pc.get(ckey) if pc is not None else None
+    if entry is None:
+        return None
+    try:
+        import cudnn
+
+        with handles.held(h, device):  # deserialize warms the plan up on the handle's stream (loader.py)
+            g = cudnn.pygraph(handle=h.handle)
+            g.deserialize(h.handle, entry.blob)
+        return _Graph(g, int(g.get_workspace_size()))
+    except Exception as e:  # noqa: BLE001 - a verified blob can still be nonsense to this cuDNN
+        log.info("FP8 attention: cached graph %s did not deserialize (%s: %s); building it", ckey[:12],
+                 type(e).__name__, e)
+        return None
+
+
 def _graph(key, q, k, v, o, is_causal, scale):
-    """The kept graph of ``key``, built now if new; None where cuDNN declined it (remembered)."""
+    """The kept graph of ``key``: from memory, else from the plan cache, else built now (and stored);
+    None where cuDNN declined it (remembered)."""
 
     def build():
+        from .cache import open_default_cache
+
         device = q.device.index
         h = handles.handle_for(device)
-        with torch.cuda.device(device), handles.held(h, device):
-            return _build(q, k, v, o, is_causal, scale, h.handle)
+        pc = open_default_cache(device)
+        ckey = cache_key(key)
+        with torch.cuda.device(device):
+            got = _from_cache(pc, ckey, h, device)
+            if got is not None:
+                STATS["from_cache"] += 1
+                return got
+            with handles.held(h, device):
+                got = _build(q, k, v, o, is_causal, scale, h.handle)
+            STATS["built"] += 1
+        if pc is not None and not getattr(pc, "read_only", False):
+            try:
+                blob = got.graph.serialize(as_bytes=True)
+            except Exception as e:  # noqa: BLE001 - an engine cuDNN cannot serialize: built per process
+                log.info("FP8 attention: graph %s not serializable (%s: %s)", ckey[:12], type(e).__name__, e)
+                return got
+            meta = {"kind": "fp8-attention", "op": "sdpa_fp8", "engine": "cuDNN sdpa_fp8",
+                    "q": list(q.shape), "kv": list(k.shape), "causal": bool(is_causal)}
+            pc.put(ckey, meta, blob)  # the cache absorbs its own faults
+        return got
 
     return _kept.get(key, build)
 

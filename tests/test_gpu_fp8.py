@@ -268,6 +268,23 @@ def test_fp8_attention_runs_cudnns_graph_and_matches_the_reference(causal, heads
         assert not new_refusals, new_refusals  # the plain MHA shape is cuDNN's own: it must take it
 
 
+def test_an_fp8_attention_graph_comes_back_from_the_plan_cache(monkeypatch):
+    from cudnn_fuse import fp8_attention
+
+    if not fp8_attention.fp8_attention_capable(torch.device("cuda")):
+        pytest.skip("cuDNN's FP8 attention needs compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(1, 4, 256, 64, device="cuda", generator=g).to(E4) for _ in range(3))
+    d = torch.tensor(0.5, device="cuda")
+    o1, _ = cf.scaled_dot_product_attention_fp8(q, k, v, d, d, d, is_causal=True)
+    monkeypatch.setattr(fp8_attention, "_kept", fp8_gemm.Kept(8, fp8_attention.log, "x"))  # a new process
+    before = dict(fp8_attention.STATS)
+    o2, _ = cf.scaled_dot_product_attention_fp8(q, k, v, d, d, d, is_causal=True)
+    print("FP8 attention graphs:", fp8_attention.STATS)
+    assert fp8_attention.STATS["from_cache"] == before["from_cache"] + 1, "stored graph not deserialized"
+    assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+
+
 @pytest.mark.parametrize("fmt", [E4, E5])
 @pytest.mark.parametrize("n", [1, 4095, 3 * 4096 + 17, 1 << 22])
 def test_the_triton_cast_matches_torchs_bit_for_bit(fmt, n):

@@ -155,3 +155,84 @@ def test_the_fp8_attention_op_has_shapes_for_torch_compile():
         f = [mode.from_tensor(t) for t in (q, k, v, dq, dk, dv, dq, dk, dv)]
         o, am = fp8_attention.attention_op(*f, False, 0.1)
     assert (o.shape, o.dtype, am.shape, am.dtype) == (q.shape, E4, (), torch.float32)
+
+
+class _FakeGraph:
+    def __init__(self, blob=b"graph-1", serializable=True):
+        self.blob, self.serializable = blob, serializable
+
+    def serialize(self, as_bytes=True):
+        if not self.serializable:
+            raise RuntimeError("not serializable")
+        return self.blob
+
+    def deserialize(self, handle, blob):
+        if blob == b"junk":
+            raise RuntimeError("CUDNN_STATUS_BAD_PARAM")
+        self.blob = blob
+
+    def get_workspace_size(self):
+        return 0
+
+
+def _fake_device(monkeypatch, serializable=True):
+    """fp8_attention's graph source on the CPU: builds counted, handles and devices faked."""
+    import contextlib
+
+    import cudnn
+
+    from cudnn_fuse import fp8_attention, fp8_gemm, handles
+
+    built = []
+
+    def build(q, k, v, o, is_causal, scale, handle):
+        built.append(tuple(q.shape))
+        return fp8_attention._Graph(_FakeGraph(serializable=serializable), 0)
+
+    monkeypatch.setattr(fp8_attention, "_build", build)
+    monkeypatch.setattr(handles, "handle_for", lambda device: type("H", (), {"handle": None})())
+    monkeypatch.setattr(handles, "held", lambda h, device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cudnn, "pygraph", lambda handle=None: _FakeGraph(blob=None))
+    monkeypatch.setattr(fp8_attention, "_kept", fp8_gemm.Kept(8, fp8_attention.log, "x"))
+    return built
+
+
+def _graph_once(S=128):
+    from cudnn_fuse import fp8_attention
+
+    q = torch.zeros(1, 2, S, 64, dtype=torch.float8_e4m3fn)
+    key = fp8_attention._key(q, q, q, True, 0.125)
+    return fp8_attention._graph(key, q, q, q, q, True, 0.125)
+
+
+def test_a_built_fp8_attention_graph_is_stored_and_a_new_process_deserializes_it(monkeypatch, caplog):
+    import logging
+
+    from cudnn_fuse import fp8_attention, fp8_gemm
+    from cudnn_fuse.cache import open_default_cache
+
+    built = _fake_device(monkeypatch)
+    assert _graph_once() is not None and built == [(1, 2, 128, 64)]
+    (key, meta, _), = open_default_cache().entries()
+    assert meta["op"] == "sdpa_fp8" and meta["causal"] is True
+    monkeypatch.setattr(fp8_attention, "_kept", fp8_gemm.Kept(8, fp8_attention.log, "x"))  # a new process
+    got = _graph_once()
+    assert got.graph.blob == b"graph-1" and len(built) == 1  # deserialized, not built
+    _graph_once(256)
+    assert len(built) == 2  # another shape: another graph
+    pc = open_default_cache()
+    pc.put(key, meta, b"junk")  # a blob this cuDNN cannot read: built again and replaced, never an error
+    monkeypatch.setattr(fp8_attention, "_kept", fp8_gemm.Kept(8, fp8_attention.log, "x"))
+    with caplog.at_level(logging.INFO, logger="cudnn_fuse.fp8_attention"):
+        assert _graph_once() is not None
+    assert len(built) == 3 and "did not deserialize" in caplog.text
+    assert pc.get(key).blob == b"graph-1"
+
+
+def test_a_graph_cudnn_cannot_serialize_still_runs(monkeypatch):
+    from cudnn_fuse.cache import open_default_cache
+
+    built = _fake_device(monkeypatch, serializable=False)
+    assert _graph_once() is not None and len(built) == 1
+    assert list(open_default_cache().entries()) == []
