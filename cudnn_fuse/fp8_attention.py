@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import handles
 from .fp8_gemm import Kept, capability
+from .spec import SdpaFP8Spec, TensorSpec
 from .reference import amax as torch_amax, fp8_cast
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,54 @@ def sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale
             h.stream = stream
         built.graph.execute(pack, ws, handle=h.handle)
     return o, amax_o.reshape(())
+
+
+# ------------------------------------------------------------------ specs: record, pre-warm
+
+
+def spec_of(q, k, v, is_causal: bool, scale: float) -> SdpaFP8Spec:
+    return SdpaFP8Spec(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), bool(is_causal), float(scale))
+
+
+def _spec_operands(spec, device: torch.device):
+    def make(t):
+        x = torch.empty_strided(t.shape, t.stride, dtype=getattr(torch, t.dtype), device=device)
+        x.copy_(torch.randn(t.shape, device=device))
+        return x
+
+    return make(spec.q), make(spec.k), make(spec.v)
+
+
+def _spec_key(spec, index):
+    dt = getattr(torch, spec.q.dtype)
+    return (index, dt, tuple(spec.q.shape), tuple(spec.q.stride), tuple(spec.k.shape), tuple(spec.k.stride),
+            tuple(spec.v.shape), tuple(spec.v.stride), bool(spec.is_causal), float(spec.scale))
+
+
+def spec_cached(pc, spec, device: int, want_tuned: bool = False) -> bool:
+    """Whether the plan cache holds the graph of ``spec`` (a pre-warm's look: not counted as a hit); its
+    graph is cuDNN's heuristic plan, so a tuned pre-warm finds it cached too."""
+    return pc is not None and pc.get(cache_key(_spec_key(spec, device)), count=False) is not None
+
+
+def pin_spec(pc, spec, device: int) -> int:
+    k = cache_key(_spec_key(spec, device))
+    e = pc.get(k, count=False)
+    return int(e is not None and not e.meta.get("pinned") and pc.put(k, dict(e.meta, pinned=True), e.blob, pinned=True))
+
+
+def prewarm_spec(spec, device: int) -> None:
+    """Build the graph of ``spec`` on ``device`` into the plan cache, as a call would; UnsupportedError
+    where cuDNN declines it or the GPU has no FP8 attention."""
+    from .errors import UnsupportedError
+
+    dev = torch.device("cuda", device)
+    if not fp8_attention_capable(dev):
+        raise UnsupportedError("cuDNN's FP8 attention needs compute capability 9.0")
+    q, k, v = _spec_operands(spec, dev)
+    key = _spec_key(spec, device)
+    if _graph(key, q, k, v, torch.empty(q.shape, dtype=q.dtype, device=dev), spec.is_causal, spec.scale) is None:
+        raise UnsupportedError(f"cuDNN declined it: {refused().get(key, '?')}")
 
 
 def refused() -> dict:

@@ -417,6 +417,9 @@ def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *
     ops._check_flag(op, "is_causal", is_causal)
     if scale is not None:
         scale = ops._float_arg(op, "scale", scale)
+    rec = manifest.active()
+    if rec is not None:  # the graph a Hopper GPU would build
+        rec.add(fp8_attention.spec_of(q, k, v, is_causal, float(scale) if scale is not None else 1.0 / math.sqrt(D)))
     if not q.is_cuda:
         return reference.scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s,
                                                           scale_s, is_causal, scale, scale_o)

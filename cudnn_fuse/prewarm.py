@@ -53,10 +53,9 @@ def default_builder(autotune: bool, device: int) -> Callable:
         old = at._enabled  # None (the environment decides) is restored as None
         at.set_autotune(autotune)
         try:
-            if getattr(spec, "op", None) == "scaled_mm":  # an FP8 GEMM: cuBLASLt's algorithm, not a cuDNN plan
-                from . import fp8_gemm
-
-                fp8_gemm.prewarm_spec(spec, device)
+            fp8 = _fp8_engine(spec)
+            if fp8 is not None:  # an FP8 GEMM (cuBLASLt's algorithm) or FP8 attention graph
+                fp8.prewarm_spec(spec, device)
             else:
                 loader.load_or_build(spec, device)
         finally:
@@ -65,15 +64,28 @@ def default_builder(autotune: bool, device: int) -> Callable:
     return build
 
 
+def _fp8_engine(spec):
+    """The module that plans an FP8 spec (fp8_gemm, fp8_attention), or None for a cuDNN graph's spec."""
+    op = getattr(spec, "op", None)
+    if op == "scaled_mm":
+        from . import fp8_gemm
+
+        return fp8_gemm
+    if op == "sdpa_fp8":
+        from . import fp8_attention
+
+        return fp8_attention
+    return None
+
+
 def _cached(pc, digest: str, want_tuned: bool, spec=None, device: int = 0) -> bool:
     if pc is None:
         return False
     from . import loader
 
-    if getattr(spec, "op", None) == "scaled_mm":  # its entries are keyed by cuBLASLt's problem
-        from . import fp8_gemm
-
-        return fp8_gemm.spec_cached(pc, spec, device, want_tuned)
+    fp8 = _fp8_engine(spec)
+    if fp8 is not None:  # its entries have keys of their own
+        return fp8.spec_cached(pc, spec, device, want_tuned)
 
     entry = pc.get(digest, count=False)  # a pre-warm's look, no plan lookup: the cache's hit rate leaves it out
     return entry is not None and (loader.is_tuned(entry.meta) or not want_tuned)
@@ -115,10 +127,9 @@ def prewarm_one(i: int, e, *, autotune: bool, dry_run: bool, builder, cache, ran
                 row.status, row.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     elif not dry_run:
         try:  # found cached (a lazy first run stored it): pinned now, as if pre-warmed
-            if getattr(e.spec, "op", None) == "scaled_mm":
-                from . import fp8_gemm
-
-                fp8_gemm.pin_spec(cache, e.spec, device)
+            fp8 = _fp8_engine(e.spec)
+            if fp8 is not None:
+                fp8.pin_spec(cache, e.spec, device)
             else:
                 loader.pin_cached(cache, e.spec)
         except Exception as exc:  # noqa: BLE001 - a pin is an eviction policy, never a failed entry

@@ -259,6 +259,22 @@ class ScaledMMSpec(_SpecMixin):
         return (self.a, self.b)
 
 
+@dataclass(frozen=True)
+class SdpaFP8Spec(_SpecMixin):
+    """FP8 attention forward (cuDNN's ``sdpa_fp8``, fp8_attention.py): q [B, H, S, D], k and v
+    [B, Hk, S_kv, D] in one FP8 format, o in q's; ``scale`` the softmax scale it runs with."""
+
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    is_causal: bool
+    scale: float
+    op = "sdpa_fp8"
+
+    def operands(self):
+        return (self.q, self.k, self.v)
+
+
 def _check_sdpa_attrs(spec) -> None:
     """An attention spec's scale as a float (1 and 1.0, -0.0 and 0.0 are one scale: equal specs, one
     in-memory plan) and is_causal as a bool, so that equal specs have one canonical JSON (one digest)."""
@@ -465,7 +481,7 @@ class SdpaBwdSpec(_SpecMixin):
 OpSpec = Any  # ConvSpec | MatmulSpec | SdpaSpec | the training specs above
 
 _BY_OP = {c.op: c for c in (ConvSpec, MatmulSpec, SdpaSpec, SaveZSpec, RecomputeGradSpec, ActGradSpec,
-                            ConvDgradSpec, ConvWgradSpec, SdpaTrainSpec, SdpaBwdSpec, ScaledMMSpec)}
+                            ConvDgradSpec, ConvWgradSpec, SdpaTrainSpec, SdpaBwdSpec, ScaledMMSpec, SdpaFP8Spec)}
 
 
 def spec_from_dict(d: dict) -> OpSpec:

@@ -283,6 +283,14 @@ def test_an_fp8_attention_graph_comes_back_from_the_plan_cache(monkeypatch):
     print("FP8 attention graphs:", fp8_attention.STATS)
     assert fp8_attention.STATS["from_cache"] == before["from_cache"] + 1, "stored graph not deserialized"
     assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+    from cudnn_fuse import prewarm
+    from cudnn_fuse.cache import open_default_cache
+    from cudnn_fuse.manifest import Entry
+
+    other = fp8_attention.spec_of(q[:, :, :128], k[:, :, :128], v[:, :, :128], False, 0.125)
+    rows = prewarm.prewarm([Entry(other)], cache=open_default_cache())
+    assert [r.status for r in rows] == ["built"], rows
+    assert [r.status for r in prewarm.prewarm([Entry(other)], cache=open_default_cache())] == ["cached"]
 
 
 @pytest.mark.parametrize("fmt", [E4, E5])

@@ -236,3 +236,37 @@ def test_a_graph_cudnn_cannot_serialize_still_runs(monkeypatch):
     built = _fake_device(monkeypatch, serializable=False)
     assert _graph_once() is not None and len(built) == 1
     assert list(open_default_cache().entries()) == []
+
+
+def test_record_writes_the_fp8_attention_graph_and_prewarm_builds_it_by_its_own_keys(tmp_path, monkeypatch):
+    from cudnn_fuse import fp8_attention, loader, manifest, prewarm
+    from cudnn_fuse.spec import SdpaFP8Spec
+
+    q = torch.randn(1, 4, 64, 32).to(torch.float8_e4m3fn)
+    k = torch.randn(1, 2, 64, 32).to(torch.float8_e4m3fn)
+    d = torch.tensor(0.5)
+    with cf.record(tmp_path / "m.json"):
+        cf.scaled_dot_product_attention_fp8(q, k, k, d, d, d, is_causal=True)
+    (entry,) = manifest.load(tmp_path / "m.json")
+    assert isinstance(entry.spec, SdpaFP8Spec) and entry.spec.k.shape == (1, 2, 64, 32)
+    assert entry.spec.scale == pytest.approx(1 / math.sqrt(32)) and entry.spec.is_causal
+    built, asked = [], []
+    monkeypatch.setattr(fp8_attention, "prewarm_spec", lambda s, device: built.append(s))
+    monkeypatch.setattr(fp8_attention, "spec_cached", lambda pc, s, device, tuned: asked.append(s) or False)
+    monkeypatch.setattr(loader, "load_or_build", lambda s, device: pytest.fail("a cuDNN plan build"))
+    rows = prewarm.prewarm([entry], cache=object())
+    assert [r.status for r in rows] == ["built"] and built == asked == [entry.spec]
+
+
+def test_the_fp8_attention_cache_look_finds_what_a_build_stored(monkeypatch):
+    from cudnn_fuse import fp8_attention
+    from cudnn_fuse.cache import open_default_cache
+
+    _fake_device(monkeypatch)
+    q = torch.zeros(1, 2, 128, 64, dtype=torch.float8_e4m3fn)
+    spec = fp8_attention.spec_of(q, q, q, True, 0.125)
+    pc = open_default_cache()
+    assert not fp8_attention.spec_cached(pc, spec, 0)
+    _graph_once()  # the same shape, causality and scale
+    assert fp8_attention.spec_cached(pc, spec, 0) and fp8_attention.pin_spec(pc, spec, 0) == 1
+    assert not fp8_attention.spec_cached(pc, fp8_attention.spec_of(q, q, q, False, 0.125), 0)
