@@ -134,6 +134,7 @@ def _graph(key, q, k, v, o, is_causal, scale):
                 log.info("FP8 attention: graph %s not serializable (%s: %s)", ckey[:12], type(e).__name__, e)
                 return got
             meta = {"kind": "fp8-attention", "op": "sdpa_fp8", "engine": "cuDNN sdpa_fp8",
+                    "workspace_bytes": got.workspace_size,
                     "q": list(q.shape), "kv": list(k.shape), "causal": bool(is_causal)}
             pc.put(ckey, meta, blob)  # the cache absorbs its own faults
         return got

@@ -175,7 +175,9 @@ def _store_algorithm(pc, ckey: str, mm, key, epilog: str, tuned: bool) -> None:
     if pc is None or getattr(pc, "read_only", False):
         return
     best = mm.algorithms[0]
+    blob = best.as_numpy()
     meta = {"kind": "fp8-gemm", "op": "scaled_mm", "engine": f"cuBLASLt algorithm {best.algorithm_id}",
+            "workspace_bytes": int(blob["workspace_size"][0]),
             "tuned": tuned, "mkn": [int(k) for k in key[1:4]], "epilog": epilog,
             "dtypes": [str(k) for k in key[4:7]]}
     if tuned:
@@ -185,7 +187,7 @@ def _store_algorithm(pc, ckey: str, mm, key, epilog: str, tuned: bool) -> None:
     pinned = pinning_now()  # stored by a pre-warm: never evicted for space
     if pinned:
         meta["pinned"] = True
-    pc.put(ckey, meta, best.as_numpy().tobytes(), pinned=pinned)  # the cache logs and absorbs its own faults
+    pc.put(ckey, meta, blob.tobytes(), pinned=pinned)  # the cache logs and absorbs its own faults
 
 
 def _plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_amax, stream):
