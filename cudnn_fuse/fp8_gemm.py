@@ -209,8 +209,10 @@ def _plan(key, a2, b2, sa, sb, bias, residual, scale_d, epilog, d_dtype, want_am
         mm = advanced.Matmul(b2.t(), a2.t(), c=None if residual is None else residual.t(),
                              beta=None if residual is None else 1.0, quantization_scales=scales,
                              options=options, stream=stream)
-        # no timing inside a CUDA graph capture: the timed runs would be captured, not run
-        tuning = autotune.autotune_enabled() and not torch.cuda.is_current_stream_capturing()
+        from .loader import _capturing
+
+        # no timing while a CUDA graph capture is open: the timed runs would be captured, not run
+        tuning = autotune.autotune_enabled() and not _capturing()
         pc = open_default_cache(a2.device.index)
         ckey = cache_key(key, epilog, a2.device)
         stored = _stored_algorithm(pc, ckey, tuning)
