@@ -265,7 +265,7 @@ def _variant(name, hidden, ffn, heads, reference):
     return m
 
 
-TRAIN_VARIANTS = ("cf_bf16", "cf_fp8_current", "cf_fp8_delayed", "torch_compile", "torchao")
+TRAIN_VARIANTS = ("cf_bf16", "cf_fp8_current", "cf_fp8_delayed", "torchao", "torch_compile")
 
 
 def training_rows(names, steps: int = TRAIN_STEPS) -> tuple:
@@ -396,13 +396,14 @@ def main(argv=None) -> int:
         doc["nvmath"] = f"unavailable: {e}"
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "fp8.json")
-    sections = (("cublaslt_support", lambda: cublaslt_support()), ("scaled_mm", lambda: scaled_mm_rows(shapes)),
-                ("attention", lambda: attention_rows([int(x) for x in args.seqs.split(",") if x])),
-                ("training", lambda: training_rows([n for n in args.training.split(",") if n], args.steps)))
+    sections = [("cublaslt_support", lambda: cublaslt_support()), ("scaled_mm", lambda: scaled_mm_rows(shapes)),
+                ("attention", lambda: attention_rows([int(x) for x in args.seqs.split(",") if x]))]
+    sections += [("training", lambda n=n: training_rows([n], args.steps)) for n in args.training.split(",") if n]
     for key, run in sections:  # written after each: a run cut short keeps what it measured
         got = run()
-        if key == "training":
-            doc["training"], doc["loss_curves"] = got
+        if key == "training":  # one block at a time
+            doc.setdefault("training", []).extend(got[0])
+            doc.setdefault("loss_curves", {}).update(got[1])
         else:
             doc[key] = got
         if key == "cublaslt_support":
