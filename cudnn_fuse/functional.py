@@ -348,7 +348,7 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
                                 f"{tuple(out_shape)}") from None
     activation, negative_slope = canonical_activation(activation, negative_slope, op)
     args = (bias, activation, residual, out_dtype, scale_result, return_amax, negative_slope)
-    rec = manifest.active()
+    rec = None if _is_compiling() else manifest.active()  # a traced call records nothing (its sizes are symbols)
     if rec is not None and b.dim() == 2 and scale_a.numel() == scale_b.numel() == 1:  # what cuBLASLt would plan
         rec.add(fp8_gemm.spec_of(a.reshape(-1, K), b, bias, activation, residual, out_dtype, return_amax,
                                  negative_slope))
@@ -417,7 +417,7 @@ def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *
     ops._check_flag(op, "is_causal", is_causal)
     if scale is not None:
         scale = ops._float_arg(op, "scale", scale)
-    rec = manifest.active()
+    rec = None if _is_compiling() else manifest.active()
     if rec is not None:  # the graph a Hopper GPU would build
         rec.add(fp8_attention.spec_of(q, k, v, is_causal, float(scale) if scale is not None else 1.0 / math.sqrt(D)))
     if not q.is_cuda:

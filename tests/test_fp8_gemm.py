@@ -415,3 +415,17 @@ def test_prewarm_spec_refuses_what_torch_scaled_mm_would_run(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "constant", lambda device, value: torch.tensor(value))
     with pytest.raises(UnsupportedError, match="torch._scaled_mm"):
         fp8_gemm.prewarm_spec(spec, 0)
+
+
+def test_a_traced_call_records_nothing_and_traces_in_one_graph(tmp_path):
+    import cudnn_fuse as cf
+    from cudnn_fuse import manifest
+
+    a, b, sa, sb = _ops()
+    fn = torch.compile(lambda a, b: cf.scaled_mm(a, b, sa, sb, activation="relu"), backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    with cf.record(tmp_path / "m.json"):
+        got = fn(a, b)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, cf.scaled_mm(a, b, sa, sb, activation="relu"))
+    assert manifest.load(tmp_path / "m.json") == []  # a traced call's sizes are symbols: record eager calls
