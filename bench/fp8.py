@@ -253,9 +253,10 @@ def _variant(name, hidden, ffn, heads, reference):
                    lambda h, f: cf.nn.FusedMLP(cf.nn.Linear(h, f, activation="gelu_tanh"), torch.nn.Linear(f, h),
                                                fp8=recipe))
     m = m.to("cuda", torch.bfloat16)
-    ref = {k.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2."): v for k, v in reference.state_dict().items()}
-    m.load_state_dict({k.replace("mlp.fc1.", "mlp.0.").replace("mlp.fc2.", "mlp.2."): v for k, v in ref.items()}
-                      if name in ("torch_compile", "torchao") else ref)
+    ref = reference.state_dict()
+    if name not in ("torch_compile", "torchao"):  # FusedMLP names its layers fc1 and fc2, the Sequential 0 and 2
+        ref = {k.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2."): v for k, v in ref.items()}
+    m.load_state_dict(ref)
     if name == "torchao":
         from torchao.float8 import convert_to_float8_training
 

@@ -136,6 +136,14 @@ def check_recipe(recipe) -> None:
         raise TypeError(f"fp8 must be None, cf.Float8CurrentScaling() or cf.DelayedScaling(), got {recipe!r}")
 
 
+def _cast_amax(t: torch.Tensor, fmt, scale, transpose: bool) -> tuple:
+    """(``t`` cast, its transpose or None, the amax), from one pass over ``t``."""
+    if transpose:
+        return fp8_cast.cast_transpose_amax(t, fmt, scale)
+    q, amax = fp8_cast.cast_amax(t, fmt, scale)
+    return q, None, amax
+
+
 class Casts:
     """A module's FP8 state: per role (x, w, dy) its current scale and amax history, in buffers the module
     owns (``scales``: [3]; ``history``: [3, history_len], newest first)."""
@@ -167,15 +175,13 @@ class Casts:
                 q, qt, scale, amax = hit
                 self._record(i, scale, amax)
                 return q, qt, scale
-        cast = fp8_cast.cast_transpose_amax if transpose else \
-            lambda x, f, s: (lambda q, am: (q, None, am))(*fp8_cast.cast_amax(x, f, s))
         if self.recipe.scales_from_history:  # the scale is known before the cast: one pass casts and takes the amax
             scale = self.recipe.scale(None, self.history[i], self.scales[i], fmt)
-            q, qt, amax = cast(t, fmt, scale)
+            q, qt, amax = _cast_amax(t, fmt, scale, transpose)
         else:  # the scale needs this tensor's amax first
             amax = fp8_gemm.fast_amax(t)
             scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
-            q, qt, _ = cast(t, fmt, scale)
+            q, qt, _ = _cast_amax(t, fmt, scale, transpose)
         if key is not None:
             self.weight_cache.clear()  # the weight's older casts are of its older values
             self.weight_cache[key] = (q, qt, scale, amax)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import handles
-from .fp8_gemm import Kept, capability
+from .fp8_gemm import Kept, capability, operand, pin_keys
 from .spec import SdpaFP8Spec, TensorSpec
 from .reference import amax as torch_amax, fp8_cast
 
@@ -180,15 +180,6 @@ def spec_of(q, k, v, is_causal: bool, scale: float) -> SdpaFP8Spec:
     return SdpaFP8Spec(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), bool(is_causal), float(scale))
 
 
-def _spec_operands(spec, device: torch.device):
-    def make(t):
-        x = torch.empty_strided(t.shape, t.stride, dtype=getattr(torch, t.dtype), device=device)
-        x.copy_(torch.randn(t.shape, device=device))
-        return x
-
-    return make(spec.q), make(spec.k), make(spec.v)
-
-
 def _spec_key(spec, index):
     dt = getattr(torch, spec.q.dtype)
     return (index, dt, tuple(spec.q.shape), tuple(spec.q.stride), tuple(spec.k.shape), tuple(spec.k.stride),
@@ -202,9 +193,7 @@ def spec_cached(pc, spec, device: int, want_tuned: bool = False) -> bool:
 
 
 def pin_spec(pc, spec, device: int) -> int:
-    k = cache_key(_spec_key(spec, device))
-    e = pc.get(k, count=False)
-    return int(e is not None and not e.meta.get("pinned") and pc.put(k, dict(e.meta, pinned=True), e.blob, pinned=True))
+    return pin_keys(pc, [cache_key(_spec_key(spec, device))])
 
 
 def prewarm_spec(spec, device: int) -> None:
@@ -215,7 +204,7 @@ def prewarm_spec(spec, device: int) -> None:
     dev = torch.device("cuda", device)
     if not fp8_attention_capable(dev):
         raise UnsupportedError("cuDNN's FP8 attention needs compute capability 9.0")
-    q, k, v = _spec_operands(spec, dev)
+    q, k, v = (operand(t, dev) for t in (spec.q, spec.k, spec.v))
     key = _spec_key(spec, device)
     if _graph(key, q, k, v, torch.empty(q.shape, dtype=q.dtype, device=dev), spec.is_causal, spec.scale) is None:
         raise UnsupportedError(f"cuDNN declined it: {refused().get(key, '?')}")

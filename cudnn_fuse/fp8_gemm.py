@@ -383,6 +383,27 @@ def _torch_scaled_mm(a2, b2, sa, sb, bias, activation, residual, out_dtype, scal
 # ------------------------------------------------------------------ specs: record, pre-warm, the plan cache
 
 
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def operand(t: TensorSpec, device: torch.device) -> torch.Tensor:
+    """A tensor of spec ``t`` on ``device`` (its strides kept), filled with values a pre-warm can run on."""
+    x = torch.empty_strided(t.shape, t.stride, dtype=_dtype(t.dtype), device=device)
+    x.copy_(torch.randn(t.shape, device=device).clamp(-8, 8))
+    return x
+
+
+def pin_keys(pc, keys) -> int:
+    """Pin the plan cache's entries of ``keys`` (a pre-warm found them cached); how many were newly pinned."""
+    n = 0
+    for k in keys:
+        e = pc.get(k, count=False)
+        if e is not None and not e.meta.get("pinned") and pc.put(k, dict(e.meta, pinned=True), e.blob, pinned=True):
+            n += 1
+    return n
+
+
 def spec_of(a2, b2, bias, activation, residual, out_dtype, return_amax, negative_slope=0.01) -> ScaledMMSpec:
     """The spec of a 2-D product as the GPU path runs it: b K-major (the plan's operand: a b that is not
     is transposed first), the residual a row-major [M, N] of its own dtype."""
@@ -400,12 +421,11 @@ def spec_of(a2, b2, bias, activation, residual, out_dtype, return_amax, negative
 def _spec_keys(spec, device: torch.device) -> list:
     """The plan cache keys of the cuBLASLt plans ``spec`` asks for, in the order they are asked."""
     (M, K), N = spec.a.shape, spec.b.shape[1]
-    dt = lambda n: getattr(torch, n)  # noqa: E731
     e = spec.epilogue
     return [cache_key(key, _EPILOG[act], device)
-            for _, _, _, act, key in _forms(device.index, M, K, N, dt(spec.a.dtype), dt(spec.b.dtype), spec.a.stride[0],
-                                            spec.b.stride[1], e.activation, e.residual is not None, dt(spec.y.dtype),
-                                            e.amax)]
+            for _, _, _, act, key in _forms(device.index, M, K, N, _dtype(spec.a.dtype), _dtype(spec.b.dtype),
+                                            spec.a.stride[0], spec.b.stride[1], e.activation, e.residual is not None,
+                                            _dtype(spec.y.dtype), e.amax)]
 
 
 def spec_cached(pc, spec, device: int, want_tuned: bool) -> bool:
@@ -421,12 +441,7 @@ def spec_cached(pc, spec, device: int, want_tuned: bool) -> bool:
 
 def pin_spec(pc, spec, device: int) -> int:
     """Pin the cached algorithms of ``spec``; how many were newly pinned."""
-    n = 0
-    for k in _spec_keys(spec, torch.device("cuda", device)):
-        e = pc.get(k, count=False)
-        if e is not None and not e.meta.get("pinned") and pc.put(k, dict(e.meta, pinned=True), e.blob, pinned=True):
-            n += 1
-    return n
+    return pin_keys(pc, _spec_keys(spec, torch.device("cuda", device)))
 
 
 def prewarm_spec(spec, device: int) -> None:
@@ -437,22 +452,15 @@ def prewarm_spec(spec, device: int) -> None:
     dev = torch.device("cuda", device)
     if not fp8_capable(dev):
         raise UnsupportedError("FP8 GEMMs need a GPU of compute capability 8.9 or newer")
-    dt = lambda n: getattr(torch, n)  # noqa: E731
-
-    def operand(t):
-        x = torch.empty_strided(t.shape, t.stride, dtype=dt(t.dtype), device=dev)
-        x.copy_(torch.randn(t.shape, device=dev).clamp(-8, 8))
-        return x
-
-    a2, b2 = operand(spec.a), operand(spec.b)
-    e = spec.epilogue
+    a2, b2 = operand(spec.a, dev), operand(spec.b, dev)
+    e, out_dtype = spec.epilogue, _dtype(spec.y.dtype)
     one = constant(dev, 1.0)
-    if engine_of(a2, b2, one, one, dt(spec.y.dtype)) != "cublaslt":
+    if engine_of(a2, b2, one, one, out_dtype) != "cublaslt":
         raise UnsupportedError("this product runs torch._scaled_mm (M not a multiple of 16, a float32 output or "
                                "no nvmath): nothing to pre-warm")
     with torch.cuda.device(dev):
-        scaled_mm_2d(a2, b2, one, one, None if e.bias is None else operand(e.bias), e.activation,
-                     None if e.residual is None else operand(e.residual), dt(spec.y.dtype), None, e.amax,
+        scaled_mm_2d(a2, b2, one, one, None if e.bias is None else operand(e.bias, dev), e.activation,
+                     None if e.residual is None else operand(e.residual, dev), out_dtype, None, e.amax,
                      e.negative_slope)
         torch.cuda.synchronize(dev)
 

@@ -320,26 +320,44 @@ class ConvChain(torch.nn.Module):
         return f"{len(self._layers)} layers, chained={self.chained}"
 
 
-_FP8_STATE = ("fp8_scales", "fp8_amax_history")
+class _FP8State:
+    """A module's FP8 state, per FP8 linear it runs (``layer``: "" for its own, "fc1_", ...): the scales and
+    amax histories of x, w and dY, buffers ``{layer}fp8_scales`` [3] and ``{layer}fp8_amax_history``
+    [3, history_len] in the state_dict, so a checkpoint resumes with them. A checkpoint without them (a
+    plain bfloat16 one) loads and the state starts fresh; they stay float32 when the module is cast to 16
+    bits (a 16-bit scale would round every cast's scale). The weight's casts are kept per layer outside
+    the state (a copy or a load recasts)."""
+
+    _FP8_STATE = ("fp8_scales", "fp8_amax_history")
+
+    def _register_fp8_state(self, recipe, layers, device) -> None:
+        for layer in layers:
+            self.register_buffer(f"{layer}fp8_scales", torch.ones(3, device=device))
+            self.register_buffer(f"{layer}fp8_amax_history", torch.zeros(3, recipe.history_len, device=device))
+
+    def _fp8_casts(self, layer: str = "") -> "fp8_.Casts":
+        caches = self.__dict__.setdefault("_fp8_weight_cast", {})
+        return fp8_.Casts(self.fp8, getattr(self, f"{layer}fp8_scales"), getattr(self, f"{layer}fp8_amax_history"),
+                          caches.setdefault(layer, {}))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for key in list(missing_keys):  # this module's own FP8 buffers only
+            rest = key[len(prefix):]
+            if key.startswith(prefix) and "." not in rest and rest.endswith(self._FP8_STATE):
+                missing_keys.remove(key)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, t in self._buffers.items():
+            if t is not None and name.endswith(self._FP8_STATE) and t.dtype != torch.float32:
+                self._buffers[name] = t.float()
+        return self
 
 
-def _fp8_state_float32(module) -> None:
-    """The FP8 scales and amax histories stay float32 when the module is cast (``.to(torch.bfloat16)``,
-    ``.half()``): a 16-bit scale would round every cast's scale, as TransformerEngine's FP8 state avoids."""
-    for name, t in module._buffers.items():
-        if t is not None and name.endswith(_FP8_STATE) and t.dtype != torch.float32:
-            module._buffers[name] = t.float()
-
-
-def _forgive_fp8_state(prefix: str, missing_keys: list) -> None:
-    """A checkpoint without FP8 state (a plain bfloat16 one) loads: the layer's FP8 state starts fresh."""
-    for key in list(missing_keys):
-        rest = key[len(prefix):]
-        if key.startswith(prefix) and "." not in rest and rest.endswith(_FP8_STATE):
-            missing_keys.remove(key)
-
-
-class Linear(torch.nn.Linear):
+class Linear(_FP8State, torch.nn.Linear):
     """``torch.nn.Linear`` + fused epilogue: ``act(x @ W.T + bias + residual)``.
 
     ``recompute`` matters for activations whose backward needs their input
@@ -367,28 +385,15 @@ class Linear(torch.nn.Linear):
         self.recompute = recompute
         self.negative_slope = negative_slope
         self.fp8 = fp8
-        if fp8 is not None:  # the scales and amax histories of x, w and dY: a checkpoint resumes with them
-            self.register_buffer("fp8_scales", torch.ones(3, device=device))
-            self.register_buffer("fp8_amax_history", torch.zeros(3, fp8.history_len, device=device))
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        _forgive_fp8_state(prefix, missing_keys)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        _fp8_state_float32(self)
-        return self
+        if fp8 is not None:
+            self._register_fp8_state(fp8, ("",), device)
 
     def _fp8_forward(self, x, residual):
         if self.in_features % 16 or self.out_features % 16:
             ops._fallback("linear", "FP8 needs in_features and out_features that are multiples of 16: bfloat16")
             return None
-        cache = self.__dict__.setdefault("_fp8_weight_cast", {})  # not state: a copy or a load recasts
-        casts = fp8_.Casts(self.fp8, self.fp8_scales, self.fp8_amax_history, cache)
-        return fp8_.linear(x, self.weight, self.bias, casts, self.activation, residual, self.negative_slope)
+        return fp8_.linear(x, self.weight, self.bias, self._fp8_casts(), self.activation, residual,
+                           self.negative_slope)
 
     def forward(self, x, residual=None):
         if self.fp8 is not None and isinstance(x, torch.Tensor):
@@ -445,7 +450,7 @@ class Linear(torch.nn.Linear):
         return super().extra_repr() + extra
 
 
-class FusedMLP(torch.nn.Module):
+class FusedMLP(_FP8State, torch.nn.Module):
     """``fc2(act(fc1(x))) [+ residual]``: a Linear -> activation -> Linear block (a transformer
     MLP) whose training backward crosses the layer boundary.
 
@@ -485,22 +490,8 @@ class FusedMLP(torch.nn.Module):
         else:  # plain attributes, found before nn.Module.__getattr__: not registered, not in state_dict
             self.__dict__["fc1"], self.__dict__["fc2"] = fc1, fc2
         self.fp8 = fp8
-        if fp8 is not None:  # per layer, the scales and amax histories of x, w and dY
-            for layer in ("fc1", "fc2"):
-                self.register_buffer(f"{layer}_fp8_scales", torch.ones(3, device=fc1.weight.device))
-                self.register_buffer(f"{layer}_fp8_amax_history",
-                                     torch.zeros(3, fp8.history_len, device=fc1.weight.device))
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        _forgive_fp8_state(prefix, missing_keys)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        _fp8_state_float32(self)
-        return self
+        if fp8 is not None:
+            self._register_fp8_state(fp8, ("fc1_", "fc2_"), fc1.weight.device)
 
     def _fp8_mlp(self, x, residual):
         """Both layers as FP8 linears; None where their features are not multiples of 16."""
@@ -508,11 +499,8 @@ class FusedMLP(torch.nn.Module):
         if fc1.in_features % 16 or fc1.out_features % 16 or fc2.out_features % 16:
             ops._fallback("linear", "FP8 needs in_features and out_features that are multiples of 16: bfloat16")
             return None
-        caches = self.__dict__.setdefault("_fp8_weight_cast", ({}, {}))  # not state: a copy or a load recasts
-        c1 = fp8_.Casts(self.fp8, self.fc1_fp8_scales, self.fc1_fp8_amax_history, caches[0])
-        c2 = fp8_.Casts(self.fp8, self.fc2_fp8_scales, self.fc2_fp8_amax_history, caches[1])
-        h = fp8_.linear(x, fc1.weight, fc1.bias, c1, fc1.activation, None, fc1.negative_slope)
-        return fp8_.linear(h, fc2.weight, fc2.bias, c2, None, residual, 0.01)
+        h = fp8_.linear(x, fc1.weight, fc1.bias, self._fp8_casts("fc1_"), fc1.activation, None, fc1.negative_slope)
+        return fp8_.linear(h, fc2.weight, fc2.bias, self._fp8_casts("fc2_"), None, residual, 0.01)
 
     def _fused(self, x, residual) -> bool:
         fc1 = self.fc1

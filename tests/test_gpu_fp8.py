@@ -143,14 +143,28 @@ def test_the_engines_in_use_are_logged(caplog):
         assert str(key) in caplog.text
 
 
+def _fp8_module(kind, recipe):
+    """(the module in bfloat16 on the CPU, its first linear): an FP8 Linear, or an FP8 FusedMLP whose fc1's
+    GELU runs in its GEMM's epilogue without autograd."""
+    r = cf.Float8CurrentScaling() if recipe == "current" else cf.DelayedScaling(amax_history_len=4)
+    if kind == "linear":
+        m = cf.nn.Linear(256, 512, fp8=r).to(torch.bfloat16)
+        return m, m
+    m = cf.nn.FusedMLP(cf.nn.Linear(256, 512, activation="gelu_tanh"), torch.nn.Linear(512, 128),
+                       fp8=r).to(torch.bfloat16)
+    return m, m.fc1
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_the_fp8_linear_runs_fp8_gemms_and_matches_its_cpu_reference(recipe):
+def test_fp8_layers_run_fp8_gemms_and_match_their_cpu_reference(recipe, kind):
     import copy
 
     torch.manual_seed(0)
-    r = cf.Float8CurrentScaling() if recipe == "current" else cf.DelayedScaling(amax_history_len=4)
-    cpu = cf.nn.Linear(256, 512, fp8=r).to(torch.bfloat16)
+    cpu, cpu_first = _fp8_module(kind, recipe)
     gpu = copy.deepcopy(cpu).cuda()
+    gpu_first = gpu if kind == "linear" else gpu.fc1
+    scales = "fp8_scales" if kind == "linear" else "fc1_fp8_scales"
     before = fp8_gemm.plan_count()
     for step in range(3):  # delayed scaling reads the history the steps before wrote
         x = torch.randn(64, 256, dtype=torch.bfloat16)
@@ -159,34 +173,13 @@ def test_the_fp8_linear_runs_fp8_gemms_and_matches_its_cpu_reference(recipe):
         g = torch.randn_like(cy)
         cy.backward(g)
         gy.backward(g.cuda())
-        _close(gy.cpu(), cy, torch.bfloat16)
-        _close(gx.grad.cpu(), cx.grad, torch.bfloat16)
-        _close(gpu.weight.grad.cpu(), cpu.weight.grad, torch.bfloat16)
-        torch.testing.assert_close(gpu.fp8_scales.cpu(), cpu.fp8_scales, rtol=1e-2, atol=0)
-        cpu.weight.grad = gpu.weight.grad = None
-    assert fp8_gemm.plan_count() > before or fp8_gemm.refused()  # the GEMMs ran through cuBLASLt's FP8 path
-
-
-@pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_the_fp8_mlp_trains_on_fp8_gemms_and_its_inference_epilogue_agrees(recipe):
-    import copy
-
-    torch.manual_seed(0)
-    r = cf.Float8CurrentScaling() if recipe == "current" else cf.DelayedScaling(amax_history_len=4)
-    cpu = cf.nn.FusedMLP(cf.nn.Linear(256, 512, activation="gelu_tanh"), torch.nn.Linear(512, 128),
-                         fp8=r).to(torch.bfloat16)
-    gpu = copy.deepcopy(cpu).cuda()
-    for step in range(3):
-        x = torch.randn(64, 256, dtype=torch.bfloat16)
-        cx, gx = x.clone().requires_grad_(), x.cuda().requires_grad_()
-        cy, gy = cpu(cx), gpu(gx)
-        g = torch.randn_like(cy)
-        cy.backward(g)
-        gy.backward(g.cuda())
         _close(gy.detach().cpu(), cy.detach(), torch.bfloat16)
         _close(gx.grad.cpu(), cx.grad, torch.bfloat16)
-        _close(gpu.fc1.weight.grad.cpu(), cpu.fc1.weight.grad, torch.bfloat16)
-    with torch.no_grad():  # the GELU in fc1's GEMM epilogue
+        _close(gpu_first.weight.grad.cpu(), cpu_first.weight.grad, torch.bfloat16)
+        torch.testing.assert_close(getattr(gpu, scales).cpu(), getattr(cpu, scales), rtol=1e-2, atol=0)
+        cpu_first.weight.grad = gpu_first.weight.grad = None
+    assert fp8_gemm.plan_count() > before or fp8_gemm.refused()  # the GEMMs ran through cuBLASLt's FP8 path
+    with torch.no_grad():  # bias (and fc1's GELU) in the GEMM's epilogue
         _close(gpu(gx.detach()).cpu(), cpu(cx.detach()), torch.bfloat16)
 
 
