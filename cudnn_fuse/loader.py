@@ -350,7 +350,7 @@ class StandIn(torch_engine.TorchPlan):
 def _standin(pc, spec, device: int):
     """A StandIn for ``spec`` when torch's kernels can take it and another size of its family has a plan
     (in this process, or a family record in the cache); None otherwise (then it is built as ever)."""
-    if deterministic() or not torch_engine.supports(spec):
+    if deterministic() or not torch_engine.stands_in(spec):
         return None  # torch's kernels are no deterministic engine
     fam = families.family(spec)
     if fam is None:

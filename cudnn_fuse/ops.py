@@ -649,6 +649,8 @@ def _remember(key, originals, plan, buffers, out) -> None:
     torch_plan = isinstance(plan, torch_engine.TorchPlan)
     if not plan.raw and not torch_plan or getattr(plan, "standin", False):
         return
+    if torch_plan and type(plan.spec) is SdpaSpec:
+        return  # a _TorchLaunch takes the matmul and conv operands: attention keeps the slow path
     ins = [t for t in originals if t is not None]
     y, amax = out if isinstance(out, tuple) else (out, None)
     if any(a.data_ptr() != b.data_ptr() for a, b in zip(ins, buffers)) or y.data_ptr() != buffers[len(ins)].data_ptr():

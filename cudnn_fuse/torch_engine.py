@@ -9,6 +9,9 @@ output, then the residual, the activation in place and the amax as one reduction
 PyTorch does, with no extra copy. The autotuner times it beside cuDNN's candidates; a heuristic
 plan is checked against it once (loader.py).
 
+It also stands in for a new size of a known shape family while that size's plan waits
+(loader.StandIn, ``stands_in``), attention included.
+
 Only for 16-bit specs (fp32 would follow torch's global TF32 flags, not the spec's), convs with
 symmetric padding, and never when deterministic algorithms are required (torch's kernel choice
 there depends on settings cudnn_fuse does not control).
@@ -19,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import reference
 from .builders import roles_of
-from .spec import ConvSpec, MatmulSpec, SaveZSpec
+from .spec import ConvSpec, MatmulSpec, SaveZSpec, SdpaSpec
 
 ENGINE_NAME = "torch"
 _DTYPES = ("float16", "bfloat16")
@@ -36,6 +40,24 @@ def supports(spec) -> bool:
     if fwd.a.dtype not in _DTYPES or getattr(fwd, "allow_tf32", False):
         return False
     return not (isinstance(spec, SaveZSpec) and fwd.epilogue.amax)
+
+
+def stands_in(spec) -> bool:
+    """Whether torch's kernels can serve ``spec`` while its own plan waits (loader.StandIn): what
+    ``supports`` takes, and attention forward (torch's SDPA, which picks among cuDNN's, flash and
+    memory-efficient kernels with no plan build) of 16-bit operands without both a bias and a causal mask
+    (torch takes one or the other). Not a tuning candidate: the stand-in is replaced by the plan."""
+    if type(spec) is SdpaSpec:
+        return spec.q.dtype in _DTYPES and not (spec.is_causal and spec.bias is not None)
+    return supports(spec)
+
+
+def _sdpa_run(spec: SdpaSpec, t: dict) -> None:
+    """torch's attention on the plan's buffers (4-D, k and v with their own heads under GQA: the
+    reference's GQA, which keeps torch's fused kernels), written into the op's output."""
+    q, k = t["q"], t["k"]
+    t["o"].copy_(reference.scaled_dot_product_attention(q, k, t["v"], t.get("bias"), 0.0, spec.is_causal, spec.scale,
+                                                        q.shape[1] != k.shape[1]))
 
 
 def _act_out(z: torch.Tensor, y: torch.Tensor, act, slope: float) -> None:
@@ -142,6 +164,9 @@ class TorchPlan:
         t = dict(zip(self.roles, buffers))
         if type(self.spec) is ConvSpec:
             _conv_run(self.spec, t)
+            return
+        if type(self.spec) is SdpaSpec:
+            _sdpa_run(self.spec, t)
             return
         save_z = isinstance(self.spec, SaveZSpec)
         fwd = self.spec.fwd if save_z else self.spec

@@ -165,3 +165,60 @@ def test_a_caller_capture_open_on_another_stream_also_defers_the_swap(monkeypatc
     assert not loader._capturing()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert loader._capturing()
+
+
+def _sdpa_spec(s: int, causal=True, bias=False, kv_heads=4):
+    from cudnn_fuse.spec import SdpaSpec
+
+    q = TensorSpec.contiguous((2, 4, s, 16), "bfloat16")
+    kv = TensorSpec.contiguous((2, kv_heads, s, 16), "bfloat16")
+    b = TensorSpec.contiguous((1, 1, s, s), "bfloat16") if bias else None
+    return SdpaSpec(q, kv, kv, TensorSpec.contiguous((2, 4, s, 16), "bfloat16"), b, causal, 0.25)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_at_a_new_length_stands_in_then_swaps(env, kv_heads):
+    env.lru.get(_sdpa_spec(256, kv_heads=kv_heads), 0)
+    stand = env.lru.get(_sdpa_spec(200, kv_heads=kv_heads), 0)
+    assert isinstance(stand, loader.StandIn) and loader.STATS.standins == 1
+    for _ in range(loader.STANDIN_CALLS - 1):
+        assert env.lru.get(_sdpa_spec(200, kv_heads=kv_heads), 0) is stand
+    plan = env.lru.get(_sdpa_spec(200, kv_heads=kv_heads), 0)
+    assert isinstance(plan, StoredPlan) and env.built[-1] == _sdpa_spec(200, kv_heads=kv_heads)
+
+
+def test_attention_with_both_a_bias_and_a_causal_mask_builds_at_once(env):
+    env.lru.get(_sdpa_spec(256, bias=True), 0)
+    plan = env.lru.get(_sdpa_spec(200, bias=True), 0)  # torch's SDPA takes a mask or is_causal, not both
+    assert isinstance(plan, StoredPlan) and env.built[-1] == _sdpa_spec(200, bias=True)
+    env.lru.get(_sdpa_spec(256, causal=False, bias=True), 0)
+    assert isinstance(env.lru.get(_sdpa_spec(200, causal=False, bias=True), 0), loader.StandIn)
+
+
+@pytest.mark.parametrize("causal,bias,kv_heads,bshd", [(True, False, 4, False), (False, True, 4, True),
+                                                       (True, False, 2, False), (False, False, 1, True)])
+def test_torchs_attention_standing_in_computes_the_op(causal, bias, kv_heads, bshd):
+    from cudnn_fuse import reference
+    from cudnn_fuse.spec import SdpaSpec
+
+    torch.manual_seed(0)
+    s = 24
+    q = torch.randn(2, 4, s, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, kv_heads, s, 16, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.randn(1, 1, s, s, dtype=torch.bfloat16) if bias else None
+    o = torch.empty(2, s, 4, 16, dtype=torch.bfloat16).transpose(1, 2) if bshd else torch.empty_like(q)
+    spec = SdpaSpec(ops._spec(q), ops._spec(k), ops._spec(v), ops._spec(o), ops._spec(mask) if bias else None,
+                    causal, 0.3)
+    assert torch_engine.stands_in(spec) and not torch_engine.supports(spec)  # a stand-in, never a tuning candidate
+    loader.StandIn(spec, 0).run([t for t in (q, k, v, mask, o) if t is not None])
+    mask32 = mask.float() if bias else None
+    want = reference.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask32, 0.0, causal, 0.3,
+                                                  kv_heads != 4)
+    torch.testing.assert_close(o.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_the_ops_memo_keeps_attention_on_the_slow_path_under_torchs_kernels(monkeypatch):
+    monkeypatch.setattr(ops, "_FAST", {})
+    q = torch.zeros(2, 4, 200, 16, dtype=torch.bfloat16)
+    ops._remember(("sdpa", 1), [q, q, q, None], torch_engine.TorchPlan(_sdpa_spec(200, False), 0), [q, q, q, q], q)
+    assert ops._FAST == {}

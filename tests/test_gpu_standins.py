@@ -58,3 +58,32 @@ def test_a_fresh_process_knows_the_family_from_the_cache(cache_dir):
     out = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "standins 1 builds 0" in out.stdout
+
+
+@pytest.mark.parametrize("causal,mask,gqa", [(True, False, False), (False, True, False), (True, False, True)])
+def test_attention_at_a_new_length_stands_in_then_swaps_with_the_same_results(cache_dir, causal, mask, gqa):
+    torch.manual_seed(0)
+    loader.clear()
+
+    def qkv(s):
+        q = torch.randn(2, 8, s, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 2 if gqa else 8, s, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        m = torch.rand(s, s, device="cuda") > 0.2 if mask else None
+        if m is not None:
+            m.fill_diagonal_(True)
+        return q, k, v, m
+
+    q, k, v, m = qkv(256)
+    cf.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, enable_gqa=gqa)  # the family's first
+    before = cf.plan_stats()
+    q, k, v, m = qkv(200)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, is_causal=causal,
+                                         enable_gqa=gqa)
+    for call in range(loader.STANDIN_CALLS + 2):
+        o = cf.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, enable_gqa=gqa)
+        torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
+        if call == 0:
+            stats = cf.plan_stats()
+            assert stats["standins"] == before["standins"] + 1 and stats["builds"] == before["builds"]
+    stats = cf.plan_stats()
+    assert stats["swaps"] == before["swaps"] + 1 and stats["builds"] == before["builds"] + 1
