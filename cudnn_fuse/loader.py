@@ -335,7 +335,7 @@ def _mark_family(pc, spec) -> None:
 
 class StandIn(torch_engine.TorchPlan):
     """torch's kernels for a new size of a known shape family while its plan waits: no build on the call
-    that meets the size (PlanLRU builds the plan on the STANDIN_CALLS-th call and swaps it in). The ops
+    that meets the size (PlanLRU builds the plan on the call after the first STANDIN_CALLS and swaps it in). The ops
     never remember it, so every call looks it up and counts."""
 
     __slots__ = ("calls",)

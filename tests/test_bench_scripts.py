@@ -21,9 +21,11 @@ def test_dynamic_shapes_draws_distinct_new_sizes_reproducibly():
     assert sizes == dynamic_shapes.draw_sizes(200) and sizes != dynamic_shapes.draw_sizes(200, seed=1)
 
 
-def test_dynamic_shapes_sweep_takes_first_minus_steady(monkeypatch):
+def test_dynamic_shapes_sweep_takes_first_and_later_calls_minus_steady(monkeypatch):
     calls = []
-    times = iter([10.0, 2.0] * 2)  # per size: the first call, then the steady calls' median
+    later = [3.0, 2.5, 40.0, 2.0, 2.0, 2.0]  # a stand-in's calls, the swap's build, the plan's
+    times = iter(([10.0] + later + [2.0]) * 2)  # per size: the first call, each later call, the steady median
+    assert len(later) == dynamic_shapes.LATER_CALLS
 
     def synced_ms(fn, reps):
         for _ in range(reps):
@@ -33,9 +35,12 @@ def test_dynamic_shapes_sweep_takes_first_minus_steady(monkeypatch):
     monkeypatch.setattr(dynamic_shapes, "synced_ms", synced_ms)
     monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
     res = dynamic_shapes.sweep(calls.append, lambda s: s, [7, 9])
-    assert calls == [7] * 6 + [9] * 6
+    n = 1 + dynamic_shapes.LATER_CALLS + dynamic_shapes.STEADY_REPS
+    assert calls == [7] * n + [9] * n
     assert [r["extra_ms"] for r in res["per_size"]] == [8.0, 8.0]
+    assert res["per_size"][0]["later_ms"] == later
     assert res["first_call_extra_ms_median"] == res["first_call_extra_ms_p95"] == 8.0
+    assert res["later_call_extra_ms_median"] == res["later_call_extra_ms_p95"] == 38.0
 
 
 @pytest.mark.parametrize("script", ["dynamic", "models"])
