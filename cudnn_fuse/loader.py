@@ -65,6 +65,11 @@ def is_engine_record(meta: dict) -> bool:
     return meta.get("kind") == "engine-record"
 
 
+def is_record(meta: dict) -> bool:
+    """Whether an entry is a record beside the plans (a plan's engine record, a shape family's record)."""
+    return meta.get("kind") in ("engine-record", "family-record")
+
+
 # A family's tuned engine serves a size within this factor of a size it was tuned at, on every dynamic
 # dimension; a size further out is tuned itself and becomes one more of the family's anchors (the newest
 # FAMILY_ANCHORS kept): an engine fast at one size may be slow far from it (docs/dynamic_shapes.md).
@@ -764,9 +769,7 @@ class PlanLRU:
                     with pinned_mode(det):  # every read of the mode in the load or build is the key's
                         item = make()
                 except UnsupportedError as exc:
-                    # keep the message only: the exception's traceback would pin
-                    # this caller's frames (and its tensors) for the entry's life
-                    item = _Declined(str(exc))
+                    item = _declined(key, exc)
                 self._store(key, item)
                 return item
         finally:
@@ -784,6 +787,17 @@ class PlanLRU:
             plan = torch_engine.TorchPlan(spec, device, None, f"torch's kernels: cuDNN declined this size ({exc})"[:200])
         STATS.swaps += 1
         return plan
+
+
+def _declined(key, exc: UnsupportedError):
+    """What serves a spec cuDNN declines: torch's kernels for the same computation where they take it (a
+    plan the ops remember, at eager's host cost), else the remembered decline, on which the op runs its
+    reference. Keeps the message only: the exception's traceback would pin the caller's frames (and its
+    tensors) for the entry's life."""
+    spec, device, det = key
+    if not det and torch_engine.supports(spec):
+        return torch_engine.TorchPlan(spec, device, None, f"torch's kernels: cuDNN has no engine for it ({exc})"[:200])
+    return _Declined(str(exc))
 
 
 class _Declined:

@@ -396,7 +396,7 @@ def test_a_build_files_its_entry_under_the_mode_it_chose_its_engine_under(monkey
         assert filtered is start, "the engines were filtered under the other mode"
         if tuned:
             assert tuner_modes[-1] is start
-        entry = [(k, m) for k, m in pc.puts if not loader.is_engine_record(m) and m.get("kind") != "family-record"]
+        entry = [(k, m) for k, m in pc.puts if not loader.is_record(m)]
         fam = [k for k, m in pc.puts if m.get("kind") == "family-record"]
         if tuned:  # the shape family's record, under the mode too
             with deterministic(start):

@@ -66,7 +66,7 @@ def test_garbage_blob_with_a_valid_checksum_is_survived(tmp_path):
     from cudnn_fuse.cache import PlanCache
 
     pc = PlanCache(tmp_path)
-    keys = [k for k, meta, _ in pc.entries() if not loader.is_engine_record(meta)]
+    keys = [k for k, meta, _ in pc.entries() if not loader.is_record(meta)]
     assert len(keys) == 3
     rng = torch.Generator().manual_seed(1)
     for k in keys:
@@ -91,7 +91,7 @@ def test_autotune_upgrades_a_heuristic_entry_once(tmp_path):
     from cudnn_fuse.cache import PlanCache
 
     pc = PlanCache(tmp_path)
-    metas = [m for k, m, _ in pc.entries() if not loader.is_engine_record(m)]
+    metas = [m for k, m, _ in pc.entries() if not loader.is_record(m)]
     assert len(metas) == 3 and all(m["tuned"] for m in metas)
     assert all(len(m["candidates"]) >= 1 for m in metas)
 

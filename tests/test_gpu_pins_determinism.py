@@ -116,7 +116,7 @@ def test_a_deterministic_training_step_repeats_bit_for_bit_on_deterministic_engi
         torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2)
     assert set(_pins()) - det_keys, "the deterministic entries must not have served the plain step"
     metas = [loader._cache().get(k).meta for k in det_keys]
-    assert any(m.get("deterministic") is True for m in metas if not loader.is_engine_record(m))
+    assert any(m.get("deterministic") is True for m in metas if not loader.is_record(m))
 
 
 def test_an_se_convs_nchw_1x1_input_runs_as_the_gemm(cache_dir):

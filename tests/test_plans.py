@@ -107,13 +107,30 @@ def test_capacity_below_one_is_a_value_error(capacity):
 def test_unsupported_is_remembered_and_reraised(fresh_stats):
     fake = FakeBuilder(fail=UnsupportedError)
     lru = loader.PlanLRU(4, builder=fake)
-    for _ in range(5):
+    for _ in range(5):  # float32: torch's kernels would follow torch's TF32 flags, not the spec's
         with pytest.raises(UnsupportedError, match="fake builder declines"):
-            lru.get(spec(), 0)
+            lru.get(spec(dtype="float32"), 0)
     assert len(fake.calls) == 1, "an unsupported spec costs one build attempt"
     with pytest.raises(UnsupportedError):
-        lru.get(spec(), 1)
+        lru.get(spec(dtype="float32"), 1)
     assert len(fake.calls) == 2, "per device"
+
+
+def test_a_declined_16_bit_spec_runs_torchs_kernels_remembered(fresh_stats):
+    from cudnn_fuse import torch_engine
+    from tuning import deterministic
+
+    fake = FakeBuilder(fail=UnsupportedError)
+    lru = loader.PlanLRU(4, builder=fake)
+    plan = lru.get(spec(act="gelu"), 0)
+    assert type(plan) is torch_engine.TorchPlan and "no engine" in loader.describe(plan)
+    assert lru.get(spec(act="gelu"), 0) is plan and len(fake.calls) == 1 and plan in lru.plans()
+    a, b = torch.randn(1, 16, 32, dtype=torch.float16), torch.randn(1, 32, 8, dtype=torch.float16)
+    y = torch.empty(1, 16, 8, dtype=torch.float16)
+    plan.run([a, b, y])
+    torch.testing.assert_close(y, torch.nn.functional.gelu(a.float() @ b.float()).half(), atol=1e-2, rtol=1e-2)
+    with deterministic(True), pytest.raises(UnsupportedError):  # torch's kernels are no deterministic engine
+        lru.get(spec(act="gelu"), 0)
 
 
 def test_other_builder_errors_are_not_remembered(fresh_stats):
@@ -191,7 +208,7 @@ def test_concurrent_gets_of_different_keys_do_not_serialize(fresh_stats):
 def test_concurrent_unsupported_is_built_once(fresh_stats):
     fake = FakeBuilder(sleep=0.2, fail=UnsupportedError)
     lru = loader.PlanLRU(4, builder=fake)
-    results, errors = _race(lru, spec())
+    results, errors = _race(lru, spec(dtype="float32"))
     assert len(fake.calls) == 1
     assert len(errors) == 8 and all(isinstance(e, UnsupportedError) for e in errors)
 
@@ -212,7 +229,7 @@ def test_remembered_failure_does_not_pin_callers_frames(fresh_stats):
         buf = Buffer()
         ref = weakref.ref(buf)
         try:
-            lru.get(spec(), 0)
+            lru.get(spec(dtype="float32"), 0)
         except UnsupportedError:
             pass
         return ref
