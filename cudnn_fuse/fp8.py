@@ -148,10 +148,10 @@ class Casts:
     """A module's FP8 state: per role (x, w, dy) its current scale and amax history, in buffers the module
     owns (``scales``: [3]; ``history``: [3, history_len], newest first)."""
 
-    def __init__(self, recipe, scales: torch.Tensor, history: torch.Tensor, weight_cache: dict | None = None):
+    def __init__(self, recipe, scales: torch.Tensor, history: torch.Tensor):
+        # every call casts the weight anew: an update in place need not show (fused optimizers step without
+        # bumping the tensor's version counter), and a cast kept across calls would serve the old values
         self.recipe, self.scales, self.history = recipe, scales, history
-        # current scaling: the weight's cast, kept per (storage, weight._version), is made once per update
-        self.weight_cache = weight_cache
 
     def cast(self, t: torch.Tensor, role: str, fmt) -> tuple:
         """(``t`` cast to ``fmt`` with its role's scale, that scale); the scale and history are updated
@@ -167,14 +167,6 @@ class Casts:
     def _cast(self, t: torch.Tensor, role: str, fmt, transpose: bool) -> tuple:
         i = ROLES.index(role)
         self.recipe.before_cast(self.history, i)
-        key = None
-        if role == "w" and self.weight_cache is not None and not self.recipe.scales_from_history:
-            key = (t.data_ptr(), t._version, t.dtype, fmt)
-            hit = self.weight_cache.get(key)
-            if hit is not None and (hit[1] is not None or not transpose):
-                q, qt, scale, amax = hit
-                self._record(i, scale, amax)
-                return q, qt, scale
         if self.recipe.scales_from_history:  # the scale is known before the cast: one pass casts and takes the amax
             scale = self.recipe.scale(None, self.history[i], self.scales[i], fmt)
             q, qt, amax = _cast_amax(t, fmt, scale, transpose)
@@ -182,9 +174,6 @@ class Casts:
             amax = fp8_gemm.fast_amax(t)
             scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
             q, qt, _ = _cast_amax(t, fmt, scale, transpose)
-        if key is not None:
-            self.weight_cache.clear()  # the weight's older casts are of its older values
-            self.weight_cache[key] = (q, qt, scale, amax)
         self._record(i, scale, amax)
         return q, qt, scale
 

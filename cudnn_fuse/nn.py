@@ -325,8 +325,7 @@ class _FP8State:
     amax histories of x, w and dY, buffers ``{layer}fp8_scales`` [3] and ``{layer}fp8_amax_history``
     [3, history_len] in the state_dict, so a checkpoint resumes with them. A checkpoint without them (a
     plain bfloat16 one) loads and the state starts fresh; they stay float32 when the module is cast to 16
-    bits (a 16-bit scale would round every cast's scale). The weight's casts are kept per layer outside
-    the state (a copy or a load recasts)."""
+    bits (a 16-bit scale would round every cast's scale)."""
 
     _FP8_STATE = ("fp8_scales", "fp8_amax_history")
 
@@ -336,9 +335,7 @@ class _FP8State:
             self.register_buffer(f"{layer}fp8_amax_history", torch.zeros(3, recipe.history_len, device=device))
 
     def _fp8_casts(self, layer: str = "") -> "fp8_.Casts":
-        caches = self.__dict__.setdefault("_fp8_weight_cast", {})
-        return fp8_.Casts(self.fp8, getattr(self, f"{layer}fp8_scales"), getattr(self, f"{layer}fp8_amax_history"),
-                          caches.setdefault(layer, {}))
+        return fp8_.Casts(self.fp8, getattr(self, f"{layer}fp8_scales"), getattr(self, f"{layer}fp8_amax_history"))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
