@@ -186,7 +186,9 @@ def cublaslt_support(n: int = 256) -> list:
                         c_dtype = torch.bfloat16 if fp8_d else d
                         c = res.to(c_dtype) if with_res else None
                         scale_d = torch.ones(1, device="cuda") if fp8_d else None
-                        key = ("probe", d, epilog, kernel_amax, with_res, bd)
+                        # the layout of fp8_gemm._forms' keys, the bias format last (the op's follows D's)
+                        key = (a.device.index, n, n, n, a.dtype, b.dtype, d, act, with_res, kernel_amax,
+                               a.stride(0), b.stride(1), n if with_res else None, bd)
                         row = {"d": str(d).replace("torch.", ""), "epilog": epilog, "amax": kernel_amax,
                                "residual": with_res, "bias": str(bd).replace("torch.", "")}
                         p = fp8_gemm._plan(key, a, b, sa.reshape(1), sb.reshape(1), bias.to(bd), c, scale_d, epilog,

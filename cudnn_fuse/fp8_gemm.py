@@ -174,12 +174,16 @@ def _store_algorithm(pc, ckey: str, mm, key, epilog: str, tuned: bool) -> None:
     """The algorithm ``mm`` runs (its fastest measured when ``tuned``), into the plan cache."""
     if pc is None or getattr(pc, "read_only", False):
         return
-    best = mm.algorithms[0]
-    blob = best.as_numpy()
-    meta = {"kind": "fp8-gemm", "op": "scaled_mm", "engine": f"cuBLASLt algorithm {best.algorithm_id}",
-            "workspace_bytes": int(blob["workspace_size"][0]),
-            "tuned": tuned, "mkn": [int(k) for k in key[1:4]], "epilog": epilog,
-            "dtypes": [str(k) for k in key[4:7]]}
+    try:
+        best = mm.algorithms[0]
+        blob = best.as_numpy()
+        meta = {"kind": "fp8-gemm", "op": "scaled_mm", "engine": f"cuBLASLt algorithm {best.algorithm_id}",
+                "workspace_bytes": int(blob["workspace_size"][0]),
+                "tuned": tuned, "mkn": [int(k) for k in key[1:4]], "epilog": epilog,
+                "dtypes": [str(k) for k in key[4:7]]}
+    except Exception as e:  # noqa: BLE001 - an algorithm not stored is chosen again by the next process
+        log.debug("FP8 GEMM: the algorithm of %s not stored: %s: %s", key, type(e).__name__, e)
+        return
     if tuned:
         meta["tuned_at"] = time.time()
     from .loader import pinning_now

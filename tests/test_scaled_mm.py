@@ -142,3 +142,24 @@ def _call(**over):
 def test_bad_arguments_are_named(over, exc, match):
     with pytest.raises(exc, match=match):
         _call(**over)
+
+
+@pytest.mark.parametrize("fault", ["algorithm", "key"])
+def test_an_algorithm_that_cannot_be_stored_leaves_the_plan_running(tmp_path, fault):
+    """Storing a cuBLASLt algorithm is best effort: a fault there never refuses the plan."""
+    import types
+
+    from cudnn_fuse import fp8_gemm
+    from cudnn_fuse.cache import PlanCache
+
+    class Alg:
+        algorithm_id = 3
+
+        def as_numpy(self):
+            raise RuntimeError("not a numpy view")
+
+    pc = PlanCache(tmp_path / "c", namespace="t")
+    alg = Alg() if fault == "algorithm" else types.SimpleNamespace(algorithm_id=3, as_numpy=lambda: {"workspace_size": [0]})
+    key = (0, 8, 16, 32) if fault == "algorithm" else ("probe", torch.bfloat16, "BIAS")  # M, K, N not ints
+    fp8_gemm._store_algorithm(pc, "ab" * 32, types.SimpleNamespace(algorithms=[alg]), key, "BIAS", False)
+    assert pc.get("ab" * 32) is None
