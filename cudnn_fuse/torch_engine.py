@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import reference
 from .builders import roles_of
@@ -52,12 +53,20 @@ def stands_in(spec) -> bool:
     return supports(spec)
 
 
+# torch's attention backends that need no build for a new shape: its cuDNN backend builds a graph per
+# shape (tens of ms, as a plan build does), which a stand-in exists to avoid
+_NO_BUILD_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
 def _sdpa_run(spec: SdpaSpec, t: dict) -> None:
     """torch's attention on the plan's buffers (4-D, k and v with their own heads under GQA: the
-    reference's GQA, which keeps torch's fused kernels), written into the op's output."""
+    reference's GQA, which keeps torch's fused kernels), written into the op's output; never through
+    torch's cuDNN backend."""
     q, k = t["q"], t["k"]
-    t["o"].copy_(reference.scaled_dot_product_attention(q, k, t["v"], t.get("bias"), 0.0, spec.is_causal, spec.scale,
-                                                        q.shape[1] != k.shape[1]))
+    with sdpa_kernel(list(_NO_BUILD_SDPA)):
+        o = reference.scaled_dot_product_attention(q, k, t["v"], t.get("bias"), 0.0, spec.is_causal, spec.scale,
+                                                   q.shape[1] != k.shape[1])
+    t["o"].copy_(o)
 
 
 def _act_out(z: torch.Tensor, y: torch.Tensor, act, slope: float) -> None:

@@ -222,3 +222,21 @@ def test_the_ops_memo_keeps_attention_on_the_slow_path_under_torchs_kernels(monk
     q = torch.zeros(2, 4, 200, 16, dtype=torch.bfloat16)
     ops._remember(("sdpa", 1), [q, q, q, None], torch_engine.TorchPlan(_sdpa_spec(200, False), 0), [q, q, q, q], q)
     assert ops._FAST == {}
+
+
+def test_torchs_attention_standing_in_never_takes_torchs_cudnn_backend(monkeypatch):
+    """torch's cuDNN attention builds a graph per new shape: the stand-in would pay what it exists to avoid."""
+    from cudnn_fuse import reference
+
+    seen = []
+    real = reference.scaled_dot_product_attention
+
+    def spy(*a):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return real(*a)
+
+    monkeypatch.setattr(reference, "scaled_dot_product_attention", spy)
+    q = torch.randn(2, 4, 200, 16, dtype=torch.bfloat16)
+    o = torch.empty_like(q)
+    loader.StandIn(_sdpa_spec(200, causal=False), 0).run([q, q, q, o])
+    assert seen == [(False, True)] and torch.backends.cuda.cudnn_sdp_enabled()  # restored after
