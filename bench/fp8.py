@@ -389,8 +389,13 @@ def main(argv=None) -> int:
     import cudnn
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
-    doc = {"commit": args.commit or checkout_commit(), "device": device_name(), "torch": torch.__version__,
-           "cudnn": cudnn.backend_version()}
+    seqs = [int(x) for x in args.seqs.split(",") if x]
+    path = os.path.join(args.out, "fp8.json")
+    # the sections this run does not measure stay as an earlier run wrote them; "runs" says which run
+    # (commit, GPU) each section comes from
+    doc = json.load(open(path)) if os.path.exists(path) else {}
+    run_id = {"commit": args.commit or checkout_commit(), "device": device_name()}
+    doc.update(run_id, torch=torch.__version__, cudnn=cudnn.backend_version())
     try:
         import nvmath
 
@@ -398,17 +403,21 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - recorded, the torch engine ran
         doc["nvmath"] = f"unavailable: {e}"
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "fp8.json")
-    sections = [("cublaslt_support", lambda: cublaslt_support()), ("scaled_mm", lambda: scaled_mm_rows(shapes)),
-                ("attention", lambda: attention_rows([int(x) for x in args.seqs.split(",") if x]))]
+    sections = [("cublaslt_support", lambda: cublaslt_support())]
+    sections += [("scaled_mm", lambda: scaled_mm_rows(shapes))] if shapes else []
+    sections += [("attention", lambda: attention_rows(seqs))] if seqs else []
     sections += [("training", lambda n=n: training_rows([n], args.steps)) for n in args.training.split(",") if n]
     for key, run in sections:  # written after each: a run cut short keeps what it measured
         got = run()
-        if key == "training":  # one block at a time
-            doc.setdefault("training", []).extend(got[0])
+        if key == "training":  # one block at a time, its rows replacing an earlier run's
+            names = {r["name"] for r in got[0]}
+            doc["training"] = [r for r in doc.get("training", []) if r["name"] not in names] + got[0]
             doc.setdefault("loss_curves", {}).update(got[1])
+            for name in names:
+                doc.setdefault("runs", {})[f"training:{name}"] = run_id
         else:
             doc[key] = got
+            doc.setdefault("runs", {})[key] = run_id
         if key == "cublaslt_support":
             for r in got:
                 print("cuBLASLt", {k: v for k, v in r.items() if k != "why"}, r.get("why", ""), flush=True)

@@ -100,3 +100,25 @@ def test_fp8_bench_errors_count_only_what_the_format_does_not_round_away(tmp_pat
                                                    "attention": [attn]}))
     assert fp8.main(["--plot", str(tmp_path / "fp8.json")]) == 0
     assert (tmp_path / "fp8.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fp8_bench_keeps_the_sections_it_does_not_run_and_names_each_sections_run(tmp_path, monkeypatch):
+    import cudnn
+
+    from bench import fp8
+
+    (tmp_path / "fp8.json").write_text(json.dumps({
+        "commit": "old", "scaled_mm": [{"M": 1}], "runs": {"scaled_mm": {"commit": "old", "device": "A"}},
+        "training": [{"name": "mlp", "recipe": "current", "fp8_ms": 9.0}, {"name": "blk", "recipe": "current"}]}))
+    monkeypatch.setattr(fp8.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cudnn, "backend_version", lambda: 91900)
+    monkeypatch.setattr(fp8, "device_name", lambda: "B")
+    monkeypatch.setattr(fp8, "cublaslt_support", lambda: [{"d": "bfloat16"}])
+    monkeypatch.setattr(fp8, "training_rows", lambda names, steps: ([{"name": names[0], "recipe": "current",
+                                                                       "fp8_ms": 1.0}], {names[0]: {"cf_bf16": [1.0]}}))
+    monkeypatch.setattr(fp8, "plot", lambda doc, path: None)
+    assert fp8.main(["--out", str(tmp_path), "--commit", "new", "--shapes", "", "--seqs", "", "--training", "mlp"]) == 0
+    doc = json.loads((tmp_path / "fp8.json").read_text())
+    assert doc["scaled_mm"] == [{"M": 1}] and doc["runs"]["scaled_mm"] == {"commit": "old", "device": "A"}
+    assert doc["runs"]["training:mlp"] == {"commit": "new", "device": "B"} and doc["commit"] == "new"
+    assert sorted((r["name"], r.get("fp8_ms")) for r in doc["training"]) == [("blk", None), ("mlp", 1.0)]
