@@ -118,15 +118,9 @@ ATTN_SEQS = (2048, 4096, 8192)
 ATTN_B, ATTN_H, ATTN_D = 4, 16, 128
 
 
-def _per_tensor_cast(t: torch.Tensor):
-    """(``t`` cast to E4M3 with a per-tensor scale from its amax, the dequantization factor)."""
-    scale = torch.finfo(E4).max / t.abs().amax().float().clamp_min(1e-12)
-    return (t.float() * scale).clamp(-448, 448).to(E4), scale.reciprocal()
-
-
 def attention_rows(seqs) -> list:
     """cf's FP8 attention against cf's bfloat16 attention (B=4, H=16, D=128): from FP8 q, k, v
-    (``fp8_only_ms``) and from bfloat16 q, k, v with the three casts counted (``fp8_ms``); errors of
+    (``fp8_only_ms``) and from bfloat16 q, k, v with their three casts (``cf.quantize_fp8``) counted (``fp8_ms``); errors of
     the dequantized output against a float32 attention of the bfloat16 operands."""
     import cudnn_fuse as cf
     from cudnn_fuse import fp8_attention
@@ -137,14 +131,14 @@ def attention_rows(seqs) -> list:
             g = torch.Generator(device="cuda").manual_seed(S)
             q, k, v = (torch.randn(ATTN_B, ATTN_H, S, ATTN_D, device="cuda", generator=g, dtype=torch.bfloat16)
                        for _ in range(3))
-            (q8, dq), (k8, dk), (v8, dv) = (_per_tensor_cast(t) for t in (q, k, v))
+            (q8, dq), (k8, dk), (v8, dv) = (cf.quantize_fp8(t) for t in (q, k, v))
             scale_o = torch.tensor(1.0, device="cuda")
             bf16_fn = lambda: cf.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
             only_fn = lambda: cf.scaled_dot_product_attention_fp8(q8, k8, v8, dq, dk, dv, is_causal=causal,  # noqa: E731
                                                                  scale_o=scale_o)
 
             def full_fn():
-                (a8, da), (b8, db), (c8, dc) = (_per_tensor_cast(t) for t in (q, k, v))
+                (a8, da), (b8, db), (c8, dc) = (cf.quantize_fp8(t) for t in (q, k, v))
                 return cf.scaled_dot_product_attention_fp8(a8, b8, c8, da, db, dc, is_causal=causal, scale_o=scale_o)
 
             o8, _ = only_fn()

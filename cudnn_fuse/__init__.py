@@ -14,7 +14,7 @@ from .graphs import capture
 from .launch_graphs import set_launch_graphs
 from .manifest import record
 from .optimize import optimize
-from .fp8 import DelayedScaling, Float8CurrentScaling
+from .fp8 import DelayedScaling, Float8CurrentScaling, quantize_fp8
 from .functional import (conv2d, linear, matmul, scaled_dot_product_attention, scaled_dot_product_attention_fp8,
                          scaled_mm)
 from .loader import plan_stats
@@ -45,6 +45,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_mm",
     "scaled_dot_product_attention_fp8",
+    "quantize_fp8",
     "Float8CurrentScaling",
     "DelayedScaling",
     "plan_stats",

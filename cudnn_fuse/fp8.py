@@ -38,6 +38,24 @@ def scale_from_amax(amax: torch.Tensor, fmt, margin: int, previous: torch.Tensor
     return torch.where(ok, fresh, previous)
 
 
+def quantize_fp8(t: torch.Tensor, dtype=E4M3, margin: int = 0) -> tuple:
+    """(``t`` cast to the FP8 ``dtype`` with a per-tensor scale from its own amax, the float32 dequantization
+    factor of one element): the operands ``scaled_mm`` and ``scaled_dot_product_attention_fp8`` take, in two
+    passes over ``t`` (its amax, then one kernel that scales, saturates and casts). The scale is
+    ``fp8_max / amax / 2**margin``; a tensor whose amax is 0, inf or NaN is cast with scale 1."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in fp8_gemm.FP8_DTYPES:
+        raise ArgumentError(f"quantize_fp8: t must be a floating-point tensor that is not FP8, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if dtype not in (E4M3, E5M2):
+        raise ArgumentError(f"quantize_fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ArgumentError(f"quantize_fp8: margin must be a non-negative int, got {margin!r}")
+    one = torch.ones((), dtype=torch.float32, device=t.device)
+    scale = scale_from_amax(fp8_gemm.fast_amax(t), dtype, margin, one)
+    q, _ = fp8_cast.cast_amax(t, dtype, scale)
+    return q, scale.reciprocal().reshape(1)
+
+
 class _Recipe:
     def __init__(self, margin: int = 0, fp8_format: str = "hybrid"):
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:

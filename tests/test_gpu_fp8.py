@@ -337,3 +337,11 @@ def test_the_triton_cast_and_transpose_matches_torchs_bit_for_bit(fmt, shape):
     assert torch.equal(y.view(torch.uint8), ty.view(torch.uint8))
     assert torch.equal(yt.view(torch.uint8), ty.t().contiguous().view(torch.uint8))
     assert torch.equal(am.isnan(), tam.isnan()) and (am.isnan() or am.item() == tam.item())
+
+
+def test_quantize_fp8_on_the_gpu_is_the_cpus():
+    t = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16) * 5
+    q, d = cf.quantize_fp8(t)
+    qc, dc = cf.quantize_fp8(t.cpu())
+    torch.testing.assert_close(d.cpu(), dc)
+    assert torch.equal(q.cpu().float(), qc.float())

@@ -163,3 +163,28 @@ def test_an_algorithm_that_cannot_be_stored_leaves_the_plan_running(tmp_path, fa
     key = (0, 8, 16, 32) if fault == "algorithm" else ("probe", torch.bfloat16, "BIAS")  # M, K, N not ints
     fp8_gemm._store_algorithm(pc, "ab" * 32, types.SimpleNamespace(algorithms=[alg]), key, "BIAS", False)
     assert pc.get("ab" * 32) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantize_fp8_scales_by_the_amax_and_returns_the_dequantization_factor(dtype):
+    torch.manual_seed(0)
+    t = torch.randn(64, 32, dtype=torch.bfloat16) * 3
+    q, descale = cf.quantize_fp8(t, dtype)
+    assert q.dtype == dtype and descale.dtype == torch.float32 and descale.shape == (1,)
+    assert q.float().abs().max() == torch.finfo(dtype).max  # the amax lands on the format's largest value
+    step = 2.0 ** -3 if dtype == torch.float8_e4m3fn else 2.0 ** -2
+    torch.testing.assert_close(q.float() * descale, t.float(), rtol=step, atol=step * 3 * 2 ** -6)
+    q2, d2 = cf.quantize_fp8(t, dtype, margin=2)
+    torch.testing.assert_close(d2, descale * 4)
+    z, dz = cf.quantize_fp8(torch.zeros(4, 4))
+    assert dz.item() == 1.0 and not z.float().any()
+
+
+@pytest.mark.parametrize("bad,arg", [(dict(t=torch.zeros(2, dtype=torch.int32)), "t"),
+                                     (dict(t=torch.zeros(2).to(torch.float8_e4m3fn)), "t"),
+                                     (dict(dtype=torch.bfloat16), "dtype"), (dict(margin=-1), "margin"),
+                                     (dict(margin=True), "margin")])
+def test_quantize_fp8_names_a_bad_argument(bad, arg):
+    kw = {"t": torch.zeros(2), **bad}
+    with pytest.raises(ArgumentError, match=f"quantize_fp8: {arg}"):
+        cf.quantize_fp8(**kw)
