@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -265,7 +266,30 @@ def _variant(name, hidden, ffn, heads, reference):
 TRAIN_VARIANTS = ("cf_bf16", "cf_fp8_current", "cf_fp8_delayed", "torchao", "torch_compile")
 
 
-def training_rows(names, steps: int = TRAIN_STEPS) -> tuple:
+def _profile(step, n: int = 5) -> dict:
+    """``n`` steps under torch.profiler: device time a step (its kernels' sum), host time a step (the steps'
+    wall time with the GPU kept waiting on nothing but them), kernels a step and the heaviest host ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"device_us": round(sum(e.self_device_time_total for e in kernels) / n, 1),
+            "host_us": round(host * 1e6 / n, 1), "kernels": round(sum(e.count for e in kernels) / n, 1),
+            "host_ops": [{"op": e.key[:80], "us": round(e.self_cpu_time_total / n, 1), "calls": e.count // n}
+                         for e in cpu[:12]]}
+
+
+def training_rows(names, steps: int = TRAIN_STEPS, profiled: bool = False) -> tuple:
     """(rows, loss curves): per block and variant the median step (forward, backward, fused AdamW) and
     ``steps`` steps' losses toward a fixed teacher, every variant from the same weights and batches."""
     rows, curves = [], {}
@@ -278,7 +302,7 @@ def training_rows(names, steps: int = TRAIN_STEPS) -> tuple:
         with torch.no_grad():
             data = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
             targets = [teacher(x) for x in data]
-        times, curves[name] = {}, {}
+        times, curves[name], profiles = {}, {}, {}
         for v in TRAIN_VARIANTS:
             try:
                 m = _variant(v, hidden, ffn, heads, reference)
@@ -299,6 +323,10 @@ def training_rows(names, steps: int = TRAIN_STEPS) -> tuple:
 
             losses = [step().item() for _ in range(steps)]
             times[v] = time_ms(step, warmup=5, iters=30)
+            if profiled:
+                profiles[v] = _profile(step)
+                print(f"  profile {v}: device {profiles[v]['device_us']:.0f} us, host {profiles[v]['host_us']:.0f} us, "
+                      f"{profiles[v]['kernels']:.0f} kernels a step", flush=True)
             curves[name][v] = losses
             print(f"training {name} {v}: {times[v]:.3f} ms/step, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
             del m, opt
@@ -308,6 +336,8 @@ def training_rows(names, steps: int = TRAIN_STEPS) -> tuple:
             row = {"name": name, "recipe": recipe, "tokens": batch * seq, "hidden": hidden, "ffn": ffn, "heads": heads,
                    "bf16_ms": times.get("cf_bf16"), "fp8_ms": fp8_ms, "torchao_ms": times.get("torchao"),
                    "torch_compile_bf16_ms": times.get("torch_compile")}
+            if profiles:
+                row["profile"] = {v: profiles[v] for v in ("cf_bf16", f"cf_fp8_{recipe}", "torchao") if v in profiles}
             if fp8_ms:
                 row["speedup_vs_bf16"] = row["bf16_ms"] / fp8_ms if row["bf16_ms"] else None
                 row["speedup_vs_torchao"] = row["torchao_ms"] / fp8_ms if row["torchao_ms"] else None
@@ -370,6 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--training", default=",".join(TRAINING), help=f"training blocks among {', '.join(TRAINING)} "
                    "('' for none)")
     p.add_argument("--steps", type=int, default=TRAIN_STEPS, help="training steps of the loss curves")
+    p.add_argument("--profile", action="store_true", help="also profile each training variant's step (device and "
+                                                           "host time, the heaviest host ops)")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing fp8.json")
     args = p.parse_args(argv)
@@ -400,7 +432,7 @@ def main(argv=None) -> int:
     sections = [("cublaslt_support", lambda: cublaslt_support())]
     sections += [("scaled_mm", lambda: scaled_mm_rows(shapes))] if shapes else []
     sections += [("attention", lambda: attention_rows(seqs))] if seqs else []
-    sections += [("training", lambda n=n: training_rows([n], args.steps)) for n in args.training.split(",") if n]
+    sections += [("training", lambda n=n: training_rows([n], args.steps, args.profile)) for n in args.training.split(",") if n]
     for key, run in sections:  # written after each: a run cut short keeps what it measured
         got = run()
         if key == "training":  # one block at a time, its rows replacing an earlier run's

@@ -114,7 +114,7 @@ def test_fp8_bench_keeps_the_sections_it_does_not_run_and_names_each_sections_ru
     monkeypatch.setattr(cudnn, "backend_version", lambda: 91900)
     monkeypatch.setattr(fp8, "device_name", lambda: "B")
     monkeypatch.setattr(fp8, "cublaslt_support", lambda: [{"d": "bfloat16"}])
-    monkeypatch.setattr(fp8, "training_rows", lambda names, steps: ([{"name": names[0], "recipe": "current",
+    monkeypatch.setattr(fp8, "training_rows", lambda names, steps, profiled=False: ([{"name": names[0], "recipe": "current",
                                                                        "fp8_ms": 1.0}], {names[0]: {"cf_bf16": [1.0]}}))
     monkeypatch.setattr(fp8, "plot", lambda doc, path: None)
     assert fp8.main(["--out", str(tmp_path), "--commit", "new", "--shapes", "", "--seqs", "", "--training", "mlp"]) == 0
