@@ -129,6 +129,7 @@ def test_the_weight_format_follows_the_device_keeping_the_parameter(swap_on_move
     assert len(convs) == 2 and all(_nchw(m.weight) for m in convs)
     params = [m.weight for m in convs]
     values = [p.detach().clone() for p in params]
+    every = [(p, p.detach().clone()) for p in opt.parameters()]  # to_empty leaves the biases uninitialized too
     sgd = torch.optim.SGD(opt.parameters(), lr=0.1)
     opt.to("meta")  # off the CPU: what .cuda() does, on the device that stands for it here
     assert all(m.weight is p for m, p in zip(convs, params))
@@ -138,7 +139,7 @@ def test_the_weight_format_follows_the_device_keeping_the_parameter(swap_on_move
     assert all(m.weight is p for m, p in zip(convs, params))
     assert all(_nchw(m.weight) and m.weight.device.type == "cpu" for m in convs)
     with torch.no_grad():
-        for p, v in zip(params, values):
+        for p, v in every:
             p.copy_(v)
     held = {id(q) for group in sgd.param_groups for q in group["params"]}
     assert all(id(p) in held for p in params)  # the optimizer holds the very Parameters the layers use
