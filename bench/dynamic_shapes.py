@@ -60,9 +60,8 @@ def sweep(fn, make, sizes) -> dict:
                      "steady_ms": round(steady, 4), "extra_ms": round(first - steady, 3),
                      "later_extra_ms": round(max(later) - steady, 3)})
     out = {"per_size": rows}
-    for key in ("extra_ms", "later_extra_ms"):
+    for key, stem in (("extra_ms", "first_call_extra_ms"), ("later_extra_ms", "later_call_extra_ms")):
         vals = sorted(r[key] for r in rows)
-        stem = "first_call_extra_ms" if key == "extra_ms" else "later_call_extra_ms"
         out[f"{stem}_median"] = round(statistics.median(vals), 3)
         out[f"{stem}_p95"] = round(vals[min(len(vals) - 1, int(0.95 * len(vals)))], 3)
     return out

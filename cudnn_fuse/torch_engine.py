@@ -45,8 +45,8 @@ def supports(spec) -> bool:
 
 def stands_in(spec) -> bool:
     """Whether torch's kernels can serve ``spec`` while its own plan waits (loader.StandIn): what
-    ``supports`` takes, and attention forward (torch's SDPA, which picks among cuDNN's, flash and
-    memory-efficient kernels with no plan build) of 16-bit operands without both a bias and a causal mask
+    ``supports`` takes, and attention forward (torch's SDPA on its flash, memory-efficient or math
+    kernels, which need no build: ``_sdpa_run``) of 16-bit operands without both a bias and a causal mask
     (torch takes one or the other). Not a tuning candidate: the stand-in is replaced by the plan."""
     if type(spec) is SdpaSpec:
         return spec.q.dtype in _DTYPES and not (spec.is_causal and spec.bias is not None)
@@ -55,7 +55,7 @@ def stands_in(spec) -> bool:
 
 # torch's attention backends that need no build for a new shape: its cuDNN backend builds a graph per
 # shape (tens of ms, as a plan build does), which a stand-in exists to avoid
-_NO_BUILD_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+_NO_BUILD_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _sdpa_run(spec: SdpaSpec, t: dict) -> None:
@@ -63,7 +63,7 @@ def _sdpa_run(spec: SdpaSpec, t: dict) -> None:
     reference's GQA, which keeps torch's fused kernels), written into the op's output; never through
     torch's cuDNN backend."""
     q, k = t["q"], t["k"]
-    with sdpa_kernel(list(_NO_BUILD_SDPA)):
+    with sdpa_kernel(_NO_BUILD_SDPA):
         o = reference.scaled_dot_product_attention(q, k, t["v"], t.get("bias"), 0.0, spec.is_causal, spec.scale,
                                                    q.shape[1] != k.shape[1])
     t["o"].copy_(o)
