@@ -30,12 +30,7 @@ FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
 ROLES = ("x", "w", "dy")  # the tensors a linear casts, in the order of its scale buffer
 
 
-def scale_from_amax(amax: torch.Tensor, fmt, margin: int, previous: torch.Tensor) -> torch.Tensor:
-    """``fp8_max(fmt) / amax / 2**margin``, or ``previous`` where amax is 0, inf or NaN (float32)."""
-    amax, previous = amax.float(), previous.float()
-    fresh = torch.finfo(fmt).max / amax / (2.0 ** margin)
-    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(fresh)
-    return torch.where(ok, fresh, previous)
+scale_from_amax = fp8_cast.scale_from_amax  # fp8_max / amax / 2**margin, or the previous scale
 
 
 def quantize_fp8(t: torch.Tensor, dtype=E4M3, margin: int = 0) -> tuple:
@@ -50,10 +45,9 @@ def quantize_fp8(t: torch.Tensor, dtype=E4M3, margin: int = 0) -> tuple:
         raise ArgumentError(f"quantize_fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ArgumentError(f"quantize_fp8: margin must be a non-negative int, got {margin!r}")
-    one = torch.ones((), dtype=torch.float32, device=t.device)
-    scale = scale_from_amax(fp8_gemm.fast_amax(t), dtype, margin, one)
-    q, _ = fp8_cast.cast_amax(t, dtype, scale)
-    return q, scale.reciprocal().reshape(1)
+    scale = torch.ones((), dtype=torch.float32, device=t.device)  # kept where the amax is not finite and positive
+    q, _, _, inv = fp8_cast.cast_scaled(t, dtype, fp8_gemm.fast_amax(t), scale, margin, own_amax=False)
+    return q, inv
 
 
 class _Recipe:
@@ -71,6 +65,15 @@ class _Recipe:
     history_len = 1
     scales_from_history = False  # DelayedScaling: its scale is known before the tensor's amax
 
+    def source(self, amax, history):
+        """The amax this cast's scale derives from: the tensor's own (``amax``), or its ``history``'s."""
+        return amax
+
+    def scale(self, amax, history, previous, fmt):
+        """The scale a cast multiplies by, from ``amax`` (the tensor's) or ``history``; ``previous`` where
+        that amax is 0, inf or NaN."""
+        return scale_from_amax(self.source(amax, history), fmt, self.margin, previous)
+
     def before_cast(self, history, i) -> None:  # recipes with cross-rank amaxes (DelayedScaling) override these
         pass
 
@@ -84,9 +87,6 @@ class _Recipe:
 
 class Float8CurrentScaling(_Recipe):
     """Each tensor's scale from its own amax, this step (TransformerEngine's and torchao's default)."""
-
-    def scale(self, amax, history, previous, fmt):
-        return scale_from_amax(amax, fmt, self.margin, previous)
 
 
 class DelayedScaling(_Recipe):
@@ -143,23 +143,14 @@ class DelayedScaling(_Recipe):
             for (h, i), v in zip(pending, vals):
                 h[i, 0] = v
 
-    def scale(self, amax, history, previous, fmt):
-        """The scale from ``history`` (newest first; zeros where no step has been) before ``amax`` joins."""
-        past = history[0] if self.amax_compute_algo == "most_recent" else history.amax()
-        return scale_from_amax(past, fmt, self.margin, previous)
+    def source(self, amax, history):
+        """The amax of ``history`` (newest first; zeros where no step has been) before ``amax`` joins."""
+        return history[0] if self.amax_compute_algo == "most_recent" else history.amax()
 
 
 def check_recipe(recipe) -> None:
     if recipe is not None and not isinstance(recipe, _Recipe):
         raise TypeError(f"fp8 must be None, cf.Float8CurrentScaling() or cf.DelayedScaling(), got {recipe!r}")
-
-
-def _cast_amax(t: torch.Tensor, fmt, scale, transpose: bool) -> tuple:
-    """(``t`` cast, its transpose or None, the amax), from one pass over ``t``."""
-    if transpose:
-        return fp8_cast.cast_transpose_amax(t, fmt, scale)
-    q, amax = fp8_cast.cast_amax(t, fmt, scale)
-    return q, None, amax
 
 
 class Casts:
@@ -172,50 +163,53 @@ class Casts:
         self.recipe, self.scales, self.history = recipe, scales, history
 
     def cast(self, t: torch.Tensor, role: str, fmt) -> tuple:
-        """(``t`` cast to ``fmt`` with its role's scale, that scale); the scale and history are updated
-        in place: the scale this cast used, the amax pushed into the history."""
-        q, _, scale = self._cast(t, role, fmt, False)
-        return q, scale
+        """(``t`` cast to ``fmt`` with its role's scale, the dequantization factor 1 / scale as a [1]
+        tensor); the state is updated in place: the scale this cast used, the amax pushed into the
+        history."""
+        q, _, inv = self._cast(t, role, fmt, False)
+        return q, inv
 
     def cast_t(self, t: torch.Tensor, role: str, fmt) -> tuple:
-        """(the cast of 2-D ``t``, its transpose contiguous, the scale): both from one pass over ``t``, the
-        layouts an FP8 GEMM needs of an operand it reduces along either dimension."""
+        """(the cast of 2-D ``t``, its transpose contiguous, the dequantization factor): both from one pass
+        over ``t``, the layouts an FP8 GEMM needs of an operand it reduces along either dimension."""
         return self._cast(t, role, fmt, True)
 
     def _cast(self, t: torch.Tensor, role: str, fmt, transpose: bool) -> tuple:
-        i = ROLES.index(role)
-        self.recipe.before_cast(self.history, i)
-        if self.recipe.scales_from_history:  # the scale is known before the cast: one pass casts and takes the amax
-            scale = self.recipe.scale(None, self.history[i], self.scales[i], fmt)
-            q, qt, amax = _cast_amax(t, fmt, scale, transpose)
-        else:  # the scale needs this tensor's amax first
+        i, recipe = ROLES.index(role), self.recipe
+        recipe.before_cast(self.history, i)
+        if recipe.scales_from_history:  # the scale is known before the cast: one pass casts and takes the amax
+            src = recipe.source(None, self.history[i])
+            q, qt, amax, inv = fp8_cast.cast_scaled(t, fmt, src, self.scales[i], recipe.margin, None, transpose)
+            self._push(i, amax)
+        else:  # the scale needs this tensor's amax first; a one-step history is written by the cast
             amax = fp8_gemm.fast_amax(t)
-            scale = self.recipe.scale(amax, self.history[i], self.scales[i], fmt)
-            q, qt, _ = _cast_amax(t, fmt, scale, transpose)
-        self._record(i, scale, amax)
-        return q, qt, scale
+            last = self.history[i, 0] if self.history.shape[1] == 1 else None
+            q, qt, _, inv = fp8_cast.cast_scaled(t, fmt, amax, self.scales[i], recipe.margin, last, transpose,
+                                                 own_amax=False)
+            if last is None:
+                self._push(i, amax)
+        recipe.after_cast(self.history, i)
+        return q, qt, inv
 
-    def _record(self, i: int, scale, amax) -> None:
-        """The scale this cast used, and its amax pushed into the history."""
+    def _push(self, i: int, amax) -> None:
+        """``amax`` into role ``i``'s history, newest first."""
         with torch.no_grad():
-            self.scales[i] = scale
             self.history[i] = torch.roll(self.history[i], 1)
             self.history[i, 0] = amax
-        self.recipe.after_cast(self.history, i)
 
 
-def gemm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, out_dtype, bias=None,
+def gemm(aq: torch.Tensor, da: torch.Tensor, bq: torch.Tensor, db: torch.Tensor, out_dtype, bias=None,
          activation=None, residual=None, negative_slope: float = 0.01):
-    """``act((aq / sa) @ (bq / sb) + bias + residual)`` as ``out_dtype``, from FP8 ``aq`` [M, K] and ``bq``
-    [K, N] cast with the scales ``sa`` and ``sb`` (``residual`` [M, N]): an FP8 GEMM with that epilogue on a
+    """``act((aq * da) @ (bq * db) + bias + residual)`` as ``out_dtype``, from FP8 ``aq`` [M, K] and ``bq``
+    [K, N] and their dequantization factors ``da`` and ``db`` ([1] each; ``residual`` [M, N]): an FP8 GEMM with that epilogue on a
     GPU that has them (``bq`` K-major, as Hopper's FP8 GEMMs want: the callers pass transposed copies),
     where K and N are multiples of 16; else the dequantized operands in float32, what an FP8 GEMM with
     float32 accumulation computes."""
     if aq.is_cuda and aq.shape[1] % 16 == 0 and bq.shape[1] % 16 == 0 and fp8_gemm.fp8_capable(aq.device):
-        y, _ = fp8_gemm.scaled_mm_2d(aq, bq, sa.reciprocal().reshape(1), sb.reciprocal().reshape(1), bias,
-                                     activation, residual, out_dtype, None, False, negative_slope)
+        y, _ = fp8_gemm.scaled_mm_2d(aq, bq, da, db, bias, activation, residual, out_dtype, None, False,
+                                     negative_slope)
         return y
-    y = (aq.float() / sa) @ (bq.float() / sb)
+    y = (aq.float() * da) @ (bq.float() * db)
     y = y if bias is None else y + bias.float()
     y = y if residual is None else y + residual.float()
     return torch_activation(y, activation, negative_slope).to(out_dtype)
@@ -233,13 +227,13 @@ def linear(x, weight, bias, casts: "Casts", activation=None, residual=None, nega
     fwd = casts.recipe.formats()[0]
     out_shape = (*x.shape[:-1], weight.shape[0])
     fused_residual = residual is not None and tuple(residual.shape) == out_shape and residual.dtype == x.dtype
-    xq, sx = casts.cast(x.reshape(-1, x.shape[-1]), "x", fwd)
-    wq, sw = casts.cast(weight, "w", fwd)
+    xq, x_inv = casts.cast(x.reshape(-1, x.shape[-1]), "x", fwd)
+    wq, w_inv = casts.cast(weight, "w", fwd)
     if residual is not None and not fused_residual:  # a broadcast residual: added before the activation
-        y = gemm(xq, sx, wq.t(), sw, x.dtype, bias).reshape(out_shape) + residual
+        y = gemm(xq, x_inv, wq.t(), w_inv, x.dtype, bias).reshape(out_shape) + residual
         return torch_activation(y, activation, negative_slope)
     r2 = residual.reshape(-1, out_shape[-1]) if fused_residual else None
-    return gemm(xq, sx, wq.t(), sw, x.dtype, bias, activation, r2, negative_slope).reshape(out_shape)
+    return gemm(xq, x_inv, wq.t(), w_inv, x.dtype, bias, activation, r2, negative_slope).reshape(out_shape)
 
 
 class LinearFunction(torch.autograd.Function):
@@ -252,21 +246,21 @@ class LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, casts):
         fwd, bwd = casts.recipe.formats()
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xqt, sx = casts.cast_t(x2, "x", fwd)
-        wq, wqt, sw = casts.cast_t(weight, "w", fwd)
-        y = gemm(xq, sx, wq.t(), sw, x.dtype, bias)
-        ctx.save_for_backward(xqt, wqt, sx, sw)
+        xq, xqt, x_inv = casts.cast_t(x2, "x", fwd)
+        wq, wqt, w_inv = casts.cast_t(weight, "w", fwd)
+        y = gemm(xq, x_inv, wq.t(), w_inv, x.dtype, bias)
+        ctx.save_for_backward(xqt, wqt, x_inv, w_inv)
         ctx.casts, ctx.bwd, ctx.shape, ctx.dtypes = casts, bwd, x.shape, (x.dtype, weight.dtype)
         ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        xqt, wqt, sx, sw = ctx.saved_tensors
+        xqt, wqt, x_inv, w_inv = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq, dyqt, sdy = ctx.casts.cast_t(dy2, "dy", ctx.bwd)
-        dx = gemm(dyq, sdy, wqt.t(), sw, ctx.dtypes[0]).reshape(ctx.shape)  # dY·W, over N
-        dw = gemm(dyqt, sdy, xqt.t(), sx, ctx.dtypes[1])  # dYᵀ·X, over the tokens
+        dyq, dyqt, dy_inv = ctx.casts.cast_t(dy2, "dy", ctx.bwd)
+        dx = gemm(dyq, dy_inv, wqt.t(), w_inv, ctx.dtypes[0]).reshape(ctx.shape)  # dY·W, over N
+        dw = gemm(dyqt, dy_inv, xqt.t(), x_inv, ctx.dtypes[1])  # dYᵀ·X, over the tokens
         db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.has_bias else None  # no float32 copy of dY
         return dx, dw, db, None
 

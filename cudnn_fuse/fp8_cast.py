@@ -6,11 +6,17 @@ the tensor (Triton kernels).
 it is four passes over the tensor (|x|, its max, the scaled copy, the clamp and cast); the kernel reads
 ``x`` once and writes one byte per element, its blocks' maxima combined by an atomic max. Where Triton
 is missing (a CPU build of torch) or the tensor is not on a GPU, torch's ops run it.
+
+``cast_scaled`` is a recipe's cast: the kernel also derives the scale from an amax (``fp8_max / amax /
+2**margin``, or the previous scale where that amax is 0, inf or NaN), stores it in the module's state,
+records the amax and writes the dequantization factor ``1 / scale``, the work of a dozen small torch ops
+a cast, each a launch, done by the cast's own first program.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -25,47 +31,21 @@ def _triton_kernel():
     global _kernel
     if _kernel is None:
         try:
-            import triton
-            import triton.language as tl
+            from . import fp8_kernels
         except Exception as e:  # noqa: BLE001 - no Triton (a CPU build of torch): torch's ops run the cast
             log.info("FP8 cast: Triton unavailable (%s): the cast and its amax run as torch ops", e)
             _kernel = False
             return _kernel
-
-        @triton.jit
-        def cast_amax(x_ptr, y_ptr, amax_ptr, scale_ptr, n, big, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            nan = x != x
-            m = tl.max(tl.abs(x), axis=0)
-            m = tl.where(tl.max(nan.to(tl.int32), axis=0) > 0, float("nan"), m)  # NaN propagates, as torch.amax
-            tl.atomic_max(amax_ptr, m)  # non-negative floats (and NaN above inf) order as their bits
-            if HAS_SCALE:
-                x = x * tl.load(scale_ptr)
-            x = tl.where(nan, x, tl.minimum(tl.maximum(x, -big), big))  # saturate; NaN stays NaN
-            tl.store(y_ptr + offs, x.to(y_ptr.dtype.element_ty), mask=mask)
-
-        @triton.jit
-        def cast_transpose_amax(x_ptr, y_ptr, yt_ptr, amax_ptr, scale_ptr, rows, cols, stride_x, big,
-                                HAS_SCALE: tl.constexpr, TILE: tl.constexpr):
-            r = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-            c = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-            mask = (r[:, None] < rows) & (c[None, :] < cols)
-            x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            nan = x != x
-            m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-            m = tl.where(tl.max(tl.max(nan.to(tl.int32), axis=1), axis=0) > 0, float("nan"), m)
-            tl.atomic_max(amax_ptr, m)
-            if HAS_SCALE:
-                x = x * tl.load(scale_ptr)
-            y = tl.where(nan, x, tl.minimum(tl.maximum(x, -big), big)).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + r[:, None] * cols + c[None, :], y, mask=mask)
-            tl.store(yt_ptr + c[:, None] * rows + r[None, :], tl.trans(y),
-                     mask=(c[:, None] < cols) & (r[None, :] < rows))
-
-        _kernel = (cast_amax, cast_transpose_amax)
+        _kernel = (fp8_kernels.cast_amax, fp8_kernels.cast_transpose_amax)
     return _kernel
+
+
+def scale_from_amax(amax: torch.Tensor, fmt, margin: int, previous: torch.Tensor) -> torch.Tensor:
+    """``fp8_max(fmt) / amax / 2**margin``, or ``previous`` where amax is 0, inf or NaN (float32)."""
+    amax, previous = amax.float(), previous.float()
+    fresh = torch.finfo(fmt).max / amax / (2.0 ** margin)
+    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(fresh)
+    return torch.where(ok, fresh, previous)
 
 
 def torch_cast_amax(x: torch.Tensor, fmt, scale=None):
@@ -81,14 +61,8 @@ def torch_cast_amax(x: torch.Tensor, fmt, scale=None):
 
 def cast_amax(x: torch.Tensor, fmt, scale=None):
     """(``x * scale`` saturated and cast to ``fmt``, max |x| before the scale as a float32 0-dim tensor)."""
-    kernels = _triton_kernel() if x.is_cuda and x.numel() else False
-    if not kernels:
-        return torch_cast_amax(x, fmt, scale)
-    try:
-        return _launch(kernels[0], x, fmt, scale)
-    except Exception as e:  # noqa: BLE001 - a Triton that cannot compile it: torch's ops, from now on
-        _give_up(e)
-        return torch_cast_amax(x, fmt, scale)
+    q, _, am, _ = _cast(x, fmt, scale, None, 0, None, False, True)
+    return q, am
 
 
 def cast_transpose_amax(x: torch.Tensor, fmt, scale=None):
@@ -96,26 +70,42 @@ def cast_transpose_amax(x: torch.Tensor, fmt, scale=None):
     amax), from one read of ``x``: an FP8 GEMM on Hopper wants both operands K-major, so a tensor that is
     the reduction's left operand in one GEMM and its right in another (X, W and dY of a linear) needs
     both layouts."""
-    kernels = _triton_kernel() if x.is_cuda and x.numel() and x.dim() == 2 else False
-    if not kernels:
-        y, am = torch_cast_amax(x, fmt, scale)
-        return y, y.t().contiguous(), am
-    x = x.detach()
-    xc = x if x.stride(1) == 1 else x.contiguous()
-    rows, cols = xc.shape
-    y = torch.empty((rows, cols), dtype=fmt, device=x.device)
-    yt = torch.empty((cols, rows), dtype=fmt, device=x.device)
-    am = torch.zeros((), dtype=torch.float32, device=x.device)
-    s = scale.reshape(()).float() if scale is not None else am
-    grid = (-(-rows // TILE), -(-cols // TILE))
-    try:
-        kernels[1][grid](xc, y, yt, am, s, rows, cols, xc.stride(0), torch.finfo(fmt).max,
-                         HAS_SCALE=scale is not None, TILE=TILE)
-    except Exception as e:  # noqa: BLE001 - a Triton that cannot compile it: torch's ops, from now on
-        _give_up(e)
-        y, am = torch_cast_amax(x, fmt, scale)
-        return y, y.t().contiguous(), am
-    return y, yt, am
+    q, qt, am, _ = _cast(x, fmt, scale, None, 0, None, True, True)
+    return q, qt, am
+
+
+def cast_scaled(x: torch.Tensor, fmt, src_amax: torch.Tensor, scale: torch.Tensor, margin: int = 0,
+                history: Optional[torch.Tensor] = None, transpose: bool = False, own_amax: bool = True) -> tuple:
+    """A recipe's cast: ``x`` cast to ``fmt`` with the scale derived from ``src_amax`` (``scale_from_amax``,
+    ``scale``'s value the previous one). ``scale`` (a float32 element of the caller's state) is set to the
+    scale used and ``history`` (another, if given) to ``src_amax``. Returns (the cast, its transpose as
+    ``cast_transpose_amax`` makes it when ``transpose`` else None, max |x| as float32 when ``own_amax``
+    else None, the dequantization factor ``1 / scale`` as a fresh [1] tensor); one kernel on a GPU."""
+    return _cast(x, fmt, scale, src_amax, margin, history, transpose, own_amax)
+
+
+def _torch_cast(x, fmt, scale, src, margin, history, transpose):
+    inv = None
+    if src is not None:
+        s = scale_from_amax(src, fmt, margin, scale)
+        scale.copy_(s)
+        if history is not None:
+            history.copy_(src)
+        inv = s.reciprocal().reshape(1)
+    q, am = torch_cast_amax(x, fmt, scale)
+    return q, q.t().contiguous() if transpose else None, am, inv
+
+
+def _cast(x, fmt, scale, src, margin, history, transpose, own_amax):
+    """(cast, transpose or None, amax or None, dequantization factor or None) of every form above."""
+    kernels = _triton_kernel() if x.is_cuda and x.numel() and (x.dim() == 2 or not transpose) else False
+    if kernels:
+        try:
+            return _launch(kernels, x, fmt, scale, src, margin, history, transpose, own_amax)
+        except Exception as e:  # noqa: BLE001 - a Triton that cannot compile it: torch's ops, from now on
+            _give_up(e)
+    q, qt, am, inv = _torch_cast(x, fmt, scale, src, margin, history, transpose)
+    return q, qt, am if own_amax else None, inv
 
 
 def _give_up(e: Exception) -> None:
@@ -124,12 +114,29 @@ def _give_up(e: Exception) -> None:
     _kernel = False
 
 
-def _launch(kernel, x, fmt, scale):
+def _launch(kernels, x, fmt, scale, src, margin, history, transpose, own_amax):
     x = x.detach()
+    dev = x.device
+    if src is None and scale is not None:  # only read: any float dtype or shape of one element
+        scale = scale.reshape(()).float()
+    am = torch.zeros((), dtype=torch.float32, device=dev) if own_amax else None
+    inv = torch.empty(1, dtype=torch.float32, device=dev) if src is not None else None
+    # pointers a flag leaves unread still need a tensor: the amax buffer, else the scale
+    spare = am if am is not None else scale
+    args = (spare if am is None else am, spare if scale is None else scale, spare if src is None else src,
+            spare if inv is None else inv, spare if history is None else history)
+    flags = dict(HAS_SCALE=scale is not None, AMAX=own_amax, DERIVE=src is not None, HIST=history is not None)
+    big, shrink = torch.finfo(fmt).max, 2.0 ** -margin
+    if transpose:
+        xc = x if x.stride(1) == 1 else x.contiguous()
+        rows, cols = xc.shape
+        y = torch.empty((rows, cols), dtype=fmt, device=dev)
+        yt = torch.empty((cols, rows), dtype=fmt, device=dev)
+        grid = (-(-rows // TILE), -(-cols // TILE))
+        kernels[1][grid](xc, y, yt, *args, rows, cols, xc.stride(0), big, shrink, **flags, TILE=TILE)
+        return y, yt, am, inv
     xc = x if x.is_contiguous() else x.contiguous()
-    y = torch.empty(x.shape, dtype=fmt, device=x.device)
-    am = torch.zeros((), dtype=torch.float32, device=x.device)
-    s = scale.reshape(()).float() if scale is not None else am
+    y = torch.empty(x.shape, dtype=fmt, device=dev)
     n = xc.numel()
-    kernel[(-(-n // BLOCK),)](xc, y, am, s, n, torch.finfo(fmt).max, HAS_SCALE=scale is not None, BLOCK=BLOCK)
-    return y, am
+    kernels[0][(-(-n // BLOCK),)](xc, y, *args, n, big, shrink, **flags, BLOCK=BLOCK)
+    return y, None, am, inv

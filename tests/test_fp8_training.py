@@ -41,13 +41,13 @@ def test_a_cast_pushes_its_amax_and_keeps_the_scale_it_used():
     scales, history = torch.ones(3), torch.zeros(3, 4)
     casts = fp8.Casts(cf.DelayedScaling(amax_history_len=4), scales, history)
     t = torch.tensor([[1.0, -6.0], [2.0, 0.5]])
-    q, s = casts.cast(t, "x", E4)
-    assert s.item() == 1.0 and q.dtype == E4 and history[0].tolist() == [6.0, 0.0, 0.0, 0.0]
-    q, s = casts.cast(t * 2, "x", E4)
-    assert s.item() == pytest.approx(448 / 6) and scales[0].item() == pytest.approx(448 / 6)
+    q, d = casts.cast(t, "x", E4)
+    assert d.tolist() == [1.0] and q.dtype == E4 and history[0].tolist() == [6.0, 0.0, 0.0, 0.0]
+    q, d = casts.cast(t * 2, "x", E4)
+    assert scales[0].item() == pytest.approx(448 / 6) and d.item() == pytest.approx(6 / 448)
     assert history[0].tolist() == [12.0, 6.0, 0.0, 0.0]
     # the history's amax (6) set the scale: this step's -12 saturates at -448, i.e. -6 once dequantized
-    torch.testing.assert_close(q.float() / s, (t * 2).clamp(-6, 6), rtol=2.0**-4, atol=0.0)
+    torch.testing.assert_close(q.float() * d, (t * 2).clamp(-6, 6), rtol=2.0**-4, atol=0.0)
 
 
 @pytest.mark.parametrize("bad, exc", [(dict(margin=-1), ArgumentError), (dict(fp8_format="e5m2"), ArgumentError),
@@ -181,8 +181,8 @@ def test_a_fused_optimizers_update_is_seen_by_the_next_call(recipe, monkeypatch)
     opt.step()
     assert lin.weight._version == version  # unversioned, as on the GPU
     casts = []
-    real = fp8_cast.cast_amax
-    monkeypatch.setattr(fp8_cast, "cast_amax", lambda t, fmt, scale=None: casts.append(tuple(t.shape)) or real(t, fmt, scale))
+    real = fp8_cast.cast_scaled
+    monkeypatch.setattr(fp8_cast, "cast_scaled", lambda t, *a, **k: casts.append(tuple(t.shape)) or real(t, *a, **k))
     with torch.no_grad():
         fresh = copy.deepcopy(lin)
         got, want = lin(x), fresh(x)
@@ -275,6 +275,54 @@ def test_the_cast_with_its_transpose_is_the_cast_and_its_transpose():
     assert torch.equal(y.view(torch.uint8), want.view(torch.uint8)) and yt.is_contiguous()
     assert torch.equal(yt.view(torch.uint8), want.t().contiguous().view(torch.uint8)) and am == want_am
     assert am == x.abs().max().float()
+
+
+_INTERPRETED_CAST = r"""
+import sys, torch
+from cudnn_fuse import fp8_cast
+kernels = fp8_cast._triton_kernel()
+assert kernels, "Triton's interpreter did not load the kernels"
+E4 = torch.float8_e4m3fn
+source, transpose = sys.argv[1], sys.argv[2] == "1"
+torch.manual_seed(0)
+x = torch.randn(130, 71, dtype=torch.bfloat16)[:, 1:] * 3  # neither dimension a whole tile; rows with a pitch
+src = {"own": x.float().abs().max(), "zero": torch.tensor(0.0), "nan": torch.tensor(float("nan")),
+       "history": torch.tensor(5.0)}[source]
+delayed = source == "history"  # a delayed recipe's cast: the scale from the history, the amax its own
+got_state, want_state = torch.tensor([0.0, 3.0, 0.0]), torch.tensor([0.0, 3.0, 0.0])  # [_, scale, amax]
+got = fp8_cast._launch(kernels, x, E4, got_state[1], src, 2, None if delayed else got_state[2], transpose, delayed)
+want = fp8_cast._torch_cast(x, E4, want_state[1], src, 2, None if delayed else want_state[2], transpose)
+assert torch.equal(got_state.nan_to_num(-1), want_state.nan_to_num(-1)), (got_state, want_state)
+assert torch.equal(got[3], want[3]), (got[3], want[3])
+assert got_state[1] == (3.0 if source in ("zero", "nan") else torch.tensor(448.0) / src / 4), got_state
+assert abs(got[3].item() * got_state[1].item() - 1) < 1e-6
+# the interpreter's own FP8 rounding differs from torch's: the kernel given that scale must cast alike
+plain = fp8_cast._launch(kernels, x, E4, want_state[1].clone(), None, 0, None, transpose, True)
+assert torch.equal(got[0].view(torch.uint8), plain[0].view(torch.uint8))
+assert plain[2].item() == x.float().abs().max().item()
+if transpose:
+    assert got[1].is_contiguous() and torch.equal(got[1].view(torch.uint8), got[0].t().view(torch.uint8))
+if delayed:
+    assert got[2].item() == x.float().abs().max().item()
+"""
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["flat", "transposed"])
+@pytest.mark.parametrize("source", ["own", "zero", "nan", "history"])
+def test_the_cast_kernel_derives_and_records_the_scale_as_torchs_ops_do(source, transpose):
+    """The cast kernel, run by Triton's interpreter on the CPU (a fresh process: the interpreter must be on
+    before Triton is imported): the scale it derives from an amax (fp8_max / amax / 2**margin; the previous
+    one where the amax is 0 or NaN), stored with its reciprocal and the amax by its first program, equals
+    what the torch path computes; the cast is made with that scale, the transposed copy is its transpose."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED_CAST, source, "1" if transpose else "0"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_the_fp8_state_stays_float32_when_the_module_is_cast():

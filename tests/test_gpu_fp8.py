@@ -339,6 +339,31 @@ def test_the_triton_cast_and_transpose_matches_torchs_bit_for_bit(fmt, shape):
     assert torch.equal(am.isnan(), tam.isnan()) and (am.isnan() or am.item() == tam.item())
 
 
+@pytest.mark.parametrize("source", ["own", "zero", "history"])
+@pytest.mark.parametrize("shape", [(1, 1), (4096, 1000), (129, 4160)])
+def test_the_recipe_cast_derives_the_scale_as_torchs_ops_do_on_the_gpu(shape, source):
+    """The kernel that derives its scale (many programs read the scale element its first one writes)
+    gives the torch path's state and cast, bit for bit, flat and transposed."""
+    from cudnn_fuse import fp8_cast
+
+    if not fp8_cast._triton_kernel():
+        pytest.skip("no Triton")
+    x = (torch.randn(shape, device="cuda") * 50).bfloat16()
+    src = {"own": x.float().abs().max(), "zero": torch.zeros((), device="cuda"),
+           "history": torch.tensor(5.0, device="cuda")}[source]
+    delayed = source == "history"
+    for transpose in (False, True):
+        got_s, want_s = (torch.tensor([3.0, 0.0], device="cuda") for _ in range(2))
+        got = fp8_cast.cast_scaled(x, E4, src, got_s[0], 1, None if delayed else got_s[1], transpose, delayed)
+        want = fp8_cast._torch_cast(x, E4, want_s[0], src, 1, None if delayed else want_s[1], transpose)
+        assert torch.equal(got_s, want_s) and torch.equal(got[3], want[3])
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        if transpose:
+            assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+        if delayed:
+            assert got[2].item() == want[2].item()
+
+
 def test_quantize_fp8_on_the_gpu_is_the_cpus():
     t = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16) * 5
     q, d = cf.quantize_fp8(t)
