@@ -338,6 +338,11 @@ def training_rows(names, steps: int = TRAIN_STEPS, profiled: bool = False) -> tu
                    "torch_compile_bf16_ms": times.get("torch_compile")}
             if profiles:
                 row["profile"] = {v: profiles[v] for v in ("cf_bf16", f"cf_fp8_{recipe}", "torchao") if v in profiles}
+            from cudnn_fuse import fp8 as cf_fp8
+
+            # the layer shapes measured slower in FP8 than in bfloat16, which ran in bfloat16 (fp8.pays)
+            row["bf16_layers"] = [f"{k[0]}x{k[1]}->{k[2]}{' training' if k[6] else ''}" for k, ok in cf_fp8._paid.items()
+                                  if not ok and k[7] == (recipe == "delayed")]
             if fp8_ms:
                 row["speedup_vs_bf16"] = row["bf16_ms"] / fp8_ms if row["bf16_ms"] else None
                 row["speedup_vs_torchao"] = row["torchao_ms"] / fp8_ms if row["torchao_ms"] else None

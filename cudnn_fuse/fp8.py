@@ -15,15 +15,28 @@ scaling uses each rank's own amax (a reduction per cast would cost a collective 
 E4M3. On a GPU with FP8 GEMMs (compute capability 8.9 or newer) the linear's three GEMMs are FP8 GEMMs
 (fp8_gemm.py); elsewhere, or where K or N is not a multiple of 16, they dequantize and multiply in
 float32, what an FP8 GEMM with float32 accumulation computes.
+
+A layer pays for FP8 where its GEMMs are large: the casts are passes over X, W and dY, and each FP8 GEMM
+and cast costs host time a call. So the first call of a layer's shape on the GPU times both ways once
+(``pays``: the layer's FP8 casts and GEMMs against torch's bfloat16 GEMMs, forward and, when training,
+backward), and a shape measured slower in FP8 runs in bfloat16, logged once with the figures.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+import statistics
+import time
+
 import torch
 
 from . import fp8_cast, fp8_gemm
+from .autotune import runoff
 from .errors import ArgumentError
 from .reference import activation as torch_activation
+
+log = logging.getLogger(__name__)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3)}
@@ -264,3 +277,90 @@ class LinearFunction(torch.autograd.Function):
         db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.has_bias else None  # no float32 copy of dY
         return dx, dw, db, None
 
+
+
+# the choice between FP8 and bfloat16 for a layer's shape: rounds timed alternately (ABBA), of REPEATS calls
+# each, per shape once a process; FP8 stays unless it took MARGIN longer than bfloat16
+PAYS_ROUNDS = 4
+PAYS_REPEATS = 5
+PAYS_MARGIN = 0.03
+_paid: dict = {}  # (M's power-of-two bucket, K, N, dtypes, device, training, delayed) -> FP8 pays
+
+
+def pays(x: torch.Tensor, weight: torch.Tensor, bias, recipe) -> bool:
+    """Whether the linear of ``weight`` runs FP8 on rows like ``x``'s (only their number, dtype and device
+    are read: fc2 of an MLP asks with fc1's input): measured once per shape (the rows by their power-of-two bucket) on a GPU with
+    FP8 GEMMs, and remembered. FP8 without timing on the CPU's reference path, inside a capture or
+    torch.compile (no timing there), and under torch.distributed (ranks timing apart could choose apart,
+    and a delayed recipe's amax reduction needs every rank's casts)."""
+    if not _timeable(x) or x.dim() == 0:
+        return True
+    K, N = weight.shape[1], weight.shape[0]
+    M = x.numel() // max(x.shape[-1], 1)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    key = (1 << max(M - 1, 0).bit_length(), K, N, x.dtype, weight.dtype, x.device.index, training,
+           recipe.scales_from_history)
+    got = _paid.get(key)
+    if got is None:
+        try:
+            fp8_ms, bf16_ms = _timed(M, x.dtype, weight.detach(), None if bias is None else bias.detach(), recipe,
+                                     training)
+        except Exception as e:  # noqa: BLE001 - a timing that cannot run leaves the FP8 the user asked for
+            log.debug("FP8 linear %dx%d->%d not timed (%s: %s): FP8", M, K, N, type(e).__name__, e)
+            got = True
+        else:
+            got = fp8_ms <= bf16_ms * (1.0 + PAYS_MARGIN)
+            if not got:
+                log.info("FP8 linear %dx%d->%d%s: bfloat16 runs it (%.3f ms a call against FP8's %.3f ms)", M, K, N,
+                         " (training)" if training else "", bf16_ms, fp8_ms)
+        _paid[key] = got
+    return got
+
+
+def _timeable(x: torch.Tensor) -> bool:
+    return x.is_cuda and fp8_gemm.fp8_capable(x.device) and not torch.compiler.is_compiling() and \
+        not torch.cuda.is_current_stream_capturing() and not DelayedScaling._reducing()
+
+
+def _timed(M: int, dtype, w, bias, recipe, training: bool) -> tuple:
+    """(FP8 ms, bfloat16 ms) a call of the layer's GEMMs on random [M, K] rows: the forward and, when
+    ``training``, the two backward GEMMs with dY's cast, each way's wall time over back-to-back calls
+    (the longer of its device and its host time), on scratch FP8 state."""
+    dev = w.device
+    casts = Casts(copy.copy(recipe), torch.ones(3, device=dev), torch.zeros(3, recipe.history_len, device=dev))
+    fwd, bwd = recipe.formats()
+    x2 = torch.randn(M, w.shape[1], device=dev, dtype=dtype)
+    dy = torch.randn(M, w.shape[0], device=dev, dtype=dtype) if training else None
+
+    def fp8_call():
+        if not training:
+            xq, xd = casts.cast(x2, "x", fwd)
+            wq, wd = casts.cast(w, "w", fwd)
+            gemm(xq, xd, wq.t(), wd, x2.dtype, bias)
+            return
+        xq, xqt, xd = casts.cast_t(x2, "x", fwd)
+        wq, wqt, wd = casts.cast_t(w, "w", fwd)
+        gemm(xq, xd, wq.t(), wd, x2.dtype, bias)
+        dyq, dyqt, dyd = casts.cast_t(dy, "dy", bwd)
+        gemm(dyq, dyd, wqt.t(), wd, x2.dtype)
+        gemm(dyqt, dyd, xqt.t(), xd, w.dtype)
+
+    def bf16_call():
+        torch.nn.functional.linear(x2, w, bias)
+        if training:
+            torch.mm(dy, w)
+            torch.mm(dy.t(), x2)
+
+    def wall_ms(fn) -> float:
+        torch.cuda.synchronize(x2.device)
+        t0 = time.perf_counter()
+        for _ in range(PAYS_REPEATS):
+            fn()
+        torch.cuda.synchronize(x2.device)
+        return (time.perf_counter() - t0) * 1e3 / PAYS_REPEATS
+
+    with torch.no_grad():
+        for _ in range(2):  # plans, kernels and allocations made before the timing
+            fp8_call()
+            bf16_call()
+        return runoff(lambda: wall_ms(fp8_call), lambda: wall_ms(bf16_call), PAYS_ROUNDS)

@@ -389,6 +389,8 @@ class Linear(_FP8State, torch.nn.Linear):
         if self.in_features % 16 or self.out_features % 16:
             ops._fallback("linear", "FP8 needs in_features and out_features that are multiples of 16: bfloat16")
             return None
+        if not fp8_.pays(x, self.weight, self.bias, self.fp8):  # measured slower than bfloat16 at this shape
+            return None
         return fp8_.linear(x, self.weight, self.bias, self._fp8_casts(), self.activation, residual,
                            self.negative_slope)
 
@@ -491,13 +493,21 @@ class FusedMLP(_FP8State, torch.nn.Module):
             self._register_fp8_state(fp8, ("fc1_", "fc2_"), fc1.weight.device)
 
     def _fp8_mlp(self, x, residual):
-        """Both layers as FP8 linears; None where their features are not multiples of 16."""
+        """Both layers as FP8 linears, each where it is measured faster so (``fp8.pays``), else in bfloat16;
+        None where their features are not multiples of 16, or neither layer pays."""
         fc1, fc2 = self.fc1, self.fc2
         if fc1.in_features % 16 or fc1.out_features % 16 or fc2.out_features % 16:
             ops._fallback("linear", "FP8 needs in_features and out_features that are multiples of 16: bfloat16")
             return None
-        h = fp8_.linear(x, fc1.weight, fc1.bias, self._fp8_casts("fc1_"), fc1.activation, None, fc1.negative_slope)
-        return fp8_.linear(h, fc2.weight, fc2.bias, self._fp8_casts("fc2_"), None, residual, 0.01)
+        first = fp8_.pays(x, fc1.weight, fc1.bias, self.fp8)
+        second = fp8_.pays(x, fc2.weight, fc2.bias, self.fp8)  # fc1's output has x's rows
+        if not first and not second:
+            return None
+        h = fp8_.linear(x, fc1.weight, fc1.bias, self._fp8_casts("fc1_"), fc1.activation, None,
+                        fc1.negative_slope) if first else fc1(x)
+        if second:
+            return fp8_.linear(h, fc2.weight, fc2.bias, self._fp8_casts("fc2_"), None, residual, 0.01)
+        return functional.linear(h, fc2.weight, fc2.bias, residual=residual)
 
     def _fused(self, x, residual) -> bool:
         fc1 = self.fc1

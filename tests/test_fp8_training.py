@@ -334,3 +334,65 @@ def test_the_fp8_state_stays_float32_when_the_module_is_cast():
     assert mlp.fc1_fp8_scales.dtype == mlp.fc2_fp8_amax_history.dtype == torch.float32
     lin(torch.randn(4, 16, dtype=torch.bfloat16))
     assert lin.fp8_amax_history.dtype == torch.float32 and lin.fp8_amax_history[0, 0] > 0
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """fp8.pays on the CPU with made-up timings: ``timed.figures`` = (FP8 ms, bfloat16 ms); ``timed.calls``
+    the shapes timed."""
+    class Timed:
+        figures, calls = (1.0, 1.0), []
+
+    def fake(M, dtype, w, bias, recipe, training):
+        Timed.calls.append((M, w.shape[1], w.shape[0], training))
+        if Timed.figures is None:
+            raise RuntimeError("no timing here")
+        return Timed.figures
+
+    monkeypatch.setattr(fp8, "_timeable", lambda x: True)
+    monkeypatch.setattr(fp8, "_timed", fake)
+    monkeypatch.setattr(fp8, "_paid", {})
+    return Timed
+
+
+def test_a_shape_measured_slower_in_fp8_runs_in_bfloat16_said_once(timed, caplog):
+    torch.manual_seed(0)
+    lin = cf.nn.Linear(32, 16, fp8=cf.Float8CurrentScaling())
+    plain = cf.nn.Linear(32, 16)
+    plain.load_state_dict(lin.state_dict(), strict=False)
+    timed.figures = (2.0, 1.0)
+    x = torch.randn(5, 32)
+    with caplog.at_level("INFO", logger="cudnn_fuse.fp8"), torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(lin(x), plain(x), rtol=0, atol=0)  # not quantized
+    assert lin.fp8_amax_history.abs().sum() == 0  # nothing cast
+    said = [r.getMessage() for r in caplog.records if "bfloat16 runs it" in r.getMessage()]
+    assert len(said) == 1 and "5x32->16" in said[0] and "1.000 ms" in said[0] and "2.000 ms" in said[0], said
+    assert timed.calls == [(5, 32, 16, False)]
+    lin(torch.randn(7, 32))  # the same power-of-two bucket of rows, training now: timed again (another key)
+    with torch.no_grad():
+        lin(torch.randn(8, 32))  # rows 5 and 8 share a bucket
+        lin(torch.randn(9, 32))
+    assert timed.calls == [(5, 32, 16, False), (7, 32, 16, True), (9, 32, 16, False)]
+
+
+@pytest.mark.parametrize("figures", [(1.02, 1.0), None], ids=["within_the_margin", "timing_failed"])
+def test_fp8_stays_on_a_tie_and_where_the_timing_fails(timed, figures):
+    timed.figures = figures
+    lin = cf.nn.Linear(32, 16, fp8=cf.Float8CurrentScaling())
+    with torch.no_grad():
+        lin(torch.randn(5, 32))
+    assert lin.fp8_amax_history[:2, 0].min() > 0  # x and w were cast
+
+
+def test_each_layer_of_an_fp8_mlp_runs_fp8_where_it_pays(timed, monkeypatch):
+    torch.manual_seed(0)
+    mlp = cf.nn.FusedMLP(cf.nn.Linear(32, 64, activation="relu"), nn.Linear(64, 16), fp8=cf.DelayedScaling())
+    monkeypatch.setattr(fp8, "_timed", lambda M, dtype, w, *a: (1.0, 2.0) if w.shape[0] == 64 else (2.0, 1.0))
+    x = torch.randn(6, 32, requires_grad=True)
+    y = mlp(x)
+    h = fp8.linear(x, mlp.fc1.weight, mlp.fc1.bias, fp8.Casts(mlp.fp8, torch.ones(3), torch.zeros(3, 1024)), "relu")
+    torch.testing.assert_close(y, nn.functional.linear(h, mlp.fc2.weight, mlp.fc2.bias))  # fc2 unquantized
+    y.sum().backward()
+    assert mlp.fc1_fp8_amax_history[:, 0].min() > 0 and mlp.fc2_fp8_amax_history.abs().sum() == 0
+    assert x.grad is not None and mlp.fc2.weight.grad is not None
