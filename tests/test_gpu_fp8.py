@@ -370,3 +370,22 @@ def test_quantize_fp8_on_the_gpu_is_the_cpus():
     qc, dc = cf.quantize_fp8(t.cpu())
     torch.testing.assert_close(d.cpu(), dc)
     assert torch.equal(q.cpu().float(), qc.float())
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_a_layer_times_fp8_against_bfloat16_once_per_shape(training, monkeypatch):
+    """``fp8.pays`` times both ways on the GPU (finite, positive figures), once per shape bucket, and the
+    layer runs the way it chose: its FP8 state moves only where FP8 was chosen."""
+    from cudnn_fuse import fp8
+
+    monkeypatch.setattr(fp8, "_paid", {})
+    real, seen = fp8._timed, []
+    monkeypatch.setattr(fp8, "_timed", lambda *a: seen.append(real(*a)) or seen[-1])
+    lin = cf.nn.Linear(256, 512, fp8=cf.Float8CurrentScaling()).to("cuda", torch.bfloat16)
+    x = torch.randn(4, 120, 256, device="cuda", dtype=torch.bfloat16, requires_grad=training)
+    with torch.set_grad_enabled(training):
+        for rows in (100, 120):  # 400 and 480 rows, one bucket: timed once
+            lin(x[:, :rows])
+    assert len(seen) == 1 and all(0 < ms < 100 for ms in seen[0]), seen
+    chose_fp8 = list(fp8._paid.values()) == [True]
+    assert bool(lin.fp8_amax_history[0, 0] > 0) == chose_fp8
