@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import statistics
 import time
 
 import torch
