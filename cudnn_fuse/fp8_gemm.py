@@ -121,6 +121,21 @@ def _cuda_type(dtype: torch.dtype):
     return nvmath.CudaDataType(typemaps.NAME_TO_DATA_TYPE[str(dtype).replace("torch.", "")])
 
 
+_threads = threading.local()  # .ready: cuda.core knows this thread's current device
+
+
+def _thread_ready() -> None:
+    """Make cuda.core (nvmath's CUDA layer) take this thread's current device as set, once per thread: a
+    plan made in one thread and run in another (the forward's plan of a shape that autograd's device
+    thread meets in the backward) raised "Device 0 is not yet initialized" in nvmath's execute (H100,
+    nvmath 1.0). The device is torch's current one: nothing changes for torch."""
+    if not getattr(_threads, "ready", False):
+        from cuda.core import Device
+
+        Device(torch.cuda.current_device()).set_current()
+        _threads.ready = True
+
+
 class _Plan:
     """One planned nvmath Matmul: D' = act(bᵀ·aᵀ·sa·sb + bias + Cᵀ) [· scale_d], amax_d if asked."""
 
@@ -128,6 +143,7 @@ class _Plan:
         self.mm, self.lock = mm, threading.Lock()
 
     def run(self, a2, b2, sa, sb, bias, residual, scale_d, stream):
+        _thread_ready()
         scales = {"a": sb, "b": sa}
         if scale_d is not None:
             scales["d"] = scale_d

@@ -167,9 +167,17 @@ def _fp8_module(kind, recipe):
     return m, m.fc1
 
 
+@pytest.fixture
+def fp8_always(monkeypatch):
+    """FP8 layers run FP8 at every shape (no timing against bfloat16): the tests of their arithmetic."""
+    from cudnn_fuse import fp8
+
+    monkeypatch.setattr(fp8, "_timeable", lambda x: False)
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_fp8_layers_run_fp8_gemms_and_match_their_cpu_reference(recipe, kind):
+def test_fp8_layers_run_fp8_gemms_and_match_their_cpu_reference(recipe, kind, fp8_always):
     import copy
 
     torch.manual_seed(0)
@@ -389,3 +397,24 @@ def test_a_layer_times_fp8_against_bfloat16_once_per_shape(training, monkeypatch
     assert len(seen) == 1 and all(0 < ms < 100 for ms in seen[0]), seen
     chose_fp8 = list(fp8._paid.values()) == [True]
     assert bool(lin.fp8_amax_history[0, 0] > 0) == chose_fp8
+
+
+def test_a_plan_made_in_one_thread_runs_in_another():
+    """Autograd runs the backward on its own device thread: an FP8 GEMM planned by the forward's thread
+    must run there (nvmath's CUDA layer wanted the device set in each thread)."""
+    import threading
+
+    a, b, sa, sb = _ops(M=64, K=128, N=96)
+    want = cf.scaled_mm(a, b, sa, sb)
+    got, errors = [], []
+
+    def other():
+        try:
+            got.append(cf.scaled_mm(a, b, sa, sb))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert not errors and torch.equal(got[0], want), errors
