@@ -143,7 +143,8 @@ class _Plan:
         self.mm, self.lock = mm, threading.Lock()
 
     def run(self, a2, b2, sa, sb, bias, residual, scale_d, stream):
-        _thread_ready()
+        if a2.is_cuda:
+            _thread_ready()
         scales = {"a": sb, "b": sa}
         if scale_d is not None:
             scales["d"] = scale_d
