@@ -18,7 +18,7 @@ LAYERS = [
     # GEMM (cuBLASLt) and cast kernels
     {"env", "builders", "builders.common", "builders.epilogue", "builders.conv", "builders.matmul",
      "builders.attention", "builders.backward", "reference", "launch_graphs", "manifest", "conv_gemm",
-     "fp8_cast"},
+     "fp8_cast", "fp8_kernels"},
     # the cache; a device's handle; which engines may serve a graph
     {"cache", "handles", "engines"},
     # a built plan and its launch; torch standing in for one
