@@ -14,6 +14,7 @@ file by (model, mode), so the zoo can be run in parts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -156,9 +157,8 @@ def top_kernels(fn, steps: int = 5, limit: int = 15) -> dict:
             "host_ops": host[:limit]}
 
 
-def run_variant(model, make, wrap, mode: str, bs: int, want, repeat: int = 1):
-    """(ms per call, first call s, error against ``want``, the step, the timings' spread) of one variant:
-    the median of ``repeat`` timings, and their range over that median."""
+def prepare_variant(model, make, wrap, mode: str, bs: int, want):
+    """(the step, its first call in s, its error against ``want``) of one variant, its model wrapped."""
     inputs = make(bs)
     train = mode == "train"
     model.train(train)  # before the wrap: optimize() folds BatchNorm only in eval mode
@@ -179,8 +179,28 @@ def run_variant(model, make, wrap, mode: str, bs: int, want, repeat: int = 1):
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     err = rel_err(first, want) if want is not None else 0.0
-    runs = [time_ms(step, warmup=5, iters=20 if train else 50) for _ in range(repeat)]
-    return statistics.median(runs), first_s, err, step, (max(runs) - min(runs)) / statistics.median(runs)
+    return step, first_s, err
+
+
+def time_rounds(steps: dict, rounds: int, train: bool) -> dict:
+    """{variant: (median ms, the timings' range over it)} of ``rounds`` timings of each step, taken in turn
+    (forward, then backward order, ...): a host-bound compiled model timed after another one in the
+    process read slower than timed first (Swin-T, docs/decisions.md), so no compiled variant always comes
+    last."""
+    runs = {v: [] for v in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for v in (names if r % 2 == 0 else names[::-1]):
+            runs[v].append(time_ms(steps[v], warmup=5, iters=20 if train else 50))
+    return {v: (statistics.median(t), (max(t) - min(t)) / statistics.median(t)) for v, t in runs.items()}
+
+
+def run_variant(model, make, wrap, mode: str, bs: int, want, repeat: int = 1):
+    """(ms per call, first call s, error against ``want``, the step, the timings' spread) of one variant
+    alone: the median of ``repeat`` timings, and their range over that median."""
+    step, first_s, err = prepare_variant(model, make, wrap, mode, bs, want)
+    ms, spread = time_rounds({"v": step}, repeat, mode == "train")["v"]
+    return ms, first_s, err, step, spread
 
 
 def run_row(name: str, mode: str, args) -> dict:
@@ -196,17 +216,17 @@ def run_row(name: str, mode: str, args) -> dict:
     with torch.no_grad():
         model.eval()
         want = model(*make(bs))  # the reference output: eager, same inputs (seeded)
-    for vname, wrap in variants(name, mode, args.autotune_budget, args.compile_modes):
-        if args.variants and vname not in args.variants:
-            continue
-        torch.manual_seed(1)
-        with tempfile.TemporaryDirectory() as cache:
-            os.environ["CUDNN_FUSE_CACHE_DIR"] = cache  # every variant from an empty plan cache
-            torch._dynamo.reset()
+    compiled, caches = {}, contextlib.ExitStack()
+    with caches:  # every variant's plan cache lives until its timings are done
+        torch._dynamo.reset()  # once a row: a reset between variants would drop the compiled ones
+        for vname, wrap in variants(name, mode, args.autotune_budget, args.compile_modes):
+            if args.variants and vname not in args.variants:
+                continue
+            torch.manual_seed(1)
+            os.environ["CUDNN_FUSE_CACHE_DIR"] = caches.enter_context(tempfile.TemporaryDirectory())  # empty
             counters.clear()
             try:
-                ms, first_s, err, step, spread = run_variant(model, make, wrap, mode, bs,
-                                                             want if mode != "train" else None, args.repeat)
+                step, first_s, err = prepare_variant(model, make, wrap, mode, bs, want if mode != "train" else None)
                 if args.profiling:
                     row.setdefault("profile", {})[vname] = top_kernels(step)
                     if vname == "cf":
@@ -218,18 +238,29 @@ def run_row(name: str, mode: str, args) -> dict:
                 continue
             finally:
                 cf.set_autotune(None)
-        row[f"{vname}_ms"] = round(ms, 4)
-        if args.repeat > 1:
-            row.setdefault("spread", {})[vname] = round(spread, 4)
-        if "compile" in vname:  # what Dynamo made of it: graphs compiled, graph breaks
-            row.setdefault("dynamo", {})[vname] = {"graphs": counters["stats"]["unique_graphs"],
-                                                   "breaks": sum(counters["graph_break"].values())}
-        row["first_call_s"][vname] = round(first_s, 3)
-        row["err"][vname] = float(f"{err:.3g}")
-        print(f"  {name:18s} {mode:10s} {vname:14s} {ms:9.3f} ms  first {first_s:7.2f} s  err {err:.2e}", flush=True)
-        gc.collect()
-        torch.cuda.empty_cache()
+            row["first_call_s"][vname] = round(first_s, 3)
+            row["err"][vname] = float(f"{err:.3g}")
+            if "compile" in vname:  # what Dynamo made of it: graphs compiled, graph breaks; timed with the others
+                row.setdefault("dynamo", {})[vname] = {"graphs": counters["stats"]["unique_graphs"],
+                                                       "breaks": sum(counters["graph_break"].values())}
+                compiled[vname] = step
+            else:  # timed now, with its own plan cache and nothing built after it in memory
+                _timed(row, name, mode, time_rounds({vname: step}, args.repeat, mode == "train"), args.repeat)
+        if compiled and not args.profiling:
+            _timed(row, name, mode, time_rounds(compiled, max(2, args.repeat), mode == "train"), args.repeat)
+        compiled.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
     return row
+
+
+def _timed(row: dict, name: str, mode: str, timings: dict, repeat: int) -> None:
+    for vname, (ms, spread) in timings.items():
+        row[f"{vname}_ms"] = round(ms, 4)
+        if repeat > 1:
+            row.setdefault("spread", {})[vname] = round(spread, 4)
+        print(f"  {name:18s} {mode:10s} {vname:14s} {ms:9.3f} ms  first {row['first_call_s'][vname]:7.2f} s  "
+              f"err {row['err'][vname]:.2e}", flush=True)
 
 
 def summarize(rows) -> dict:
@@ -312,7 +343,8 @@ def main(argv=None) -> int:
     p.add_argument("--table", metavar="JSON", help="only print an existing models.json as the README's table")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="timings per variant: the row keeps their median and their range over it (spread)")
+                   help="timings per variant (the compiled ones: at least 2, taken in turn with each other): the "
+                        "row keeps their median and their range over it (spread)")
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))

@@ -82,6 +82,16 @@ def test_models_repeats_a_timing_and_keeps_its_median_and_spread(monkeypatch):
     assert ms == 1.5 and spread == pytest.approx(1.0 / 1.5) and err == 0.0 and first_s >= 0
 
 
+def test_models_times_compiled_variants_in_turn_so_none_always_comes_last(monkeypatch):
+    order = []
+    figures = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 5.0, 6.0])}
+    monkeypatch.setattr(models, "time_ms", lambda step, warmup, iters: next(figures[step()]))
+    steps = {"a": lambda: order.append("a") or "a", "b": lambda: order.append("b") or "b"}
+    got = models.time_rounds(steps, 3, train=False)
+    assert order == ["a", "b", "b", "a", "a", "b"]  # forward, backward, forward
+    assert got["a"] == (2.0, pytest.approx(1.0)) and got["b"] == (5.0, pytest.approx(0.2))
+
+
 def test_fp8_bench_errors_count_only_what_the_format_does_not_round_away(tmp_path):
     from bench import fp8
 
