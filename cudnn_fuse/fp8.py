@@ -288,11 +288,12 @@ _paid: dict = {}  # (M's power-of-two bucket, K, N, dtypes, device, training, de
 
 def pays(x: torch.Tensor, weight: torch.Tensor, bias, recipe) -> bool:
     """Whether the linear of ``weight`` runs FP8 on rows like ``x``'s (only their number, dtype and device
-    are read: fc2 of an MLP asks with fc1's input): measured once per shape (the rows by their power-of-two bucket) on a GPU with
-    FP8 GEMMs, and remembered. FP8 without timing on the CPU's reference path, inside a capture or
-    torch.compile (no timing there), and under torch.distributed (ranks timing apart could choose apart,
-    and a delayed recipe's amax reduction needs every rank's casts)."""
-    if not _timeable(x) or x.dim() == 0:
+    are read: fc2 of an MLP asks with fc1's input): measured once per shape (the rows by their power-of-two
+    bucket) on a GPU with FP8 GEMMs, and remembered. A shape not yet measured runs FP8 untimed on the CPU's
+    reference path, inside a capture (which a timing would break; a shape measured before keeps its
+    choice there), and under torch.distributed (ranks timing apart could choose apart, and a delayed
+    recipe's amax reduction needs every rank's casts); under torch.compile every shape runs FP8."""
+    if torch.compiler.is_compiling() or x.dim() == 0:
         return True
     K, N = weight.shape[1], weight.shape[0]
     M = x.numel() // max(x.shape[-1], 1)
@@ -300,25 +301,28 @@ def pays(x: torch.Tensor, weight: torch.Tensor, bias, recipe) -> bool:
     key = (1 << max(M - 1, 0).bit_length(), K, N, x.dtype, weight.dtype, x.device.index, training,
            recipe.scales_from_history)
     got = _paid.get(key)
-    if got is None:
-        try:
-            fp8_ms, bf16_ms = _timed(M, x.dtype, weight.detach(), None if bias is None else bias.detach(), recipe,
-                                     training)
-        except Exception as e:  # noqa: BLE001 - a timing that cannot run leaves the FP8 the user asked for
-            log.debug("FP8 linear %dx%d->%d not timed (%s: %s): FP8", M, K, N, type(e).__name__, e)
-            got = True
-        else:
-            got = fp8_ms <= bf16_ms * (1.0 + PAYS_MARGIN)
-            if not got:
-                log.info("FP8 linear %dx%d->%d%s: bfloat16 runs it (%.3f ms a call against FP8's %.3f ms)", M, K, N,
-                         " (training)" if training else "", bf16_ms, fp8_ms)
-        _paid[key] = got
+    if got is not None:
+        return got
+    if not _timeable(x):
+        return True
+    try:
+        fp8_ms, bf16_ms = _timed(M, x.dtype, weight.detach(), None if bias is None else bias.detach(), recipe,
+                                 training)
+    except Exception as e:  # noqa: BLE001 - a timing that cannot run leaves the FP8 the user asked for
+        log.debug("FP8 linear %dx%d->%d not timed (%s: %s): FP8", M, K, N, type(e).__name__, e)
+        got = True
+    else:
+        got = fp8_ms <= bf16_ms * (1.0 + PAYS_MARGIN)
+        if not got:
+            log.info("FP8 linear %dx%d->%d%s: bfloat16 runs it (%.3f ms a call against FP8's %.3f ms)", M, K, N,
+                     " (training)" if training else "", bf16_ms, fp8_ms)
+    _paid[key] = got
     return got
 
 
 def _timeable(x: torch.Tensor) -> bool:
-    return x.is_cuda and fp8_gemm.fp8_capable(x.device) and not torch.compiler.is_compiling() and \
-        not torch.cuda.is_current_stream_capturing() and not DelayedScaling._reducing()
+    return x.is_cuda and fp8_gemm.fp8_capable(x.device) and not torch.cuda.is_current_stream_capturing() and \
+        not DelayedScaling._reducing()
 
 
 def _timed(M: int, dtype, w, bias, recipe, training: bool) -> tuple:

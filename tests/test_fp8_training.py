@@ -376,6 +376,20 @@ def test_a_shape_measured_slower_in_fp8_runs_in_bfloat16_said_once(timed, caplog
     assert timed.calls == [(5, 32, 16, False), (7, 32, 16, True), (9, 32, 16, False)]
 
 
+def test_a_shape_measured_before_keeps_its_choice_where_no_timing_can_run(timed, monkeypatch):
+    """Inside a capture (no timing possible) a shape measured slower in FP8 still runs bfloat16, and one
+    never measured runs FP8 untimed, its choice left for a call that can time it."""
+    timed.figures = (2.0, 1.0)
+    lin = cf.nn.Linear(32, 16, fp8=cf.Float8CurrentScaling())
+    with torch.no_grad():
+        lin(torch.randn(5, 32))
+        monkeypatch.setattr(fp8, "_timeable", lambda x: False)
+        lin(torch.randn(6, 32))  # the same bucket: bfloat16, as measured
+        assert lin.fp8_amax_history.abs().sum() == 0
+        lin(torch.randn(40, 32))  # never measured: FP8, untimed and not remembered
+    assert lin.fp8_amax_history[0, 0] > 0 and len(timed.calls) == 1 and len(fp8._paid) == 1
+
+
 @pytest.mark.parametrize("figures", [(1.02, 1.0), None], ids=["within_the_margin", "timing_failed"])
 def test_fp8_stays_on_a_tie_and_where_the_timing_fails(timed, figures):
     timed.figures = figures
