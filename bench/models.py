@@ -195,14 +195,6 @@ def time_rounds(steps: dict, rounds: int, train: bool) -> dict:
     return {v: (statistics.median(t), (max(t) - min(t)) / statistics.median(t)) for v, t in runs.items()}
 
 
-def run_variant(model, make, wrap, mode: str, bs: int, want, repeat: int = 1):
-    """(ms per call, first call s, error against ``want``, the step, the timings' spread) of one variant
-    alone: the median of ``repeat`` timings, and their range over that median."""
-    step, first_s, err = prepare_variant(model, make, wrap, mode, bs, want)
-    ms, spread = time_rounds({"v": step}, repeat, mode == "train")["v"]
-    return ms, first_s, err, step, spread
-
-
 def run_row(name: str, mode: str, args) -> dict:
     from torch._dynamo.utils import counters
 

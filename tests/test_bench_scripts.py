@@ -77,8 +77,9 @@ def test_models_repeats_a_timing_and_keeps_its_median_and_spread(monkeypatch):
     monkeypatch.setattr(models, "time_ms", lambda step, warmup, iters: (step(), next(times))[1])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     model = torch.nn.Linear(4, 3)
-    ms, first_s, err, step, spread = models.run_variant(model, lambda bs: (torch.randn(bs, 4),), lambda m: m,
-                                                        "infer_bs1", 1, None, repeat=3)
+    step, first_s, err = models.prepare_variant(model, lambda bs: (torch.randn(bs, 4),), lambda m: m,
+                                                "infer_bs1", 1, None)
+    ms, spread = models.time_rounds({"eager": step}, 3, train=False)["eager"]
     assert ms == 1.5 and spread == pytest.approx(1.0 / 1.5) and err == 0.0 and first_s >= 0
 
 
