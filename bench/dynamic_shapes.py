@@ -5,7 +5,9 @@ A GPT-2-style and a Llama-style decoder block (plans/make_manifests.py's, bf16 i
 holds the block's shipped manifest (its families, pre-warmed at 128, 512, 1024 and 2048) and none of
 the drawn sizes, and the sweep runs in a fresh process. Per size: the first call's time minus the
 steady-state time at that size (``extra``), for cf, torch eager and ``torch.compile(dynamic=True)``
-(whose compile and recompiles are counted). Writes dynamic_shapes.json (commit, GPU, cuDNN) and a plot:
+(whose compile and recompiles are counted). For cf, once the build process has stored every plan asked of
+it: per size the call that swaps them in and the steady time on them. Writes dynamic_shapes.json (commit,
+GPU, cuDNN) and a plot:
 
     python3 bench/dynamic_shapes.py --out bench/results --sizes 200
 """
@@ -67,6 +69,31 @@ def sweep(fn, make, sizes) -> dict:
     return out
 
 
+def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
+    """cf after the sweep: once the build process has answered every request (waited for, up to ``wait_s``),
+    per size the call that swaps its plans in and the steady ms on them, against the sweep's steady ms
+    (torch's kernels standing in where no plan was swapped in yet)."""
+    from cudnn_fuse import build_process
+
+    bp = build_process.default()
+    t0 = time.perf_counter()
+    answered = bp.wait(wait_s) if bp is not None else True
+    out = {"build_process": bp is not None and bp.off is None, "all_answered": answered,
+           "wait_s": round(time.perf_counter() - t0, 2), "per_size": []}
+    for s in sizes:
+        x = make(s)
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            swap = synced_ms(lambda: fn(x), 1)
+            steady = synced_ms(lambda: fn(x), STEADY_REPS)
+        out["per_size"].append({"seq": s, "swap_ms": round(swap, 3), "steady_ms": round(steady, 4),
+                                "swap_extra_ms": round(swap - steady, 3)})
+    vals = sorted(r["swap_extra_ms"] for r in out["per_size"])
+    out["swap_call_extra_ms_median"] = round(statistics.median(vals), 3)
+    out["swap_call_extra_ms_p95"] = round(vals[min(len(vals) - 1, int(0.95 * len(vals)))], 3)
+    return out
+
+
 def child(name: str, variant: str, sizes: list, out: str) -> None:
     """One variant's sweep in this (fresh) process; writes its result as JSON to ``out``."""
     sys.path.insert(0, os.path.join(ROOT, "plans"))
@@ -85,6 +112,7 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
     if variant == "cf":
         fn = cf.optimize(model)
         res.update(sweep(fn, make, sizes))
+        res["settled"] = settled(fn, make, sizes)
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
     elif variant == "eager":
         res.update(sweep(model, make, sizes))
@@ -135,7 +163,16 @@ def run_model(name: str, sizes: list, timeout: float) -> dict:
     row["swapped_all"] = stats.get("standins") == stats.get("swaps") if stats else None
     row["steady_vs_static"] = 1.0 if row["swapped_all"] else None
     row["later_call_extra_ms_p95"] = cf_row.get("later_call_extra_ms_p95")
-    row["tiers"] = f"torch's kernels for a new size's first {loader.STANDIN_CALLS} calls, then its static plan"
+    after = cf_row.get("settled") or {}
+    row["swap_call_extra_ms_p95"] = after.get("swap_call_extra_ms_p95")
+    row["process_builds"] = stats.get("process_builds")
+    if after.get("per_size"):  # torch's kernels standing in, against the size's own plan once swapped in
+        during = {r["seq"]: r["steady_ms"] for r in cf_row["per_size"]}
+        row["standin_over_static_median"] = round(statistics.median(
+            during[r["seq"]] / r["steady_ms"] for r in after["per_size"]), 4)
+    row["tiers"] = (f"torch's kernels from a new size's first call; its static plan from the build process, asked "
+                    f"on call {loader.BUILD_REQUEST_CALLS + 1} and swapped in once stored (built in the call after "
+                    f"the first {loader.STANDIN_CALLS} where there is no build process)")
     return row
 
 

@@ -24,6 +24,7 @@ TUNE_WAIT_S = "CUDNN_FUSE_TUNE_WAIT_S"
 NATIVE = "CUDNN_FUSE_NATIVE"
 LAUNCH_GRAPHS = "CUDNN_FUSE_LAUNCH_GRAPHS"
 COMPILE_INLINE = "CUDNN_FUSE_COMPILE_INLINE"
+BUILD_PROCESS = "CUDNN_FUSE_BUILD_PROCESS"
 
 # name -> (default as a user would write it, what it does): the README's table lists exactly these
 VARIABLES = {
@@ -37,6 +38,7 @@ VARIABLES = {
     NATIVE: ("1", "0: memoized calls run in Python instead of the C extension"),
     LAUNCH_GRAPHS: ("1", "0: no launch-graph replays of repeated launches"),
     COMPILE_INLINE: ("conv2d,linear,matmul,sdpa", "ops torch.compile traces as their PyTorch expression"),
+    BUILD_PROCESS: ("1", "0: plans of new sizes are built in the calling process, not a build process of their own"),
 }
 
 ON_WORDS = ("1", "true", "yes", "on")

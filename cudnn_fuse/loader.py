@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-from . import autotune, conv_gemm, envvars, families, handles, launch_graphs, torch_engine
+from . import autotune, build_process, conv_gemm, envvars, families, handles, launch_graphs, torch_engine
 from .builders import build_graph, roles_of, uids_of
 from .engines import barred_engines, deterministic, finalize, pinned_mode, prepare
 from .errors import UnsupportedError
@@ -318,8 +318,12 @@ def _note_family(pc, spec, meta: dict) -> None:
 # ------------------------------------------------------------------ new sizes of known families
 
 # Calls a new size of a known family runs on torch's kernels (a StandIn) before its plan is built on the
-# call after: a size met once never pays a plan build, one met again pays it once, on a call of its own.
+# call after, where no build process builds it: a size met once never pays a plan build, one met again pays
+# it once, on a call of its own.
 STANDIN_CALLS = 4
+# A stand-in asks the build process for its plan on the call after its first BUILD_REQUEST_CALLS: a size
+# met once is built nowhere.
+BUILD_REQUEST_CALLS = 1
 _KNOWN_FAMILIES: set = set()  # families this process has a stored plan or record of
 
 
@@ -340,16 +344,18 @@ def _mark_family(pc, spec) -> None:
 
 class StandIn(torch_engine.TorchPlan):
     """torch's kernels for a new size of a known shape family while its plan waits: no build on the call
-    that meets the size (PlanLRU builds the plan on the call after the first STANDIN_CALLS and swaps it in). The ops
-    never remember it, so every call looks it up and counts."""
+    that meets the size. PlanLRU asks the build process for the plan on the call after its first
+    BUILD_REQUEST_CALLS and swaps it in on the first call after it is stored; with no build process it builds the plan itself on
+    the call after the first STANDIN_CALLS. The ops never remember it, so every call looks it up and counts."""
 
-    __slots__ = ("calls",)
+    __slots__ = ("calls", "request")
     standin = True
 
     def __init__(self, spec, device: int):
         super().__init__(spec, device, None, "torch's kernels while the plan of this new size of a known shape "
                                              "family waits")
         self.calls = 0
+        self.request = None  # the build process's Request; False: none to be had
 
 
 def _standin(pc, spec, device: int):
@@ -742,8 +748,8 @@ class PlanLRU:
             STATS.hits += 1
             if type(item) is StandIn:
                 item.calls += 1
-                if item.calls >= STANDIN_CALLS and not _capturing():  # never a build inside a capture
-                    item = self._once(key, item, det, lambda: self._swapped(spec, device))
+                if item.calls >= BUILD_REQUEST_CALLS and not _capturing():  # never a build inside a capture
+                    item = self._next_of(key, item, det)
         if isinstance(item, _Declined):
             raise UnsupportedError(item.reason)
         return item
@@ -778,15 +784,60 @@ class PlanLRU:
                 if building[1] == 0 and self._building.get(key) is building:
                     del self._building[key]
 
+    def _next_of(self, key, stand: StandIn, det):
+        """What serves a stand-in's calls after its first BUILD_REQUEST_CALLS: the stand-in while the build
+        process builds its plan, the plan it stored (loaded) once it has, torch's kernels for good where cuDNN
+        declined the size; with no build process, or one that failed, the stand-in until the call after the
+        first STANDIN_CALLS, which builds the plan."""
+        spec, device, _ = key
+        if stand.request is None:
+            stand.request = _request_build(spec, device) or False
+        status = stand.request.status if stand.request else "failed"
+        if status is None:
+            return stand
+        if status == "declined":
+            reason = stand.request.reason
+            return self._once(key, stand, det, lambda: _swap(torch_engine.TorchPlan(
+                spec, device, None, f"torch's kernels: cuDNN declined this size ({reason})"[:200])))
+        if status == "ok":
+            return self._once(key, stand, det, lambda: self._swapped(spec, device, built_elsewhere=True))
+        if stand.calls >= STANDIN_CALLS:
+            return self._once(key, stand, det, lambda: self._swapped(spec, device))
+        return stand
+
     @staticmethod
-    def _swapped(spec, device: int):
-        """A stand-in's own plan, built now; torch's kernels for good where cuDNN declines the spec."""
+    def _swapped(spec, device: int, built_elsewhere: bool = False):
+        """A stand-in's own plan, loaded where the build process stored it, else built now; torch's kernels
+        for good where cuDNN declines the spec."""
+        builds = STATS.builds
         try:
             plan = load_or_build(spec, device)
         except UnsupportedError as exc:
             plan = torch_engine.TorchPlan(spec, device, None, f"torch's kernels: cuDNN declined this size ({exc})"[:200])
-        STATS.swaps += 1
-        return plan
+        if built_elsewhere and STATS.builds == builds:
+            STATS.process_builds += 1
+        return _swap(plan)
+
+
+def _swap(plan):
+    STATS.swaps += 1
+    return plan
+
+
+def _request_build(spec, device: int):
+    """The build process's Request for ``spec``'s plan, stored in this process's plan cache; None where there
+    is no build process, or no plan cache it could store the plan in for this process to load."""
+    bp = build_process.default()
+    if bp is None:
+        return None
+    try:
+        pc = _cache(device)
+        if pc is None or getattr(pc, "read_only", False):
+            return None
+        return bp.submit(spec.to_dict(), cache_digest(spec), device, str(pc.path), pc.namespace)
+    except Exception as exc:  # noqa: BLE001 - no build process means building here, as without one
+        log.debug("cudnn_fuse: no build process for %s: %s", spec.op, exc)
+        return None
 
 
 def _declined(key, exc: UnsupportedError):

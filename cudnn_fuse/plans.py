@@ -63,6 +63,7 @@ class _Stats:
     family_hits: int = 0  # tuned plans of a new size from its family's tuned engine (no tuning)
     standins: int = 0  # new sizes of a known family served by torch's kernels while their plan waits
     swaps: int = 0  # stand-ins replaced by their built plan
+    process_builds: int = 0  # of those, plans the build process built (loaded here, no build in this process)
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)

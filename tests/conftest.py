@@ -85,12 +85,16 @@ def isolated_cache(tmp_path_factory, monkeypatch):
     """Every test: $CUDNN_FUSE_CACHE_DIR (and the user cache dir, for subprocesses) in a fresh
     temporary directory, and no default cache carried over from another test. Returns the
     plan-cache directory, which does not exist yet (``cache_dir`` gives one that does)."""
-    from cudnn_fuse import loader
+    from cudnn_fuse import build_process, loader
 
     plan_cache = _point_caches_at(str(tmp_path_factory.mktemp("cache_home")), monkeypatch.setenv)
+    monkeypatch.setenv("CUDNN_FUSE_BUILD_PROCESS", "0")  # new sizes build in the test's process unless it asks
     _drop_default_caches()
     loader._KNOWN_FAMILIES.clear()  # the shape families an earlier test's plans made known
     yield plan_cache
+    if build_process._default is not None:  # a test's build process ends with it
+        build_process._default.close()
+        build_process._default = None
     _drop_default_caches()
 
 

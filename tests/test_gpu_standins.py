@@ -1,5 +1,6 @@
 """GPU: a new size of a known shape family runs torch's kernels at once, then its own plan from its
-STANDIN_CALLS-th call, with the same results; a fresh process knows the family from the plan cache."""
+STANDIN_CALLS-th call, or from when the build process has stored it, with the same results; a fresh process
+knows the family from the plan cache."""
 
 from __future__ import annotations
 
@@ -87,3 +88,40 @@ def test_attention_at_a_new_length_stands_in_then_swaps_with_the_same_results(ca
             assert stats["standins"] == before["standins"] + 1 and stats["builds"] == before["builds"]
     stats = cf.plan_stats()
     assert stats["swaps"] == before["swaps"] + 1 and stats["builds"] == before["builds"] + 1
+
+
+def test_the_build_process_builds_a_new_size_off_the_hot_path(cache_dir, monkeypatch):
+    """With the build process on (the default outside the tests), a new size's plan is built in that process
+    and loaded here: no build in this process, the same results, and a call that swaps in well under a build."""
+    import time
+
+    from cudnn_fuse import build_process
+
+    monkeypatch.setenv("CUDNN_FUSE_BUILD_PROCESS", "1")
+    torch.manual_seed(0)
+    w = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    loader.clear()
+    x, _ = _linear(512, w, b)
+    cf.linear(x, w, b, activation="gelu")  # the family's first size: built here
+    before = cf.plan_stats()
+    x, ref = _linear(333, w, b)
+    calls, worst = 0, 0.0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = cf.linear(x, w, b, activation="gelu")
+        torch.cuda.synchronize()
+        worst = max(worst, time.perf_counter() - t0) if calls else worst  # the first call may warm torch's
+        torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+        calls += 1
+        if cf.plan_stats()["swaps"] > before["swaps"]:
+            break
+        time.sleep(0.005)
+    stats = cf.plan_stats()
+    assert stats["swaps"] == before["swaps"] + 1 and stats["process_builds"] == before["process_builds"] + 1
+    assert stats["builds"] == before["builds"]  # not one build in this process
+    assert worst < 0.05, f"a call took {worst * 1e3:.1f} ms"
+    torch.testing.assert_close(cf.linear(x, w, b, activation="gelu").float(), ref, atol=2e-2, rtol=2e-2)
+    assert build_process.default().off is None

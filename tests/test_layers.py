@@ -19,13 +19,15 @@ LAYERS = [
     {"env", "builders", "builders.common", "builders.epilogue", "builders.conv", "builders.matmul",
      "builders.attention", "builders.backward", "reference", "launch_graphs", "manifest", "conv_gemm",
      "fp8_cast", "fp8_kernels"},
-    # the cache; a device's handle; which engines may serve a graph
-    {"cache", "handles", "engines"},
+    # the cache; a device's handle; which engines may serve a graph; the build process, run by name
+    {"cache", "handles", "engines", "build_process"},
     # a built plan and its launch; torch standing in for one
     {"plans", "torch_engine"},
     {"autotune"},
     # a spec's plan: memory, disk, build or tuning; FP8 GEMM plans (cuBLASLt) and FP8 attention's graphs
     {"loader", "fp8_gemm", "fp8_attention"},
+    # the build process's own side: the loader in a process of its own
+    {"build_child"},
     # the ops: validation, the memoized launch, the fused forward
     {"ops"},
     {"backward"},
