@@ -182,17 +182,29 @@ def prepare_variant(model, make, wrap, mode: str, bs: int, want):
     return step, first_s, err
 
 
-def time_rounds(steps: dict, rounds: int, train: bool) -> dict:
+def time_rounds(steps: dict, rounds: int, train: bool, runs: dict | None = None) -> dict:
     """{variant: (median ms, the timings' range over it)} of ``rounds`` timings of each step, taken in turn
     (forward, then backward order, ...): a host-bound compiled model timed after another one in the
     process read slower than timed first (Swin-T, docs/decisions.md), so no compiled variant always comes
-    last."""
-    runs = {v: [] for v in steps}
+    last. Each timing is also appended to ``runs[variant]`` where given."""
+    mine = {v: [] for v in steps}
     names = list(steps)
     for r in range(rounds):
         for v in (names if r % 2 == 0 else names[::-1]):
-            runs[v].append(time_ms(steps[v], warmup=5, iters=20 if train else 50))
-    return {v: (statistics.median(t), (max(t) - min(t)) / statistics.median(t)) for v, t in runs.items()}
+            mine[v].append(time_ms(steps[v], warmup=5, iters=20 if train else 50))
+    if runs is not None:
+        for v, t in mine.items():
+            runs.setdefault(v, []).extend(t)
+    return {v: (statistics.median(t), (max(t) - min(t)) / statistics.median(t)) for v, t in mine.items()}
+
+
+def _paired(steps: dict, eager, rounds: int, train: bool, runs: dict) -> dict:
+    """``time_rounds`` of ``steps`` with eager's step among them: {variant: (ms, spread, eager's ms over the
+    same rounds / the variant's ms)}. The same model read 7.0 and 11.7 ms in two runs of one card (Swin-T
+    eager, H100, f6f2ea2 and 947cb89): a speed-up is only a ratio of timings taken in turn."""
+    got = time_rounds({"eager": eager, **steps} if eager is not None else steps, rounds, train, runs)
+    base = got.get("eager", (None,))[0]
+    return {v: (ms, spread, base / ms if base else None) for v, (ms, spread) in got.items() if v != "eager"}
 
 
 def run_row(name: str, mode: str, args) -> dict:
@@ -210,7 +222,8 @@ def run_row(name: str, mode: str, args) -> dict:
     with torch.no_grad():
         model.eval()
         want = model(*make(bs))  # the reference output: eager, same inputs (seeded)
-    compiled, caches = {}, contextlib.ExitStack()
+    compiled, caches, eager, runs = {}, contextlib.ExitStack(), None, {}
+    rounds = max(4, args.repeat)  # ABBA twice: a steady drift cancels in each pair of rounds
     with caches:  # every variant's plan cache lives until its timings are done
         torch._dynamo.reset()  # once a row: a reset between variants would drop the compiled ones
         for vname, wrap in variants(name, mode, args.autotune_budget, args.compile_modes):
@@ -240,23 +253,41 @@ def run_row(name: str, mode: str, args) -> dict:
                 row.setdefault("dynamo", {})[vname] = {"graphs": counters["stats"]["unique_graphs"],
                                                        "breaks": sum(counters["graph_break"].values())}
                 compiled[vname] = step
-            else:  # timed now, with its own plan cache and nothing built after it in memory
-                _timed(row, name, mode, time_rounds({vname: step}, args.repeat, mode == "train"), args.repeat)
+            elif vname == "eager":
+                eager = step
+            else:  # timed now, in turn with eager, with its own plan cache and nothing built after it in memory
+                _timed(row, name, mode, _paired({vname: step}, eager, rounds, mode == "train", runs))
         if compiled and not args.profiling:
-            _timed(row, name, mode, time_rounds(compiled, max(2, args.repeat), mode == "train"), args.repeat)
+            _timed(row, name, mode, _paired(compiled, eager, rounds, mode == "train", runs))
+        if runs.get("eager"):
+            row["eager_ms"] = round(statistics.median(runs["eager"]), 4)
+        elif eager is not None and not args.profiling:  # eager alone was asked for
+            row["eager_ms"] = round(time_rounds({"eager": eager}, rounds, mode == "train")["eager"][0], 4)
         compiled.clear()
     gc.collect()
     torch.cuda.empty_cache()
     return row
 
 
-def _timed(row: dict, name: str, mode: str, timings: dict, repeat: int) -> None:
-    for vname, (ms, spread) in timings.items():
+def _timed(row: dict, name: str, mode: str, timings: dict) -> None:
+    for vname, (ms, spread, speedup) in timings.items():
         row[f"{vname}_ms"] = round(ms, 4)
-        if repeat > 1:
-            row.setdefault("spread", {})[vname] = round(spread, 4)
-        print(f"  {name:18s} {mode:10s} {vname:14s} {ms:9.3f} ms  first {row['first_call_s'][vname]:7.2f} s  "
+        row.setdefault("spread", {})[vname] = round(spread, 4)
+        if speedup is not None:
+            row.setdefault("vs_eager", {})[vname] = round(speedup, 4)
+        print(f"  {name:18s} {mode:10s} {vname:14s} {ms:9.3f} ms  "
+              f"{'' if speedup is None else f'{speedup:5.2f}x eager  '}first {row['first_call_s'][vname]:7.2f} s  "
               f"err {row['err'][vname]:.2e}", flush=True)
+
+
+def speedup(row: dict, variant: str):
+    """Eager's time over ``variant``'s in ``row``: the ratio of timings taken in turn where the row has it,
+    else of the two medians; None where the row lacks either."""
+    paired = (row.get("vs_eager") or {}).get(variant)
+    if paired is not None:
+        return paired
+    ms, base = row.get(f"{variant}_ms"), row.get("eager_ms")
+    return base / ms if ms and base else None
 
 
 def summarize(rows) -> dict:
@@ -266,14 +297,20 @@ def summarize(rows) -> dict:
         return round(math.exp(sum(math.log(v) for v in vals) / len(vals)), 4) if vals else None
 
     infer = [r for r in rows if r["mode"].startswith("infer")]
+
+    def cf_eager(r):  # cf's time over eager's
+        x = speedup(r, "cf")
+        return 1 / x if x else None
+
+    def cfc_compile(r):  # torch.compile(cf)'s time over torch.compile's, both against the same eager rounds
+        a, b = speedup(r, "cf_compile"), speedup(r, "compile")
+        return b / a if a and b else None
+
     return {
-        "cf_over_eager_worst": max((r["cf_ms"] / r["eager_ms"] for r in rows if "cf_ms" in r and "eager_ms" in r),
-                                   default=None),
-        "eager_over_cf_geomean_infer": geo([r["eager_ms"] / r["cf_ms"] for r in infer if "cf_ms" in r and "eager_ms" in r]),
-        "cf_compile_over_compile_worst": max((r["cf_compile_ms"] / r["compile_ms"] for r in rows
-                                              if "cf_compile_ms" in r and "compile_ms" in r), default=None),
-        "compile_over_cf_compile_geomean_infer": geo([r["compile_ms"] / r["cf_compile_ms"] for r in infer
-                                                      if "cf_compile_ms" in r and "compile_ms" in r]),
+        "cf_over_eager_worst": max((v for v in map(cf_eager, rows) if v), default=None),
+        "eager_over_cf_geomean_infer": geo([speedup(r, "cf") for r in infer]),
+        "cf_compile_over_compile_worst": max((v for v in map(cfc_compile, rows) if v), default=None),
+        "compile_over_cf_compile_geomean_infer": geo([1 / v for v in map(cfc_compile, infer) if v]),
     }
 
 
@@ -292,7 +329,7 @@ def plot(path: str) -> str:
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):
         ax.bar([j + i * width for j in range(len(rows))],
-               [r["eager_ms"] / r[key] if key in r else 0 for r in rows], width, label=label)
+               [speedup(r, key[:-3]) or 0 for r in rows], width, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
     ax.set_xticklabels(labels, rotation=90, fontsize=7)
@@ -313,7 +350,8 @@ def table(path: str) -> str:
              "|---|---|---|---|---|---|---|"]
 
     def x(r, key):
-        return f"{r['eager_ms'] / r[key]:.2f}×" if key in r else "—"
+        v = speedup(r, key[:-3])
+        return f"{v:.2f}×" if v else "—"
     order = {m: i for i, m in enumerate(MODELS)}
     for r in sorted((r for r in doc["rows"] if "eager_ms" in r), key=lambda r: (order.get(r["model"], 99), r["mode"])):
         gpu = str(r.get("gpu", "")).replace("NVIDIA ", "").split(" ")[0]
@@ -338,9 +376,10 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="JSON", help="only plot an existing models.json")
     p.add_argument("--table", metavar="JSON", help="only print an existing models.json as the README's table")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="timings per variant (the compiled ones: at least 2, taken in turn with each other): the "
-                        "row keeps their median and their range over it (spread)")
+    p.add_argument("--repeat", type=int, default=4,
+                   help="timings per variant, at least 4, each taken in turn with eager's (the compiled ones with "
+                        "each other's too): the row keeps their median, their range over it (spread) and eager's "
+                        "time over the variant's in those rounds (vs_eager)")
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))

@@ -88,9 +88,27 @@ def test_models_times_compiled_variants_in_turn_so_none_always_comes_last(monkey
     figures = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 5.0, 6.0])}
     monkeypatch.setattr(models, "time_ms", lambda step, warmup, iters: next(figures[step()]))
     steps = {"a": lambda: order.append("a") or "a", "b": lambda: order.append("b") or "b"}
-    got = models.time_rounds(steps, 3, train=False)
+    runs = {}
+    got = models.time_rounds(steps, 3, train=False, runs=runs)
     assert order == ["a", "b", "b", "a", "a", "b"]  # forward, backward, forward
     assert got["a"] == (2.0, pytest.approx(1.0)) and got["b"] == (5.0, pytest.approx(0.2))
+    assert runs == {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.0, 6.0]}
+
+
+def test_models_speedups_are_ratios_of_timings_taken_in_turn_with_eager(monkeypatch):
+    figures = {"eager": iter([4.0, 8.0, 8.0, 4.0]), "cf": iter([2.0, 4.0, 4.0, 2.0])}  # a drift hits both alike
+    monkeypatch.setattr(models, "time_ms", lambda step, warmup, iters: next(figures[step()]))
+    runs = {}
+    got = models._paired({"cf": lambda: "cf"}, lambda: "eager", 4, train=False, runs=runs)
+    assert got["cf"][0] == 3.0 and got["cf"][2] == pytest.approx(2.0) and runs["eager"] == [4.0, 8.0, 8.0, 4.0]
+    row = {"eager_ms": 6.0, "cf_ms": 3.0, "compile_ms": 2.0, "vs_eager": {"cf": 2.0, "compile": 2.5}}
+    assert models.speedup(row, "cf") == 2.0 and models.speedup(row, "compile") == 2.5
+    assert models.speedup({"eager_ms": 6.0, "cf_ms": 3.0}, "cf") == 2.0  # an older row: the medians' ratio
+    assert models.speedup(row, "cf_compile") is None
+    s = models.summarize([{**row, "mode": "infer_bs32", "cf_compile_ms": 2.0,
+                           "vs_eager": {"cf": 0.8, "compile": 2.5, "cf_compile": 2.0}}])
+    assert s["cf_over_eager_worst"] == pytest.approx(1.25) and s["cf_compile_over_compile_worst"] == pytest.approx(1.25)
+    assert s["compile_over_cf_compile_geomean_infer"] == pytest.approx(0.8)
 
 
 def test_fp8_bench_errors_count_only_what_the_format_does_not_round_away(tmp_path):
