@@ -25,8 +25,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     repeat); returns (attn_output [B, S, H, D] contiguous, None).
     """
     from .functional import scaled_dot_product_attention
+    from .nn import records_grad
 
-    if position_bias is not None or kwargs.get("output_attentions", False):
+    # a training step runs transformers' own: the same cuDNN kernel on Hopper, at less host time a call
+    if position_bias is not None or kwargs.get("output_attentions", False) or \
+            records_grad(query, key, value, attention_mask):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

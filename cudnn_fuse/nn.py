@@ -54,6 +54,18 @@ def dropouts_before_residual(module: torch.nn.Module, dropouts) -> None:
     module.__dict__["_dropouts"] = tuple(dropouts)
 
 
+def records_grad(*ts) -> bool:
+    """Whether autograd records a call on these operands (grad mode on and one of them requiring grad): a
+    training step."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
+
+
+def _check_fuse_training(fuse_training) -> bool:
+    if not isinstance(fuse_training, bool):
+        raise TypeError(f"fuse_training must be a bool, got {fuse_training!r}")
+    return fuse_training
+
+
 def _dropping(module) -> bool:
     return any(d.training and d.p > 0 for d in module.__dict__.get("_dropouts", ()))
 
@@ -369,10 +381,15 @@ class Linear(_FP8State, torch.nn.Linear):
     (fp8.py); in and out features must be multiples of 16, else the layer runs unquantized (logged once).
     On a GPU with FP8 GEMMs (compute capability 8.9 or newer) its three GEMMs are FP8 GEMMs; without
     autograd the bias, a ReLU or tanh-GELU and the residual run in the GEMM's epilogue.
+
+    ``fuse_training=False`` (what ``optimize(model)`` builds): a call autograd records (a training step)
+    runs torch's own expression, ``act(F.linear(x, weight, bias) + residual)``, and only inference runs the
+    fused graph. A training step through the fused graphs runs the kernels torch's does, at more host time
+    a call (docs/training.md).
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation=None,
-                 recompute: bool = False, negative_slope: float = 0.01, fp8=None):
+                 recompute: bool = False, negative_slope: float = 0.01, fp8=None, fuse_training: bool = True):
         super().__init__(in_features, out_features, bias, device, dtype)
         activation, negative_slope = _check_activation(activation, negative_slope)
         if not isinstance(recompute, bool):  # recompute="False" was on
@@ -382,6 +399,7 @@ class Linear(_FP8State, torch.nn.Linear):
         self.recompute = recompute
         self.negative_slope = negative_slope
         self.fp8 = fp8
+        self.fuse_training = _check_fuse_training(fuse_training)
         if fp8 is not None:
             self._register_fp8_state(fp8, ("",), device)
 
@@ -399,6 +417,9 @@ class Linear(_FP8State, torch.nn.Linear):
             y = self._fp8_forward(x, residual)
             if y is not None:
                 return y
+        if not getattr(self, "fuse_training", True) and isinstance(x, torch.Tensor) and \
+                records_grad(x, self.weight, self.bias, residual):
+            return self._torch_forward(x, residual)
         act = self.activation
         if residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and
                                      _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,),
@@ -427,6 +448,12 @@ class Linear(_FP8State, torch.nn.Linear):
         return functional.linear(x, self.weight, self.bias, activation=act, residual=residual,
                           negative_slope=self.negative_slope)
 
+    def _torch_forward(self, x, residual):
+        """torch's own expression of the layer (what the modules it replaced ran), for a training step when
+        ``fuse_training`` is off."""
+        z = _through_dropouts(self, torch.nn.functional.linear(x, self.weight, self.bias))
+        return reference.activation(z if residual is None else z + residual, self.activation, self.negative_slope)
+
     def _check(self, x, residual, *params) -> None:
         """functional.linear's argument checks, for the path that bypasses it (``params``: the weight and
         bias as cast under autocast; the module's own by default)."""
@@ -446,6 +473,8 @@ class Linear(_FP8State, torch.nn.Linear):
             extra += f", recompute={self.recompute}"
         if getattr(self, "fp8", None) is not None:
             extra += f", fp8={self.fp8!r}"
+        if not getattr(self, "fuse_training", True):
+            extra += ", fuse_training=False"
         return super().extra_repr() + extra
 
 
@@ -471,10 +500,14 @@ class FusedMLP(_FP8State, torch.nn.Module):
     (``fc1_fp8_scales``, ``fc1_fp8_amax_history``, ``fc2_...``); fc1 must then carry no recipe of its
     own. Features that are not multiples of 16 run the bfloat16 block (logged once). Without autograd,
     fc1's activation (ReLU, tanh-GELU) runs in its GEMM's epilogue.
+
+    ``fuse_training=False`` (what ``optimize(model)`` builds): a training step runs ``fc1`` then ``fc2``.
     """
 
-    def __init__(self, fc1: "Linear", fc2: torch.nn.Linear, *, own: bool = True, fp8=None):
+    def __init__(self, fc1: "Linear", fc2: torch.nn.Linear, *, own: bool = True, fp8=None,
+                 fuse_training: bool = True):
         super().__init__()
+        self.fuse_training = _check_fuse_training(fuse_training)
         if not isinstance(fc1, Linear) or fc1.activation is None:
             raise ArgumentError("FusedMLP: fc1 must be a cudnn_fuse.nn.Linear with an activation")
         if not isinstance(fc2, torch.nn.Linear) or fc2.in_features != fc1.out_features:
@@ -511,7 +544,8 @@ class FusedMLP(_FP8State, torch.nn.Module):
 
     def _fused(self, x, residual) -> bool:
         fc1 = self.fc1
-        if fc1.activation not in NEEDS_INPUT or fc1.recompute or not torch.is_grad_enabled():
+        if fc1.activation not in NEEDS_INPUT or fc1.recompute or not torch.is_grad_enabled() or \
+                not getattr(self, "fuse_training", True):
             return False
         if ops._inline_under_compile("linear") or torch.compiler.is_compiling() or _functorch_active():
             return False
@@ -563,15 +597,24 @@ class FusedMLP(_FP8State, torch.nn.Module):
 class TransposedLinear(torch.nn.Module):
     """A linear layer kept as an ``[in, out]`` weight (transformers' Conv1D, GPT-2),
     run as one fused ``act(x @ W + bias + residual)``: the weight is read through
-    its transposed view, never copied, and stays the original module's Parameter."""
+    its transposed view, never copied, and stays the original module's Parameter. ``fuse_training=False``
+    (what ``optimize(model)`` builds): a call autograd records runs Conv1D's own ``addmm`` and the
+    activation."""
 
-    def __init__(self, conv1d, activation=None, negative_slope: float = 0.01):
+    def __init__(self, conv1d, activation=None, negative_slope: float = 0.01, *, fuse_training: bool = True):
         super().__init__()
         activation, negative_slope = _check_activation(activation, negative_slope)
         self.weight, self.bias = conv1d.weight, conv1d.bias
         self.activation, self.negative_slope = activation, negative_slope
+        self.fuse_training = _check_fuse_training(fuse_training)
 
     def forward(self, x, residual=None):
+        if not getattr(self, "fuse_training", True) and isinstance(x, torch.Tensor) and \
+                records_grad(x, self.weight, self.bias, residual):  # Conv1D's own expression
+            z = torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.weight.shape[1])
+            z = _through_dropouts(self, z)
+            return reference.activation(z if residual is None else z + residual, self.activation,
+                                        self.negative_slope)
         if residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and
                                      _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],),
                                                          _out_dtype(x))):
@@ -582,7 +625,8 @@ class TransposedLinear(torch.nn.Module):
                           negative_slope=self.negative_slope)
 
     def extra_repr(self) -> str:
-        return f"in={self.weight.shape[0]}, out={self.weight.shape[1]}, activation={self.activation!r}"
+        return (f"in={self.weight.shape[0]}, out={self.weight.shape[1]}, activation={self.activation!r}" +
+                ("" if getattr(self, "fuse_training", True) else ", fuse_training=False"))
 
 
 class AlignedLinear(torch.nn.Linear):

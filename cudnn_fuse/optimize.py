@@ -13,10 +13,15 @@ when the whole model does not trace):
   activation or ReLU and no residual, each the next one's only input -> one
   cudnn_fuse.nn.ConvChain, whose training step is one autograd node (the layers stay
   where they were: state_dict keys unchanged);
-- F.scaled_dot_product_attention call sites -> cudnn_fuse.scaled_dot_product_attention;
+- F.scaled_dot_product_attention call sites -> cudnn_fuse.scaled_dot_product_attention (``attention``);
 - a large Linear (>= 1M weights) with nothing to fuse whose output width is not a multiple of
   16 bytes (GPT-2's lm_head, 50257 wide) -> cudnn_fuse.nn.AlignedLinear (aligned GEMM on a padded weight; torch's
   is 7x slower there).
+
+The Linear patterns and attention run cuDNN's fused graphs where autograd records nothing (inference); a
+training step through them runs torch's own expression (``fuse_training=False``): on the models measured,
+the fused training graphs ran torch's kernels at more host time a call, and a host-bound step ran slower
+than eager's (docs/training.md). FP8 layers train on their FP8 GEMMs.
 
 Calls that return their input in every mode (nn.Identity, dropouts of p=0) are taken out of the
 graph first, so that they do not stand between a layer and its epilogue; a Linear's (or Conv1D's, or a
@@ -317,6 +322,15 @@ def _new_conv(conv: nn.Conv2d, weight, bias, act, slope, folded_bn=None) -> cfnn
     return m
 
 
+def attention(*args, **kwargs):
+    """The attention optimize() puts at F.scaled_dot_product_attention's call sites: cudnn_fuse's where
+    autograd records nothing, torch's own in a training step (the same cuDNN kernel on Hopper, with less
+    host time a call: docs/training.md)."""
+    if cfnn.records_grad(*args, *kwargs.values()):
+        return F.scaled_dot_product_attention(*args, **kwargs)
+    return scaled_dot_product_attention(*args, **kwargs)
+
+
 def _fp8_takes(lin: nn.Linear) -> bool:
     """Whether a Linear can run FP8 (its GEMMs need features that are multiples of 16)."""
     return lin.in_features % 16 == 0 and lin.out_features % 16 == 0
@@ -324,7 +338,7 @@ def _fp8_takes(lin: nn.Linear) -> bool:
 
 def _new_linear(lin: nn.Linear, act, slope, recompute, fp8=None) -> cfnn.Linear:
     m = cfnn.Linear(lin.in_features, lin.out_features, lin.bias is not None, lin.weight.device, lin.weight.dtype,
-                    activation=act, recompute=recompute, negative_slope=slope, fp8=fp8)
+                    activation=act, recompute=recompute, negative_slope=slope, fp8=fp8, fuse_training=False)
     m.weight, m.bias = lin.weight, lin.bias  # share the parameters (training keeps working on them)
     m.train(lin.training)
     return m
@@ -491,7 +505,7 @@ class _Rewriter:
         if act2 is not None:
             return False
         fc1 = _new_linear(lin, act[0], act[1], False)
-        m = self.through(cfnn.FusedMLP(fc1, lin2, own=False), dropouts)
+        m = self.through(cfnn.FusedMLP(fc1, lin2, own=False, fuse_training=False), dropouts)
         pattern = f"Linear + {act[0]} + Linear" + (" + dropout (eval)" if dropouts else "") + \
             (" + residual add" if residual is not None else "")
         args = (node.args[0],) + ((residual,) if residual is not None else ())
@@ -511,7 +525,7 @@ class _Rewriter:
             self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's addmm is as fast)"))
             return
         m = self.through(cfnn.TransposedLinear(self.gm.get_submodule(node.target), act[0] if act else None,
-                                               act[1] if act else 0.01), dropouts)
+                                               act[1] if act else 0.01, fuse_training=False), dropouts)
         pattern = ["Conv1D"] + (["dropout (eval)"] if dropouts else []) + \
             (["residual add"] if residual is not None else []) + ([act[0]] if act else [])
         args = (node.args[0],) + ((residual,) if residual is not None else ())
@@ -561,7 +575,7 @@ class _Rewriter:
                 elif _is_hf_conv1d(m):
                     self.conv1d(node)
             elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
-                node.target = scaled_dot_product_attention
+                node.target = attention
                 self.summary.replaced.append((self.where(node), "F.scaled_dot_product_attention"))
         self.gm.graph.eliminate_dead_code()
         self._delete_fused_away(called_before)

@@ -566,8 +566,7 @@ def _linear_save_z_backward(ctx, gy, _gz):
         if ctx.has_residual:
             raise RuntimeError("cudnn_fuse: create_graph=True (a double backward) through a Linear that keeps its "
                                "pre-activation (recompute=False) with a residual is not supported (the residual is "
-                               "not saved): build the layer with cf.nn.Linear(..., recompute=True), or the model "
-                               "with cf.optimize(model, recompute=True)")
+                               "not saved): build the layer with cf.nn.Linear(..., recompute=True)")
         z = reference.linear(x, w, b, None, None)
     dz = _act_grad(z, gy, ctx.act, ctx.slope)
     dx, dw, db = _linear_products(dz, x, w, *needs[:3])

@@ -71,14 +71,14 @@ def test_kept_pre_activation_with_a_residual_names_the_way_out():
     x, w, b, r = leaf(3, 4), leaf(5, 4), leaf(5), leaf(3, 5)
     y = torch_ops.linear_save_z(x, w, b, "gelu", r, 0.01)
     y.sum().backward()  # a first-order backward is fine
-    with pytest.raises(RuntimeError, match=r"cf\.nn\.Linear\(\.\.\., recompute=True\), or the model with "
-                                           r"cf\.optimize\(model, recompute=True\)"):
+    with pytest.raises(RuntimeError, match=r"cf\.nn\.Linear\(\.\.\., recompute=True\)"):
         torch.autograd.grad(torch_ops.linear_save_z(x, w, b, "gelu", r, 0.01).sum(), x, create_graph=True)
 
 
-def test_a_gradient_penalty_through_an_optimized_residual_tanh_layer_works_with_recompute():
-    """optimize() builds "Linear + residual + tanh" keeping z; a create_graph backward through it raises
-    and names optimize(model, recompute=True), whose layer then gives torch's second-order gradients."""
+def test_a_gradient_penalty_through_a_residual_tanh_layer_keeping_z_names_recompute():
+    """A "Linear + residual + tanh" layer keeping z: a create_graph backward through it raises and names
+    recompute=True, whose layer then gives torch's second-order gradients. optimize()'s layer trains on
+    torch's expression (fuse_training=False), so the penalty runs through it as through the original."""
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -95,14 +95,28 @@ def test_a_gradient_penalty_through_an_optimized_residual_tanh_layer_works_with_
         g, = torch.autograd.grad(m(x).pow(2).sum(), x, create_graph=True)
         return torch.autograd.grad(g.pow(2).sum(), list(m.parameters()))
 
+    def layer(recompute):
+        fc = cf.nn.Linear(5, 5, dtype=torch.float64, activation="tanh", recompute=recompute)
+        fc.load_state_dict(ref.fc.state_dict())
+
+        class Fused(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = fc
+
+            def forward(self, x):
+                return self.fc(x, x)
+        return Fused()
+
     want = penalty(ref)
-    with pytest.raises(RuntimeError, match=r"cf\.optimize\(model, recompute=True\)"):
-        penalty(cf.optimize(copy.deepcopy(ref)))
-    opt = cf.optimize(copy.deepcopy(ref), recompute=True)
-    assert [m.recompute for m in opt.modules() if isinstance(m, cf.nn.Linear)] == [True]  # rewritten, recomputing
-    got = penalty(opt)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match=r"cf\.nn\.Linear\(\.\.\., recompute=True\)"):
+        penalty(layer(False))
+    for model in (layer(True), cf.optimize(copy.deepcopy(ref))):
+        got = penalty(model)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    opt = cf.optimize(copy.deepcopy(ref))
+    assert [m.fuse_training for m in opt.modules() if isinstance(m, cf.nn.Linear)] == [False]  # rewritten
 
 
 @pytest.mark.parametrize("act", ["gelu", "silu"])

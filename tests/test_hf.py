@@ -133,17 +133,26 @@ def test_torch_compile_over_an_optimized_gpt2_is_one_graph_with_the_same_gradien
     torch.testing.assert_close(fused.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad, rtol=1e-4, atol=1e-6)
 
 
-def _attention_calls(monkeypatch):
-    """Record (mask is None, is_causal) of every cf attention call, traced or run."""
+def _attention_calls(monkeypatch, theirs=None):
+    """Record (mask is None, is_causal) of every cf attention call, traced or run; and in ``theirs`` whether
+    each call of transformers' own sdpa attention (a training step's) had no mask."""
+    from transformers.integrations import sdpa_attention
+
     from cudnn_fuse import functional
 
-    calls, real = [], functional.scaled_dot_product_attention
+    calls, real, real_theirs = [], functional.scaled_dot_product_attention, sdpa_attention.sdpa_attention_forward
 
     def spy(q, k, v, attn_mask=None, **kw):
         calls.append((attn_mask is None, kw.get("is_causal")))
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
+    def spy_theirs(module, q, k, v, attention_mask, *a, **kw):
+        if theirs is not None:
+            theirs.append(attention_mask is None)
+        return real_theirs(module, q, k, v, attention_mask, *a, **kw)
+
     monkeypatch.setattr(functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy_theirs)
     return calls
 
 
@@ -219,7 +228,8 @@ def test_no_packed_sequence_mask_is_traced_for_a_call_without_position_ids(monke
 
     model = _cacheless_gpt2().train(train)
     opt = cf.optimize(model)
-    calls = _attention_calls(monkeypatch)
+    theirs = []
+    calls = _attention_calls(monkeypatch, theirs)
     ids = torch.randint(0, 100, (2, 16))
     torch._dynamo.reset()
     compiled = torch.compile(opt, dynamic=False)
@@ -233,7 +243,10 @@ def test_no_packed_sequence_mask_is_traced_for_a_call_without_position_ids(monke
         with torch.no_grad():
             out, ref = compiled(ids).logits, model(ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    assert calls and all(c == (True, True) for c in calls)
+    if train:  # a training step runs transformers' own attention, given no mask either
+        assert theirs and all(theirs) and not calls
+    else:
+        assert calls and all(c == (True, True) for c in calls) and not theirs
     assert hasattr(mu.find_packed_sequence_indices, "cudnn_fuse_wrapped")
     assert not getattr(cf.hf._calls, "stack", [])  # every call popped what it pushed
 
