@@ -21,7 +21,9 @@ when the whole model does not trace):
 The Linear patterns and attention run cuDNN's fused graphs where autograd records nothing (inference); a
 training step through them runs torch's own expression (``fuse_training=False``): on the models measured,
 the fused training graphs ran torch's kernels at more host time a call, and a host-bound step ran slower
-than eager's (docs/training.md). FP8 layers train on their FP8 GEMMs.
+than eager's (docs/training.md). ``recompute=True`` asks for the recomputing training graphs, which keep
+no pre-activation (less memory, a slower step): those layers train fused. FP8 layers train on their FP8
+GEMMs.
 
 Calls that return their input in every mode (nn.Identity, dropouts of p=0) are taken out of the
 graph first, so that they do not stand between a layer and its epilogue; a Linear's (or Conv1D's, or a
@@ -338,7 +340,7 @@ def _fp8_takes(lin: nn.Linear) -> bool:
 
 def _new_linear(lin: nn.Linear, act, slope, recompute, fp8=None) -> cfnn.Linear:
     m = cfnn.Linear(lin.in_features, lin.out_features, lin.bias is not None, lin.weight.device, lin.weight.dtype,
-                    activation=act, recompute=recompute, negative_slope=slope, fp8=fp8, fuse_training=False)
+                    activation=act, recompute=recompute, negative_slope=slope, fp8=fp8, fuse_training=recompute)
     m.weight, m.bias = lin.weight, lin.bias  # share the parameters (training keeps working on them)
     m.train(lin.training)
     return m
@@ -525,7 +527,7 @@ class _Rewriter:
             self.summary.left_alone.append((self.where(node), "no epilogue to fuse (torch's addmm is as fast)"))
             return
         m = self.through(cfnn.TransposedLinear(self.gm.get_submodule(node.target), act[0] if act else None,
-                                               act[1] if act else 0.01, fuse_training=False), dropouts)
+                                               act[1] if act else 0.01, fuse_training=self.recompute), dropouts)
         pattern = ["Conv1D"] + (["dropout (eval)"] if dropouts else []) + \
             (["residual add"] if residual is not None else []) + ([act[0]] if act else [])
         args = (node.args[0],) + ((residual,) if residual is not None else ())
@@ -877,7 +879,9 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     are on a GPU (or meta); on the CPU they stay as they are, and the fused convs' weights are
     NCHW there (cf's CPU conv runs on NCHW operands). A fused conv's weight follows its device
     later (``cudnn_fuse.nn.Conv2d``: channels_last once moved to CUDA). ``autotune`` turns on
-    autotuning of new plans; ``recompute`` is given to the Linear modules.
+    autotuning of new plans; ``recompute=True``: the Linear layers keep no pre-activation and train on
+    cuDNN's recomputing graphs (less memory, a slower step), where by default a training step runs torch's
+    own expression.
     ``chain_convs`` (default on): runs of fused convs with no
     activation or ReLU, each feeding only the next, become one ``cudnn_fuse.nn.ConvChain``
     whose training step is one autograd node (state_dict keys unchanged).

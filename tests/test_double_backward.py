@@ -111,12 +111,13 @@ def test_a_gradient_penalty_through_a_residual_tanh_layer_keeping_z_names_recomp
     want = penalty(ref)
     with pytest.raises(RuntimeError, match=r"cf\.nn\.Linear\(\.\.\., recompute=True\)"):
         penalty(layer(False))
-    for model in (layer(True), cf.optimize(copy.deepcopy(ref))):
+    for model in (layer(True), cf.optimize(copy.deepcopy(ref)), cf.optimize(copy.deepcopy(ref), recompute=True)):
         got = penalty(model)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
-    opt = cf.optimize(copy.deepcopy(ref))
-    assert [m.fuse_training for m in opt.modules() if isinstance(m, cf.nn.Linear)] == [False]  # rewritten
+    fused = [(m.fuse_training, m.recompute) for r in (False, True)
+             for m in cf.optimize(copy.deepcopy(ref), recompute=r).modules() if isinstance(m, cf.nn.Linear)]
+    assert fused == [(False, False), (True, True)]  # rewritten both times
 
 
 @pytest.mark.parametrize("act", ["gelu", "silu"])

@@ -130,3 +130,19 @@ def test_fuse_training_must_be_a_bool_and_old_pickles_keep_fusing(monkeypatch):
     calls = _spy_cf(monkeypatch)
     m(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert calls == ["linear_save_z"]
+
+
+def test_recompute_asks_for_the_fused_training_graphs(monkeypatch):
+    """optimize(recompute=True): the layers keep no pre-activation, so they train on cuDNN's recomputing
+    graphs (the memory that option is for); the attention still trains on torch's."""
+    torch.manual_seed(0)
+    ref = Block().double()
+    opt = cf.optimize(copy.deepcopy(ref), recompute=True)
+    lins = [m for m in opt.modules() if isinstance(m, cf.nn.Linear)]
+    assert lins and all(m.fuse_training and m.recompute for m in lins)
+    calls = _spy_cf(monkeypatch)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    want, got = _grads(ref, x), _grads(opt, x)
+    assert "linear" in calls and "scaled_dot_product_attention" not in calls
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b)
