@@ -37,6 +37,9 @@ MODELS = {  # name: (block class in plans/make_manifests.py, shipped manifest, b
 MAX_SEQ = 2048
 STEADY_REPS = 5
 LATER_CALLS = 6  # calls after the first, timed one by one: cf's stand-ins swap their plans in among them
+# eager_no_cudnn_sdpa: eager with torch's SDPA off its cuDNN backend (which builds a graph per shape), the
+# kernels cf's stand-ins run: what a new size costs torch itself (allocator, cuBLAS), cf's floor
+VARIANTS = ("cf", "eager", "eager_no_cudnn_sdpa", "compile_dynamic")
 
 
 def draw_sizes(n: int, seed: int = 0) -> list:
@@ -116,6 +119,11 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
     elif variant == "eager":
         res.update(sweep(model, make, sizes))
+    elif variant == "eager_no_cudnn_sdpa":  # torch's floor for a new size: its SDPA kept off the cuDNN backend
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            res.update(sweep(model, make, sizes))
     else:
         from torch._dynamo.utils import counters
 
@@ -139,7 +147,7 @@ def run_model(name: str, sizes: list, timeout: float) -> dict:
         subprocess.run([sys.executable, "-m", "cudnn_fuse", "prewarm", manifest], env=env, check=False,
                        stdout=subprocess.DEVNULL, timeout=timeout)
         row["prewarm_s"] = round(time.perf_counter() - t0, 2)
-        for variant in ("cf", "eager", "compile_dynamic"):
+        for variant in VARIANTS:
             out = os.path.join(tmp, f"{variant}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name, variant, json.dumps(sizes), out]
             try:
@@ -185,7 +193,7 @@ def plot(path: str) -> str:
     doc = json.load(open(path))
     fig, axes = plt.subplots(1, len(doc["models"]), figsize=(6 * len(doc["models"]), 4), squeeze=False)
     for ax, row in zip(axes[0], doc["models"]):
-        for variant in ("cf", "eager", "compile_dynamic"):
+        for variant in VARIANTS:
             rows = row.get(variant, {}).get("per_size")
             if rows:
                 rows = sorted(rows, key=lambda r: r["seq"])
