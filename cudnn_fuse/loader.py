@@ -345,8 +345,9 @@ def _mark_family(pc, spec) -> None:
 class StandIn(torch_engine.TorchPlan):
     """torch's kernels for a new size of a known shape family while its plan waits: no build on the call
     that meets the size. PlanLRU asks the build process for the plan on the call after its first
-    BUILD_REQUEST_CALLS and swaps it in on the first call after it is stored; with no build process it builds the plan itself on
-    the call after the first STANDIN_CALLS. The ops never remember it, so every call looks it up and counts."""
+    BUILD_REQUEST_CALLS and swaps it in on the first call after it is stored; with no build process it
+    builds the plan itself on the call after the first STANDIN_CALLS. The ops never remember it, so every
+    call looks it up and counts."""
 
     __slots__ = ("calls", "request")
     standin = True
