@@ -60,6 +60,20 @@ def records_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 
 
+def _trains_unfused(layer, x, residual) -> bool:
+    """Whether this call of ``layer`` (weight, bias, fuse_training) is a training step it leaves to torch's
+    own expression (``fuse_training=False``; a layer pickled before the attribute existed fuses)."""
+    return not getattr(layer, "fuse_training", True) and isinstance(x, torch.Tensor) and \
+        records_grad(x, layer.weight, layer.bias, residual)
+
+
+def _tail(layer, z, residual):
+    """``act(dropouts(z) + residual)`` of a layer's GEMM output ``z``, as torch computes it (in eval mode each
+    dropout returns its input)."""
+    z = _through_dropouts(layer, z)
+    return reference.activation(z if residual is None else z + residual, layer.activation, layer.negative_slope)
+
+
 def _check_fuse_training(fuse_training) -> bool:
     if not isinstance(fuse_training, bool):
         raise TypeError(f"fuse_training must be a bool, got {fuse_training!r}")
@@ -417,16 +431,13 @@ class Linear(_FP8State, torch.nn.Linear):
             y = self._fp8_forward(x, residual)
             if y is not None:
                 return y
-        if not getattr(self, "fuse_training", True) and isinstance(x, torch.Tensor) and \
-                records_grad(x, self.weight, self.bias, residual):
-            return self._torch_forward(x, residual)
+        if _trains_unfused(self, x, residual):  # torch's own expression, what the replaced modules ran
+            return _tail(self, torch.nn.functional.linear(x, self.weight, self.bias), residual)
         act = self.activation
         if residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and
                                      _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.out_features,),
                                                          _out_dtype(x))):
-            z = functional.linear(x, self.weight, self.bias)
-            z = _through_dropouts(self, z)  # in eval mode each returns its input
-            return reference.activation(z + residual, act, self.negative_slope)
+            return _tail(self, functional.linear(x, self.weight, self.bias), residual)
         keep_z = act in NEEDS_INPUT and not self.recompute and not ops._inline_under_compile("linear") \
             and not _functorch_active()
         if keep_z and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and \
@@ -447,12 +458,6 @@ class Linear(_FP8State, torch.nn.Linear):
                                              negative_slope=self.negative_slope)
         return functional.linear(x, self.weight, self.bias, activation=act, residual=residual,
                           negative_slope=self.negative_slope)
-
-    def _torch_forward(self, x, residual):
-        """torch's own expression of the layer (what the modules it replaced ran), for a training step when
-        ``fuse_training`` is off."""
-        z = _through_dropouts(self, torch.nn.functional.linear(x, self.weight, self.bias))
-        return reference.activation(z if residual is None else z + residual, self.activation, self.negative_slope)
 
     def _check(self, x, residual, *params) -> None:
         """functional.linear's argument checks, for the path that bypasses it (``params``: the weight and
@@ -609,18 +614,13 @@ class TransposedLinear(torch.nn.Module):
         self.fuse_training = _check_fuse_training(fuse_training)
 
     def forward(self, x, residual=None):
-        if not getattr(self, "fuse_training", True) and isinstance(x, torch.Tensor) and \
-                records_grad(x, self.weight, self.bias, residual):  # Conv1D's own expression
+        if _trains_unfused(self, x, residual):  # Conv1D's own expression
             z = torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.weight.shape[1])
-            z = _through_dropouts(self, z)
-            return reference.activation(z if residual is None else z + residual, self.activation,
-                                        self.negative_slope)
+            return _tail(self, z, residual)
         if residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and
                                      _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],),
                                                          _out_dtype(x))):
-            z = functional.linear(x, self.weight.t(), self.bias)
-            z = _through_dropouts(self, z)  # in eval mode each returns its input
-            return reference.activation(z + residual, self.activation, self.negative_slope)
+            return _tail(self, functional.linear(x, self.weight.t(), self.bias), residual)
         return functional.linear(x, self.weight.t(), self.bias, activation=self.activation, residual=residual,
                           negative_slope=self.negative_slope)
 
