@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cudnn_fuse import build_child, envvars, loader  # noqa: E402
 from cudnn_fuse.cache import PlanCache  # noqa: E402
-from tuning import StoredGraph, StoredPlan, stand_in_device  # noqa: E402
+from tuning import StoredGraph, stood_in_builds  # noqa: E402
 
 
 def main() -> None:
@@ -36,12 +36,9 @@ def main() -> None:
         return StoredGraph()
 
     with pytest.MonkeyPatch.context() as mp:
-        stand_in_device(mp, None)
+        stood_in_builds(mp, None, deserialize=False)
         mp.setattr(loader, "_cache", cache)
         mp.setattr(loader, "build_graph", build_graph)
-        mp.setattr(loader, "finalize", lambda g, spec: None)
-        mp.setattr(loader, "torch_check", lambda plan, spec, device: None)
-        mp.setattr(loader, "Plan", StoredPlan)
         sys.argv = sys.argv[:1]
         build_child.main()
 

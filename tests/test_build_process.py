@@ -17,7 +17,7 @@ import pytest
 
 from cudnn_fuse import build_child, build_process, envvars, families, loader, torch_engine
 from cudnn_fuse.cache import PlanCache
-from tuning import StoredGraph, StoredPlan, family_spec, stand_in_device
+from tuning import StoredPlan, family_spec, stood_in_builds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMESPACE = "standin_test"
@@ -25,21 +25,7 @@ NAMESPACE = "standin_test"
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    ns = types.SimpleNamespace(pc=PlanCache(tmp_path / "cache", namespace=NAMESPACE), built=[], decline=False)
-    stand_in_device(monkeypatch, ns.pc)
-
-    def build_graph(spec, h):
-        if ns.decline:
-            raise loader.UnsupportedError("no engine for this size")
-        ns.built.append(spec)
-        return StoredGraph()
-
-    monkeypatch.setattr(loader, "build_graph", build_graph)
-    monkeypatch.setattr(loader, "finalize", lambda g, spec: None)
-    monkeypatch.setattr(loader, "torch_check", lambda plan, spec, device: None)
-    monkeypatch.setattr(loader, "Plan", StoredPlan)
-    monkeypatch.setattr(loader, "_deserialize", lambda spec, entry, device: StoredPlan(spec, StoredGraph(), device))
-    monkeypatch.setattr(loader, "_capturing", lambda: False)
+    ns = stood_in_builds(monkeypatch, PlanCache(tmp_path / "cache", namespace=NAMESPACE))
     ns.lru = loader.PlanLRU(64)
     ns.lru.get(family_spec(512), 0)  # a plan of the family: its other sizes stand in
     ns.built.clear()

@@ -14,27 +14,12 @@ import torch
 from cudnn_fuse import families, loader, ops, torch_engine
 from cudnn_fuse.cache import PlanCache
 from cudnn_fuse.spec import ConvSpec, TensorSpec
-from tuning import StoredGraph, StoredPlan, deterministic, family_spec, stand_in_device
+from tuning import StoredPlan, deterministic, family_spec, stood_in_builds
 
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    ns = types.SimpleNamespace(pc=PlanCache(tmp_path / "cache", namespace="standin_test"), built=[], decline=False)
-    stand_in_device(monkeypatch, ns.pc)
-
-    def build_graph(spec, h):
-        if ns.decline:
-            raise loader.UnsupportedError("no engine for this size")
-        ns.built.append(spec)
-        return StoredGraph()
-
-    monkeypatch.setattr(loader, "build_graph", build_graph)
-    monkeypatch.setattr(loader, "finalize", lambda g, spec: None)
-    monkeypatch.setattr(loader, "torch_check", lambda plan, spec, device: None)
-    monkeypatch.setattr(loader, "Plan", StoredPlan)
-    monkeypatch.setattr(loader, "_deserialize", lambda spec, entry, device: StoredPlan(spec, StoredGraph(), device))
-    monkeypatch.setattr(loader, "_capturing", lambda: ns.capturing)
-    ns.capturing = False
+    ns = stood_in_builds(monkeypatch, PlanCache(tmp_path / "cache", namespace="standin_test"))
     ns.lru = loader.PlanLRU(64)
     return ns
 

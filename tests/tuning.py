@@ -85,6 +85,30 @@ def stand_in_device(monkeypatch, pc) -> None:
     monkeypatch.setattr(loader, "held", lambda h, d: contextlib.nullcontext())
 
 
+def stood_in_builds(monkeypatch, pc, deserialize: bool = True):
+    """The loader on ``pc`` (stand_in_device) building StoredGraphs with no check against torch, and a
+    namespace whose ``built`` lists the specs built; ``decline = True`` makes builds raise UnsupportedError,
+    ``capturing = True`` makes the loader see a capture. With ``deserialize``, stored entries load as
+    StoredPlans."""
+    ns = types.SimpleNamespace(pc=pc, built=[], decline=False, capturing=False)
+    stand_in_device(monkeypatch, pc)
+
+    def build_graph(spec, h):
+        if ns.decline:
+            raise loader.UnsupportedError("no engine for this size")
+        ns.built.append(spec)
+        return StoredGraph()
+
+    monkeypatch.setattr(loader, "build_graph", build_graph)
+    monkeypatch.setattr(loader, "finalize", lambda g, spec: None)
+    monkeypatch.setattr(loader, "torch_check", lambda plan, spec, device: None)
+    monkeypatch.setattr(loader, "Plan", StoredPlan)
+    if deserialize:
+        monkeypatch.setattr(loader, "_deserialize", lambda spec, entry, device: StoredPlan(spec, StoredGraph(), device))
+    monkeypatch.setattr(loader, "_capturing", lambda: ns.capturing)
+    return ns
+
+
 def family_spec(m: int, dtype: str = "bfloat16"):
     """A linear's matmul of ``m`` rows (32 -> 48, GELU): one shape family over m."""
     from cudnn_fuse.spec import Epilogue, MatmulSpec, TensorSpec
