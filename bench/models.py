@@ -38,6 +38,8 @@ MODES = ("infer_bs1", "infer_bs32", "train")
 TRAINED = ("resnet50", "gpt2", "llama_small")  # the models with a training row
 MAX_AUTOTUNE = ("resnet50", "vit_b_16", "gpt2")  # max-autotune compiles take minutes: these only
 SEQ = 256  # the language models' sequence length
+ROUND_ITERS = {False: 10, True: 4}  # calls per timing in a round: inference, a training step
+ROUND_WARMUP = 2
 
 
 def build(name: str):
@@ -183,28 +185,42 @@ def prepare_variant(model, make, wrap, mode: str, bs: int, want):
 
 
 def time_rounds(steps: dict, rounds: int, train: bool, runs: dict | None = None) -> dict:
-    """{variant: (median ms, the timings' range over it)} of ``rounds`` timings of each step, taken in turn
-    (forward, then backward order, ...): a host-bound compiled model timed after another one in the
-    process read slower than timed first (Swin-T, docs/decisions.md), so no compiled variant always comes
-    last. Each timing is also appended to ``runs[variant]`` where given."""
+    """{variant: (median ms, the interquartile range of its timings over that median)} of ``rounds`` short
+    timings of each step, taken in turn (forward, then backward order, ...). The host of a GPU machine runs
+    at speeds that drift over seconds: Swin-T's compiled forward read 3.1 ms in one round and 4.9 ms in the
+    next, every compiled variant alike (docs/decisions.md), so many short rounds, none always last, keep
+    the variants of a row under the same conditions. Each timing is also appended to ``runs[variant]``."""
     mine = {v: [] for v in steps}
     names = list(steps)
     for r in range(rounds):
         for v in (names if r % 2 == 0 else names[::-1]):
-            mine[v].append(time_ms(steps[v], warmup=5, iters=20 if train else 50))
+            mine[v].append(time_ms(steps[v], warmup=ROUND_WARMUP, iters=ROUND_ITERS[train]))
     if runs is not None:
         for v, t in mine.items():
             runs.setdefault(v, []).extend(t)
-    return {v: (statistics.median(t), (max(t) - min(t)) / statistics.median(t)) for v, t in mine.items()}
+    return {v: (statistics.median(t), _iqr(t) / statistics.median(t)) for v, t in mine.items()}
+
+
+def _iqr(values) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[2] - q[0]
 
 
 def _paired(steps: dict, eager, rounds: int, train: bool, runs: dict) -> dict:
-    """``time_rounds`` of ``steps`` with eager's step among them: {variant: (ms, spread, eager's ms over the
-    same rounds / the variant's ms)}. The same model read 7.0 and 11.7 ms in two runs of one card (Swin-T
-    eager, H100, f6f2ea2 and 947cb89): a speed-up is only a ratio of timings taken in turn."""
-    got = time_rounds({"eager": eager, **steps} if eager is not None else steps, rounds, train, runs)
-    base = got.get("eager", (None,))[0]
-    return {v: (ms, spread, base / ms if base else None) for v, (ms, spread) in got.items() if v != "eager"}
+    """``time_rounds`` of ``steps`` with eager's step among them: {variant: (ms, spread, the median over
+    rounds of eager's time over the variant's in that round)}. The same model read 7.0 and 11.7 ms in two
+    runs of one card (Swin-T eager, H100, f6f2ea2 and 947cb89): a speed-up is only a ratio of timings taken
+    in turn."""
+    names = ({"eager": eager} if eager is not None else {}) | steps
+    mine = {}
+    got = time_rounds(names, rounds, train, mine)
+    for v, t in mine.items():
+        runs.setdefault(v, []).extend(t)
+    base = mine.get("eager")
+    return {v: (ms, spread, statistics.median(b / t for b, t in zip(base, mine[v])) if base else None)
+            for v, (ms, spread) in got.items() if v != "eager"}
 
 
 def run_row(name: str, mode: str, args) -> dict:
@@ -223,7 +239,7 @@ def run_row(name: str, mode: str, args) -> dict:
         model.eval()
         want = model(*make(bs))  # the reference output: eager, same inputs (seeded)
     compiled, caches, eager, runs = {}, contextlib.ExitStack(), None, {}
-    rounds = max(4, args.repeat)  # ABBA twice: a steady drift cancels in each pair of rounds
+    rounds = max(4, args.repeat)
     with caches:  # every variant's plan cache lives until its timings are done
         torch._dynamo.reset()  # once a row: a reset between variants would drop the compiled ones
         for vname, wrap in variants(name, mode, args.autotune_budget, args.compile_modes):
@@ -259,6 +275,7 @@ def run_row(name: str, mode: str, args) -> dict:
                 _timed(row, name, mode, _paired({vname: step}, eager, rounds, mode == "train", runs))
         if compiled and not args.profiling:
             _timed(row, name, mode, _paired(compiled, eager, rounds, mode == "train", runs))
+        row["round_ms"] = {v: [round(t, 3) for t in ts] for v, ts in runs.items()}  # the host's drift shows here
         if runs.get("eager"):
             row["eager_ms"] = round(statistics.median(runs["eager"]), 4)
         elif eager is not None and not args.profiling:  # eager alone was asked for
@@ -376,10 +393,10 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="JSON", help="only plot an existing models.json")
     p.add_argument("--table", metavar="JSON", help="only print an existing models.json as the README's table")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
-    p.add_argument("--repeat", type=int, default=4,
-                   help="timings per variant, at least 4, each taken in turn with eager's (the compiled ones with "
-                        "each other's too): the row keeps their median, their range over it (spread) and eager's "
-                        "time over the variant's in those rounds (vs_eager)")
+    p.add_argument("--repeat", type=int, default=16,
+                   help="short timings per variant, at least 4, each taken in turn with eager's (the compiled ones "
+                        "with each other's too): the row keeps their median, their interquartile range over it "
+                        "(spread) and the median of eager's time over the variant's in the same round (vs_eager)")
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
