@@ -40,6 +40,7 @@ MAX_AUTOTUNE = ("resnet50", "vit_b_16", "gpt2")  # max-autotune compiles take mi
 SEQ = 256  # the language models' sequence length
 ROUND_ITERS = {False: 10, True: 4}  # calls per timing in a round: inference, a training step
 ROUND_WARMUP = 2
+SETTLE_S = 120.0  # the longest a cf variant waits for the plans the build process builds for it
 
 
 def build(name: str):
@@ -184,6 +185,26 @@ def prepare_variant(model, make, wrap, mode: str, bs: int, want):
     return step, first_s, err
 
 
+def settle(step, timeout_s: float = SETTLE_S) -> dict:
+    """Run a cf variant until no plan it waits for is still building: a new size of a known shape family
+    runs torch's kernels while the build process builds its plan on the same GPU, and is swapped in the call
+    after. Its timings, and the compiles built after it, then see neither. Returns the stand-ins, swaps and
+    plans the build process built meanwhile."""
+    from cudnn_fuse import build_process
+
+    before = cf.plan_stats()
+    for _ in range(3):  # the second call asks for the plans, the third may already swap
+        step()
+    bp = build_process.default()
+    if bp is not None and not bp.wait(timeout_s):
+        print(f"  the build process still had {bp.pending()} plans to build after {timeout_s:.0f} s", flush=True)
+    for _ in range(2):  # the plans stored meanwhile swap in
+        step()
+    torch.cuda.synchronize()
+    after = cf.plan_stats()
+    return {k: after[k] - before[k] for k in ("standins", "swaps", "process_builds")}
+
+
 def time_rounds(steps: dict, rounds: int, train: bool, runs: dict | None = None) -> dict:
     """{variant: (median ms, the interquartile range of its timings over that median)} of ``rounds`` short
     timings of each step, taken in turn (forward, then backward order, ...). The host of a GPU machine runs
@@ -256,6 +277,8 @@ def run_row(name: str, mode: str, args) -> dict:
             counters.clear()
             try:
                 step, first_s, err = prepare_variant(model, make, wrap, mode, bs, want if mode != "train" else None)
+                if vname.startswith("cf") and "compile" not in vname:  # compiled, cf's ops trace as torch's
+                    row.setdefault("settled", {})[vname] = settle(step)
                 if args.profiling:
                     row.setdefault("profile", {})[vname] = top_kernels(step)
                     if vname == "cf":

@@ -95,6 +95,30 @@ def test_models_times_compiled_variants_in_turn_so_none_always_comes_last(monkey
     assert runs == {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.0, 6.0]}
 
 
+def test_models_settles_a_cf_variant_before_timing_it(monkeypatch):
+    import torch
+
+    from cudnn_fuse import build_process, loader
+
+    calls, waited = [], []
+
+    class Process:
+        def wait(self, timeout):
+            waited.append((len(calls), timeout))
+            loader.STATS.swaps += 2  # what swapping in two stored plans counts
+            return False
+
+        def pending(self):
+            return 1
+
+    monkeypatch.setattr(build_process, "default", lambda: Process())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(loader.STATS, "swaps", loader.STATS.swaps)  # restored after
+    got = models.settle(lambda: calls.append(1), timeout_s=7.0)
+    assert len(calls) == 5 and waited == [(3, 7.0)]  # asked on the 2nd call, waited for, then swapped in
+    assert got == {"standins": 0, "swaps": 2, "process_builds": 0}
+
+
 def test_models_speedups_are_ratios_of_the_fastest_rounds(monkeypatch):
     # eager is host-bound and its rounds fall into a slow state the device-bound cf does not share: the
     # medians' ratio (6 / 2) and the rounds' own ratios (median 3.5) would both read the slow state in
