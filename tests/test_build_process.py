@@ -286,6 +286,37 @@ def test_an_ok_whose_entry_is_gone_is_built_here(env, monkeypatch):
     assert isinstance(plan, StoredPlan) and env.built == [spec] and loader.STATS.process_builds == 0
 
 
+def test_swaps_are_paced_one_load_a_call_at_most_half_the_time(env, monkeypatch):
+    bp = _use(monkeypatch, _Manual())
+    load = loader._deserialize
+
+    def slow_load(spec, entry, device):  # each load takes 4 s of the test's clock
+        env.now += 4.0
+        return load(spec, entry, device)
+
+    monkeypatch.setattr(loader, "_deserialize", slow_load)
+    specs = [family_spec(m) for m in (300, 400, 500)]
+    stands = []
+    for spec in specs:  # a block meets a new size: three stand-ins, each asked for on its second call
+        stands.append(env.lru.get(spec, 0))
+        env.lru.get(spec, 0)
+        loader.load_or_build(spec, 0)  # what the build process stores
+    assert len(bp.asked) == 3
+    for stand in stands:
+        stand.request._answer("ok")
+    swaps = loader.STATS.swaps
+    first = [env.lru.get(spec, 0) for spec in specs]  # one call of the block: one load, two still stand in
+    assert isinstance(first[0], StoredPlan) and first[1:] == stands[1:] and loader.STATS.swaps == swaps + 1
+    env.now += 3.9  # less than the load took: the next call loads nothing
+    assert [env.lru.get(spec, 0) for spec in specs][1:] == stands[1:]
+    env.now += 0.1
+    second = [env.lru.get(spec, 0) for spec in specs]
+    assert isinstance(second[1], StoredPlan) and second[2] is stands[2]
+    env.now += 4.0
+    assert isinstance(env.lru.get(specs[2], 0), StoredPlan) and loader.STATS.swaps == swaps + 3
+    assert env.built == specs  # built once each, by "the build process": loaded here, never built
+
+
 @pytest.mark.parametrize("case", ["no build process", "no cache", "read-only cache"])
 def test_without_a_build_process_or_a_cache_it_could_fill_the_old_way_holds(env, monkeypatch, case):
     bp = _Manual()

@@ -89,8 +89,10 @@ def stood_in_builds(monkeypatch, pc, deserialize: bool = True):
     """The loader on ``pc`` (stand_in_device) building StoredGraphs with no check against torch, and a
     namespace whose ``built`` lists the specs built; ``decline = True`` makes builds raise UnsupportedError,
     ``capturing = True`` makes the loader see a capture. With ``deserialize``, stored entries load as
-    StoredPlans."""
-    ns = types.SimpleNamespace(pc=pc, built=[], decline=False, capturing=False)
+    StoredPlans. The clock that paces swaps reads ``ns.now``, which stands still unless a test moves it:
+    every swap then takes no time and the next one may follow at once."""
+    ns = types.SimpleNamespace(pc=pc, built=[], decline=False, capturing=False, now=0.0)
+    monkeypatch.setattr(loader, "_now", lambda: ns.now)
     stand_in_device(monkeypatch, pc)
 
     def build_graph(spec, h):
