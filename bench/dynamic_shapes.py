@@ -6,7 +6,7 @@ holds the block's shipped manifest (its families, pre-warmed at 128, 512, 1024 a
 the drawn sizes, and the sweep runs in a fresh process. Per size: the first call's time minus the
 steady-state time at that size (``extra``), for cf, torch eager and ``torch.compile(dynamic=True)``
 (whose compile and recompiles are counted). For cf, once the build process has stored every plan asked of
-it: per size the call that swaps them in and the steady time on them. Writes dynamic_shapes.json (commit,
+it: per size the calls that swap them in (the slowest counts) and the steady time on them. Writes dynamic_shapes.json (commit,
 GPU, cuDNN) and a plot:
 
     python3 bench/dynamic_shapes.py --out bench/results --sizes 200
@@ -37,6 +37,7 @@ MODELS = {  # name: (block class in plans/make_manifests.py, shipped manifest, b
 MAX_SEQ = 2048
 STEADY_REPS = 5
 LATER_CALLS = 6  # calls after the first, timed one by one: cf's stand-ins swap their plans in among them
+SWAP_CALLS = 16  # calls timed one by one once the build process has answered: the paced swaps fall in them
 # eager_no_cudnn_sdpa: eager with torch's SDPA off its cuDNN backend (which builds a graph per shape), the
 # kernels cf's stand-ins run: what a new size costs torch itself (allocator, cuBLAS), cf's floor
 VARIANTS = ("cf", "eager", "eager_no_cudnn_sdpa", "compile_dynamic")
@@ -74,8 +75,9 @@ def sweep(fn, make, sizes) -> dict:
 
 def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
     """cf after the sweep: once the build process has answered every request (waited for, up to ``wait_s``),
-    per size the call that swaps its plans in and the steady ms on them, against the sweep's steady ms
-    (torch's kernels standing in where no plan was swapped in yet)."""
+    per size the calls that swap its plans in (paced: one load a call at most, ``SWAP_CALLS`` calls timed
+    one by one), the slowest of them, the swaps they made and the steady ms on the swapped plans."""
+    import cudnn_fuse as cf
     from cudnn_fuse import build_process
 
     bp = build_process.default()
@@ -86,11 +88,13 @@ def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
     for s in sizes:
         x = make(s)
         torch.cuda.synchronize()
+        swaps = cf.plan_stats()["swaps"]
         with torch.no_grad():
-            swap = synced_ms(lambda: fn(x), 1)
+            calls = [synced_ms(lambda: fn(x), 1) for _ in range(SWAP_CALLS)]
             steady = synced_ms(lambda: fn(x), STEADY_REPS)
-        out["per_size"].append({"seq": s, "swap_ms": round(swap, 3), "steady_ms": round(steady, 4),
-                                "swap_extra_ms": round(swap - steady, 3)})
+        out["per_size"].append({"seq": s, "swap_calls_ms": [round(c, 3) for c in calls],
+                                "swaps": cf.plan_stats()["swaps"] - swaps, "swap_ms": round(max(calls), 3),
+                                "steady_ms": round(steady, 4), "swap_extra_ms": round(max(calls) - steady, 3)})
     vals = sorted(r["swap_extra_ms"] for r in out["per_size"])
     out["swap_call_extra_ms_median"] = round(statistics.median(vals), 3)
     out["swap_call_extra_ms_p95"] = round(vals[min(len(vals) - 1, int(0.95 * len(vals)))], 3)

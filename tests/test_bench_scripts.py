@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -60,6 +61,37 @@ def test_bench_plots_from_a_results_file(tmp_path, script):
         path.write_text(json.dumps(doc))
         out = models.plot(str(path))
     assert os.path.getsize(out) > 1000
+
+
+def test_dynamic_shapes_times_every_call_of_the_paced_swaps(monkeypatch):
+    from cudnn_fuse import build_process, loader
+
+    monkeypatch.setattr(build_process, "default", lambda: None)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(loader.STATS, "swaps", loader.STATS.swaps)  # restored after
+    n = dynamic_shapes.SWAP_CALLS
+    times = iter([5.0, 1.5, 6.0] + [1.0] * (n - 3) + [1.0] * dynamic_shapes.STEADY_REPS)
+
+    def synced_ms(fn, reps):
+        out = []
+        for _ in range(reps):
+            fn()
+            out.append(next(times))
+        return statistics.median(out)
+
+    calls = []
+
+    def fn(x):  # the first and third calls swap a plan in each
+        calls.append(x)
+        if len(calls) in (1, 3):
+            loader.STATS.swaps += 1
+
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", synced_ms)
+    got = dynamic_shapes.settled(fn, lambda s: s, [64])
+    row = got["per_size"][0]
+    assert row["swaps"] == 2 and len(row["swap_calls_ms"]) == n and row["swap_ms"] == 6.0
+    assert row["steady_ms"] == 1.0 and row["swap_extra_ms"] == 5.0 and got["swap_call_extra_ms_median"] == 5.0
+    assert len(calls) == n + dynamic_shapes.STEADY_REPS
 
 
 def test_models_summary_holds_the_goals_ratios():
