@@ -321,7 +321,7 @@ def _note_family(pc, spec, meta: dict) -> None:
 # call after, where no build process builds it: a size met once never pays a plan build, one met again pays
 # it once, on a call of its own.
 STANDIN_CALLS = 4
-_now = time.monotonic  # the clock that paces swaps (PlanLRU._paced)
+_now = time.monotonic  # the clock that paces the loads of stored plans (PlanLRU._paced)
 # A stand-in asks the build process for its plan on the call after its first BUILD_REQUEST_CALLS: a size
 # met once is built nowhere.
 BUILD_REQUEST_CALLS = 1
@@ -711,7 +711,7 @@ class PlanLRU:
         self._items: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self._building: dict = {}
-        self._swap_next = 0.0  # no stand-in swaps its plan in before this time (_now())
+        self._swap_next = 0.0  # no stand-in loads its stored plan before this time (_now())
 
     def __len__(self) -> int:
         return len(self._items)
@@ -719,6 +719,7 @@ class PlanLRU:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._swap_next = 0.0
 
     def plans(self) -> list:
         """The built plans held now, least recently used first."""
@@ -805,14 +806,15 @@ class PlanLRU:
         if status == "ok":
             return self._paced(key, stand, det, lambda: self._swapped(spec, device, built_elsewhere=True))
         if stand.calls >= STANDIN_CALLS:
-            return self._paced(key, stand, det, lambda: self._swapped(spec, device))
+            return self._once(key, stand, det, lambda: self._swapped(spec, device))
         return stand
 
     def _paced(self, key, stand: StandIn, det, swap):
-        """The stand-in's plan from ``swap()``, unless the last swap ended less than its own duration ago:
-        then the stand-in serves this call. A block that meets a new size swaps several plans in at once, and
-        one call loading them all paid their sum (four loads, 13-18 ms over steady; docs/dynamic_shapes.md);
-        paced, a call loads or builds one and swapping takes at most half of the caller's time."""
+        """The stand-in's plan, loaded by ``swap()`` from where the build process stored it, unless the last
+        such load ended less than its own duration ago: then the stand-in serves this call. A block that meets
+        a new size swaps several plans in at once, and one call loading them all paid their sum (four loads,
+        13-18 ms over steady; docs/dynamic_shapes.md); paced, a call loads one and loading takes at most half
+        of the caller's time. (A build in the caller, with no build process, keeps its fixed call.)"""
         start = _now()
         if start < self._swap_next:
             return stand

@@ -315,6 +315,37 @@ def test_swaps_are_paced_one_load_a_call_at_most_half_the_time(env, monkeypatch)
     env.now += 4.0
     assert isinstance(env.lru.get(specs[2], 0), StoredPlan) and loader.STATS.swaps == swaps + 3
     assert env.built == specs  # built once each, by "the build process": loaded here, never built
+    env.lru.clear()  # forgetting the plans forgets the pace: the next swap need not wait
+    spec = family_spec(600)
+    stand = env.lru.get(spec, 0)
+    env.lru.get(spec, 0)
+    loader.load_or_build(spec, 0)
+    stand.request._answer("ok")
+    assert isinstance(env.lru.get(spec, 0), StoredPlan)  # at once, though the last load ended just now
+
+
+def test_a_build_here_keeps_its_call_whatever_the_pace_of_loads(env, monkeypatch):
+    _use(monkeypatch, _Manual())
+    load = loader._deserialize
+
+    def slow_load(spec, entry, device):
+        env.now += 4.0
+        return load(spec, entry, device)
+
+    monkeypatch.setattr(loader, "_deserialize", slow_load)
+    loaded, built = family_spec(300), family_spec(400)
+    stand = env.lru.get(loaded, 0)
+    env.lru.get(loaded, 0)
+    loader.load_or_build(loaded, 0)
+    stand.request._answer("ok")
+    other = env.lru.get(built, 0)
+    env.lru.get(built, 0)
+    other.request._answer("failed", "it died")
+    assert isinstance(env.lru.get(loaded, 0), StoredPlan)  # a load: the next one waits 4 s
+    for _ in range(loader.STANDIN_CALLS - loader.BUILD_REQUEST_CALLS - 1):
+        assert env.lru.get(built, 0) is other
+    plan = env.lru.get(built, 0)  # the call after the first STANDIN_CALLS, the clock unmoved
+    assert isinstance(plan, StoredPlan) and env.built == [loaded, built]
 
 
 @pytest.mark.parametrize("case", ["no build process", "no cache", "read-only cache"])
