@@ -6,7 +6,9 @@ holds the block's shipped manifest (its families, pre-warmed at 128, 512, 1024 a
 the drawn sizes, and the sweep runs in a fresh process. Per size: the first call's time minus the
 steady-state time at that size (``extra``), for cf, torch eager and ``torch.compile(dynamic=True)``
 (whose compile and recompiles are counted). For cf, once the build process has stored every plan asked of
-it: per size the calls that swap them in (the slowest counts) and the steady time on them. Writes dynamic_shapes.json (commit,
+it: per size the calls that swap them in (the slowest counts) and the steady time on them. For cf and for
+eager with torch's SDPA off its cuDNN backend, a torch.profiler record of the first call at two more new
+sizes (``first_call_profile``). Writes dynamic_shapes.json (commit,
 GPU, cuDNN) and a plot:
 
     python3 bench/dynamic_shapes.py --out bench/results --sizes 200
@@ -38,6 +40,7 @@ MAX_SEQ = 2048
 STEADY_REPS = 5
 LATER_CALLS = 6  # calls after the first, timed one by one: cf's stand-ins swap their plans in among them
 SWAP_CALLS = 16  # calls timed one by one once the build process has answered: the paced swaps fall in them
+PROFILED_SIZES = 2  # new sizes whose first call is profiled after the sweep (cf, and eager's floor)
 # eager_no_cudnn_sdpa: eager with torch's SDPA off its cuDNN backend (which builds a graph per shape), the
 # kernels cf's stand-ins run: what a new size costs torch itself (allocator, cuBLAS), cf's floor
 VARIANTS = ("cf", "eager", "eager_no_cudnn_sdpa", "compile_dynamic")
@@ -101,6 +104,46 @@ def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
     return out
 
 
+def profile_sizes(sizes: list, n: int = PROFILED_SIZES, seed: int = 1) -> list:
+    """``n`` sequence lengths new to the sweep (none of ``sizes``, none a manifest's own)."""
+    rng = random.Random(seed)
+    pool = [s for s in range(1, MAX_SEQ + 1) if s not in (128, 512, 1024, 2048) and s not in set(sizes)]
+    return rng.sample(pool, min(n, len(pool)))
+
+
+def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:
+    """torch.profiler over the first call at each of ``sizes`` (new to the process): per size its wall ms
+    (the profiler's overhead included), the host ops taking most self time and the kernels taking most
+    device time. Where a new size's first call goes, which the sweep's times do not say. ``seen``: a size
+    called before, for the profiler's own first start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts), torch.no_grad():  # the profiler's own first start, off the record
+        fn(make(seen))
+    out = []
+    for s in sizes:
+        x = make(s)
+        torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                fn(x)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+        host, dev = [], []
+        for e in prof.key_averages():
+            d = getattr(e, "self_device_time_total", 0) or 0
+            if d and e.device_type.name == "CUDA":
+                dev.append({"kernel": e.key[:100], "us": round(d, 1), "calls": e.count})
+            elif e.self_cpu_time_total:
+                host.append({"op": e.key[:100], "us": round(e.self_cpu_time_total, 1), "calls": e.count})
+        host.sort(key=lambda r: -r["us"])
+        dev.sort(key=lambda r: -r["us"])
+        out.append({"seq": s, "wall_ms": round(wall, 3), "host_ops": host[:limit], "kernels": dev[:limit]})
+    return out
+
+
 def child(name: str, variant: str, sizes: list, out: str) -> None:
     """One variant's sweep in this (fresh) process; writes its result as JSON to ``out``."""
     sys.path.insert(0, os.path.join(ROOT, "plans"))
@@ -121,6 +164,7 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         res.update(sweep(fn, make, sizes))
         res["settled"] = settled(fn, make, sizes)
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
+        res["first_call_profile"] = profile_first(fn, make, profile_sizes(sizes), sizes[0])
     elif variant == "eager":
         res.update(sweep(model, make, sizes))
     elif variant == "eager_no_cudnn_sdpa":  # torch's floor for a new size: its SDPA kept off the cuDNN backend
@@ -128,6 +172,7 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
 
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             res.update(sweep(model, make, sizes))
+            res["first_call_profile"] = profile_first(model, make, profile_sizes(sizes), sizes[0])
     else:
         from torch._dynamo.utils import counters
 

@@ -94,6 +94,25 @@ def test_dynamic_shapes_times_every_call_of_the_paced_swaps(monkeypatch):
     assert len(calls) == n + dynamic_shapes.STEADY_REPS
 
 
+def test_dynamic_shapes_profiles_first_calls_at_sizes_the_sweep_did_not_meet(monkeypatch):
+    sweep = dynamic_shapes.draw_sizes(10)
+    new = dynamic_shapes.profile_sizes(sweep)
+    assert len(new) == dynamic_shapes.PROFILED_SIZES and not set(new) & set(sweep)
+    assert not set(new) & {128, 512, 1024, 2048} and new == dynamic_shapes.profile_sizes(sweep)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    lin = torch.nn.Linear(8, 16)
+    seen = []
+
+    def make(s):
+        seen.append(s)
+        return torch.randn(1, s, 8)
+
+    got = dynamic_shapes.profile_first(lin, make, new, sweep[0])
+    assert seen == [sweep[0]] + new  # the profiler's first start on a size met before, then each new one
+    assert [r["seq"] for r in got] == new and all(r["wall_ms"] > 0 for r in got)
+    assert any("linear" in op["op"] or "addmm" in op["op"] for op in got[0]["host_ops"])
+
+
 def test_models_summary_holds_the_goals_ratios():
     rows = [{"model": "a", "mode": "infer_bs1", "eager_ms": 2.0, "cf_ms": 1.0, "compile_ms": 1.0, "cf_compile_ms": 0.5},
             {"model": "b", "mode": "infer_bs32", "eager_ms": 1.0, "cf_ms": 1.2, "compile_ms": 1.0, "cf_compile_ms": 2.0}]
