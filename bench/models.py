@@ -407,6 +407,21 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
+COMPILE_MODES = ("default", "max-autotune")
+VARIANTS = ("eager", "cf", "cf_autotuned", "compile", "cf_compile", "compile_max", "cf_compile_max")
+
+
+def _check_names(p, args) -> None:
+    """An unknown model, mode, variant or compile mode is an error naming its option: a model name
+    build() did not know ran the Llama config under that name."""
+    for option, given, known in (("--models", args.models, MODELS), ("--modes", args.modes, MODES),
+                                 ("--variants", args.variants, VARIANTS),
+                                 ("--compile-modes", args.compile_modes, COMPILE_MODES)):
+        bad = [n for n in given.split(",") if n and n not in known]
+        if bad:
+            p.error(f"{option}: unknown {', '.join(bad)} (known: {', '.join(known)})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="directory of models.json (rows merged by model, mode)")
@@ -428,6 +443,7 @@ def main(argv=None) -> int:
                         "with each other's too): the row keeps them (round_ms), their median, their interquartile "
                         "range over it (spread) and eager's fastest over the variant's fastest (vs_eager)")
     args = p.parse_args(argv)
+    _check_names(p, args)
     if args.plot:
         print(plot(args.plot))
         return 0

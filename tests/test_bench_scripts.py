@@ -113,6 +113,16 @@ def test_dynamic_shapes_profiles_first_calls_at_sizes_the_sweep_did_not_meet(mon
     assert any("linear" in op["op"] or "addmm" in op["op"] for op in got[0]["host_ops"])
 
 
+@pytest.mark.parametrize("option,value", [("--models", "resnet18"), ("--modes", "infer_bs8"),
+                                          ("--variants", "cf,cf_tuned"), ("--compile-modes", "reduce-overhead")])
+def test_models_names_an_unknown_option_value(option, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        models.main([option, value, "--table", "nothing.json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and value.split(",")[-1] in err
+
+
 def test_models_summary_holds_the_goals_ratios():
     rows = [{"model": "a", "mode": "infer_bs1", "eager_ms": 2.0, "cf_ms": 1.0, "compile_ms": 1.0, "cf_compile_ms": 0.5},
             {"model": "b", "mode": "infer_bs32", "eager_ms": 1.0, "cf_ms": 1.2, "compile_ms": 1.0, "cf_compile_ms": 2.0}]
