@@ -272,6 +272,11 @@ def main(argv=None) -> int:
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing dynamic_shapes.json")
     args = p.parse_args(argv)
+    bad = [n for n in args.models.split(",") if n not in MODELS]
+    if bad:
+        p.error(f"--models: unknown {', '.join(bad)} (known: {', '.join(MODELS)})")
+    if args.sizes < 1:
+        p.error(f"--sizes must be at least 1, got {args.sizes}")
     if args.plot:
         print(plot(args.plot))
         return 0

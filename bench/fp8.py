@@ -410,6 +410,16 @@ def main(argv=None) -> int:
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing fp8.json")
     args = p.parse_args(argv)
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+        seqs = [int(x) for x in args.seqs.split(",") if x]
+    except ValueError as exc:
+        p.error(f"--shapes (MxKxN, comma-separated) and --seqs (integers) take numbers: {exc}")
+    if any(len(s) != 3 or min(s) < 1 for s in shapes):
+        p.error(f"--shapes: each shape is MxKxN of positive integers, got {args.shapes}")
+    bad = [n for n in args.training.split(",") if n and n not in TRAINING]
+    if bad:
+        p.error(f"--training: unknown {', '.join(bad)} (known: {', '.join(TRAINING)})")
     if args.plot:
         with open(args.plot) as f:
             plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
@@ -419,8 +429,6 @@ def main(argv=None) -> int:
         return 2
     import cudnn
 
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
-    seqs = [int(x) for x in args.seqs.split(",") if x]
     path = os.path.join(args.out, "fp8.json")
     # the sections this run does not measure stay as an earlier run wrote them; "runs" says which run
     # (commit, GPU) each section comes from

@@ -123,6 +123,19 @@ def test_models_names_an_unknown_option_value(option, value, capsys):
     assert option in err and value.split(",")[-1] in err
 
 
+@pytest.mark.parametrize("script,args,named", [
+    ("dynamic_shapes", ["--models", "gpt3"], "--models"), ("dynamic_shapes", ["--sizes", "0"], "--sizes"),
+    ("fp8", ["--shapes", "4096x4096"], "--shapes"), ("fp8", ["--seqs", "1,x"], "--seqs"),
+    ("fp8", ["--training", "nope"], "--training")])
+def test_bench_scripts_name_a_bad_option(script, args, named, capsys):
+    import importlib
+
+    mod = importlib.import_module(f"bench.{script}")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(args + ["--plot", "nothing.json"])
+    assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_models_summary_holds_the_goals_ratios():
     rows = [{"model": "a", "mode": "infer_bs1", "eager_ms": 2.0, "cf_ms": 1.0, "compile_ms": 1.0, "cf_compile_ms": 0.5},
             {"model": "b", "mode": "infer_bs32", "eager_ms": 1.0, "cf_ms": 1.2, "compile_ms": 1.0, "cf_compile_ms": 2.0}]
