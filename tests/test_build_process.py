@@ -286,21 +286,36 @@ def test_an_ok_whose_entry_is_gone_is_built_here(env, monkeypatch):
     assert isinstance(plan, StoredPlan) and env.built == [spec] and loader.STATS.process_builds == 0
 
 
-def test_swaps_are_paced_one_load_a_call_at_most_half_the_time(env, monkeypatch):
-    bp = _use(monkeypatch, _Manual())
+def _slow_loads(env, monkeypatch, seconds: float = 4.0) -> None:
+    """Each load of a stored plan takes ``seconds`` of the test's clock (env.now)."""
     load = loader._deserialize
 
-    def slow_load(spec, entry, device):  # each load takes 4 s of the test's clock
-        env.now += 4.0
+    def slow_load(spec, entry, device):
+        env.now += seconds
         return load(spec, entry, device)
 
     monkeypatch.setattr(loader, "_deserialize", slow_load)
-    specs = [family_spec(m) for m in (300, 400, 500)]
-    stands = []
-    for spec in specs:  # a block meets a new size: three stand-ins, each asked for on its second call
-        stands.append(env.lru.get(spec, 0))
-        env.lru.get(spec, 0)
+
+
+def _asked(env, spec, answer: str | None = "ok"):
+    """A stand-in for ``spec`` called twice (asked for), its plan stored as the build process would, then the
+    build process's ``answer`` (None: none yet): the stand-in."""
+    stand = env.lru.get(spec, 0)
+    env.lru.get(spec, 0)
+    if answer == "ok":
         loader.load_or_build(spec, 0)  # what the build process stores
+    if answer is not None:
+        stand.request._answer(answer)
+    return stand
+
+
+def test_swaps_are_paced_one_load_a_call_at_most_half_the_time(env, monkeypatch):
+    bp = _use(monkeypatch, _Manual())
+    _slow_loads(env, monkeypatch)
+    specs = [family_spec(m) for m in (300, 400, 500)]
+    stands = [_asked(env, spec, None) for spec in specs]  # a block meets a new size: three stand-ins
+    for spec in specs:
+        loader.load_or_build(spec, 0)
     assert len(bp.asked) == 3
     for stand in stands:
         stand.request._answer("ok")
@@ -317,30 +332,16 @@ def test_swaps_are_paced_one_load_a_call_at_most_half_the_time(env, monkeypatch)
     assert env.built == specs  # built once each, by "the build process": loaded here, never built
     env.lru.clear()  # forgetting the plans forgets the pace: the next swap need not wait
     spec = family_spec(600)
-    stand = env.lru.get(spec, 0)
-    env.lru.get(spec, 0)
-    loader.load_or_build(spec, 0)
-    stand.request._answer("ok")
+    _asked(env, spec)
     assert isinstance(env.lru.get(spec, 0), StoredPlan)  # at once, though the last load ended just now
 
 
 def test_a_build_here_keeps_its_call_whatever_the_pace_of_loads(env, monkeypatch):
     _use(monkeypatch, _Manual())
-    load = loader._deserialize
-
-    def slow_load(spec, entry, device):
-        env.now += 4.0
-        return load(spec, entry, device)
-
-    monkeypatch.setattr(loader, "_deserialize", slow_load)
+    _slow_loads(env, monkeypatch)
     loaded, built = family_spec(300), family_spec(400)
-    stand = env.lru.get(loaded, 0)
-    env.lru.get(loaded, 0)
-    loader.load_or_build(loaded, 0)
-    stand.request._answer("ok")
-    other = env.lru.get(built, 0)
-    env.lru.get(built, 0)
-    other.request._answer("failed", "it died")
+    _asked(env, loaded)
+    other = _asked(env, built, "failed")
     assert isinstance(env.lru.get(loaded, 0), StoredPlan)  # a load: the next one waits 4 s
     for _ in range(loader.STANDIN_CALLS - loader.BUILD_REQUEST_CALLS - 1):
         assert env.lru.get(built, 0) is other
