@@ -408,14 +408,14 @@ def table(path: str) -> str:
 
 
 COMPILE_MODES = ("default", "max-autotune")
-VARIANTS = ("eager", "cf", "cf_autotuned", "compile", "cf_compile", "compile_max", "cf_compile_max")
 
 
 def _check_names(p, args) -> None:
     """An unknown model, mode, variant or compile mode is an error naming its option: a model name
     build() did not know ran the Llama config under that name."""
+    every_variant = tuple(v for v, _ in variants(MAX_AUTOTUNE[0], "train", 0.0, COMPILE_MODES))
     for option, given, known in (("--models", args.models, MODELS), ("--modes", args.modes, MODES),
-                                 ("--variants", args.variants, VARIANTS),
+                                 ("--variants", args.variants, every_variant),
                                  ("--compile-modes", args.compile_modes, COMPILE_MODES)):
         bad = [n for n in given.split(",") if n and n not in known]
         if bad:
