@@ -46,10 +46,12 @@ PROFILED_SIZES = 2  # new sizes whose first call is profiled after the sweep (cf
 VARIANTS = ("cf", "eager", "eager_no_cudnn_sdpa", "compile_dynamic")
 
 
-def draw_sizes(n: int, seed: int = 0) -> list:
-    """``n`` distinct sequence lengths in 1..MAX_SEQ, none a manifest's own (128, 512, 1024, 2048)."""
+def draw_sizes(n: int, seed: int = 0, exclude=()) -> list:
+    """``n`` distinct sequence lengths in 1..MAX_SEQ, none a manifest's own (128, 512, 1024, 2048) nor one
+    of ``exclude``."""
     rng = random.Random(seed)
-    pool = [s for s in range(1, MAX_SEQ + 1) if s not in (128, 512, 1024, 2048)]
+    skip = {128, 512, 1024, 2048, *exclude}
+    pool = [s for s in range(1, MAX_SEQ + 1) if s not in skip]
     return rng.sample(pool, min(n, len(pool)))
 
 
@@ -102,13 +104,6 @@ def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
     out["swap_call_extra_ms_median"] = round(statistics.median(vals), 3)
     out["swap_call_extra_ms_p95"] = round(vals[min(len(vals) - 1, int(0.95 * len(vals)))], 3)
     return out
-
-
-def profile_sizes(sizes: list, n: int = PROFILED_SIZES, seed: int = 1) -> list:
-    """``n`` sequence lengths new to the sweep (none of ``sizes``, none a manifest's own)."""
-    rng = random.Random(seed)
-    pool = [s for s in range(1, MAX_SEQ + 1) if s not in (128, 512, 1024, 2048) and s not in set(sizes)]
-    return rng.sample(pool, min(n, len(pool)))
 
 
 def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:
@@ -164,7 +159,7 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         res.update(sweep(fn, make, sizes))
         res["settled"] = settled(fn, make, sizes)
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
-        res["first_call_profile"] = profile_first(fn, make, profile_sizes(sizes), sizes[0])
+        res["first_call_profile"] = profile_first(fn, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
     elif variant == "eager":
         res.update(sweep(model, make, sizes))
     elif variant == "eager_no_cudnn_sdpa":  # torch's floor for a new size: its SDPA kept off the cuDNN backend
@@ -172,7 +167,7 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
 
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             res.update(sweep(model, make, sizes))
-            res["first_call_profile"] = profile_first(model, make, profile_sizes(sizes), sizes[0])
+            res["first_call_profile"] = profile_first(model, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
     else:
         from torch._dynamo.utils import counters
 

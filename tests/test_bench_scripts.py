@@ -96,9 +96,9 @@ def test_dynamic_shapes_times_every_call_of_the_paced_swaps(monkeypatch):
 
 def test_dynamic_shapes_profiles_first_calls_at_sizes_the_sweep_did_not_meet(monkeypatch):
     sweep = dynamic_shapes.draw_sizes(10)
-    new = dynamic_shapes.profile_sizes(sweep)
+    new = dynamic_shapes.draw_sizes(dynamic_shapes.PROFILED_SIZES, 1, sweep)
     assert len(new) == dynamic_shapes.PROFILED_SIZES and not set(new) & set(sweep)
-    assert not set(new) & {128, 512, 1024, 2048} and new == dynamic_shapes.profile_sizes(sweep)
+    assert not set(new) & {128, 512, 1024, 2048} and new == dynamic_shapes.draw_sizes(dynamic_shapes.PROFILED_SIZES, 1, sweep)
     monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
     lin = torch.nn.Linear(8, 16)
     seen = []
