@@ -686,3 +686,41 @@ class AlignedLinear(torch.nn.Linear):
 
 
 _ALIGNED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class RMSNorm(torch.nn.Module):
+    """An RMSNorm written out in torch ops (transformers' LlamaRMSNorm: an fp32 upcast, ``pow``, ``mean``,
+    ``rsqrt`` and two multiplies, six to eight kernels) run as torch's one ``F.rms_norm`` kernel, which
+    computes in float32 and rounds once. ``optimize()`` builds it from a module whose computation it has
+    checked (``cudnn_fuse.optimize``); cuDNN's norm graphs run no faster there (docs/decisions.md). Holds the
+    module's own ``weight`` Parameter (state_dict unchanged); a call it does not cover (another dtype than
+    the weight's, autocast, another width) runs the module's own forward."""
+
+    def __init__(self, module: torch.nn.Module, eps: float):
+        super().__init__()
+        self.weight = module.weight  # the same Parameter
+        self.eps = float(eps)
+        self.__dict__["original"] = module  # unregistered: its weight is this module's
+        self.train(module.training)
+
+    def forward(self, x):
+        w = self.weight
+        if isinstance(x, torch.Tensor) and x.dtype == w.dtype and x.device == w.device and \
+                x.shape[-1:] == w.shape and not _autocast():
+            return torch.nn.functional.rms_norm(x, w.shape, w, self.eps)
+        original = self.__dict__["original"]
+        if original.weight is not w:  # moved or replaced on this module since
+            original.weight = w
+        return original(x)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # what callers read of the module it replaces (variance_epsilon, ...)
+            original = self.__dict__.get("original")
+            if original is None:  # mid-copy or mid-unpickling
+                raise
+            return getattr(original, name)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, replaces {type(self.__dict__['original']).__name__}"

@@ -142,22 +142,77 @@ _CF_MODULES = (cfnn.Conv2d, cfnn.Linear, cfnn.FusedMLP, cfnn.ConvChain, cfnn.Tra
 
 
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer, with transformers' Conv1D and activation modules kept as leaves
-    (fx would trace into them and the patterns would not see the modules), and augmented
+    """torch.fx's tracer, with transformers' Conv1D and activation modules and RMSNorms written out in torch
+    ops kept as leaves (fx would trace into them and the patterns would not see the modules), and augmented
     assignments traced as the in-place calls they are (_Proxy)."""
+
+    def __init__(self, norms=frozenset()):
+        super().__init__()
+        self.norms = norms  # ids of the modules _rms_norm_eps recognized: told before tracing, as it traces
 
     def proxy(self, node) -> fx.Proxy:
         return _Proxy(node, self)
 
     def is_leaf_module(self, m, qualname) -> bool:
         name = type(m).__name__
-        if name in _HF_ACTIVATIONS or _is_hf_conv1d(m) or isinstance(m, _CF_MODULES):
+        if name in _HF_ACTIVATIONS or _is_hf_conv1d(m) or isinstance(m, _CF_MODULES + (cfnn.RMSNorm,)):
+            return True
+        if id(m) in self.norms:  # replaced whole (_Rewriter.run)
             return True
         return super().is_leaf_module(m, qualname)
 
 
+# the steps an RMSNorm written out in torch ops takes (transformers' LlamaRMSNorm, T5LayerNorm, ...)
+_RMS_STEPS = {"to", "float", "type", "type_as", "pow", "square", "mean", "add", "rsqrt", "sqrt", "mul", "truediv",
+              "div", "reciprocal", "getattr", "__add__", "__mul__", "__truediv__", "__radd__", "__rmul__"}
+
+
+def _step_name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def _rms_norm_eps(m: nn.Module):
+    """The epsilon of a module that computes ``F.rms_norm(x, weight.shape, weight, eps)`` in torch ops of its
+    own, else None. Told by its computation, not its name: one 1-D ``weight``, no children or buffers, a
+    forward of one input traced to those steps only, with one float constant (the epsilon), and equal to
+    ``F.rms_norm`` on a random input and weight (float32, the CPU) to 1e-5. torch's own RMSNorm already
+    runs ``F.rms_norm``."""
+    if type(m).__module__.startswith("torch.") or isinstance(m, _CF_MODULES + (cfnn.RMSNorm,)):
+        return None
+    w = m._parameters.get("weight")
+    if w is None or w.dim() != 1 or len(m._parameters) != 1 or m._buffers or m._modules or _hooked(m):
+        return None
+    try:
+        graph = fx.Tracer().trace(m)
+    except Exception:  # noqa: BLE001 - an untraceable forward is not the pattern
+        return None
+    consts = []
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if node.op not in ("call_function", "call_method") or _step_name(node) not in _RMS_STEPS:
+            return None
+        consts += [a for a in node.args if isinstance(a, float)]
+    if sum(n.op == "placeholder" for n in graph.nodes) != 1 or len(consts) != 1:
+        return None
+    eps = consts[0]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, w.shape[0], generator=gen) * 2 + 1
+    probe_w = torch.rand(w.shape[0], generator=gen) + 0.5
+    try:
+        with torch.no_grad():
+            got = torch.func.functional_call(m, {"weight": probe_w}, (x,))
+    except Exception:  # noqa: BLE001 - it does not run on such input: not the pattern
+        return None
+    want = F.rms_norm(x, w.shape, probe_w, eps)
+    ok = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and \
+        torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    return eps if ok else None
+
+
 def _trace(module) -> fx.GraphModule:
-    gm = fx.GraphModule(module, _Tracer().trace(module))
+    norms = frozenset(id(m) for m in module.modules() if m is not module and _rms_norm_eps(m) is not None)
+    gm = fx.GraphModule(module, _Tracer(norms).trace(module))
     _restore_unused(module, gm)
     return gm
 
@@ -533,6 +588,12 @@ class _Rewriter:
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
 
+    def rms_norm(self, node: fx.Node, m: nn.Module) -> None:
+        """An RMSNorm written out in torch ops -> cudnn_fuse.nn.RMSNorm (torch's one kernel), at the module's
+        path: every call site takes it, and it holds the same weight."""
+        self.gm.add_submodule(node.target, cfnn.RMSNorm(m, _rms_norm_eps(m)))
+        self.summary.replaced.append((self.where(node), _RMS_PATTERN.format(type(m).__name__)))
+
     def skip_identities(self) -> None:
         """Take the calls that return their input (``_is_identity``) out of the graph; their modules
         stay registered where they were."""
@@ -576,6 +637,8 @@ class _Rewriter:
                     self.linear(node)
                 elif _is_hf_conv1d(m):
                     self.conv1d(node)
+                elif _rms_norm_eps(m) is not None:
+                    self.rms_norm(node, m)
             elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
                 node.target = attention
                 self.summary.replaced.append((self.where(node), "F.scaled_dot_product_attention"))
@@ -796,9 +859,16 @@ def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
 _LONE = "a lone {} (its parent does not trace, so no epilogue is seen to fuse)"
 
 
+_RMS_PATTERN = "{} (an RMSNorm in torch ops) -> torch's fused rms_norm kernel"
+
+
 def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False,
              fp8=None) -> nn.Module:
     """The traced + rewritten module, or the module with its children rewritten."""
+    eps = _rms_norm_eps(module)
+    if eps is not None:
+        summary.replaced.append((prefix.rstrip(".") or type(module).__name__, _RMS_PATTERN.format(type(module).__name__)))
+        return cfnn.RMSNorm(module, eps)
     if type(module) is nn.Linear:  # a lone Linear child (e.g. an untraceable model's lm_head)
         where = prefix.rstrip(".") or "Linear"
         why = _hooked(module)  # an AlignedLinear in its place would not run the hooks
