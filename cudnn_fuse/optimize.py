@@ -14,6 +14,8 @@ when the whole model does not trace):
   cudnn_fuse.nn.ConvChain, whose training step is one autograd node (the layers stay
   where they were: state_dict keys unchanged);
 - F.scaled_dot_product_attention call sites -> cudnn_fuse.scaled_dot_product_attention (``attention``);
+- a module that computes an RMSNorm in torch ops of its own (transformers' LlamaRMSNorm) ->
+  cudnn_fuse.nn.RMSNorm, torch's one F.rms_norm kernel (``_rms_norm_eps`` tells it by its computation);
 - a large Linear (>= 1M weights) with nothing to fuse whose output width is not a multiple of
   16 bytes (GPT-2's lm_head, 50257 wide) -> cudnn_fuse.nn.AlignedLinear (aligned GEMM on a padded weight; torch's
   is 7x slower there).

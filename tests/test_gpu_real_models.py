@@ -88,3 +88,29 @@ def test_a_near_size_of_a_tuned_linear_takes_its_engine_untuned(cache_dir):
     assert families.sizes(spec)["m"] == 4096
     want = F.gelu(F.linear(x.float(), w.float(), b.float()))
     assert (y.float() - want).abs().max() / want.abs().max() < 2e-2
+
+
+def test_a_written_out_rms_norm_runs_as_one_kernel_and_trains():
+    from test_rms_norm import LlamaStyle
+
+    torch.manual_seed(0)
+    m = LlamaStyle(1024).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(1024) + 0.5)
+    o = cf.optimize(m)
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) * 2
+    o(x)  # warm
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = o(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    want = F.rms_norm(x.float(), (1024,), m.weight.float(), 1e-6)
+    assert (y.float() - want).abs().max() <= (m(x).float() - want).abs().max() + 1e-3
+    xg, xg2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    g = torch.randn_like(x)
+    (m(xg).float() * g).sum().backward()
+    (o(xg2).float() * g).sum().backward()
+    assert (xg2.grad.float() - xg.grad.float()).norm() / xg.grad.float().norm() < 2e-2
+    assert (o.weight.grad.float() - m.weight.grad.float()).norm() / m.weight.grad.float().norm() < 2e-2
