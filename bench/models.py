@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -137,11 +138,21 @@ def decisions(limit: int = 40) -> list:
 
 def top_kernels(fn, steps: int = 5, limit: int = 15) -> dict:
     """torch.profiler over ``steps`` calls of ``fn``: the kernels taking most device time (us per call),
-    and host and device time per call."""
+    and host and device time per call. Before it, unprofiled: the host's time to issue two calls and their
+    time to finish (``issue_ms``, ``wall_ms`` per call: equal when the host bounds them), and the threads
+    alive in the process (one polling beside the caller takes its share of the GIL)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2):  # a forward launches a few hundred kernels: two fit in the launch queue
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    timing = {"issue_ms": round((t1 - t0) * 500, 3), "wall_ms": round((t2 - t0) * 500, 3),
+              "threads": sorted(t.name for t in threading.enumerate())}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
@@ -155,7 +166,7 @@ def top_kernels(fn, steps: int = 5, limit: int = 15) -> dict:
             host.append({"op": e.key[:120], "us": round(e.self_cpu_time_total / steps, 2), "calls": e.count // steps})
     rows.sort(key=lambda r: -r["us"])
     host.sort(key=lambda r: -r["us"])
-    return {"device_us": round(sum(r["us"] for r in rows), 1), "kernels": rows[:limit],
+    return {**timing, "device_us": round(sum(r["us"] for r in rows), 1), "kernels": rows[:limit],
             "kernel_launches": sum(r["calls"] for r in rows), "host_us": round(sum(r["us"] for r in host), 1),
             "host_ops": host[:limit]}
 
