@@ -223,3 +223,20 @@ def test_transformers_llama_norms_are_replaced():
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(o(ids).logits, m(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_norm_that_answers_16_bit_input_in_float32_is_left_alone():
+    class Upcasting(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            x = x.float()
+            return self.weight.float() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    m = Upcasting(16)
+    assert _rms_norm_eps(m) is None  # F.rms_norm would answer bf16 input in bf16
+    o = cf.optimize(m)
+    assert not isinstance(o, cfnn.RMSNorm)
+    assert o(torch.randn(2, 16, dtype=torch.bfloat16)).dtype == torch.float32
