@@ -49,6 +49,7 @@ import inspect
 import logging
 import operator
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -179,7 +180,17 @@ def _rms_norm_eps(m: nn.Module):
     forward of one input traced to those steps only, with one float constant (the epsilon), and equal to
     ``F.rms_norm`` on a random input and weight (the CPU) to 1e-5 in float32 and to their rounding in bfloat16
     and float16, in the input's dtype (a module that answers 16-bit input in float32 is another computation).
-    torch's own RMSNorm already runs ``F.rms_norm``."""
+    torch's own RMSNorm already runs ``F.rms_norm``. Told once per module in an ``optimize()`` call
+    (``_NORMS``): each trace of a parent asks again for every module under it."""
+    if m not in _NORMS:
+        _NORMS[m] = _told_rms_norm_eps(m)
+    return _NORMS[m]
+
+
+_NORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> eps or None; optimize() clears it
+
+
+def _told_rms_norm_eps(m: nn.Module):
     if type(m).__module__.startswith("torch.") or isinstance(m, _CF_MODULES + (cfnn.RMSNorm,)):
         return None
     w = m._parameters.get("weight")
@@ -202,28 +213,19 @@ def _rms_norm_eps(m: nn.Module):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, w.shape[0], generator=gen) * 2 + 1
     probe_w = torch.rand(w.shape[0], generator=gen) + 0.5
-    try:
-        with torch.no_grad():
-            got = torch.func.functional_call(m, {"weight": probe_w}, (x,))
-    except Exception:  # noqa: BLE001 - it does not run on such input: not the pattern
-        return None
-    if not _close(got, F.rms_norm(x, w.shape, probe_w, eps), 1e-5):
-        return None
-    for dtype in (torch.bfloat16, torch.float16):  # what F.rms_norm returns in 16-bit: its input's dtype
-        xh, wh = x.to(dtype), probe_w.to(dtype)
+    # F.rms_norm answers in its input's dtype, computing in float32 and rounding once
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)):
+        xd, wd = x.to(dtype), probe_w.to(dtype)
         try:
             with torch.no_grad():
-                got = torch.func.functional_call(m, {"weight": wh}, (xh,))
-        except Exception:  # noqa: BLE001
+                got = torch.func.functional_call(m, {"weight": wd}, (xd,))
+        except Exception:  # noqa: BLE001 - it does not run on such input: not the pattern
             return None
-        if not _close(got, F.rms_norm(xh.float(), w.shape, wh.float(), eps).to(dtype), 2e-2):
+        want = F.rms_norm(xd.float(), w.shape, wd.float(), eps).to(dtype)
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == dtype and
+                torch.allclose(got.float(), want.float(), rtol=tol, atol=tol / 10)):
             return None
     return eps
-
-
-def _close(got, want, tol: float) -> bool:
-    return isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype and \
-        torch.allclose(got.float(), want.float(), rtol=tol, atol=tol / 10)
 
 
 def _trace(module) -> fx.GraphModule:
@@ -1003,6 +1005,7 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
             raise RuntimeError(f"optimize: the model cannot be copied ({exc}); pass inplace=True to rewrite it "
                                "in place") from exc
     summary = Summary()
+    _NORMS.clear()  # told anew: a module changed since the last call (a hook added) is told again
     from .hf import use_cudnn_fuse_attention
 
     if use_cudnn_fuse_attention(model):

@@ -33,51 +33,46 @@ class LlamaStyle(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
-class DivStyle(nn.Module):
+class _Norm(nn.Module):
+    """One 1-D weight (``init(d)``) and an epsilon: what the norms below share."""
+
+    def __init__(self, d, eps=1e-6, init=torch.ones):
+        super().__init__()
+        self.weight = nn.Parameter(init(d))
+        self.eps = eps
+
+
+class DivStyle(_Norm):
     """The same norm as a division by the root mean square."""
 
     def __init__(self, d, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.rand(d) + 0.5)
-        self.eps = eps
+        super().__init__(d, eps, lambda d: torch.rand(d) + 0.5)
 
     def forward(self, x):
         return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight
 
 
-class HandLayerNorm(nn.Module):
+class HandLayerNorm(_Norm):
     """Subtracts the mean first: a LayerNorm without bias, not an RMSNorm."""
-
-    def __init__(self, d, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
 
     def forward(self, x):
         x = x - x.mean(-1, keepdim=True)
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-class OffsetStyle(nn.Module):
+class OffsetStyle(_Norm):
     """Gemma's scale by (1 + weight): another computation, left alone."""
 
     def __init__(self, d, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(d))
-        self.eps = eps
+        super().__init__(d, eps, torch.zeros)
 
     def forward(self, x):
         out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (1.0 + self.weight.float())).type_as(x)
 
 
-class WrongAxis(nn.Module):
+class WrongAxis(_Norm):
     """The mean over the first axis."""
-
-    def __init__(self, d, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
 
     def forward(self, x):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + self.eps)
@@ -226,11 +221,7 @@ def test_transformers_llama_norms_are_replaced():
 
 
 def test_a_norm_that_answers_16_bit_input_in_float32_is_left_alone():
-    class Upcasting(nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(d))
-
+    class Upcasting(_Norm):
         def forward(self, x):
             x = x.float()
             return self.weight.float() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -240,3 +231,12 @@ def test_a_norm_that_answers_16_bit_input_in_float32_is_left_alone():
     o = cf.optimize(m)
     assert not isinstance(o, cfnn.RMSNorm)
     assert o(torch.randn(2, 16, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_each_optimize_call_tells_its_norms_anew():
+    m = DivStyle(16)
+    handle = m.register_forward_hook(lambda *a: None)
+    assert not isinstance(cf.optimize(m, inplace=True), cfnn.RMSNorm)  # a hook the replacement would not run
+    handle.remove()
+    assert isinstance(cf.optimize(m, inplace=True), cfnn.RMSNorm)
+
