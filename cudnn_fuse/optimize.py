@@ -46,6 +46,7 @@ import collections
 import contextlib
 import copy
 import inspect
+import keyword
 import logging
 import operator
 import sys
@@ -773,12 +774,28 @@ class OptimizedGraphModule(fx.GraphModule):
 
 
 def _self_chain(node):
-    """('a', 'b', 'c') for the expression ``self.a.b.c``, else None."""
+    """('a', '0', 'c') for the expression ``self.a.0.c``, as fx spells it (``getattr(self.a, '0').c``
+    for a name that is no identifier, a Sequential's or ModuleList's index), else None."""
     names = []
-    while isinstance(node, ast.Attribute):
-        names.append(node.attr)
-        node = node.value
+    while True:
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) == 2 and not node.keywords and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str):
+            names.append(node.args[1].value)
+            node = node.args[0]
+        else:
+            break
     return tuple(reversed(names)) if isinstance(node, ast.Name) and node.id == "self" and names else None
+
+
+def _step(node, attr: str):
+    """``node.attr``, or ``getattr(node, 'attr')`` where ``attr`` is no identifier."""
+    if attr.isidentifier() and not keyword.iskeyword(attr):
+        return ast.Attribute(node, attr, ast.Load())
+    return ast.Call(ast.Name("getattr", ast.Load()), [node, ast.Constant(attr)], [])
 
 
 def _hoisted(src: str):
@@ -804,6 +821,8 @@ def _hoisted(src: str):
             else:
                 chains.append(c)
 
+        visit_Call = visit_Attribute
+
     Collect().visit(fn)
     uses = collections.Counter(c[:k] for c in chains for k in range(1, len(c) + 1))
     shared = sorted((p for p, n in uses.items() if n > 1), key=len)
@@ -827,7 +846,7 @@ def _hoisted(src: str):
         else:
             node, rest = ast.Name("self", ast.Load()), chain
         for attr in rest:
-            node = ast.Attribute(node, attr, ast.Load())
+            node = _step(node, attr)
         return node
 
     class Rewrite(ast.NodeTransformer):
@@ -836,6 +855,8 @@ def _hoisted(src: str):
             if c is None:
                 return self.generic_visit(node)
             return ast.copy_location(expr(c), node)
+
+        visit_Call = visit_Attribute
 
     Rewrite().visit(fn)
     fn.body[0:0] = [ast.Assign([ast.Name(names[p], ast.Store())], expr(p, whole=False), lineno=0) for p in shared]

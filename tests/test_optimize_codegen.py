@@ -90,3 +90,32 @@ def test_hoisting_leaves_code_with_nothing_shared_and_avoids_taken_names():
         a = A()
 
     assert ns["forward"](S(), 5) == (5 + 1) * 2 - 3
+
+
+def test_indexed_paths_fx_spells_with_getattr_are_fetched_once():
+    torch.manual_seed(0)
+    m = Net().eval()
+    o = cf.optimize(m)
+    code = o.code
+    # fx spells a Sequential's index getattr(self.blocks, '0'): each block is fetched once, at the top
+    for i in range(3):
+        assert code.count(f"getattr(_cf_m0, '{i}')") == 1, code
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(o(x), m(x))
+    src = ("def forward(self, x):\n    y = getattr(getattr(self.f, '0'), 'if').w + getattr(self.f, '0').b\n"
+           "    return getattr(getattr(self.f, '0'), 'if').v(y) + getattr(x, 'real')\n")
+    out = opt._hoisted(src)
+    assert "getattr(_cf_m1, 'if')" in out and "getattr(x, 'real')" in out  # a keyword stays a getattr
+    ns = {}
+    exec(out, ns)
+
+    class Leaf:
+        w, b = 2, 3
+        v = staticmethod(lambda y: y * 10)
+
+    class S:
+        f = type("F", (), {"0": Leaf()})()
+
+    setattr(Leaf, "if", Leaf())
+    assert ns["forward"](S(), 1) == (2 + 3) * 10 + 1
