@@ -6,7 +6,8 @@ holds the block's shipped manifest (its families, pre-warmed at 128, 512, 1024 a
 the drawn sizes, and the sweep runs in a fresh process. Per size: the first call's time minus the
 steady-state time at that size (``extra``), for cf, torch eager and ``torch.compile(dynamic=True)``
 (whose compile and recompiles are counted). For cf, once the build process has stored every plan asked of
-it: per size the calls that swap them in (the slowest counts) and the steady time on them. For cf and for
+it: per size the calls that swap them in (the slowest counts) and the steady time on them, against a fresh
+process running those stored plans from its first call (``steady_vs_static``). For cf and for
 eager with torch's SDPA off its cuDNN backend, a torch.profiler record of the first call at two more new
 sizes (``first_call_profile``). Writes dynamic_shapes.json (commit,
 GPU, cuDNN) and a plot:
@@ -40,10 +41,13 @@ MAX_SEQ = 2048
 STEADY_REPS = 5
 LATER_CALLS = 6  # calls after the first, timed one by one: cf's stand-ins swap their plans in among them
 SWAP_CALLS = 16  # calls timed one by one once the build process has answered: the paced swaps fall in them
+SWEEP_UP_PASSES = 4  # passes over every size after those, until no stand-in is left
 PROFILED_SIZES = 2  # new sizes whose first call is profiled after the sweep (cf, and eager's floor)
 # eager_no_cudnn_sdpa: eager with torch's SDPA off its cuDNN backend (which builds a graph per shape), the
-# kernels cf's stand-ins run: what a new size costs torch itself (allocator, cuBLAS), cf's floor
-VARIANTS = ("cf", "eager", "eager_no_cudnn_sdpa", "compile_dynamic")
+# kernels cf's stand-ins run: what a new size costs torch itself (allocator, cuBLAS), cf's floor.
+# static: cf in a fresh process on the plans the cf variant's build process stored, every size's own
+# (so it runs after cf, on its plan cache): what the swapped-in steady state is measured against
+VARIANTS = ("cf", "static", "eager", "eager_no_cudnn_sdpa", "compile_dynamic")
 
 
 def draw_sizes(n: int, seed: int = 0, exclude=()) -> list:
@@ -78,11 +82,19 @@ def sweep(fn, make, sizes) -> dict:
     return out
 
 
+def _standins_left() -> int:
+    import cudnn_fuse as cf
+
+    stats = cf.plan_stats()
+    return stats["standins"] - stats["swaps"]
+
+
 def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
     """cf after the sweep: once the build process has answered every request (waited for, up to ``wait_s``),
     per size the calls that swap its plans in (paced: one load a call at most, ``SWAP_CALLS`` calls timed
-    one by one), the slowest of them, the swaps they made and the steady ms on the swapped plans."""
-    import cudnn_fuse as cf
+    one by one), the slowest of them and the swaps they made. A load that takes long paces the next ones
+    out past later sizes' calls, so every size is then called again, up to SWEEP_UP_PASSES times, until no
+    stand-in is left (``standins_left``: those still serving); then each size's steady ms."""
     from cudnn_fuse import build_process
 
     bp = build_process.default()
@@ -90,20 +102,51 @@ def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
     answered = bp.wait(wait_s) if bp is not None else True
     out = {"build_process": bp is not None and bp.off is None, "all_answered": answered,
            "wait_s": round(time.perf_counter() - t0, 2), "per_size": []}
-    for s in sizes:
-        x = make(s)
-        torch.cuda.synchronize()
-        swaps = cf.plan_stats()["swaps"]
-        with torch.no_grad():
+    import cudnn_fuse as cf
+
+    with torch.no_grad():
+        for s in sizes:
+            x = make(s)
+            torch.cuda.synchronize()
+            swaps = cf.plan_stats()["swaps"]
             calls = [synced_ms(lambda: fn(x), 1) for _ in range(SWAP_CALLS)]
-            steady = synced_ms(lambda: fn(x), STEADY_REPS)
-        out["per_size"].append({"seq": s, "swap_calls_ms": [round(c, 3) for c in calls],
-                                "swaps": cf.plan_stats()["swaps"] - swaps, "swap_ms": round(max(calls), 3),
-                                "steady_ms": round(steady, 4), "swap_extra_ms": round(max(calls) - steady, 3)})
+            out["per_size"].append({"seq": s, "swap_calls_ms": [round(c, 3) for c in calls],
+                                    "swaps": cf.plan_stats()["swaps"] - swaps, "swap_ms": round(max(calls), 3)})
+        out["standins_after_swap_calls"] = _standins_left()
+        passes = 0
+        while _standins_left() > 0 and passes < SWEEP_UP_PASSES:
+            passes += 1
+            for s in sizes:
+                x = make(s)
+                for _ in range(4):
+                    fn(x)
+            torch.cuda.synchronize()
+        out["sweep_up_passes"], out["standins_left"] = passes, _standins_left()
+        for row in out["per_size"]:
+            x = make(row["seq"])
+            fn(x)
+            row["steady_ms"] = round(synced_ms(lambda: fn(x), STEADY_REPS), 4)
+            row["swap_extra_ms"] = round(row["swap_ms"] - row["steady_ms"], 3)
     vals = sorted(r["swap_extra_ms"] for r in out["per_size"])
     out["swap_call_extra_ms_median"] = round(statistics.median(vals), 3)
     out["swap_call_extra_ms_p95"] = round(vals[min(len(vals) - 1, int(0.95 * len(vals)))], 3)
     return out
+
+
+def static_steady(fn, make, sizes) -> dict:
+    """cf in a fresh process whose plan cache holds every size's own plan (stored by the cf variant's
+    build process): per size the steady ms of those static plans, loaded on the first calls, with no
+    stand-in between (``standins``: any that served all the same)."""
+    import cudnn_fuse as cf
+
+    rows = []
+    with torch.no_grad():
+        for s in sizes:
+            x = make(s)
+            for _ in range(3):
+                fn(x)
+            rows.append({"seq": s, "steady_ms": round(synced_ms(lambda: fn(x), STEADY_REPS), 4)})
+    return {"per_size": rows, "standins": cf.plan_stats()["standins"]}
 
 
 def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:
@@ -160,6 +203,8 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         res["settled"] = settled(fn, make, sizes)
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
         res["first_call_profile"] = profile_first(fn, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
+    elif variant == "static":
+        res.update(static_steady(cf.optimize(model), make, sizes))
     elif variant == "eager":
         res.update(sweep(model, make, sizes))
     elif variant == "eager_no_cudnn_sdpa":  # torch's floor for a new size: its SDPA kept off the cuDNN backend
@@ -178,6 +223,15 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         res["compile_s"] = round(firsts[0] / 1e3, 2)
     with open(out, "w") as f:
         json.dump(res, f)
+
+
+def steady_vs_static(settled_: dict, static: dict):
+    """Median over the sizes of the static plans' steady ms (a fresh process on every size's own plan) over
+    cf's once its stand-ins have swapped; None where either is missing."""
+    ours = {r["seq"]: r.get("steady_ms") for r in settled_.get("per_size", [])}
+    ratios = [r["steady_ms"] / ours[r["seq"]] for r in static.get("per_size", [])
+              if ours.get(r["seq"]) and r.get("steady_ms")]
+    return round(statistics.median(ratios), 4) if ratios else None
 
 
 def run_model(name: str, sizes: list, timeout: float) -> dict:
@@ -204,18 +258,20 @@ def run_model(name: str, sizes: list, timeout: float) -> dict:
                 row[variant] = {"error": f"timed out after {timeout} s"}
                 continue
             v = row[variant]
-            print(f"  {name:6s} {variant:16s} extra median {v['first_call_extra_ms_median']:8.2f} ms  "
-                  f"p95 {v['first_call_extra_ms_p95']:8.2f} ms", flush=True)
+            if variant == "static":
+                print(f"  {name:6s} {variant:16s} steady median "
+                      f"{statistics.median(r['steady_ms'] for r in v['per_size']):8.3f} ms", flush=True)
+            else:
+                print(f"  {name:6s} {variant:16s} extra median {v['first_call_extra_ms_median']:8.2f} ms  "
+                      f"p95 {v['first_call_extra_ms_p95']:8.2f} ms", flush=True)
     cf_row = row.get("cf", {})
     for key in ("first_call_extra_ms_median", "first_call_extra_ms_p95"):
         row[key] = cf_row.get(key)
     stats = cf_row.get("plan_stats", {})
-    # steady state is measured after every stand-in's swap, when each size runs its own static plan: it is
-    # the static plans' own time wherever the stand-ins all swapped
-    row["swapped_all"] = stats.get("standins") == stats.get("swaps") if stats else None
-    row["steady_vs_static"] = 1.0 if row["swapped_all"] else None
-    row["later_call_extra_ms_p95"] = cf_row.get("later_call_extra_ms_p95")
     after = cf_row.get("settled") or {}
+    row["swapped_all"] = after.get("standins_left") == 0 if "standins_left" in after else None
+    row["steady_vs_static"] = steady_vs_static(after, row.get("static", {}))
+    row["later_call_extra_ms_p95"] = cf_row.get("later_call_extra_ms_p95")
     row["swap_call_extra_ms_p95"] = after.get("swap_call_extra_ms_p95")
     row["process_builds"] = stats.get("process_builds")
     if after.get("per_size"):  # torch's kernels standing in, against the size's own plan once swapped in
@@ -239,7 +295,7 @@ def plot(path: str) -> str:
     for ax, row in zip(axes[0], doc["models"]):
         for variant in VARIANTS:
             rows = row.get(variant, {}).get("per_size")
-            if rows:
+            if rows and "extra_ms" in rows[0]:  # the static variant times steady calls only
                 rows = sorted(rows, key=lambda r: r["seq"])
                 ax.plot([r["seq"] for r in rows], [max(r["extra_ms"], 1e-3) for r in rows], ".", label=variant)
         ax.set_yscale("log")

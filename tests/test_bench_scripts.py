@@ -50,7 +50,8 @@ def test_bench_plots_from_a_results_file(tmp_path, script):
     if script == "dynamic":
         rows = [{"seq": s, "first_ms": 5.0, "steady_ms": 1.0, "extra_ms": 4.0} for s in (3, 40)]
         doc = {"gpu": "X", "commit": "c", "models": [{"name": "gpt2", "batch": 8, "cf": {"per_size": rows},
-                                                      "eager": {"per_size": rows}}]}
+                                                      "eager": {"per_size": rows},
+                                                      "static": {"per_size": [{"seq": 3, "steady_ms": 1.0}]}}]}
         path = tmp_path / "dynamic_shapes.json"
         path.write_text(json.dumps(doc))
         out = dynamic_shapes.plot(str(path))
@@ -63,12 +64,13 @@ def test_bench_plots_from_a_results_file(tmp_path, script):
     assert os.path.getsize(out) > 1000
 
 
-def test_dynamic_shapes_times_every_call_of_the_paced_swaps(monkeypatch):
+def test_dynamic_shapes_times_every_call_of_the_paced_swaps_then_sweeps_up_the_stand_ins_left(monkeypatch):
     from cudnn_fuse import build_process, loader
 
     monkeypatch.setattr(build_process, "default", lambda: None)
     monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(loader.STATS, "swaps", loader.STATS.swaps)  # restored after
+    monkeypatch.setattr(loader.STATS, "swaps", 0)  # restored after
+    monkeypatch.setattr(loader.STATS, "standins", 3)  # three stand-ins serving: two swap in the timed calls
     n = dynamic_shapes.SWAP_CALLS
     times = iter([5.0, 1.5, 6.0] + [1.0] * (n - 3) + [1.0] * dynamic_shapes.STEADY_REPS)
 
@@ -81,9 +83,9 @@ def test_dynamic_shapes_times_every_call_of_the_paced_swaps(monkeypatch):
 
     calls = []
 
-    def fn(x):  # the first and third calls swap a plan in each
+    def fn(x):  # the first and third calls swap a plan in each; the third stand-in swaps in the sweep-up
         calls.append(x)
-        if len(calls) in (1, 3):
+        if len(calls) in (1, 3, n + 2):
             loader.STATS.swaps += 1
 
     monkeypatch.setattr(dynamic_shapes, "synced_ms", synced_ms)
@@ -91,7 +93,41 @@ def test_dynamic_shapes_times_every_call_of_the_paced_swaps(monkeypatch):
     row = got["per_size"][0]
     assert row["swaps"] == 2 and len(row["swap_calls_ms"]) == n and row["swap_ms"] == 6.0
     assert row["steady_ms"] == 1.0 and row["swap_extra_ms"] == 5.0 and got["swap_call_extra_ms_median"] == 5.0
-    assert len(calls) == n + dynamic_shapes.STEADY_REPS
+    assert got["standins_after_swap_calls"] == 1 and got["sweep_up_passes"] == 1 and got["standins_left"] == 0
+    assert len(calls) == n + 4 + 1 + dynamic_shapes.STEADY_REPS  # swap calls, one pass, a warm call, steady
+
+
+def test_dynamic_shapes_sweep_up_is_bounded_and_says_what_is_left(monkeypatch):
+    from cudnn_fuse import build_process, loader
+
+    monkeypatch.setattr(build_process, "default", lambda: None)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(loader.STATS, "swaps", 0)
+    monkeypatch.setattr(loader.STATS, "standins", 2)  # never swapped
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 1.0)
+    got = dynamic_shapes.settled(lambda x: None, lambda s: s, [8, 16])
+    assert got["sweep_up_passes"] == dynamic_shapes.SWEEP_UP_PASSES and got["standins_left"] == 2
+
+
+def test_dynamic_shapes_steady_vs_static_is_the_median_ratio_over_the_sizes_both_timed():
+    settled_ = {"per_size": [{"seq": 1, "steady_ms": 1.0}, {"seq": 2, "steady_ms": 2.0}, {"seq": 3, "steady_ms": 4.0},
+                             {"seq": 4, "steady_ms": None}]}
+    static = {"per_size": [{"seq": 1, "steady_ms": 0.9}, {"seq": 2, "steady_ms": 2.0}, {"seq": 3, "steady_ms": 4.4},
+                           {"seq": 4, "steady_ms": 1.0}, {"seq": 5, "steady_ms": 1.0}]}
+    assert dynamic_shapes.steady_vs_static(settled_, static) == 1.0  # median of 0.9, 1.0, 1.1
+    assert dynamic_shapes.steady_vs_static(settled_, {}) is None
+    assert dynamic_shapes.steady_vs_static({}, static) is None
+
+
+def test_dynamic_shapes_static_variant_times_each_size_after_its_loads(monkeypatch):
+    from cudnn_fuse import loader
+
+    monkeypatch.setattr(loader.STATS, "standins", 0)
+    seen = []
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 2.5)
+    got = dynamic_shapes.static_steady(seen.append, lambda s: s * 10, [1, 2])
+    assert got["per_size"] == [{"seq": 1, "steady_ms": 2.5}, {"seq": 2, "steady_ms": 2.5}] and got["standins"] == 0
+    assert seen == [10] * (3 + dynamic_shapes.STEADY_REPS) + [20] * (3 + dynamic_shapes.STEADY_REPS)
 
 
 def test_dynamic_shapes_profiles_first_calls_at_sizes_the_sweep_did_not_meet(monkeypatch):
