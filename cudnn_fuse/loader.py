@@ -347,8 +347,9 @@ class StandIn(torch_engine.TorchPlan):
     """torch's kernels for a new size of a known shape family while its plan waits: no build on the call
     that meets the size. PlanLRU asks the build process for the plan on the call after its first
     BUILD_REQUEST_CALLS and swaps it in on the first call after it is stored; with no build process it
-    builds the plan itself on the call after the first STANDIN_CALLS. The ops never remember it, so every
-    call looks it up and counts."""
+    builds the plan itself on the call after the first STANDIN_CALLS. The ops' memo holds it only while the
+    build process builds its plan (ops._StandInLaunch, which counts its calls here); every other call looks
+    it up and counts."""
 
     __slots__ = ("calls", "request")
     standin = True

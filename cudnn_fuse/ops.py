@@ -643,11 +643,13 @@ set_native(launch_graphs.NATIVE)
 
 def _remember(key, originals, plan, buffers, out) -> None:
     """Memoize ``key`` when ``plan`` ran on the caller's tensors themselves: a raw launch, or for
-    torch's own kernels standing in for the graph (torch_engine.TorchPlan) a ``_TorchLaunch``."""
+    torch's own kernels standing in for the graph (torch_engine.TorchPlan) a ``_TorchLaunch``; a new
+    size's stand-in (loader.StandIn) only while the build process builds its plan (``_StandInLaunch``)."""
     if key is None or key[0].endswith(":grad") or plan is None or originals[0].dtype not in _FAST_DTYPES:
         return  # a training call must reach autograd: never a raw launch
     torch_plan = isinstance(plan, torch_engine.TorchPlan)
-    if not plan.raw and not torch_plan or getattr(plan, "standin", False):
+    standin = getattr(plan, "standin", False)
+    if not plan.raw and not torch_plan or standin and not _building(plan):
         return
     if torch_plan and type(plan.spec) is SdpaSpec:
         return  # a _TorchLaunch takes the matmul and conv operands: attention keeps the slow path
@@ -657,8 +659,28 @@ def _remember(key, originals, plan, buffers, out) -> None:
         return  # a copy or a moved view fed the plan: the slow path must keep making it
     if len(_FAST) >= plans.FAST_CAPACITY:
         _FAST.clear()
-    _FAST[key] = _TorchLaunch(plan, ins, buffers, y, amax, key[0]) if torch_plan else \
-        _Launch(plan, y, amax is not None, originals[0])
+    if standin:
+        _FAST[key] = _StandInLaunch(plan, ins, buffers, y, amax, key[0], key)
+    else:
+        _FAST[key] = _TorchLaunch(plan, ins, buffers, y, amax, key[0]) if torch_plan else \
+            _Launch(plan, y, amax is not None, originals[0])
+
+
+def _building(stand) -> bool:
+    """Whether the build process is building ``stand``'s plan: asked, not answered yet."""
+    req = stand.request
+    return bool(req) and req.status is None
+
+
+def _forget(key, entry) -> None:
+    """Drop ``entry`` from the memo: its exact key and the guarded index's lists (the C memo's second
+    index, kept in the same dict), so that the next call of its signature takes the slow path."""
+    fast = _FAST
+    if fast.get(key) is entry:
+        fast.pop(key, None)
+    for v in list(fast.values()):
+        if type(v) is list and any(p[1] is entry for p in v):
+            v[:] = [p for p in v if p[1] is not entry]
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -722,6 +744,27 @@ class _TorchLaunch:
             return None
         self.checked = True
         return y
+
+
+class _StandInLaunch(_TorchLaunch):
+    """A new size's stand-in, remembered while the build process builds its plan: torch's kernels at
+    eager's host cost, not the slow path's (validation, a spec, the plan lookup: several eager calls'
+    worth, docs/dynamic_shapes.md), on every layer of a model that meets the size. Each call counts on the stand-in, as the plan lookup
+    would; once the build process has answered, the entry forgets itself and the slow path swaps the
+    plan in (``loader.PlanLRU``)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, plan, ins, buffers, y_out, amax, op: str, key):
+        super().__init__(plan, ins, buffers, y_out, amax, op)
+        self.key = key
+
+    def __call__(self, a, b, c, d):
+        stand = self.plan
+        stand.calls += 1
+        if not _building(stand):
+            _forget(self.key, self)
+        return _TorchLaunch.__call__(self, a, b, c, d)
 
 
 # ----------------------------------------------------------------------- conv2d

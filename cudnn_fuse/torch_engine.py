@@ -156,7 +156,7 @@ class TorchPlan:
 
     __slots__ = ("spec", "device", "engine", "roles", "workspace_size", "cudnn_plan", "reason")
     raw = False
-    standin = False  # a stand-in (loader.StandIn) is replaced later: never remembered by the ops' memo
+    standin = False  # a stand-in (loader.StandIn) is replaced later: the ops' memo holds it only while its plan builds
 
     def __init__(self, spec, device: int, cudnn_plan=None, reason: str = ""):
         self.spec, self.device, self.engine = spec, device, ENGINE_NAME

@@ -126,15 +126,88 @@ def test_a_faulty_family_record_means_a_build(env, monkeypatch):
     assert isinstance(plan, StoredPlan) and env.built[-1] == family_spec(300)
 
 
-def test_the_ops_memo_never_remembers_a_stand_in(env, monkeypatch):
+def test_the_ops_memo_holds_a_stand_in_only_while_its_plan_builds(monkeypatch):
+    from cudnn_fuse import build_process
+
     monkeypatch.setattr(ops, "_FAST", {})
     spec = family_spec(300)
-    a = torch.zeros(1, 300, 32, dtype=torch.bfloat16)
-    y = torch.zeros(1, 300, 48, dtype=torch.bfloat16)
-    ops._remember(("linear", 1), [a], loader.StandIn(spec, 0), [a, y], y)
-    assert ops._FAST == {}
-    ops._remember(("linear", 1), [a], torch_engine.TorchPlan(spec, 0), [a, y], y)
-    assert list(ops._FAST) == [("linear", 1)]  # a settled torch-kernel plan is remembered
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 300, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    b, y = w.t().unsqueeze(0), torch.empty(1, 300, 48, dtype=torch.bfloat16)  # the linear's buffers, as ops makes them
+    key = ("linear", 1)
+    stand = loader.StandIn(spec, 0)
+    ops._remember(key, [x, w], stand, [x, b, y], y)
+    assert ops._FAST == {}  # its plan not asked for yet: the plan lookup counts its calls
+    stand.request = False
+    ops._remember(key, [x, w], stand, [x, b, y], y)
+    assert ops._FAST == {}  # no build process: the lookup builds the plan on its STANDIN_CALLS-th call
+    stand.request = build_process.Request()
+    ops._remember(key, [x, w], stand, [x, b, y], y)
+    entry = ops._FAST[key]
+    assert isinstance(entry, ops._StandInLaunch)
+    other = object()
+    ops._FAST["index"] = [("check", entry), ("check", other)]  # the C memo's guarded index, in the same dict
+    want = torch.nn.functional.gelu(torch.nn.functional.linear(x.float(), w.float()))
+    calls = stand.calls
+    torch.testing.assert_close(entry(x, w, None, None).float(), want, atol=3e-2, rtol=2e-2)  # torch's kernels
+    assert stand.calls == calls + 1 and ops._FAST[key] is entry  # counted, still held while it builds
+    stand.request._answer("ok")
+    torch.testing.assert_close(entry(x, w, None, None).float(), want, atol=3e-2, rtol=2e-2)  # this call still served
+    assert stand.calls == calls + 2
+    assert key not in ops._FAST and ops._FAST["index"] == [("check", other)]  # the next call takes the slow path
+    ops._remember(key, [x, w], stand, [x, b, y], y)
+    assert key not in ops._FAST  # answered: the plan lookup swaps it in
+    ops._remember(key, [x, w], torch_engine.TorchPlan(spec, 0), [x, b, y], y)
+    assert type(ops._FAST[key]) is ops._TorchLaunch  # a settled torch-kernel plan is remembered
+
+
+def test_a_linear_at_a_new_size_is_served_from_the_memo_while_its_plan_builds_then_swaps(env, monkeypatch):
+    """The op path end to end, the GPU stood in for: the first call stands in, the second asks the build
+    process for the plan, the calls after it take the memo (no plan lookup) until the answer, and the
+    call after that swaps the plan in."""
+    import tuning
+    from cudnn_fuse import build_process, functional
+
+    monkeypatch.setattr(ops, "_FAST", {})
+    monkeypatch.setattr(ops, "_why_not_fused", lambda op, ts: None)
+    monkeypatch.setattr(ops, "_unlaunchable", lambda buffers: None)
+    monkeypatch.setattr(ops, "_Launch", lambda plan, y, amax, a: ("raw launch", plan))
+    monkeypatch.setattr(tuning.StoredPlan, "run", lambda self, buffers: None, raising=False)
+    monkeypatch.setattr(loader, "_KNOWN_FAMILIES", set())
+    req = build_process.Request()
+    asked = []
+    monkeypatch.setattr(loader, "_request_build", lambda spec, device: asked.append(spec) or req)
+
+    def get_plan(spec, device):  # another size of the family has a plan
+        loader._KNOWN_FAMILIES.add(families.family(spec))
+        return env.lru.get(spec, device)
+    monkeypatch.setattr(loader, "get_plan", get_plan)
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 300, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    want = torch.nn.functional.gelu(torch.nn.functional.linear(x.float(), w.float()))
+
+    def call(check=True):
+        with torch.no_grad():
+            y = functional.linear(x, w, activation="gelu")
+        if check:
+            torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=2e-2)
+
+    def held():
+        return [v for v in ops._FAST.values() if isinstance(v, ops._StandInLaunch)]
+
+    call()
+    assert loader.STATS.standins == 1 and not asked and not held()  # stands in; the plan not asked for yet
+    call()
+    assert len(asked) == 1 and len(held()) == 1  # asked on its second call, held while it builds
+    hits = loader.STATS.hits
+    for _ in range(3):
+        call()
+    assert loader.STATS.hits == hits and held()[0].plan.calls == 4  # no lookup, every call counted
+    req._answer("ok")
+    call()  # served by torch's kernels once more; the entry forgets itself
+    assert not held() and loader.STATS.swaps == 0
+    call(check=False)  # the slow path: the plan lookup swaps in the plan (a stood-in one, computing nothing)
+    assert loader.STATS.swaps == 1 and len(env.built) == 1 and not held()
 
 
 def test_a_caller_capture_open_on_another_stream_also_defers_the_swap(monkeypatch):
