@@ -679,8 +679,8 @@ def _forget(key, entry) -> None:
     if fast.get(key) is entry:
         fast.pop(key, None)
     for v in list(fast.values()):
-        if type(v) is list and any(p[1] is entry for p in v):
-            v[:] = [p for p in v if p[1] is not entry]
+        if type(v) is list and any(type(p) is tuple and p[-1] is entry for p in v):
+            v[:] = [p for p in v if not (type(p) is tuple and p[-1] is entry)]
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
