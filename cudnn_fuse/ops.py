@@ -749,9 +749,9 @@ class _TorchLaunch:
 class _StandInLaunch(_TorchLaunch):
     """A new size's stand-in, remembered while the build process builds its plan: torch's kernels at
     eager's host cost, not the slow path's (validation, a spec, the plan lookup: several eager calls'
-    worth, docs/dynamic_shapes.md), on every layer of a model that meets the size. Each call counts on the stand-in, as the plan lookup
-    would; once the build process has answered, the entry forgets itself and the slow path swaps the
-    plan in (``loader.PlanLRU``)."""
+    worth, docs/dynamic_shapes.md), on every layer of a model that meets the size. Each call counts on
+    the stand-in, as the plan lookup would; once the build process has answered, the entry forgets
+    itself and the slow path swaps the plan in (``loader.PlanLRU``)."""
 
     __slots__ = ("key",)
 
