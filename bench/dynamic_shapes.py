@@ -9,8 +9,8 @@ steady-state time at that size (``extra``), for cf, torch eager and ``torch.comp
 it: per size the calls that swap them in (the slowest counts) and the steady time on them, against a fresh
 process running those stored plans from its first call (``steady_vs_static``). For cf and for
 eager with torch's SDPA off its cuDNN backend, a torch.profiler record of the first call at two more new
-sizes (``first_call_profile``). Writes dynamic_shapes.json (commit,
-GPU, cuDNN) and a plot:
+sizes (``first_call_profile``) and a cProfile of it at one more (``first_call_pyprofile``: Python's share).
+Writes dynamic_shapes.json (commit, GPU, cuDNN) and a plot:
 
     python3 bench/dynamic_shapes.py --out bench/results --sizes 200
 """
@@ -182,6 +182,35 @@ def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:
     return out
 
 
+def _pyprofiled_size(sizes: list) -> int:
+    """One more new size, met by neither the sweep nor ``profile_first``: the same for every variant."""
+    return draw_sizes(1, 2, sizes + draw_sizes(PROFILED_SIZES, 1, sizes))[0]
+
+
+def pyprofile_first(fn, make, size: int, limit: int = 15) -> dict:
+    """cProfile over the first call at ``size`` (new to the process): its wall ms under the profiler and the
+    Python functions taking most time, by their own time and with what they call. Where a new size's
+    first call spends its host time in Python, which torch.profiler's host ops do not show."""
+    import cProfile
+    import io
+    import pstats
+
+    x = make(size)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        prof.runcall(fn, x)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = [{"function": f"{os.path.basename(path)}:{line}({func})", "calls": nc, "self_ms": round(tt * 1e3, 3),
+             "cum_ms": round(ct * 1e3, 3)} for (path, line, func), (_cc, nc, tt, ct, _) in stats.stats.items()]
+    return {"seq": size, "wall_ms": round(wall, 3),
+            "by_self": sorted(rows, key=lambda r: -r["self_ms"])[:limit],
+            "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:limit]}
+
+
 def child(name: str, variant: str, sizes: list, out: str) -> None:
     """One variant's sweep in this (fresh) process; writes its result as JSON to ``out``."""
     sys.path.insert(0, os.path.join(ROOT, "plans"))
@@ -203,6 +232,7 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         res["settled"] = settled(fn, make, sizes)
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
         res["first_call_profile"] = profile_first(fn, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
+        res["first_call_pyprofile"] = pyprofile_first(fn, make, _pyprofiled_size(sizes))
     elif variant == "static":
         res.update(static_steady(cf.optimize(model), make, sizes))
     elif variant == "eager":
@@ -213,6 +243,7 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             res.update(sweep(model, make, sizes))
             res["first_call_profile"] = profile_first(model, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
+            res["first_call_pyprofile"] = pyprofile_first(model, make, _pyprofiled_size(sizes))
     else:
         from torch._dynamo.utils import counters
 

@@ -290,3 +290,16 @@ def test_fp8_bench_keeps_the_sections_it_does_not_run_and_names_each_sections_ru
     assert doc["scaled_mm"] == [{"M": 1}] and doc["runs"]["scaled_mm"] == {"commit": "old", "device": "A"}
     assert doc["runs"]["training:mlp"] == {"commit": "new", "device": "B"} and doc["commit"] == "new"
     assert sorted((r["name"], r.get("fp8_ms")) for r in doc["training"]) == [("blk", None), ("mlp", 1.0)]
+
+
+def test_dynamic_shapes_pyprofiles_a_first_call_at_a_size_no_other_pass_met(monkeypatch):
+    sweep = dynamic_shapes.draw_sizes(10)
+    s = dynamic_shapes._pyprofiled_size(sweep)
+    assert s not in sweep and s not in dynamic_shapes.draw_sizes(dynamic_shapes.PROFILED_SIZES, 1, sweep)
+    assert s == dynamic_shapes._pyprofiled_size(sweep)  # every variant profiles the same size
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    lin = torch.nn.Linear(8, 16)
+    got = dynamic_shapes.pyprofile_first(lin, lambda n: torch.randn(1, n, 8), s, limit=5)
+    assert got["seq"] == s and got["wall_ms"] > 0 and len(got["by_self"]) == len(got["by_cum"]) == 5
+    assert any("forward" in r["function"] for r in got["by_cum"])  # the module's own frames are named
+    assert got["by_cum"][0]["cum_ms"] >= got["by_cum"][-1]["cum_ms"] and all(r["calls"] >= 1 for r in got["by_self"])
