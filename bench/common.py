@@ -106,3 +106,19 @@ def checkout_commit() -> str:
     except OSError:
         return "?"
     return head + ("+dirty" if dirty else "")
+
+
+def profiled_ops(prof, steps: int = 1, width: int = 120) -> tuple:
+    """(kernels, host ops) of a torch.profiler session over ``steps`` calls, each list most time first: per
+    kernel its device us per call, per host op its own CPU us per call, with their counts per call."""
+    kernels, host = [], []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if dev and e.device_type.name == "CUDA":
+            kernels.append({"kernel": e.key[:width], "us": round(dev / steps, 2), "calls": e.count // steps})
+        elif e.self_cpu_time_total:
+            host.append({"op": e.key[:width], "us": round(e.self_cpu_time_total / steps, 2),
+                         "calls": e.count // steps})
+    kernels.sort(key=lambda r: -r["us"])
+    host.sort(key=lambda r: -r["us"])
+    return kernels, host

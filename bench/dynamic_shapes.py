@@ -31,7 +31,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.common import checkout_commit, device_name, synced_ms, write_json  # noqa: E402
+from bench.common import checkout_commit, device_name, profiled_ops, synced_ms, write_json  # noqa: E402
 
 MODELS = {  # name: (block class in plans/make_manifests.py, shipped manifest, batch, width)
     "gpt2": ("GPT2Block", "gpt2_block_bf16.json", 8, 768),
@@ -169,15 +169,7 @@ def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:
                 fn(x)
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3
-        host, dev = [], []
-        for e in prof.key_averages():
-            d = getattr(e, "self_device_time_total", 0) or 0
-            if d and e.device_type.name == "CUDA":
-                dev.append({"kernel": e.key[:100], "us": round(d, 1), "calls": e.count})
-            elif e.self_cpu_time_total:
-                host.append({"op": e.key[:100], "us": round(e.self_cpu_time_total, 1), "calls": e.count})
-        host.sort(key=lambda r: -r["us"])
-        dev.sort(key=lambda r: -r["us"])
+        dev, host = profiled_ops(prof, width=100)
         out.append({"seq": s, "wall_ms": round(wall, 3), "host_ops": host[:limit], "kernels": dev[:limit]})
     return out
 

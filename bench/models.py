@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cudnn_fuse as cf  # noqa: E402
-from bench.common import checkout_commit, device_name, time_ms, write_json  # noqa: E402
+from bench.common import checkout_commit, device_name, profiled_ops, time_ms, write_json  # noqa: E402
 
 CNNS = ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "regnet_y_1_6gf")
 VITS = ("vit_b_16", "swin_t")
@@ -157,15 +157,7 @@ def top_kernels(fn, steps: int = 5, limit: int = 15) -> dict:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    rows, host = [], []
-    for e in prof.key_averages():
-        dev = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if dev and e.device_type.name == "CUDA":
-            rows.append({"kernel": e.key[:120], "us": round(dev / steps, 2), "calls": e.count // steps})
-        elif e.self_cpu_time_total:
-            host.append({"op": e.key[:120], "us": round(e.self_cpu_time_total / steps, 2), "calls": e.count // steps})
-    rows.sort(key=lambda r: -r["us"])
-    host.sort(key=lambda r: -r["us"])
+    rows, host = profiled_ops(prof, steps)
     return {**timing, "device_us": round(sum(r["us"] for r in rows), 1), "kernels": rows[:limit],
             "kernel_launches": sum(r["calls"] for r in rows), "host_us": round(sum(r["us"] for r in host), 1),
             "host_ops": host[:limit]}

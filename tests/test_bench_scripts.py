@@ -303,3 +303,19 @@ def test_dynamic_shapes_pyprofiles_a_first_call_at_a_size_no_other_pass_met(monk
     assert got["seq"] == s and got["wall_ms"] > 0 and len(got["by_self"]) == len(got["by_cum"]) == 5
     assert any("forward" in r["function"] for r in got["by_cum"])  # the module's own frames are named
     assert got["by_cum"][0]["cum_ms"] >= got["by_cum"][-1]["cum_ms"] and all(r["calls"] >= 1 for r in got["by_self"])
+
+
+def test_profiled_ops_splits_kernels_from_host_ops_per_call_most_first():
+    from types import SimpleNamespace as NS
+
+    from bench.common import profiled_ops
+
+    def ev(key, dev, cpu, count, kind):
+        return NS(key=key, self_device_time_total=dev, self_cpu_time_total=cpu, count=count,
+                  device_type=NS(name=kind))
+    prof = NS(key_averages=lambda: [ev("gemm", 40.0, 0, 4, "CUDA"), ev("aten::mm", 0, 8.0, 4, "CPU"),
+                                    ev("gelu", 80.0, 0, 2, "CUDA"), ev("aten::empty", 0, 0, 2, "CPU"),
+                                    ev("aten::gelu", 0, 12.0, 2, "CPU")])
+    kernels, host = profiled_ops(prof, steps=2, width=3)
+    assert kernels == [{"kernel": "gel", "us": 40.0, "calls": 1}, {"kernel": "gem", "us": 20.0, "calls": 2}]
+    assert host == [{"op": "ate", "us": 6.0, "calls": 1}, {"op": "ate", "us": 4.0, "calls": 2}]  # no time: left out
