@@ -136,17 +136,25 @@ def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
 def static_steady(fn, make, sizes) -> dict:
     """cf in a fresh process whose plan cache holds every size's own plan (stored by the cf variant's
     build process): per size the steady ms of those static plans, loaded on the first calls, with no
-    stand-in between (``standins``: any that served all the same)."""
+    stand-in between (``standins``: any that served all the same). Each size is called as often and in the
+    same order as the cf variant calls it before its settled steady time (the sweep, the swap calls, every
+    sweep-up pass), so that both compare one state of the launch graphs and the allocator."""
     import cudnn_fuse as cf
 
-    rows = []
     with torch.no_grad():
+        for calls in [1 + LATER_CALLS + STEADY_REPS, SWAP_CALLS] + [4] * SWEEP_UP_PASSES:
+            for s in sizes:
+                x = make(s)
+                for _ in range(calls):
+                    fn(x)
+            torch.cuda.synchronize()
+        rows = []
         for s in sizes:
             x = make(s)
-            for _ in range(3):
-                fn(x)
+            fn(x)
             rows.append({"seq": s, "steady_ms": round(synced_ms(lambda: fn(x), STEADY_REPS), 4)})
-    return {"per_size": rows, "standins": cf.plan_stats()["standins"]}
+    return {"per_size": rows, "standins": cf.plan_stats()["standins"],
+            "calls_before_steady": 1 + LATER_CALLS + STEADY_REPS + SWAP_CALLS + 4 * SWEEP_UP_PASSES}
 
 
 def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:

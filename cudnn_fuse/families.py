@@ -17,11 +17,12 @@ spec at other sizes with those layouts; a spec it cannot rebuild exactly has no 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Optional
 
-from .spec import MatmulSpec, SdpaSpec, TensorSpec
+from .spec import Epilogue, MatmulSpec, SdpaSpec, TensorSpec
 
 DYNAMIC = {"matmul": ("batch", "m"), "sdpa": ("batch", "seq_q", "seq_kv")}
 # names for sizes that move together: self-attention's one sequence length
@@ -169,14 +170,56 @@ def with_sizes(spec, **new) -> Optional[object]:
                     spec.is_causal, spec.scale)
 
 
+# Family keys by their forms (below): every new size of a known layer asks for its family on its first call,
+# and the digest of the spec's JSON costs several times the forms' own computation.
+_KEYS: dict = {}
+KEYS_CAPACITY = 4096
+
+
 def family(spec) -> Optional[str]:
     """The family key of ``spec`` (a hex digest), or None where it has no family: another op, or an
     operand layout ``with_sizes`` could not rebuild exactly."""
     dims = _dims(spec)
-    if dims is None or with_sizes(spec) != spec:
+    if dims is None:
         return None
-    d = spec.to_dict()
     fields = _fields(spec)
+    forms = []
+    for name, dd in dims.items():
+        t = fields[name]
+        layout = _layout(t, dd)
+        if layout is None:
+            return None
+        forms.append((name, tuple(-1 if i in dd else n for i, n in enumerate(t.shape)), layout, t.dtype))
+    memo = (type(spec), tuple(forms), _rest(spec, dims))
+    key = _KEYS.get(memo)
+    if key is None:
+        key = _family_digest(spec, dims, fields)
+        if len(_KEYS) >= KEYS_CAPACITY:
+            _KEYS.clear()
+        _KEYS[memo] = key
+    return key or None
+
+
+def _rest(spec, dims) -> tuple:
+    """What a family key depends on besides its operands' forms: the other operands as they are (None where
+    absent) and the attributes, each with its exact type (1 and 1.0 hash alike but are two JSON spellings)."""
+    out = []
+    for f in dataclasses.fields(spec):
+        v = getattr(spec, f.name)
+        if type(v) is Epilogue:
+            out.extend((g.name, type(w), w) for g in dataclasses.fields(v) if g.name not in dims
+                       for w in (getattr(v, g.name),))
+        elif f.name not in dims:
+            out.append((f.name, type(v), v))
+    return tuple(out)
+
+
+def _family_digest(spec, dims, fields) -> str:
+    """``family``'s key computed from the spec's canonical JSON; "" where ``with_sizes`` does not rebuild
+    the spec exactly."""
+    if with_sizes(spec) != spec:
+        return ""
+    d = spec.to_dict()
     for name, dd in dims.items():
         t = fields[name]
         order, base, rules, pinned = _layout(t, dd)

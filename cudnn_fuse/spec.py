@@ -10,6 +10,7 @@ only reads a tensor's metadata.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -187,11 +188,26 @@ class Epilogue:
         object.__setattr__(self, "negative_slope", float(slope) + 0.0)
 
 
+def _plain(v):
+    """``dataclasses.asdict``'s result for a spec's field value, without its generic recursion and deep
+    copies (a spec's digest is taken on the first call at every new shape): the same dicts, tuples and
+    scalars, so the canonical JSON, and with it every stored key, is unchanged."""
+    if type(v) is TensorSpec:
+        return {"shape": v.shape, "stride": v.stride, "dtype": v.dtype}
+    if type(v) is tuple:
+        return tuple([_plain(e) for e in v])
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    return copy.deepcopy(v)  # what asdict does with any other value
+
+
 class _SpecMixin:
     op: str
 
     def to_dict(self) -> dict:
-        return {"schema_version": SCHEMA_VERSION, "op": self.op, **dataclasses.asdict(self)}
+        return {"schema_version": SCHEMA_VERSION, "op": self.op, **_plain(self)}
 
     def canonical_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -324,7 +340,7 @@ class _WrapsForward(_SpecMixin):
             if f.name == "fwd":
                 d[f.name] = v.to_dict()
             else:
-                d[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                d[f.name] = _plain(v) if dataclasses.is_dataclass(v) else v
         return d
 
     def operands(self):

@@ -119,15 +119,20 @@ def test_dynamic_shapes_steady_vs_static_is_the_median_ratio_over_the_sizes_both
     assert dynamic_shapes.steady_vs_static({}, static) is None
 
 
-def test_dynamic_shapes_static_variant_times_each_size_after_its_loads(monkeypatch):
+def test_dynamic_shapes_static_variant_calls_each_size_as_the_cf_variant_does_before_timing_it(monkeypatch):
     from cudnn_fuse import loader
 
     monkeypatch.setattr(loader.STATS, "standins", 0)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
     seen = []
     monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 2.5)
     got = dynamic_shapes.static_steady(seen.append, lambda s: s * 10, [1, 2])
     assert got["per_size"] == [{"seq": 1, "steady_ms": 2.5}, {"seq": 2, "steady_ms": 2.5}] and got["standins"] == 0
-    assert seen == [10] * (3 + dynamic_shapes.STEADY_REPS) + [20] * (3 + dynamic_shapes.STEADY_REPS)
+    d = dynamic_shapes
+    # the cf variant: the sweep (first, later, steady), the swap calls, every sweep-up pass, then its timing
+    passes = [1 + d.LATER_CALLS + d.STEADY_REPS, d.SWAP_CALLS] + [4] * d.SWEEP_UP_PASSES + [1 + d.STEADY_REPS]
+    assert seen == [x for n in passes for x in [10] * n + [20] * n]
+    assert got["calls_before_steady"] == sum(passes[:-1])
 
 
 def test_dynamic_shapes_profiles_first_calls_at_sizes_the_sweep_did_not_meet(monkeypatch):

@@ -4,6 +4,7 @@ one entry and prewarm expands it back."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -205,3 +206,63 @@ def test_prewarm_builds_an_expanded_entry_once_per_size(cache_dir):
     rows = prewarm.prewarm(entries, builder=built.append)
     assert len(entries) == len(rows) == 2 and {r.status for r in rows} == {"built"}
     assert sorted(built, key=lambda s: s.y.shape) == [_one(_linear(4, batch=2)), _one(_linear(8, batch=2))]
+
+
+def _strided(shape, rng, dtype="float16"):
+    """A TensorSpec of ``shape`` in a random dim order with random padding, size-1 dims given any stride."""
+    from cudnn_fuse.spec import TensorSpec
+
+    order = list(range(len(shape)))
+    rng.shuffle(order)
+    stride, acc = [0] * len(shape), 1
+    for i in reversed(order):
+        stride[i] = acc if shape[i] != 1 or rng.random() < 0.5 else rng.choice([1, 7, acc * 3])
+        acc *= max(shape[i], 1) * rng.choice([1, 1, 2])
+    return TensorSpec(tuple(shape), tuple(stride), dtype)
+
+
+def _random_specs(rng, n):
+    from cudnn_fuse.spec import Epilogue, MatmulSpec, SdpaSpec
+
+    out = []
+    for _ in range(n):
+        b, m = rng.choice([1, 2, 3]), rng.choice([1, 4, 5, 9])
+        if rng.random() < 0.5:
+            k, nn = 8, rng.choice([8, 12])
+            epi = Epilogue(_strided((1, 1, nn), rng) if rng.random() < 0.5 else None,
+                           _strided((b, m, nn), rng) if rng.random() < 0.3 else None,
+                           rng.choice([None, "relu", "leaky_relu"]), rng.choice([0.01, 0.2]), rng.random() < 0.3)
+            out.append(MatmulSpec(_strided((b, m, k), rng), _strided((rng.choice([1, b]), k, nn), rng),
+                                  _strided((b, m, nn), rng), epi))
+        else:
+            h, d, skv = 2, 16, rng.choice([m, 6])
+            bias = _strided((rng.choice([1, b]), 1, m, skv), rng) if rng.random() < 0.3 else None
+            out.append(SdpaSpec(_strided((b, h, m, d), rng), _strided((b, h, skv, d), rng), _strided((b, h, skv, d), rng),
+                                _strided((b, h, m, d), rng), bias, rng.random() < 0.5, rng.choice([0.25, 1, 1.0])))
+    return out
+
+
+def test_the_family_keys_memo_gives_every_spec_the_key_its_json_gives():
+    """Family keys are memoized by operand forms and attributes: two specs that share a memo entry must have
+    one key computed from their JSON. Every spec's key, each computed alone, is the key the warm memo gives."""
+    from cudnn_fuse.spec import MatmulSpec
+
+    import random
+
+    rng = random.Random(5)
+    specs = _random_specs(rng, 400) + [_one(CASES[c](n, b)) for c in CASES for n, b in [(5, 2), (17, 1), (64, 3)]]
+    for spec in specs[:60]:  # the same operands with other attributes: one form, other keys
+        if type(spec) is MatmulSpec:
+            e = spec.epilogue
+            specs += [dataclasses.replace(spec, epilogue=dataclasses.replace(e, activation=a, negative_slope=0.3, amax=not e.amax))
+                      for a in ("gelu", "leaky_relu")] + [dataclasses.replace(spec, allow_tf32=True)]
+        else:
+            specs += [dataclasses.replace(spec, is_causal=not spec.is_causal), dataclasses.replace(spec, scale=0.5)]
+    alone = []
+    for spec in specs:
+        families._KEYS.clear()
+        alone.append(families.family(spec))
+    assert sum(k is None for k in alone) > 10 and len({k for k in alone if k}) > 50  # the fuzz reaches both
+    for order in (list(range(len(specs))), rng.sample(range(len(specs)), len(specs))):
+        families._KEYS.clear()
+        assert [families.family(specs[i]) for i in order] == [alone[i] for i in order]

@@ -369,3 +369,44 @@ def test_spec_from_dict_does_not_mutate_its_argument():
     before = json.dumps(d, sort_keys=True)
     spec_from_dict(d)
     assert json.dumps(d, sort_keys=True) == before
+
+
+def _every_spec_class():
+    """One spec of every class, with its optional operands present and absent."""
+    from tests.test_backward import _specs
+
+    from cudnn_fuse.spec import ScaledMMSpec, SdpaFP8Spec
+
+    e8 = "float8_e4m3fn"
+    out = [conv_spec(), matmul_spec(), sdpa_spec(), sdpa_spec(is_causal=True, scale=0.5),
+           matmul_spec(epilogue=Epilogue(TensorSpec((1, 1, 8), (8, 8, 1), "bfloat16"),
+                                         TensorSpec((2, 5, 8), (40, 8, 1), "bfloat16"), "leaky_relu", 0.2, True)),
+           ScaledMMSpec(TensorSpec((16, 32), (32, 1), e8), TensorSpec((32, 16), (1, 32), e8),
+                        TensorSpec((16, 16), (16, 1), "bfloat16"), Epilogue(activation="gelu", amax=True)),
+           SdpaFP8Spec(*(TensorSpec((1, 2, 16, 64), (2048, 1024, 64, 1), e8),) * 3, True, 0.125)]
+    return out + list(_specs().values())
+
+
+def _asdict_json(spec) -> str:
+    """The canonical JSON as ``dataclasses.asdict`` makes it: the spelling every stored key was made with."""
+    d = {"schema_version": SCHEMA_VERSION, "op": spec.op}
+    for f in dataclasses.fields(spec):
+        v = getattr(spec, f.name)
+        if f.name == "fwd":
+            d[f.name] = json.loads(_asdict_json(v))
+        else:
+            d[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+    return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+
+def test_every_specs_json_is_spelled_as_dataclasses_asdict_spells_it():
+    specs = _every_spec_class()
+    assert len({type(s) for s in specs}) >= 12
+    for spec in specs:
+        assert spec.canonical_json() == _asdict_json(spec), type(spec).__name__
+        assert spec.digest() == hashlib.sha256(_asdict_json(spec).encode()).hexdigest()
+        if not hasattr(spec, "fwd"):  # the same values, tuples as tuples, as asdict gives them
+            assert spec.to_dict() == {"schema_version": SCHEMA_VERSION, "op": spec.op, **dataclasses.asdict(spec)}
+        d = spec.to_dict()
+        d["op"] = "changed"  # a fresh dict each time: a caller's change reaches no spec
+        assert spec.to_dict()["op"] == spec.op
