@@ -182,9 +182,31 @@ def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:
     return out
 
 
-def _pyprofiled_size(sizes: list) -> int:
-    """One more new size, met by neither the sweep nor ``profile_first``: the same for every variant."""
-    return draw_sizes(1, 2, sizes + draw_sizes(PROFILED_SIZES, 1, sizes))[0]
+def _pyprofiled_size(sizes: list, seed: int = 2) -> int:
+    """One more new size, met by neither the sweep nor ``profile_first`` (nor, for another ``seed``, by the
+    first call ``pyprofile_first`` profiles): the same for every variant."""
+    met = sizes + draw_sizes(PROFILED_SIZES, 1, sizes)
+    return draw_sizes(1, seed, met if seed == 2 else met + [_pyprofiled_size(sizes)])[0]
+
+
+STANDIN_PROFILED_CALL = 5  # a stand-in's call past the one that asks the build process for its plan
+
+
+def pyprofile_standin(fn, make, size: int) -> dict:
+    """``pyprofile_first`` over call STANDIN_PROFILED_CALL at a new ``size``, with the plan lookups that call
+    made (``plan_stats`` deltas: a stand-in the ops' memo serves makes none). Taken while the build process is
+    still answering the sweep's requests, in order, so that this size's plans are still being built."""
+    import cudnn_fuse as cf
+
+    x = make(size)
+    with torch.no_grad():
+        for _ in range(STANDIN_PROFILED_CALL - 1):
+            fn(x)
+    before = cf.plan_stats()
+    out = pyprofile_first(fn, lambda _s: x, size)
+    after = cf.plan_stats()
+    out.update({"call": STANDIN_PROFILED_CALL, **{k: after[k] - before[k] for k in ("hits", "misses", "swaps")}})
+    return out
 
 
 def pyprofile_first(fn, make, size: int, limit: int = 15) -> dict:
@@ -229,6 +251,10 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
     if variant == "cf":
         fn = cf.optimize(model)
         res.update(sweep(fn, make, sizes))
+        # a stand-in's later call while the build process is still busy with the sweep's requests (it answers
+        # them in order): what a call served by torch's kernels costs over eager's, where the steady times
+        # say it does
+        res["standin_call_pyprofile"] = pyprofile_standin(fn, make, _pyprofiled_size(sizes, 3))
         res["settled"] = settled(fn, make, sizes)
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
         res["first_call_profile"] = profile_first(fn, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])

@@ -324,3 +324,25 @@ def test_profiled_ops_splits_kernels_from_host_ops_per_call_most_first():
     kernels, host = profiled_ops(prof, steps=2, width=3)
     assert kernels == [{"kernel": "gel", "us": 40.0, "calls": 1}, {"kernel": "gem", "us": 20.0, "calls": 2}]
     assert host == [{"op": "ate", "us": 6.0, "calls": 1}, {"op": "ate", "us": 4.0, "calls": 2}]  # no time: left out
+
+
+def test_dynamic_shapes_pyprofiles_a_stand_ins_later_call_with_its_plan_lookups(monkeypatch):
+    import cudnn_fuse as cf
+
+    sweep = dynamic_shapes.draw_sizes(10)
+    s = dynamic_shapes._pyprofiled_size(sweep, 3)
+    assert s not in sweep and s != dynamic_shapes._pyprofiled_size(sweep)
+    assert s not in dynamic_shapes.draw_sizes(dynamic_shapes.PROFILED_SIZES, 1, sweep)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    calls = []
+    lookups = iter(range(100))
+
+    def fn(x):
+        calls.append(x.shape[1])
+        return x
+
+    monkeypatch.setattr(cf, "plan_stats", lambda: {"hits": 3 * next(lookups), "misses": 0, "swaps": 0})
+    got = dynamic_shapes.pyprofile_standin(fn, lambda n: torch.zeros(1, n, 2), s)
+    assert calls == [s] * dynamic_shapes.STANDIN_PROFILED_CALL  # the profiled call is the last of them
+    assert got["call"] == dynamic_shapes.STANDIN_PROFILED_CALL and got["seq"] == s
+    assert (got["hits"], got["misses"], got["swaps"]) == (3, 0, 0) and got["by_self"]

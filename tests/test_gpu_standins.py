@@ -125,3 +125,35 @@ def test_the_build_process_builds_a_new_size_off_the_hot_path(cache_dir, monkeyp
     assert worst < 0.05, f"a call took {worst * 1e3:.1f} ms"
     torch.testing.assert_close(cf.linear(x, w, b, activation="gelu").float(), ref, atol=2e-2, rtol=2e-2)
     assert build_process.default().off is None
+
+
+def test_a_stand_in_whose_plan_is_being_built_is_served_from_the_ops_memo(cache_dir, monkeypatch):
+    """While the build process builds a stand-in's plan, its calls run from the ops' memo (no plan lookup, each
+    counted on the stand-in); once the build process answers, the next call leaves the memo and the plan comes
+    in (here built in this process: the build process answered that it failed)."""
+    from cudnn_fuse import build_process, ops
+
+    pending = build_process.Request()
+    monkeypatch.setattr(loader, "_request_build", lambda spec, device: pending)
+    torch.manual_seed(0)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+    loader.clear()
+    x, _ = _linear(512, w, b)
+    cf.linear(x, w, b, activation="gelu")  # the family's first size: built
+    x, ref = _linear(301, w, b)
+    for _ in range(2):  # the stand-in's first call, then the one that asks for its plan
+        torch.testing.assert_close(cf.linear(x, w, b, activation="gelu").float(), ref, atol=2e-2, rtol=2e-2)
+    (stand,) = [p for p in loader.plans_in_memory() if getattr(p, "standin", False)]
+    assert stand.request is pending and any(type(e) is ops._StandInLaunch for e in ops._FAST.values())
+    before, calls = cf.plan_stats(), stand.calls
+    for _ in range(8):
+        torch.testing.assert_close(cf.linear(x, w, b, activation="gelu").float(), ref, atol=2e-2, rtol=2e-2)
+    after = cf.plan_stats()
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])  # no plan lookup
+    assert stand.calls == calls + 8 and after["swaps"] == before["swaps"]
+    pending._answer("failed", "stood in for by the test")
+    for _ in range(3):
+        torch.testing.assert_close(cf.linear(x, w, b, activation="gelu").float(), ref, atol=2e-2, rtol=2e-2)
+    assert cf.plan_stats()["swaps"] == before["swaps"] + 1
+    assert not any(type(e) is ops._StandInLaunch for e in ops._FAST.values())
