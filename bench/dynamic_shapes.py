@@ -206,7 +206,31 @@ def pyprofile_standin(fn, make, size: int) -> dict:
     out = pyprofile_first(fn, lambda _s: x, size)
     after = cf.plan_stats()
     out.update({"call": STANDIN_PROFILED_CALL, **{k: after[k] - before[k] for k in ("hits", "misses", "swaps")}})
+    out["steady_ms_build_process"] = _beside_build_process(lambda: synced_ms(lambda: fn(x), STEADY_REPS))
     return out
+
+
+def _beside_build_process(timed) -> dict:
+    """``timed()`` while the build process runs and while it is stopped (SIGSTOP, then SIGCONT): whether a
+    stand-in's calls wait for the GPU behind the plans the build process is building and timing, a second
+    CUDA context the GPU time-slices with this one. Empty where there is no build process to stop."""
+    import signal
+
+    from cudnn_fuse import build_process
+
+    proc = getattr(build_process.default(), "_proc", None)
+    if proc is None or proc.poll() is not None or not hasattr(signal, "SIGSTOP"):
+        return {}
+    with torch.no_grad():
+        running = timed()
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.05)  # what it had queued on the GPU drains
+            stopped = timed()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        again = timed()
+    return {"running": round(running, 4), "stopped": round(stopped, 4), "running_again": round(again, 4)}
 
 
 def pyprofile_first(fn, make, size: int, limit: int = 15) -> dict:

@@ -346,3 +346,30 @@ def test_dynamic_shapes_pyprofiles_a_stand_ins_later_call_with_its_plan_lookups(
     assert calls == [s] * dynamic_shapes.STANDIN_PROFILED_CALL  # the profiled call is the last of them
     assert got["call"] == dynamic_shapes.STANDIN_PROFILED_CALL and got["seq"] == s
     assert (got["hits"], got["misses"], got["swaps"]) == (3, 0, 0) and got["by_self"]
+    assert got["steady_ms_build_process"] == {}  # no build process here to stop
+
+
+def test_dynamic_shapes_times_beside_a_running_and_a_stopped_build_process(monkeypatch):
+    import signal
+    import subprocess
+    import sys
+    import types
+
+    from cudnn_fuse import build_process
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        monkeypatch.setattr(build_process, "default", lambda: types.SimpleNamespace(_proc=proc))
+        states = []
+
+        def timed():  # what the process is doing while each timing runs
+            with open(f"/proc/{proc.pid}/stat") as f:
+                states.append(f.read().split(")")[-1].split()[0])
+            return float(len(states))
+        got = dynamic_shapes._beside_build_process(timed)
+        assert got == {"running": 1.0, "stopped": 2.0, "running_again": 3.0}
+        assert states[0] in "RS" and states[1] == "T" and states[2] in "RS"
+        assert proc.poll() is None  # continued, not left stopped or killed
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
