@@ -141,8 +141,9 @@ def static_steady(fn, make, sizes) -> dict:
     sweep-up pass), so that both compare one state of the launch graphs and the allocator."""
     import cudnn_fuse as cf
 
+    passes = [1 + LATER_CALLS + STEADY_REPS, SWAP_CALLS] + [4] * SWEEP_UP_PASSES
     with torch.no_grad():
-        for calls in [1 + LATER_CALLS + STEADY_REPS, SWAP_CALLS] + [4] * SWEEP_UP_PASSES:
+        for calls in passes:
             for s in sizes:
                 x = make(s)
                 for _ in range(calls):
@@ -154,7 +155,7 @@ def static_steady(fn, make, sizes) -> dict:
             fn(x)
             rows.append({"seq": s, "steady_ms": round(synced_ms(lambda: fn(x), STEADY_REPS), 4)})
     return {"per_size": rows, "standins": cf.plan_stats()["standins"],
-            "calls_before_steady": 1 + LATER_CALLS + STEADY_REPS + SWAP_CALLS + 4 * SWEEP_UP_PASSES}
+            "calls_before_steady": sum(passes)}
 
 
 def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:

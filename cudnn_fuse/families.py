@@ -193,7 +193,7 @@ def family(spec) -> Optional[str]:
     memo = (type(spec), tuple(forms), _rest(spec, dims))
     key = _KEYS.get(memo)
     if key is None:
-        key = _family_digest(spec, dims, fields)
+        key = _family_digest(spec, forms)
         if len(_KEYS) >= KEYS_CAPACITY:
             _KEYS.clear()
         _KEYS[memo] = key
@@ -214,18 +214,17 @@ def _rest(spec, dims) -> tuple:
     return tuple(out)
 
 
-def _family_digest(spec, dims, fields) -> str:
-    """``family``'s key computed from the spec's canonical JSON; "" where ``with_sizes`` does not rebuild
-    the spec exactly."""
+def _family_digest(spec, forms) -> str:
+    """``family``'s key computed from the spec's canonical JSON with each operand of ``forms`` (``family``'s:
+    name, shape with -1 for a dynamic extent, layout, dtype) in place of the operand; "" where ``with_sizes``
+    does not rebuild the spec exactly."""
     if with_sizes(spec) != spec:
         return ""
     d = spec.to_dict()
-    for name, dd in dims.items():
-        t = fields[name]
-        order, base, rules, pinned = _layout(t, dd)
-        form = {"shape": ["*" if i in dd else n for i, n in enumerate(t.shape)], "order": list(order),
+    for name, shape, (order, base, rules, pinned), dtype in forms:
+        form = {"shape": ["*" if n == -1 else n for n in shape], "order": list(order),
                 "base": base, "rules": [list(r) for r in rules], "pinned": [list(p) for p in pinned],
-                "dtype": t.dtype}
+                "dtype": dtype}
         if name in ("bias", "residual") and type(spec) is MatmulSpec:
             d["epilogue"][name] = form
         else:
