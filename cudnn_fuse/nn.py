@@ -21,6 +21,7 @@ NEEDS_INPUT = frozenset(ACTIVATIONS) - {"relu"}
 
 
 _NUMBERS = (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
+_SHAPE_MEMO = 64  # pairs of input and residual shapes a conv layer remembers the fit of
 
 
 def _broadcast_residual(residual, out_shape, dtype) -> bool:
@@ -34,8 +35,15 @@ def _broadcast_residual(residual, out_shape, dtype) -> bool:
         return isinstance(residual, _NUMBERS)
     if residual.dtype == dtype and tuple(residual.shape) == tuple(out_shape):
         return False
-    try:  # one that does not broadcast to the output goes to the op, which names it in its error
-        return tuple(torch.broadcast_shapes(tuple(residual.shape), tuple(out_shape))) == tuple(out_shape)
+    return _broadcastable(residual.shape, out_shape)
+
+
+def _broadcastable(a, b) -> bool:
+    """Whether shapes ``a`` and ``b`` broadcast together (either may grow: ``layer(x) + r`` takes a
+    residual of a larger batch as torch's add does). One that does not goes to the op, which names it."""
+    try:
+        torch.broadcast_shapes(tuple(a), tuple(b))
+        return True
     except RuntimeError:
         return False
 
@@ -81,7 +89,7 @@ def _check_fuse_training(fuse_training) -> bool:
 
 
 def _dropping(module) -> bool:
-    return any(d.training and d.p > 0 for d in module.__dict__.get("_dropouts", ()))
+    return any(d.training and getattr(d, "p", 1) != 0 for d in module.__dict__.get("_dropouts", ()))
 
 
 def _through_dropouts(module, y):
@@ -172,12 +180,12 @@ class Conv2d(torch.nn.Conv2d):
         if self.training and self.folded_bn is not None:
             self._folded_in_training()
         act, r = self.activation, residual
-        odd = residual is not None and isinstance(x, torch.Tensor) and (  # x not a tensor: the op names it
+        odd = residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and (  # else the op names x
             not isinstance(residual, torch.Tensor) or residual.dtype != _out_dtype(x)
             or residual.dim() != x.dim()
             or residual.shape[-3] != self.out_channels
-            or (1 in residual.shape and self._broadcasts(x, residual)))
-        if odd:  # a broadcast or other-dtype residual: added after the op, as torch adds it
+            or self._broadcasts(x, residual)))
+        if odd:  # a broadcast or other-dtype residual, or dropouts before it: added after the op, as torch adds it
             act, r = None, None
         if self.padding_mode != "zeros":  # cuDNN pads with zeros only
             z = self._conv_forward(x, self.weight, self.bias)
@@ -187,10 +195,11 @@ class Conv2d(torch.nn.Conv2d):
                            activation=act, residual=r, negative_slope=self.negative_slope)
         if not odd:
             return y
-        if not _broadcast_residual(residual, y.shape, y.dtype):
-            raise ArgumentError(f"conv2d: residual must have the output's shape {tuple(y.shape)} or broadcast to it, "
+        if not (isinstance(residual, _NUMBERS) or isinstance(residual, torch.Tensor) and
+                _broadcastable(residual.shape, y.shape)):
+            raise ArgumentError(f"conv2d: residual must have the output's shape {tuple(y.shape)} or broadcast with it, "
                              f"got {_described(residual)}")
-        return reference.activation(y + residual, self.activation, self.negative_slope)
+        return reference.activation(_through_dropouts(self, y) + residual, self.activation, self.negative_slope)
 
     def _apply(self, fn, recurse=True):
         w = self._parameters.get("weight")
@@ -236,15 +245,26 @@ class Conv2d(torch.nn.Conv2d):
                            "in train mode to train it")
 
     def _broadcasts(self, x, residual) -> bool:
-        """Whether a residual of the output's rank and channels has another shape ([1, K, P, Q] or
-        [N, K, 1, 1]: a size 1 where the output's is not). Asked only of a residual with a size 1, which
-        any such one has; one that fits no geometry goes to the op, which names it."""
+        """Whether a residual of the output's rank and channels has another shape (it broadcasts with the
+        output: [1, K, P, Q], [N, K, 1, 1], or a larger batch or map than the output's). One that fits no
+        geometry goes to the op, which names it. Remembered per pair of shapes (``_SHAPE_MEMO`` of them):
+        the output's shape costs more host time than the rest of a call."""
+        key = (x.shape, residual.shape)
+        compiling = torch.compiler.is_compiling()  # symbolic sizes: no memo
+        memo = None if compiling else self.__dict__.get("_residual_shapes")
+        if memo is not None and key in memo:
+            return memo[key]
         try:
             pre, post = ops._conv_padding(self.padding, tuple(self.weight.shape[-2:]), self.dilation, self.stride)
-            return tuple(residual.shape) != ops.conv_out_shape(x.shape, self.weight.shape, self.stride, pre, post,
-                                                               self.dilation)
+            odd = tuple(residual.shape) != ops.conv_out_shape(x.shape, self.weight.shape, self.stride, pre, post,
+                                                              self.dilation)
         except (TypeError, ValueError, IndexError):
-            return False
+            odd = False
+        if not compiling:
+            if memo is None or len(memo) >= _SHAPE_MEMO:
+                memo = self.__dict__["_residual_shapes"] = {}
+            memo[key] = odd
+        return odd
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "") + \

@@ -29,8 +29,11 @@ GEMMs.
 
 Calls that return their input in every mode (nn.Identity, dropouts of p=0) are taken out of the
 graph first, so that they do not stand between a layer and its epilogue; a Linear's (or Conv1D's, or a
-MLP's) residual add is also fused across dropouts in eval mode, which the fused layer runs again in
-training mode. A node is fused into its
+MLP's, or conv's) residual add is also fused across dropouts and drop-paths in eval mode, which the fused
+layer runs again in training mode. fx fixes the training mode a forward reads at trace time, so a module is
+traced in both modes, and one whose graphs differ has its children rewritten instead (each submodule keeps
+its own mode); a drop-path (a module with no state whose forward reads its mode) stays a call. Nothing is
+fused across an in-place change of a tensor the fused call would read later. A node is fused into its
 producer only when the producer's output has no other user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
 beside the layers they hold, which stay where they were), so parameter names (state_dict keys)
 stay the original's, except where eval mode folds a BatchNorm2d;
@@ -163,7 +166,27 @@ class _Tracer(fx.Tracer):
             return True
         if id(m) in self.norms:  # replaced whole (_Rewriter.run)
             return True
-        return super().is_leaf_module(m, qualname)
+        return _mode_switch(m) or super().is_leaf_module(m, qualname)
+
+
+def _mode_switch(m: nn.Module) -> bool:
+    """A module with no parameters, buffers or children whose forward reads ``self.training`` (a stochastic
+    depth or drop-path, torchvision's StochasticDepth): kept a call, so that it follows the model's mode
+    at run time, where traced into it would leave one mode's graph for both."""
+    if m._parameters or m._buffers or m._modules:
+        return False
+    code = getattr(getattr(type(m), "forward", None), "__code__", None)
+    return code is not None and "training" in code.co_names
+
+
+def _identity_in_eval(m: nn.Module) -> bool:
+    """Whether ``m`` (a _mode_switch module, in eval mode) returns its input itself: asked of a probe."""
+    probe = torch.zeros(2, 3, 4, 5)
+    try:
+        with torch.no_grad():
+            return m(probe) is probe
+    except Exception:  # noqa: BLE001 - it does not take such input: not one to fuse across
+        return False
 
 
 # the steps an RMSNorm written out in torch ops takes (transformers' LlamaRMSNorm and its copies)
@@ -214,9 +237,14 @@ def _told_rms_norm_eps(m: nn.Module):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, w.shape[0], generator=gen) * 2 + 1
     probe_w = torch.rand(w.shape[0], generator=gen) + 0.5
+    # in float32 also rows whose mean square is near eps, where eps's place shows (under the root or
+    # beside it, x / (sqrt(mean(x^2)) + eps), differ there by up to 1.4x and by 1e-6 at unit scale)
+    small = torch.randn(4, w.shape[0], generator=gen) * torch.tensor([1e-1, 1.0, 1e1, 1e3]).unsqueeze(1) * \
+        max(eps, 1e-12) ** 0.5
     # F.rms_norm answers in its input's dtype, computing in float32 and rounding once
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)):
-        xd, wd = x.to(dtype), probe_w.to(dtype)
+        xd, wd = (torch.cat([x, small.expand(2, 4, -1)], 1) if dtype is torch.float32 else x).to(dtype), \
+            probe_w.to(dtype)
         try:
             with torch.no_grad():
                 got = torch.func.functional_call(m, {"weight": wd}, (xd,))
@@ -229,10 +257,43 @@ def _told_rms_norm_eps(m: nn.Module):
     return eps
 
 
+def _code_without_identities(module, graph: fx.Graph) -> str:
+    """The code of ``graph`` less its calls that return their input (``_is_identity``: a dropout of p=0
+    runs the same in both modes, whatever ``training`` it is given). Erases them from ``graph``."""
+    for node in list(graph.nodes):
+        if _is_identity(module, node) and isinstance(node.args[0], fx.Node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    return graph.python_code("self").src
+
+
+class _ModeDependent(Exception):
+    """A forward whose traced graph depends on the training mode (it reads ``self.training``)."""
+
+
 def _trace(module) -> fx.GraphModule:
+    """``module``'s traced GraphModule. Traced again with every module in the other mode, and refused
+    (_ModeDependent) where the two graphs differ: fx fixes the mode a forward reads at trace time
+    (``F.dropout(x, p, self.training)``, a branch on it), so the graph would run one mode in both."""
     norms = frozenset(id(m) for m in module.modules() if m is not module and _rms_norm_eps(m) is not None)
-    gm = fx.GraphModule(module, _Tracer(norms).trace(module))
+    modes, attrs = [(m, m.training) for m in module.modules()], set(vars(module))
+    try:
+        module.train(not module.training)
+        other = _Tracer(norms).trace(module)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        for name in set(vars(module)) - attrs:  # the tensor constants fx set on it, named anew by the next trace
+            delattr(module, name)
+    graph = _Tracer(norms).trace(module)
+    if _code_without_identities(module, graph) != _code_without_identities(module, other):
+        raise _ModeDependent
+    gm = fx.GraphModule(module, graph)
+    gm.training = module.training  # its own flag only: each submodule keeps its mode (a frozen BatchNorm)
     _restore_unused(module, gm)
+    for name in gm._buffers:  # tensor constants fx made buffers of: not the model's state
+        if name.startswith("_tensor_constant") and name not in module._buffers:
+            gm._non_persistent_buffers_set.add(name)
     return gm
 
 
@@ -318,16 +379,56 @@ def _activation_of(gm, node: fx.Node):
     return _function_activation(node)
 
 
-def _inplace_between(first: fx.Node, last: fx.Node, fused=()) -> bool:
-    """Whether an in-place call (_INPLACE) other than the ``fused`` ones lies between ``first`` and
-    ``last`` in the graph's order. A fused call takes ``last``'s place and reads its operands there:
-    one changed in place between the two (y = conv(x); x += 1; relu(y)) would be read changed."""
+def _inplace_arg(fn, args, kwargs) -> bool:
+    """Whether a call of ``fn`` passes ``inplace=True``, by name or by position (``F.relu(x, True)``)."""
+    if kwargs.get("inplace") is True:
+        return True
+    if not any(a is True for a in args):
+        return False
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # a builtin without a signature, or arguments it does not take
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _mutates(gm, node: fx.Node) -> bool:
+    """Whether ``node`` changes a tensor in place: an augmented assignment (_INPLACE), item assignment
+    (``x[i] = v``), an in-place method or torch function (``x.mul_(2)``, ``torch.relu_(x)``), a call
+    given ``inplace=True`` or a module built with it (``nn.ReLU(inplace=True)``)."""
+    t = node.target
+    if node.op == "call_function":
+        if t in _INPLACE_FNS or t is operator.setitem:
+            return True
+        name = getattr(t, "__name__", "")
+        return (name.endswith("_") and not name.startswith("_")) or _inplace_arg(t, node.args, node.kwargs)
+    if node.op == "call_method":
+        return isinstance(t, str) and t.endswith("_") and not t.startswith("_")
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(t), "inplace", False) is True
+    return False
+
+
+def _inplace_between(gm, first: fx.Node, last: fx.Node, fused=()) -> bool:
+    """Whether an in-place change (``_mutates``) other than the ``fused`` calls lies between ``first``
+    and ``last`` in the graph's order. A fused call takes ``last``'s place and reads its operands there:
+    one changed in place between the two (y = conv(x); x += 1; relu(y), or nn.ReLU(inplace=True) on
+    x) would be read changed."""
     node = first.next
     while node is not last and node.op != "root":
-        if node.op == "call_function" and node.target in _INPLACE_FNS and node not in fused:
+        if node not in fused and _mutates(gm, node):
             return True
         node = node.next
     return False
+
+
+def _eliminate_dead_code(gm) -> None:
+    """fx's dead-code elimination that keeps in-place changes (``_mutates``): fx keeps the calls it knows
+    to be impure only, and dropped ``x.mul_(2)`` where its result went unused (the model read ``x``)."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op not in ("placeholder", "output") and not node.users and not node.is_impure() and \
+                not _mutates(gm, node):
+            gm.graph.erase_node(node)
 
 
 def _only_user(node: fx.Node):
@@ -445,6 +546,7 @@ class _Rewriter:
         ``dropouts`` list, the residual add may come after dropouts in eval mode (``_eval_dropout``):
         their modules' paths are appended to it."""
         fused, residual, act = [], None, None
+        start, held = last, len(dropouts) if dropouts is not None else 0
         nxt = _only_user(last)
         between = []
         while dropouts is not None and nxt is not None and self._eval_dropout(nxt):
@@ -463,6 +565,13 @@ class _Rewriter:
             act = _activation_of(self.gm, nxt)
             if act is not None:
                 fused.append(nxt)
+        if fused and _inplace_between(self.gm, start, fused[-1], fused):
+            # the fused call would read the layer's input where the epilogue ends, after the change
+            self.summary.left_alone.append((self.where(start), "epilogue not fused: a tensor is changed in place "
+                                            "between the layer and it"))
+            if dropouts is not None:
+                del dropouts[held:]
+            return [], None, None
         return fused, residual, act
 
     def _eval_dropout(self, node: fx.Node) -> bool:
@@ -471,7 +580,8 @@ class _Rewriter:
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             return False
         m = self.gm.get_submodule(node.target)
-        return isinstance(m, _DROPOUTS) and not m.training and not _hooked(m) and self.calls_of[node.target] == 1
+        return (isinstance(m, _DROPOUTS) or _mode_switch(m) and _identity_in_eval(m)) and not m.training and \
+            not _hooked(m) and self.calls_of[node.target] == 1
 
     def through(self, module: nn.Module, dropouts: list) -> nn.Module:
         """``module`` told the dropouts it was fused across (kept registered where they were)."""
@@ -485,12 +595,13 @@ class _Rewriter:
         """False (left alone, with the reason) when a tensor changes in place between the nodes."""
         # The fused module takes the replaced one's place, so parameter names (state_dict keys,
         # optimizer groups by name) stay the original's (run() leaves shared modules alone).
-        if fused and _inplace_between(first, fused[-1], fused):
+        if fused and _inplace_between(self.gm, first, fused[-1], fused):
             self.summary.left_alone.append((self.where(first), "a tensor is changed in place between the layer "
                                             "and its epilogue"))
             return False
         if name is None:
             name = first.target if first.op == "call_module" else self.new_name("cudnn_fuse_")
+        module.train((self.gm.get_submodule(first.target) if first.op == "call_module" else self.gm).training)
         self.gm.add_submodule(name, module)
         last = fused[-1] if fused else first
         with self.gm.graph.inserting_after(last):
@@ -519,12 +630,17 @@ class _Rewriter:
             if bn.training or not bn.track_running_stats:
                 self.summary.left_alone.append((self.where(bn_node), "BatchNorm2d in training mode (folded only in eval)"))
                 return
+            if conv.training:  # a frozen BatchNorm2d in a model that trains: the conv's weight still learns
+                self.summary.left_alone.append((self.where(bn_node), "BatchNorm2d in eval mode under a Conv2d in "
+                                                "training mode (its weight trains: folded only in eval)"))
+                return
             weight, bias = _fold_bn(conv, bn)
             folded = self.where(bn_node)
             fused.append(bn_node)
             pattern.append("BatchNorm2d(folded)")
             last = bn_node
-        more, residual, act = self.epilogue(last)
+        dropouts = []
+        more, residual, act = self.epilogue(last, dropouts)
         fused += more
         if residual is not None:
             pattern.append("residual add")
@@ -533,7 +649,8 @@ class _Rewriter:
         if len(pattern) == 1:
             # nothing to fuse, but the plain conv still runs as one cuDNN graph
             pattern.append("(alone)")
-        m = _new_conv(conv, weight, bias, act[0] if act else None, act[1] if act else 0.01, folded)
+        m = self.through(_new_conv(conv, weight, bias, act[0] if act else None, act[1] if act else 0.01, folded),
+                         dropouts)
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
 
@@ -589,7 +706,7 @@ class _Rewriter:
                             name=self.new_name("cudnn_fuse_mlp_")):
             return True  # left alone, with the reason
         # the layers stay where they were (the block holds them, unregistered): state_dict keys unchanged
-        self.gm.add_submodule(node.target, fc1)
+        self.gm.add_submodule(node.target, fc1.train(lin.training))
         self.held.update((node.target, nxt.target))
         return True
 
@@ -610,7 +727,7 @@ class _Rewriter:
     def rms_norm(self, node: fx.Node, m: nn.Module) -> None:
         """An RMSNorm written out in torch ops -> cudnn_fuse.nn.RMSNorm (torch's one kernel), at the module's
         path: every call site takes it, and it holds the same weight."""
-        self.gm.add_submodule(node.target, cfnn.RMSNorm(m, _rms_norm_eps(m)))
+        self.gm.add_submodule(node.target, cfnn.RMSNorm(m, _rms_norm_eps(m)).train(m.training))
         self.summary.replaced.append((self.where(node), _RMS_PATTERN.format(type(m).__name__)))
 
     def skip_identities(self) -> None:
@@ -661,7 +778,7 @@ class _Rewriter:
             elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
                 node.target = attention
                 self.summary.replaced.append((self.where(node), "F.scaled_dot_product_attention"))
-        self.gm.graph.eliminate_dead_code()
+        _eliminate_dead_code(self.gm)
         self._delete_fused_away(called_before)
         if self.chain_convs:
             self.chain()  # after the clean-up: the chained layers stay the model's children
@@ -705,12 +822,12 @@ class _Rewriter:
         if len(run) >= 2:
             runs.append(run)
         for run in runs:
-            if _inplace_between(run[0], run[-1]):
+            if _inplace_between(self.gm, run[0], run[-1]):
                 continue  # the chain would read its input where the last layer was: after the change
             name = self.new_name("cudnn_fuse_chain_")
             layers = [self.gm.get_submodule(n.target) for n in run]
             # the ConvChain holds the layers in a plain list; add_submodule registers only the chain
-            self.gm.add_submodule(name, cfnn.ConvChain(layers, chained=True))
+            self.gm.add_submodule(name, cfnn.ConvChain(layers, chained=True).train(layers[0].training))
             with self.gm.graph.inserting_after(run[-1]):
                 new = self.gm.graph.call_module(name, (run[0].args[0],))
             run[-1].replace_all_uses_with(new)
@@ -907,7 +1024,7 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
     eps = _rms_norm_eps(module)
     if eps is not None:
         summary.replaced.append((prefix.rstrip(".") or type(module).__name__, _RMS_PATTERN.format(type(module).__name__)))
-        return cfnn.RMSNorm(module, eps)
+        return cfnn.RMSNorm(module, eps).train(module.training)
     if type(module) is nn.Linear:  # a lone Linear child (e.g. an untraceable model's lm_head)
         where = prefix.rstrip(".") or "Linear"
         why = _hooked(module)  # an AlignedLinear in its place would not run the hooks
@@ -915,9 +1032,9 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
             summary.left_alone.append((where, why))
         elif fp8 is not None and _fp8_takes(module):
             summary.replaced.append((where, "Linear (FP8)"))
-            return _new_linear(module, None, 0.01, recompute, fp8)
+            return _new_linear(module, None, 0.01, recompute, fp8).train(module.training)
         elif cfnn.AlignedLinear.wanted(module):
-            m = cfnn.AlignedLinear(module)
+            m = cfnn.AlignedLinear(module).train(module.training)
             summary.replaced.append((where, _aligned_pattern(m)))
             return m
         else:
@@ -931,11 +1048,14 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
         gm = _trace(module)
     except Exception as exc:  # noqa: BLE001 - untraceable forward: try its children
         where = prefix.rstrip(".") or type(module).__name__
+        why = "its forward depends on the training mode" if isinstance(exc, _ModeDependent) else \
+            f"not traceable by torch.fx ({type(exc).__name__})"
         if not list(module.children()):
-            summary.left_alone.append((where, f"not traceable by torch.fx ({type(exc).__name__})"))
+            if isinstance(exc, _ModeDependent) and type(module).__module__.startswith("torch.nn."):
+                return module  # a dropout or norm of torch's: nothing in it to fuse
+            summary.left_alone.append((where, why))
             return module
-        summary.left_alone.append((where, f"not traceable by torch.fx ({type(exc).__name__}); its children are "
-                                          "rewritten one by one"))
+        summary.left_alone.append((where, f"{why}; its children are rewritten one by one"))
         for name, child in list(module.named_children()):
             setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute, chain_convs, fp8))
         return module
@@ -945,7 +1065,6 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
         # nothing fused: keep the original module (a GraphModule lacks the attributes other
         # code may read, e.g. transformers reads ``attn_dropout.p``)
         return module
-    gm.train(module.training)
     _keep_model_surface(gm, module)
     if isinstance(gm, OptimizedGraphModule):
         gm.recompile()  # its own: the forward fetches shared submodule paths once
@@ -1082,14 +1201,22 @@ def _run_example(model: nn.Module, example_inputs, summary: Summary) -> None:
 
     handles = [h for name, m in layers for h in (m.register_forward_pre_hook(enter(name)),
                                                     m.register_forward_hook(leave))]
+    # the call leaves no trace in the model or the random streams: a training-mode forward updates the
+    # BatchNorms' running statistics, and dropouts draw random numbers
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cuda = sorted({t.device.index or 0 for t in list(model.parameters()) + [b for b, _ in buffers] if t.is_cuda})
     try:
-        with torch.no_grad() if not model.training else contextlib.nullcontext():
+        with torch.random.fork_rng(devices=cuda), \
+                torch.no_grad() if not model.training else contextlib.nullcontext():
             model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
         while stack:  # a forward that raised inside a layer
             stack.pop()[1].__exit__(None, None, None)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
     held = {(p.spec, p.device): p for p in loader.plans_in_memory()}
     for name, _ in layers:
         what = [loader.describe(held[key]) if key in held else "PyTorch's ops (the fused call fell back)"

@@ -1,0 +1,318 @@
+"""What cf.optimize() must keep of a model's meaning (CPU path): in-place changes between a layer and its
+epilogue, residuals that broadcast either way, the mode a forward reads, each submodule's own mode, the
+model's state across an example call, and its state_dict keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cudnn_fuse as cf
+from cudnn_fuse import nn as cfnn
+
+
+def _eval_same(model, *args):
+    model.eval()
+    opt = cf.optimize(model)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))
+    return opt
+
+
+# --------------------------------------------------------------------- in-place changes
+
+
+class _ModuleInplace(nn.Module):
+    """``h`` is changed in place (nn.ReLU(inplace=True)) after the conv read it and before the add."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0, self.c, self.act = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.c0(x)
+        y = self.c(h)
+        return torch.tanh(y + self.act(h))
+
+
+class _FunctionInplace(nn.Module):
+    def __init__(self, positional: bool):
+        super().__init__()
+        self.l0, self.l, self.positional = nn.Linear(8, 8), nn.Linear(8, 8), positional
+
+    def forward(self, x):
+        h = self.l0(x) * 1.0
+        y = self.l(h)
+        r = F.relu(h, True) if self.positional else F.relu(h, inplace=True)
+        return y + r
+
+
+class _MethodInplace(nn.Module):
+    """``x.mul_(2)`` changes the conv's input after it; its result is unused (the model reads ``x``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        x = x.clone()
+        y = self.c(x)
+        x.mul_(2)
+        return y + x
+
+
+class _SetItem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = x.clone()
+        y = self.l(x)
+        x[:, 0] = 5.0
+        return F.relu(y + x)
+
+
+@pytest.mark.parametrize("make", [_ModuleInplace, lambda: _FunctionInplace(False), lambda: _FunctionInplace(True),
+                                  _MethodInplace, _SetItem],
+                         ids=["module", "function", "positional", "method", "setitem"])
+def test_a_tensor_changed_in_place_between_a_layer_and_its_epilogue_keeps_the_epilogue_apart(make):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(2, 4, 6, 6) if isinstance(model, (_ModuleInplace, _MethodInplace)) else torch.randn(3, 8)
+    opt = _eval_same(model, x)
+    assert not any("residual add" in p for _, p in opt.cudnn_fuse_summary.replaced)
+
+
+def test_an_in_place_change_whose_result_is_unused_survives_the_rewrite():
+    """fx's dead-code elimination dropped ``x.mul_(2)`` (no user of its result) once the graph had
+    something else replaced."""
+    torch.manual_seed(0)
+    model = _MethodInplace()
+    opt = _eval_same(model, torch.randn(2, 4, 6, 6))
+    assert opt.cudnn_fuse_summary.replaced  # the conv was replaced: the rewritten graph runs
+    assert any(n.op == "call_method" and n.target == "mul_" for n in opt.graph.nodes)
+
+
+# --------------------------------------------------------------------- residuals
+
+
+class _Grows(nn.Module):
+    """``layer(x) + r`` where ``r`` is larger than the layer's output: torch's add broadcasts the output."""
+
+    def __init__(self, conv: bool):
+        super().__init__()
+        self.layer = nn.Conv2d(4, 4, 1) if conv else nn.Linear(8, 8)
+
+    def forward(self, x, r):
+        return F.relu(self.layer(x) + r)
+
+
+@pytest.mark.parametrize("conv,xs,rs", [(True, (1, 4, 5, 5), (3, 4, 5, 5)), (True, (2, 4, 1, 1), (2, 4, 5, 5)),
+                                        (False, (1, 5, 8), (2, 5, 8)), (False, (5, 8), (3, 5, 8))],
+                         ids=["conv-batch", "conv-map", "linear-batch", "linear-rank"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_a_residual_larger_than_the_layers_output_is_added_as_torch_adds_it(conv, xs, rs, train):
+    torch.manual_seed(0)
+    model = _Grows(conv).train(train)
+    x, r = torch.randn(xs), torch.randn(rs)
+    opt = cf.optimize(model)
+    assert any("residual add" in p for _, p in opt.cudnn_fuse_summary.replaced)
+    with torch.set_grad_enabled(train):
+        torch.testing.assert_close(opt(x, r), model(x, r))
+
+
+def test_a_residual_that_fits_no_output_is_named_in_the_error():
+    m = cfnn.Conv2d(4, 4, 1)
+    with pytest.raises(ValueError, match="residual"):
+        m(torch.randn(2, 4, 5, 5), torch.randn(3, 4, 5, 5))
+
+
+# --------------------------------------------------------------------- modes
+
+
+class _DropoutByMode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = F.dropout(self.l(x), p=0.5, training=self.training)
+        return F.relu(self.l2(h) + x)
+
+
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_a_forward_that_reads_the_mode_runs_each_mode_after_optimize(first):
+    """fx fixes ``self.training`` at trace time: traced in one mode, the graph ran that mode in both."""
+    torch.manual_seed(0)
+    model = _DropoutByMode().train(first == "train")
+    opt = cf.optimize(model)
+    assert any("depends on the training mode" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x = torch.randn(64, 16)
+    opt.eval(), model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    opt.train()
+    with torch.no_grad():
+        assert not torch.equal(opt(x), opt(x))  # dropout draws again
+
+
+class _Switch(nn.Module):
+    """A drop-path: no parameters, its forward reads ``self.training`` and returns its input in eval."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        keep = (torch.rand(x.shape[0], 1, device=x.device) >= self.p).to(x.dtype)
+        return x * keep / (1 - self.p)
+
+
+class _DropPathBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), _Switch(0.5)
+
+    def forward(self, x):
+        return x + self.drop(self.fc(x))
+
+
+def test_a_drop_path_stays_a_call_and_the_residual_is_fused_across_it_in_eval():
+    torch.manual_seed(0)
+    model = _DropPathBlock().eval()
+    opt = cf.optimize(model)
+    assert dict(opt.cudnn_fuse_summary.replaced)["fc"] == "Linear + dropout (eval) + residual add"
+    x = torch.randn(256, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        opt.train(), model.train()
+        torch.manual_seed(1)
+        a = opt(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(a, model(x))  # the same draws: the drop-path ran in training mode
+    assert not torch.equal(a, opt(x))
+
+
+class _Aux(nn.Module):
+    """GoogLeNet-style: an auxiliary output in training mode only."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.aux = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        y = self.body(x)
+        return (y, self.aux(y)) if self.training else y
+
+
+def test_a_mode_dependent_model_has_its_children_rewritten_and_answers_in_each_mode():
+    torch.manual_seed(0)
+    model = _Aux().train()
+    opt = cf.optimize(model)
+    assert dict(opt.cudnn_fuse_summary.replaced)["body.0"] == "Conv2d + relu"
+    x = torch.randn(2, 3, 8, 8)
+    assert isinstance(opt(x), tuple)
+    opt.eval(), model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_each_submodule_keeps_its_own_mode():
+    """A model that trains with its BatchNorms frozen (eval) keeps them frozen and unfolded (its convs'
+    weights train); a model in eval with a dropout kept in training (MC dropout) keeps it drawing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1)).train()
+    model[1].eval()
+    opt = cf.optimize(model)
+    assert opt.training and not opt.get_submodule("1").training
+    assert any("under a Conv2d in training mode" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(opt(x), model(x))
+
+    mc = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 16)).eval()
+    mc[2].train()
+    opt = cf.optimize(mc)
+    assert not opt.training and opt.get_submodule("2").training
+    with torch.no_grad():
+        x = torch.randn(8, 16)
+        assert not torch.equal(opt(x), opt(x))
+
+
+def test_replacements_take_the_mode_of_the_layer_they_replace():
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Conv2d(1, 1, 1)).eval()
+    opt = cf.optimize(model)
+    assert not any(m.training for m in opt.modules())
+
+
+# --------------------------------------------------------------------- state
+
+
+def test_an_example_call_in_training_mode_leaves_the_models_state_and_random_stream_as_they_were():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.5)).train()
+    x = torch.randn(2, 3, 8, 8)
+    torch.manual_seed(5)
+    opt = cf.optimize(model, example_inputs=x)
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    torch.testing.assert_close(after, torch.rand(3))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(opt.state_dict()[k], v)
+    assert int(opt.state_dict()["1.num_batches_tracked"]) == 0
+
+
+class _TableBias(nn.Module):
+    """Indexes a table with a buffer: fx makes a tensor constant of the index it computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 4))
+        self.register_buffer("idx", torch.arange(9) % 7)
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.l(x) + self.table[self.idx.view(-1)])
+
+
+def test_tensor_constants_of_the_trace_stay_out_of_the_state_dict():
+    torch.manual_seed(0)
+    model = _TableBias()
+    opt = cf.optimize(model)
+    assert opt.cudnn_fuse_summary.replaced
+    assert set(opt.state_dict()) == set(model.state_dict())
+    opt.load_state_dict(model.state_dict())
+    model.load_state_dict(opt.state_dict())
+    x = torch.randn(9, 4)
+    torch.testing.assert_close(opt(x), model(x))
+
+
+class _RmsOutside(nn.Module):
+    """eps beside the root, not under it: no RMSNorm (the two differ where mean(x^2) is near eps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(16)), 1e-6
+
+    def forward(self, x):
+        return self.weight * (x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.eps))
+
+
+class _RmsInside(_RmsOutside):
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+@pytest.mark.parametrize("norm,replaced", [(_RmsOutside, False), (_RmsInside, True)])
+def test_only_a_true_rms_norm_is_replaced_by_torchs_kernel(norm, replaced):
+    model = nn.Sequential(norm(), nn.Linear(16, 16))
+    opt = cf.optimize(model)
+    assert any("RMSNorm" in p for _, p in opt.cudnn_fuse_summary.replaced) is replaced
+    x = torch.randn(3, 16) * 1e-3
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
