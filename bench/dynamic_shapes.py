@@ -7,7 +7,9 @@ the drawn sizes, and the sweep runs in a fresh process. Per size: the first call
 steady-state time at that size (``extra``), for cf, torch eager and ``torch.compile(dynamic=True)``
 (whose compile and recompiles are counted). For cf, once the build process has stored every plan asked of
 it: per size the calls that swap them in (the slowest counts) and the steady time on them, against a fresh
-process running those stored plans from its first call (``steady_vs_static``). For cf and for
+process running those stored plans from its first call (``steady_vs_static``), with the way their steady
+calls went (``steady_paths``: plan lookups, launch-graph replays and captures a call) and a cProfile of one
+(``steady_pyprofile``). For cf and for
 eager with torch's SDPA off its cuDNN backend, a torch.profiler record of the first call at two more new
 sizes (``first_call_profile``) and a cProfile of it at one more (``first_call_pyprofile``: Python's share).
 Writes dynamic_shapes.json (commit, GPU, cuDNN) and a plot:
@@ -82,6 +84,19 @@ def sweep(fn, make, sizes) -> dict:
     return out
 
 
+def steady_paths(fn, x) -> dict:
+    """The steady ms of ``fn(x)`` (median of STEADY_REPS synced calls) and, per call, the plan lookups it
+    made (the ops' memo and C path make none) and the launch-graph replays and captures it ran: which way
+    the steady calls went, where two processes running the same plans differ in time."""
+    import cudnn_fuse as cf
+
+    before = cf.plan_stats()
+    ms = synced_ms(lambda: fn(x), STEADY_REPS)
+    after = cf.plan_stats()
+    return {"steady_ms": round(ms, 4), **{f"{k}_per_call": round((after[k] - before[k]) / STEADY_REPS, 2)
+                                           for k in ("hits", "graph_replays", "graph_captures")}}
+
+
 def _standins_left() -> int:
     import cudnn_fuse as cf
 
@@ -125,7 +140,7 @@ def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
         for row in out["per_size"]:
             x = make(row["seq"])
             fn(x)
-            row["steady_ms"] = round(synced_ms(lambda: fn(x), STEADY_REPS), 4)
+            row.update(steady_paths(fn, x))
             row["swap_extra_ms"] = round(row["swap_ms"] - row["steady_ms"], 3)
     vals = sorted(r["swap_extra_ms"] for r in out["per_size"])
     out["swap_call_extra_ms_median"] = round(statistics.median(vals), 3)
@@ -153,9 +168,9 @@ def static_steady(fn, make, sizes) -> dict:
         for s in sizes:
             x = make(s)
             fn(x)
-            rows.append({"seq": s, "steady_ms": round(synced_ms(lambda: fn(x), STEADY_REPS), 4)})
+            rows.append({"seq": s, **steady_paths(fn, x)})
     return {"per_size": rows, "standins": cf.plan_stats()["standins"],
-            "calls_before_steady": sum(passes)}
+            "calls_before_steady": sum(passes), "plan_stats": cf.plan_stats()}
 
 
 def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:
@@ -235,9 +250,9 @@ def _beside_build_process(timed) -> dict:
 
 
 def pyprofile_first(fn, make, size: int, limit: int = 15) -> dict:
-    """cProfile over the first call at ``size`` (new to the process): its wall ms under the profiler and the
-    Python functions taking most time, by their own time and with what they call. Where a new size's
-    first call spends its host time in Python, which torch.profiler's host ops do not show."""
+    """cProfile over one call at ``size`` (its first, where the size is new to the process): its wall ms under
+    the profiler and the Python functions taking most time, by their own time and with what they call. Where
+    a call spends its host time in Python, which torch.profiler's host ops do not show."""
     import cProfile
     import io
     import pstats
@@ -281,11 +296,14 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         # say it does
         res["standin_call_pyprofile"] = pyprofile_standin(fn, make, _pyprofiled_size(sizes, 3))
         res["settled"] = settled(fn, make, sizes)
+        res["steady_pyprofile"] = pyprofile_first(fn, make, sizes[1])  # one settled call, as the static one
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
         res["first_call_profile"] = profile_first(fn, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
         res["first_call_pyprofile"] = pyprofile_first(fn, make, _pyprofiled_size(sizes))
     elif variant == "static":
-        res.update(static_steady(cf.optimize(model), make, sizes))
+        fn = cf.optimize(model)
+        res.update(static_steady(fn, make, sizes))
+        res["steady_pyprofile"] = pyprofile_first(fn, make, sizes[1])  # where its host time goes, against cf's
     elif variant == "eager":
         res.update(sweep(model, make, sizes))
     elif variant == "eager_no_cudnn_sdpa":  # torch's floor for a new size: its SDPA kept off the cuDNN backend
@@ -353,6 +371,9 @@ def run_model(name: str, sizes: list, timeout: float) -> dict:
     after = cf_row.get("settled") or {}
     row["swapped_all"] = after.get("standins_left") == 0 if "standins_left" in after else None
     row["steady_vs_static"] = steady_vs_static(after, row.get("static", {}))
+    row["steady_paths"] = {variant: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith("_per_call")}
+                           for variant, rows in (("cf", after.get("per_size")), ("static", row.get("static", {}).get(
+                               "per_size"))) if rows and "hits_per_call" in rows[0]}
     row["later_call_extra_ms_p95"] = cf_row.get("later_call_extra_ms_p95")
     row["swap_call_extra_ms_p95"] = after.get("swap_call_extra_ms_p95")
     row["process_builds"] = stats.get("process_builds")

@@ -127,12 +127,33 @@ def test_dynamic_shapes_static_variant_calls_each_size_as_the_cf_variant_does_be
     seen = []
     monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 2.5)
     got = dynamic_shapes.static_steady(seen.append, lambda s: s * 10, [1, 2])
-    assert got["per_size"] == [{"seq": 1, "steady_ms": 2.5}, {"seq": 2, "steady_ms": 2.5}] and got["standins"] == 0
+    assert [(r["seq"], r["steady_ms"]) for r in got["per_size"]] == [(1, 2.5), (2, 2.5)] and got["standins"] == 0
     d = dynamic_shapes
     # the cf variant: the sweep (first, later, steady), the swap calls, every sweep-up pass, then its timing
     passes = [1 + d.LATER_CALLS + d.STEADY_REPS, d.SWAP_CALLS] + [4] * d.SWEEP_UP_PASSES + [1 + d.STEADY_REPS]
     assert seen == [x for n in passes for x in [10] * n + [20] * n]
     assert got["calls_before_steady"] == sum(passes[:-1])
+
+
+def test_dynamic_shapes_steady_paths_count_the_lookups_replays_and_captures_of_a_steady_call(monkeypatch):
+    """Which way the steady calls went: a call that misses the ops' memo looks its plans up (``hits``), one
+    on a captured launch replays it."""
+    from cudnn_fuse import launch_graphs, loader
+
+    monkeypatch.setattr(loader.STATS, "hits", 0)
+    monkeypatch.setattr(launch_graphs.STATS, "replays", 0)
+    monkeypatch.setattr(launch_graphs.STATS, "captures", 0)
+
+    def fn(x):  # two lookups and three replays a call; one capture in all
+        loader.STATS.hits += 2
+        launch_graphs.STATS.replays += 3
+        if launch_graphs.STATS.captures == 0:
+            launch_graphs.STATS.captures = 1
+
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda f, reps: [f() for _ in range(reps)] and 0.5)
+    got = dynamic_shapes.steady_paths(fn, 7)
+    assert got == {"steady_ms": 0.5, "hits_per_call": 2.0, "graph_replays_per_call": 3.0,
+                   "graph_captures_per_call": round(1 / dynamic_shapes.STEADY_REPS, 2)}
 
 
 def test_dynamic_shapes_profiles_first_calls_at_sizes_the_sweep_did_not_meet(monkeypatch):
