@@ -278,7 +278,9 @@ def _trace(module) -> fx.GraphModule:
     norms = frozenset(id(m) for m in module.modules() if m is not module and _rms_norm_eps(m) is not None)
     modes, attrs = [(m, m.training) for m in module.modules()], set(vars(module))
     try:
-        module.train(not module.training)
+        other_mode = not module.training
+        for m, _mode in modes:  # the flags themselves: a train() override may do more than set them
+            m.training = other_mode
         other = _Tracer(norms).trace(module)
     finally:
         for m, mode in modes:

@@ -316,3 +316,26 @@ def test_only_a_true_rms_norm_is_replaced_by_torchs_kernel(norm, replaced):
     x = torch.randn(3, 16) * 1e-3
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+class _TrainOverride(nn.Module):
+    """A model whose ``train()`` does more than set the flags (counts its calls here; freezes layers in
+    real models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.calls = nn.Linear(8, 8), nn.GELU(), 0
+
+    def train(self, mode=True):
+        self.calls += 1
+        return super().train(mode)
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+def test_tracing_in_the_other_mode_does_not_call_the_models_train():
+    model = _TrainOverride()
+    opt = cf.optimize(model)
+    assert dict(opt.cudnn_fuse_summary.replaced)["fc"] == "Linear + gelu"
+    assert opt.calls == 0 and model.calls == 0 and opt.training and opt.fc.training
