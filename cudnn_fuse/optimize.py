@@ -30,9 +30,10 @@ GEMMs.
 Calls that return their input in every mode (nn.Identity, dropouts of p=0) are taken out of the
 graph first, so that they do not stand between a layer and its epilogue; a Linear's (or Conv1D's, or a
 MLP's, or conv's) residual add is also fused across dropouts and drop-paths in eval mode, which the fused
-layer runs again in training mode. fx fixes the training mode a forward reads at trace time, so a module is
-traced in both modes, and one whose graphs differ has its children rewritten instead (each submodule keeps
-its own mode); a drop-path (a module with no state whose forward reads its mode) stays a call. Nothing is
+layer runs again in training mode. fx fixes the training mode a forward reads at trace time and takes every argument
+for a given tensor, so a module is traced in both modes and with its optional arguments None, and one whose
+graphs differ, or that checkpoints, has its children rewritten instead (each submodule keeps its own mode);
+a drop-path (a module with no state whose forward reads its mode) stays a call. Nothing is
 fused across an in-place change of a tensor the fused call would read later. A node is fused into its
 producer only when the producer's output has no other user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
 beside the layers they hold, which stay where they were), so parameter names (state_dict keys)
@@ -61,6 +62,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils import checkpoint as _checkpoint
 
 from . import fp8 as fp8_
 from . import nn as cfnn
@@ -143,6 +145,14 @@ for _name, _fn in _INPLACE.items():
                                                                                           (self, other), {}))
 
 
+_CHECKPOINTS = (_checkpoint.checkpoint, _checkpoint.checkpoint_sequential)
+_CHECKPOINTED = "its forward checkpoints (torch.utils.checkpoint, which a trace would drop)"
+
+
+class _NotOneGraph(Exception):
+    """A forward that no one traced graph runs as it is (``str()`` says why): its children are rewritten."""
+
+
 # cf's own modules (a model already optimized, or built with them) are leaves: traced into, their forwards'
 # Python branches on tensors made the whole model untraceable, and it lost its other fusions
 _CF_MODULES = (cfnn.Conv2d, cfnn.Linear, cfnn.FusedMLP, cfnn.ConvChain, cfnn.TransposedLinear, cfnn.AlignedLinear)
@@ -159,6 +169,26 @@ class _Tracer(fx.Tracer):
 
     def proxy(self, node) -> fx.Proxy:
         return _Proxy(node, self)
+
+    def trace(self, root, concrete_args=None):
+        """fx's trace, refusing a forward that checkpoints (torch.utils.checkpoint): traced through, its
+        checkpoint would be gone, every activation kept for the backward. Where the forwards find it (the
+        module torch.utils.checkpoint, and any name their modules bound it to), it raises while tracing."""
+
+        def refuse(*args, **kwargs):
+            raise _NotOneGraph(_CHECKPOINTED)
+
+        spaces = {id(d): d for d in [vars(_checkpoint)] + [getattr(type(m).forward, "__globals__", {})
+                                                            for m in root.modules()]}
+        saved = [(space, name, value) for space in spaces.values() for name, value in list(space.items())
+                 if any(value is fn for fn in _CHECKPOINTS)]
+        try:
+            for space, name, _fn in saved:
+                space[name] = refuse
+            return super().trace(root, concrete_args)
+        finally:
+            for space, name, fn in saved:
+                space[name] = fn
 
     def is_leaf_module(self, m, qualname) -> bool:
         name = type(m).__name__
@@ -257,39 +287,68 @@ def _told_rms_norm_eps(m: nn.Module):
     return eps
 
 
-def _code_without_identities(module, graph: fx.Graph) -> str:
-    """The code of ``graph`` less its calls that return their input (``_is_identity``: a dropout of p=0
-    runs the same in both modes, whatever ``training`` it is given). Erases them from ``graph``."""
+def _calls_without_identities(module, graph: fx.Graph) -> list:
+    """What ``graph`` calls and reads, in order, less its calls that return their input (``_is_identity``: a
+    dropout of p=0 runs the same in both modes, whatever ``training`` it is given) and fx's own checks of
+    concrete arguments. Erases the identities from ``graph``."""
     for node in list(graph.nodes):
         if _is_identity(module, node) and isinstance(node.args[0], fx.Node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-    return graph.python_code("self").src
+    calls = []
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module", "get_attr"):
+            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
+            if "assert" not in name:
+                calls.append((node.op, name, tuple(str(a) for a in node.args), tuple(sorted(
+                    (k, str(v)) for k, v in node.kwargs.items()))))
+    return calls
 
 
-class _ModeDependent(Exception):
-    """A forward whose traced graph depends on the training mode (it reads ``self.training``)."""
+def _optional_params(module) -> list:
+    """The names of ``module.forward``'s parameters that default to None."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _trace(module) -> fx.GraphModule:
-    """``module``'s traced GraphModule. Traced again with every module in the other mode, and refused
-    (_ModeDependent) where the two graphs differ: fx fixes the mode a forward reads at trace time
-    (``F.dropout(x, p, self.training)``, a branch on it), so the graph would run one mode in both."""
+    """``module``'s traced GraphModule, refused (_NotOneGraph) where one graph would not run the forward in
+    every case. fx fixes at trace time what a forward reads of its mode (``F.dropout(x, p, self.training)``,
+    a branch on it), and takes every argument for a given tensor (``if mask is None`` never holds for its
+    Proxy): so it is traced again with every module in the other mode, and with its optional arguments
+    None, and refused where those graphs differ from the first."""
     norms = frozenset(id(m) for m in module.modules() if m is not module and _rms_norm_eps(m) is not None)
     modes, attrs = [(m, m.training) for m in module.modules()], set(vars(module))
+
+    def trace_aside(concrete_args=None):
+        try:
+            return _Tracer(norms).trace(module, concrete_args)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+            for name in set(vars(module)) - attrs:  # the tensor constants fx set on it, named anew by each trace
+                delattr(module, name)
+
+    for m, _mode in modes:  # the flags themselves: a train() override may do more than set them
+        m.training = not module.training
+    other = trace_aside()
+    optional = _optional_params(module)
     try:
-        other_mode = not module.training
-        for m, _mode in modes:  # the flags themselves: a train() override may do more than set them
-            m.training = other_mode
-        other = _Tracer(norms).trace(module)
-    finally:
-        for m, mode in modes:
-            m.training = mode
-        for name in set(vars(module)) - attrs:  # the tensor constants fx set on it, named anew by the next trace
-            delattr(module, name)
+        bare = trace_aside({name: None for name in optional}) if optional else None
+    except _NotOneGraph:
+        raise
+    except Exception as exc:  # noqa: BLE001 - it traces only with every argument given
+        raise _NotOneGraph(f"its forward branches on whether an optional argument is given ({type(exc).__name__} "
+                           "without it)") from exc
     graph = _Tracer(norms).trace(module)
-    if _code_without_identities(module, graph) != _code_without_identities(module, other):
-        raise _ModeDependent
+    calls = _calls_without_identities(module, graph)
+    if calls != _calls_without_identities(module, other):
+        raise _NotOneGraph("its forward depends on the training mode")
+    if bare is not None and calls != _calls_without_identities(module, bare):
+        raise _NotOneGraph("its forward branches on whether an optional argument is given")
     gm = fx.GraphModule(module, graph)
     gm.training = module.training  # its own flag only: each submodule keeps its mode (a frozen BatchNorm)
     _restore_unused(module, gm)
@@ -397,8 +456,10 @@ def _inplace_arg(fn, args, kwargs) -> bool:
 def _mutates(gm, node: fx.Node) -> bool:
     """Whether ``node`` changes a tensor in place: an augmented assignment (_INPLACE), item assignment
     (``x[i] = v``), an in-place method or torch function (``x.mul_(2)``, ``torch.relu_(x)``), a call
-    given ``inplace=True`` or a module built with it (``nn.ReLU(inplace=True)``)."""
+    given ``inplace=True`` or ``out=`` or a module built with ``inplace=True`` (``nn.ReLU(inplace=True)``)."""
     t = node.target
+    if node.kwargs.get("out") is not None:  # torch.clamp(x, min=0, out=x)
+        return True
     if node.op == "call_function":
         if t in _INPLACE_FNS or t is operator.setitem:
             return True
@@ -1008,10 +1069,16 @@ def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
         if k not in _MODULE_INTERNALS and k not in gm.__dict__ and not isinstance(v, (nn.Module, nn.Parameter)):
             carried[k] = v
     gm.__dict__.update(carried)
-    meta = getattr(gm, "meta", None)  # fx re-sets its user-preserved attributes on a deepcopy (torch 2.13)
+    _carried(gm, carried)
+
+
+def _carried(gm, attrs: dict) -> None:
+    """Have fx set ``attrs`` again on a deepcopy of ``gm`` (its user-preserved attributes, torch 2.13); a
+    GraphModule's deepcopy keeps no other instance attribute."""
+    meta = getattr(gm, "meta", None) if isinstance(gm, fx.GraphModule) else None
     if isinstance(meta, dict):
         key = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
-        meta.setdefault(key, {}).update(carried)
+        meta.setdefault(key, {}).update(attrs)
 
 
 _LONE = "a lone {} (its parent does not trace, so no epilogue is seen to fuse)"
@@ -1050,10 +1117,9 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
         gm = _trace(module)
     except Exception as exc:  # noqa: BLE001 - untraceable forward: try its children
         where = prefix.rstrip(".") or type(module).__name__
-        why = "its forward depends on the training mode" if isinstance(exc, _ModeDependent) else \
-            f"not traceable by torch.fx ({type(exc).__name__})"
+        why = str(exc) if isinstance(exc, _NotOneGraph) else f"not traceable by torch.fx ({type(exc).__name__})"
         if not list(module.children()):
-            if isinstance(exc, _ModeDependent) and type(module).__module__.startswith("torch.nn."):
+            if isinstance(exc, _NotOneGraph) and type(module).__module__.startswith("torch.nn."):
                 return module  # a dropout or norm of torch's: nothing in it to fuse
             summary.left_alone.append((where, why))
             return module
@@ -1159,6 +1225,7 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
             if isinstance(m, cfnn.Conv2d):
                 m._weight_to_device_format()
     out.cudnn_fuse_summary = summary
+    _carried(out, {"cudnn_fuse_summary": summary})
     if example_inputs is not None:
         _run_example(out, example_inputs, summary)
     log.info("%s", summary)

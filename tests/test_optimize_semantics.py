@@ -339,3 +339,104 @@ def test_tracing_in_the_other_mode_does_not_call_the_models_train():
     opt = cf.optimize(model)
     assert dict(opt.cudnn_fuse_summary.replaced)["fc"] == "Linear + gelu"
     assert opt.calls == 0 and model.calls == 0 and opt.training and opt.fc.training
+
+
+class _OutKwarg(nn.Module):
+    """``torch.clamp(x, min=0, out=x)`` changes the layer's input between it and the add."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = x.clone()
+        y = self.l(x)
+        torch.clamp(x, min=0, out=x)
+        return torch.tanh(y + x)
+
+
+def test_an_out_argument_is_an_in_place_change():
+    torch.manual_seed(0)
+    opt = _eval_same(_OutKwarg(), torch.randn(3, 8))
+    assert not any("residual add" in p for _, p in opt.cudnn_fuse_summary.replaced)
+
+
+class _Optional(nn.Module):
+    """Branches on whether an optional argument is given: fx's Proxy is never None."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, bias=None):
+        h = self.l(self.body(x))
+        h = h * 2 if bias is None else h + bias
+        return F.relu(h + x)
+
+
+class _OptionalUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, unused=None):
+        return F.relu(self.l(x) + x)
+
+
+def test_a_forward_that_branches_on_an_optional_argument_has_its_children_rewritten():
+    torch.manual_seed(0)
+    model = _Optional().eval()
+    opt = cf.optimize(model)
+    assert any("optional argument" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    assert dict(opt.cudnn_fuse_summary.replaced)["body.0"] == "Linear + gelu"  # a child, still fused
+    x, b = torch.randn(3, 8), torch.randn(8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        torch.testing.assert_close(opt(x, b), model(x, b))
+    # one that never reads it traces whole
+    opt = cf.optimize(_OptionalUnused().eval())
+    assert dict(opt.cudnn_fuse_summary.replaced)["l"] == "Linear + residual add + relu"
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, by_name: bool):
+        super().__init__()
+        self.c, self.c2, self.by_name = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), by_name
+
+    def block(self, x):
+        return F.relu(self.c(x) + x)
+
+    def forward(self, x):
+        run = _checkpoint_fn if self.by_name else torch.utils.checkpoint.checkpoint
+        x = run(self.block, x, use_reentrant=False)
+        return F.relu(self.c2(x) + x)
+
+
+from torch.utils.checkpoint import checkpoint as _checkpoint_fn  # noqa: E402 - imported by name, as users do
+
+
+@pytest.mark.parametrize("by_name", [False, True], ids=["module-attribute", "imported-name"])
+def test_a_forward_that_checkpoints_keeps_its_checkpoint(by_name):
+    """Traced through, the checkpoint was gone: every activation kept for the backward."""
+    torch.manual_seed(0)
+    model = _Checkpointed(by_name).train()
+    opt = cf.optimize(model)
+    assert any("checkpoints" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    saved = []
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    for m in (model, opt):
+        n = [0]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: n.__setitem__(0, n[0] + t.numel()) or t, lambda t: t):
+            y = m(x)
+        saved.append(n[0])
+        y.sum().backward()
+    assert saved[0] == saved[1]
+    assert torch.utils.checkpoint.checkpoint is not None and torch.utils.checkpoint.checkpoint is _checkpoint_fn
+
+
+def test_a_deepcopy_of_an_optimized_model_keeps_its_summary():
+    import copy
+
+    opt = cf.optimize(nn.Sequential(nn.Linear(8, 8), nn.GELU()))
+    assert copy.deepcopy(opt).cudnn_fuse_summary.replaced == opt.cudnn_fuse_summary.replaced
