@@ -32,7 +32,8 @@ graph first, so that they do not stand between a layer and its epilogue; a Linea
 MLP's, or conv's) residual add is also fused across dropouts and drop-paths in eval mode, which the fused
 layer runs again in training mode. fx fixes the training mode a forward reads at trace time and takes every argument
 for a given tensor, so a module is traced in both modes and with its optional arguments None, and one whose
-graphs differ, or that checkpoints, has its children rewritten instead (each submodule keeps its own mode);
+graphs differ, that checkpoints or that sets its modules' attributes, has its children rewritten instead
+(each submodule keeps its own mode; a trace leaves every attribute as it was);
 a drop-path (a module with no state whose forward reads its mode) stays a call. Nothing is
 fused across an in-place change of a tensor the fused call would read later. A node is fused into its
 producer only when the producer's output has no other user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
@@ -40,7 +41,8 @@ beside the layers they hold, which stay where they were), so parameter names (st
 stay the original's, except where eval mode folds a BatchNorm2d;
 a module called from several places (shared weights) is left alone. Everything replaced and
 everything left alone (with the reason) is logged once at INFO and kept on the model as
-``cudnn_fuse_summary``.
+``cudnn_fuse_summary``. Hooks registered after ``optimize()`` on a replaced layer see its fused output, and
+a layer or container fused into its neighbours runs no hooks of its own.
 """
 
 from __future__ import annotations
@@ -319,20 +321,40 @@ def _trace(module) -> fx.GraphModule:
     every case. fx fixes at trace time what a forward reads of its mode (``F.dropout(x, p, self.training)``,
     a branch on it), and takes every argument for a given tensor (``if mask is None`` never holds for its
     Proxy): so it is traced again with every module in the other mode, and with its optional arguments
-    None, and refused where those graphs differ from the first."""
+    None, and refused where those graphs differ from the first. Each trace leaves the modules' own
+    attributes as they were: a forward that caches what it computes (``self.scales = ...`` on its first
+    call) stored a Proxy there, which the model's first real call then read."""
     norms = frozenset(id(m) for m in module.modules() if m is not module and _rms_norm_eps(m) is not None)
-    modes, attrs = [(m, m.training) for m in module.modules()], set(vars(module))
+    state = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in _REGISTRIES}) for m in module.modules()]
+
+    def restore() -> bool:
+        """Put every module's attributes back; whether the forward had changed any (fx's tensor constants on
+        the root and the mode flags aside)."""
+        changed = False
+        for m, attrs, registries in state:
+            now = vars(m)
+            for name in [n for n in now if n not in attrs]:  # fx's tensor constants, a forward's caches
+                changed |= not (m is module and name.startswith("_tensor_constant"))
+                del now[name]
+            for name, value in attrs.items():
+                if now.get(name, _MISSING) is not value:
+                    changed |= name != "training"
+                    now[name] = value
+            for name, saved in registries.items():  # a parameter, buffer or module set by the forward
+                if now[name] != saved or any(now[name][k] is not v for k, v in saved.items()):
+                    changed = True
+                    now[name].clear()
+                    now[name].update(saved)
+        return changed
 
     def trace_aside(concrete_args=None):
         try:
             return _Tracer(norms).trace(module, concrete_args)
         finally:
-            for m, mode in modes:
-                m.training = mode
-            for name in set(vars(module)) - attrs:  # the tensor constants fx set on it, named anew by each trace
-                delattr(module, name)
+            if restore():
+                raise _NotOneGraph(_STATEFUL)
 
-    for m, _mode in modes:  # the flags themselves: a train() override may do more than set them
+    for m, _attrs, _registries in state:  # the flags themselves: a train() override may do more than set them
         m.training = not module.training
     other = trace_aside()
     optional = _optional_params(module)
@@ -343,13 +365,18 @@ def _trace(module) -> fx.GraphModule:
     except Exception as exc:  # noqa: BLE001 - it traces only with every argument given
         raise _NotOneGraph(f"its forward branches on whether an optional argument is given ({type(exc).__name__} "
                            "without it)") from exc
-    graph = _Tracer(norms).trace(module)
-    calls = _calls_without_identities(module, graph)
-    if calls != _calls_without_identities(module, other):
-        raise _NotOneGraph("its forward depends on the training mode")
-    if bare is not None and calls != _calls_without_identities(module, bare):
-        raise _NotOneGraph("its forward branches on whether an optional argument is given")
-    gm = fx.GraphModule(module, graph)
+    try:
+        graph = _Tracer(norms).trace(module)
+        calls = _calls_without_identities(module, graph)
+        if calls != _calls_without_identities(module, other):
+            raise _NotOneGraph("its forward depends on the training mode")
+        if bare is not None and calls != _calls_without_identities(module, bare):
+            raise _NotOneGraph("its forward branches on whether an optional argument is given")
+        gm = fx.GraphModule(module, graph)  # takes the tensor constants fx set on the module
+    finally:
+        changed = restore()
+    if changed:
+        raise _NotOneGraph(_STATEFUL)
     gm.training = module.training  # its own flag only: each submodule keeps its mode (a frozen BatchNorm)
     _restore_unused(module, gm)
     for name in gm._buffers:  # tensor constants fx made buffers of: not the model's state
@@ -358,12 +385,19 @@ def _trace(module) -> fx.GraphModule:
     return gm
 
 
+_MISSING = object()
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+_STATEFUL = "its forward sets attributes of its modules (a cache, a counter), which one graph would fix"
+
+
 def _restore_unused(module, gm) -> None:
     """Put back what fx.GraphModule left out because the traced forward does not use it: submodules,
     parameters and buffers (a head used only in another mode, a buffer read elsewhere, the layers of
     a ConvChain already in the model, which the graph does not call). Left out, they left the
-    state_dict, so that the original's no longer loaded key for key, and parameters()."""
-    for name, m in module.named_modules():  # parents before their children
+    state_dict, so that the original's no longer loaded key for key, and parameters(). Every path of a
+    module shared by two parents is put back (the graph reaches it by one), and a buffer the graph reads
+    stays non-persistent where it was (fx.GraphModule registers what it copies as persistent)."""
+    for name, m in module.named_modules(remove_duplicate=False):  # parents before their children
         if not name:
             target = gm
         else:
@@ -380,6 +414,8 @@ def _restore_unused(module, gm) -> None:
         for bname, b in m._buffers.items():
             if b is not None and bname not in target._buffers:
                 target.register_buffer(bname, b, persistent=bname not in m._non_persistent_buffers_set)
+            elif bname in m._non_persistent_buffers_set:
+                target._non_persistent_buffers_set.add(bname)
 
 
 def _module_activation(m):
@@ -904,6 +940,29 @@ def _aligned_pattern(m: cfnn.AlignedLinear) -> str:
     return f"Linear, output {m.out_features} wide padded to {m.out_features + m.pad} (aligned GEMM)"
 
 
+class _Layers:
+    """Indexing, length and iteration of a rewritten Sequential or ModuleList, in the original's order: ``[i]``
+    is the layer at the original's i-th name (None where it was fused away, a folded BatchNorm2d)."""
+
+    def _layers(self) -> list:
+        cls = self.__dict__.get("container_class") or self.__dict__.get("model_class") or nn.Module
+        if not issubclass(cls, (nn.Sequential, nn.ModuleList)):
+            raise TypeError(f"{cls.__name__} is no sequence of layers")
+        return [self._modules.get(k) for k in self.__dict__.get("container_keys", self._modules)]
+
+    def __bool__(self) -> bool:  # a module is true, whatever its length
+        return True
+
+    def __getitem__(self, i):
+        return self._layers()[i]
+
+    def __len__(self) -> int:
+        return len(self._layers())
+
+    def __iter__(self):
+        return iter(self._layers())
+
+
 class OptimizedGraphModule(fx.GraphModule):
     """What ``optimize()`` returns for a model that traced: the rewritten GraphModule, which still
     answers to the original model's own methods, properties and class attributes (bound to this
@@ -951,6 +1010,14 @@ class OptimizedGraphModule(fx.GraphModule):
         # (model_class, config, ...) are in the pickled __dict__ and fx sets them back
         rebuild, args = super().__reduce__()
         return (_rebuilt_optimized, (rebuild, args))
+
+
+class _OptimizedSequence(_Layers, OptimizedGraphModule):
+    """An OptimizedGraphModule of a Sequential or ModuleList: indexed, measured and iterated as it was."""
+
+
+def _surface_class(model_class) -> type:
+    return _OptimizedSequence if issubclass(model_class, (nn.Sequential, nn.ModuleList)) else OptimizedGraphModule
 
 
 def _self_chain(node):
@@ -1048,7 +1115,7 @@ def _rebuilt_optimized(rebuild, args) -> fx.GraphModule:
     gm = rebuild(*args)
     cls = type(gm)  # fx's per-instance subclass
     if "model_class" in gm.__dict__ and cls.__bases__ == (fx.GraphModule,):
-        cls.__bases__ = (OptimizedGraphModule,)
+        cls.__bases__ = (_surface_class(gm.__dict__["model_class"]),)
         gm.recompile()  # its own, now that it is one
     return gm
 
@@ -1063,13 +1130,50 @@ def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
     cls = type(gm)  # fx's per-instance subclass, which holds the generated forward
     if cls.__bases__ != (fx.GraphModule,) or isinstance(model, fx.GraphModule):
         return
-    cls.__bases__ = (OptimizedGraphModule,)
-    carried = {"model_class": type(model)}
+    cls.__bases__ = (_surface_class(type(model)),)
+    carried = {"model_class": type(model), "container_keys": list(model._modules)}
     for k, v in vars(model).items():
         if k not in _MODULE_INTERNALS and k not in gm.__dict__ and not isinstance(v, (nn.Module, nn.Parameter)):
             carried[k] = v
     gm.__dict__.update(carried)
     _carried(gm, carried)
+
+
+class FusedContainer(_Layers, nn.Module):
+    """A container of a traced model's layers (``model.features``, ``model.layer1``) as fx rebuilt it: it holds
+    the fused layers and the original's plain attributes (``num_heads``), but no forward of its own, since
+    the fused graph may cross its edges. Called alone, it says so and names the way out."""
+
+    def _class_name(self) -> str:
+        return getattr(self.__dict__.get("container_class"), "__name__", "container")
+
+    def forward(self, *args, **kwargs):
+        name = self._class_name()
+        raise RuntimeError(f"cudnn_fuse.optimize traced the model as a whole: this {name} holds its fused layers but "
+                           "does not run on its own; call the whole model, or optimize the original submodule on its "
+                           "own (cf.optimize(model.<path>)) to run it alone")
+
+
+def _keep_container_surfaces(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give the containers fx rebuilt as bare modules (``features``, ``encoder.layers.encoder_layer_0``) the
+    plain attributes of the originals and a forward that says why it does not run (FusedContainer)."""
+    for name, orig in model.named_modules():
+        if not name:
+            continue
+        try:
+            now = gm.get_submodule(name)
+        except AttributeError:
+            continue
+        if type(now) is not nn.Module:
+            continue
+        now.training = orig.training  # fx made it in training mode
+        if type(orig) is nn.Module:
+            continue
+        now.__class__ = FusedContainer
+        now.__dict__["container_class"], now.__dict__["container_keys"] = type(orig), list(orig._modules)
+        for k, v in vars(orig).items():
+            if k not in _MODULE_INTERNALS and k not in now.__dict__ and not isinstance(v, (nn.Module, nn.Parameter)):
+                now.__dict__[k] = v
 
 
 def _carried(gm, attrs: dict) -> None:
@@ -1088,8 +1192,21 @@ _RMS_PATTERN = "{} (an RMSNorm in torch ops) -> torch's fused rms_norm kernel"
 
 
 def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False,
-             fp8=None) -> nn.Module:
-    """The traced + rewritten module, or the module with its children rewritten."""
+             fp8=None, done: dict | None = None) -> nn.Module:
+    """The traced + rewritten module, or the module with its children rewritten. A module met again (a
+    child shared by two parents that do not trace) is given its first rewrite, not a copy of its own:
+    ``done`` holds them by id for one ``optimize()`` call."""
+    done = {} if done is None else done
+    hit = done.get(id(module))
+    if hit is not None:
+        return hit[1]
+    out = _rewrite_one(module, summary, prefix, recompute, chain_convs, fp8, done)
+    done[id(module)] = (module, out)  # the module held: its id is not reused while the call runs
+    return out
+
+
+def _rewrite_one(module: nn.Module, summary: Summary, prefix: str, recompute: bool, chain_convs: bool, fp8,
+                 done: dict) -> nn.Module:
     eps = _rms_norm_eps(module)
     if eps is not None:
         summary.replaced.append((prefix.rstrip(".") or type(module).__name__, _RMS_PATTERN.format(type(module).__name__)))
@@ -1125,7 +1242,7 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
             return module
         summary.left_alone.append((where, f"{why}; its children are rewritten one by one"))
         for name, child in list(module.named_children()):
-            setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute, chain_convs, fp8))
+            setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute, chain_convs, fp8, done))
         return module
     before = len(summary.replaced)
     _Rewriter(gm, summary, prefix, recompute, chain_convs, fp8).run()
@@ -1134,6 +1251,7 @@ def _rewrite(module: nn.Module, summary: Summary, prefix: str, recompute: bool, 
         # code may read, e.g. transformers reads ``attn_dropout.p``)
         return module
     _keep_model_surface(gm, module)
+    _keep_container_surfaces(gm, module)
     if isinstance(gm, OptimizedGraphModule):
         gm.recompile()  # its own: the forward fetches shared submodule paths once
     return gm
@@ -1212,6 +1330,12 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
         except RuntimeError as exc:  # e.g. old-style torch.nn.utils.weight_norm after a forward
             raise RuntimeError(f"optimize: the model cannot be copied ({exc}); pass inplace=True to rewrite it "
                                "in place") from exc
+        if any(p.requires_grad and not p.is_leaf for p in model.parameters()):  # torch's copy of a ScriptModule
+            why = ("the model's copy has parameters that are not leaf tensors (torch's deepcopy of a torch.jit.script "
+                   "submodule), which get no gradient; pass inplace=True to rewrite the model in place")
+            if model.training:
+                raise RuntimeError(f"optimize: {why}")
+            log.warning("cudnn_fuse.optimize: %s before training it", why)
     summary = Summary()
     _NORMS.clear()  # told anew: a module changed since the last call (a hook added) is told again
     from .hf import use_cudnn_fuse_attention

@@ -440,3 +440,189 @@ def test_a_deepcopy_of_an_optimized_model_keeps_its_summary():
 
     opt = cf.optimize(nn.Sequential(nn.Linear(8, 8), nn.GELU()))
     assert copy.deepcopy(opt).cudnn_fuse_summary.replaced == opt.cudnn_fuse_summary.replaced
+
+
+class _Lazy(nn.Module):
+    """Caches what it computes on its first call (torchvision's MultiScaleRoIAlign sets its scales so), and
+    its parent does not trace (a data-dependent branch): traced, the cache held an fx Proxy."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.scale = nn.Conv2d(3, 4, 3), None
+
+    def forward(self, x):
+        if self.scale is None:
+            self.scale = 1.0 / x.shape[-1]
+        return F.relu(self.c(x)) * self.scale
+
+
+class _Untraceable(nn.Module):
+    def __init__(self, *children):
+        super().__init__()
+        self.parts = nn.ModuleList(children)
+
+    def forward(self, x):
+        for p in self.parts:
+            x = p(x)
+        return x if x.sum() > -1e9 else -x  # a branch on a value: fx cannot trace it
+
+
+def test_a_trace_leaves_the_modules_own_attributes_as_they_were():
+    torch.manual_seed(0)
+    model = _Untraceable(_Lazy()).eval()
+    opt = cf.optimize(model)
+    assert opt.parts[0].scale is None and model.parts[0].scale is None
+    x = torch.randn(2, 3, 10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class _NonPersistent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 3, padding=1)
+        self.register_buffer("r", torch.randn(1, 4, 1, 1), persistent=False)
+        self.sub = nn.Module()
+        self.sub.register_buffer("scale", torch.full((4, 1, 1), 0.5), persistent=False)
+
+    def forward(self, x):
+        return F.relu(self.c(x) + self.r) * self.sub.scale
+
+
+class _Parent(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.sh, self.o = shared, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.o(self.sh(x)) + x
+
+
+class _TwoParents(nn.Module):
+    def __init__(self):
+        super().__init__()
+        shared = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.a, self.b = _Parent(shared), _Parent(shared)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("make,x", [(_NonPersistent, (2, 4, 6, 6)), (_TwoParents, (3, 8))],
+                         ids=["non-persistent-buffers", "shared-submodule"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_the_state_dict_loads_both_ways_strictly(make, x, train):
+    torch.manual_seed(0)
+    model = make().train(train)
+    opt = cf.optimize(model)
+    assert opt.cudnn_fuse_summary.replaced or make is _TwoParents
+    assert set(opt.state_dict()) == set(model.state_dict())
+    opt.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(opt.state_dict(), strict=True)
+    x = torch.randn(x)
+    with torch.set_grad_enabled(train):
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_child_shared_by_two_parents_that_do_not_trace_stays_one_module():
+    torch.manual_seed(0)
+    shared = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU())
+    model = _Untraceable(_Untraceable(shared), _Untraceable(shared)).eval()
+    opt = cf.optimize(model)
+    assert opt.parts[0].parts[0] is opt.parts[1].parts[0]  # one rewrite, held by both parents
+    assert [p for _, p in opt.cudnn_fuse_summary.replaced] == ["Conv2d + BatchNorm2d(folded) + relu"]
+    x = torch.randn(2, 4, 5, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class _Warm(nn.Module):
+    """Counts its calls in an attribute and scales by the count: one traced graph would fix the count."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return F.relu(self.l(x)) * min(1.0, self.calls / 3)
+
+
+def test_a_forward_that_sets_its_modules_attributes_is_not_traced_whole():
+    torch.manual_seed(0)
+    model = _Warm()
+    opt = cf.optimize(model)
+    assert opt.calls == 0 and any("sets attributes" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x = torch.randn(2, 4)
+    for _ in range(4):
+        torch.testing.assert_close(opt(x), model(x))
+    assert opt.calls == model.calls == 4
+
+
+class _Scripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.j = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+    def forward(self, x):
+        return self.j(F.relu(self.a(x)))
+
+
+def test_a_scripted_submodule_whose_copy_would_not_train_is_named_with_the_way_out(caplog):
+    """torch's deepcopy of a ScriptModule gives parameters that are not leaves: a training model's copy
+    would silently get no gradients there."""
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="inplace=True"):
+        cf.optimize(_Scripted().train())
+    model = _Scripted().train()
+    opt = cf.optimize(model, inplace=True)
+    opt(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in opt.parameters())
+    with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
+        cf.optimize(_Scripted().eval())
+    assert "inplace=True" in caplog.text
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.heads = nn.Linear(8, 8), 4
+
+    def forward(self, x):
+        return F.gelu(self.fc(x)) + x
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_the_containers_of_a_traced_model_keep_their_attributes_and_modes_and_say_why_they_do_not_run_alone():
+    torch.manual_seed(0)
+    model = _Stack().eval()
+    opt = cf.optimize(model)
+    assert opt.cudnn_fuse_summary.replaced
+    assert opt.blocks[0].heads == 4 and not any(m.training for m in opt.modules())
+    assert len(opt.blocks) == 2 and [b.heads for b in opt.blocks] == [4, 4]
+    assert bool(opt) and bool(opt.blocks[0])  # a module is true, whatever its length
+    with pytest.raises(TypeError):
+        len(opt.blocks[0])  # a _Block is no sequence
+    folded = cf.optimize(nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU()),
+                                       nn.Flatten(), nn.Linear(4 * 9, 2)).eval())
+    assert folded[0][1] is None and isinstance(folded[0][0], cfnn.Conv2d)  # the BatchNorm2d folded into [0][0]
+    with pytest.raises(RuntimeError, match="optimize the original submodule"):
+        opt.blocks(torch.randn(3, 8))
+    import copy
+    import io
+
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    for again in (copy.deepcopy(opt), torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
+        torch.testing.assert_close(again(torch.ones(3, 8)), model(torch.ones(3, 8)))
+        assert again.blocks[1].heads == 4
