@@ -84,17 +84,69 @@ def sweep(fn, make, sizes) -> dict:
     return out
 
 
-def steady_paths(fn, x) -> dict:
-    """The steady ms of ``fn(x)`` (median of STEADY_REPS synced calls) and, per call, the plan lookups it
-    made (the ops' memo and C path make none) and the launch-graph replays and captures it ran: which way
-    the steady calls went, where two processes running the same plans differ in time."""
+def _path_counters() -> dict:
+    """plan_stats() with the C memo's counters (launches it replayed itself or handed to the plan, hits
+    through a guard or the exact key) where the C path is built."""
     import cudnn_fuse as cf
 
-    before = cf.plan_stats()
+    out = dict(cf.plan_stats())
+    try:
+        from cudnn_fuse import _native
+
+        out.update(_native.stats())
+    except ImportError:
+        pass
+    return out
+
+
+PATH_COUNTERS = ("hits", "graph_replays", "graph_captures", "native_replays", "native_plan_launches",
+                 "guarded_hits", "keyed_hits")
+
+
+def steady_paths(fn, x) -> dict:
+    """The steady ms of ``fn(x)`` (median of STEADY_REPS synced calls) and, per call, the plan lookups it
+    made (the ops' memo and C path make none), the launch-graph replays and captures it ran and the C
+    memo's launches and hits: which way the steady calls went, where two processes running the same plans
+    differ in time."""
+    before = _path_counters()
     ms = synced_ms(lambda: fn(x), STEADY_REPS)
-    after = cf.plan_stats()
+    after = _path_counters()
     return {"steady_ms": round(ms, 4), **{f"{k}_per_call": round((after[k] - before[k]) / STEADY_REPS, 2)
-                                           for k in ("hits", "graph_replays", "graph_captures")}}
+                                           for k in PATH_COUNTERS if k in after}}
+
+
+PROBED_SIZES = 24  # sizes whose steady ms the probes below take again, each after one change to the process
+
+
+def steady_probes(fn, make, sizes, build_process: bool) -> dict:
+    """The median steady ms over ``sizes`` as the process is, then again after each change, one after the
+    other: the build process closed (its threads and its CUDA context gone), the caching allocator emptied,
+    the Python heap collected and frozen. Which state of the process its steady calls pay for."""
+    import gc
+
+    from cudnn_fuse import build_process as bpm
+
+    def median_ms():
+        out = []
+        with torch.no_grad():
+            for s in sizes:
+                x = make(s)
+                for _ in range(3):  # new pointer sets seen enough times to be captured
+                    fn(x)
+                out.append(synced_ms(lambda: fn(x), STEADY_REPS))
+        return round(statistics.median(out), 4)
+
+    res = {"as_is": median_ms(), "python_objects": len(gc.get_objects())}
+    if build_process and bpm.default() is not None:
+        bpm.default().close()
+        res["build_process_closed"] = median_ms()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    res["allocator_emptied"] = median_ms()
+    gc.collect()
+    gc.freeze()
+    res["gc_frozen"] = median_ms()
+    return res
 
 
 def _standins_left() -> int:
@@ -300,10 +352,12 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
         res["first_call_profile"] = profile_first(fn, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
         res["first_call_pyprofile"] = pyprofile_first(fn, make, _pyprofiled_size(sizes))
+        res["steady_probes"] = steady_probes(fn, make, sizes[:PROBED_SIZES], build_process=True)  # last: it changes the process
     elif variant == "static":
         fn = cf.optimize(model)
         res.update(static_steady(fn, make, sizes))
         res["steady_pyprofile"] = pyprofile_first(fn, make, sizes[1])  # where its host time goes, against cf's
+        res["steady_probes"] = steady_probes(fn, make, sizes[:PROBED_SIZES], build_process=False)
     elif variant == "eager":
         res.update(sweep(model, make, sizes))
     elif variant == "eager_no_cudnn_sdpa":  # torch's floor for a new size: its SDPA kept off the cuDNN backend
@@ -334,7 +388,7 @@ def steady_vs_static(settled_: dict, static: dict):
     return round(statistics.median(ratios), 4) if ratios else None
 
 
-def run_model(name: str, sizes: list, timeout: float) -> dict:
+def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS) -> dict:
     from cudnn_fuse import loader
 
     row = {"name": name, "sizes": len(sizes), "batch": MODELS[name][2], "width": MODELS[name][3]}
@@ -345,7 +399,7 @@ def run_model(name: str, sizes: list, timeout: float) -> dict:
         subprocess.run([sys.executable, "-m", "cudnn_fuse", "prewarm", manifest], env=env, check=False,
                        stdout=subprocess.DEVNULL, timeout=timeout)
         row["prewarm_s"] = round(time.perf_counter() - t0, 2)
-        for variant in VARIANTS:
+        for variant in variants:
             out = os.path.join(tmp, f"{variant}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name, variant, json.dumps(sizes), out]
             try:
@@ -374,6 +428,9 @@ def run_model(name: str, sizes: list, timeout: float) -> dict:
     row["steady_paths"] = {variant: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith("_per_call")}
                            for variant, rows in (("cf", after.get("per_size")), ("static", row.get("static", {}).get(
                                "per_size"))) if rows and "hits_per_call" in rows[0]}
+    row["steady_probes"] = {v: row[v]["steady_probes"] for v in ("cf", "static") if "steady_probes" in row.get(v, {})}
+    for key in ("steady_paths", "steady_probes"):
+        print(f"  {name:6s} {key}: {json.dumps(row[key])}", flush=True)
     row["later_call_extra_ms_p95"] = cf_row.get("later_call_extra_ms_p95")
     row["swap_call_extra_ms_p95"] = after.get("swap_call_extra_ms_p95")
     row["process_builds"] = stats.get("process_builds")
@@ -422,6 +479,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results", help="directory of dynamic_shapes.json")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated among {', '.join(MODELS)}")
     p.add_argument("--sizes", type=int, default=200, help="sequence lengths drawn per model")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated among {', '.join(VARIANTS)} (static runs on the plans cf stored)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per variant's process")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing dynamic_shapes.json")
@@ -429,6 +488,12 @@ def main(argv=None) -> int:
     bad = [n for n in args.models.split(",") if n not in MODELS]
     if bad:
         p.error(f"--models: unknown {', '.join(bad)} (known: {', '.join(MODELS)})")
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
+    if "static" in variants and "cf" not in variants:
+        p.error("--variants: static runs on the plans the cf variant stored; name cf too")
     if args.sizes < 1:
         p.error(f"--sizes must be at least 1, got {args.sizes}")
     if args.plot:
@@ -443,7 +508,7 @@ def main(argv=None) -> int:
            "cudnn": cudnn.backend_version() if hasattr(cudnn, "backend_version") else None, "models": []}
     sizes = draw_sizes(args.sizes)
     for name in args.models.split(","):
-        doc["models"].append(run_model(name, sizes, args.timeout))
+        doc["models"].append(run_model(name, sizes, args.timeout, variants))
         os.makedirs(args.out, exist_ok=True)
         write_json(os.path.join(args.out, "dynamic_shapes.json"), doc)
     print(plot(os.path.join(args.out, "dynamic_shapes.json")))

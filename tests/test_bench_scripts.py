@@ -152,8 +152,39 @@ def test_dynamic_shapes_steady_paths_count_the_lookups_replays_and_captures_of_a
 
     monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda f, reps: [f() for _ in range(reps)] and 0.5)
     got = dynamic_shapes.steady_paths(fn, 7)
+    native = {k: got.pop(k) for k in ("native_replays_per_call", "native_plan_launches_per_call",
+                                      "guarded_hits_per_call", "keyed_hits_per_call") if k in got}
     assert got == {"steady_ms": 0.5, "hits_per_call": 2.0, "graph_replays_per_call": 3.0,
                    "graph_captures_per_call": round(1 / dynamic_shapes.STEADY_REPS, 2)}
+    assert all(v == 0 for v in native.values())  # fn made no call through the C memo
+
+
+def test_dynamic_shapes_probes_retake_the_steady_time_after_each_change(monkeypatch):
+    """The probes time the same sizes as the process is and after each change, in order, closing the build
+    process only where asked."""
+    import gc
+
+    from cudnn_fuse import build_process
+
+    closed, calls = [], []
+
+    class BP:
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(build_process, "default", lambda: BP())
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    times = iter([1.0, 3.0, 2.0, 2.0, 2.0, 1.0, 0.5, 0.5])
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda f, reps: next(times))
+    got = dynamic_shapes.steady_probes(lambda x: None, lambda s: s, [5, 6], build_process=True)
+    assert (got["as_is"], got["build_process_closed"], got["allocator_emptied"], got["gc_frozen"]) == (2.0, 2.0, 1.5, 0.5)
+    assert closed == [True] and calls == ["empty", "freeze"]
+    gc.unfreeze()
+    times = iter([1.0] * 6)
+    got = dynamic_shapes.steady_probes(lambda x: None, lambda s: s, [5, 6], build_process=False)
+    assert "build_process_closed" not in got and closed == [True]
 
 
 def test_dynamic_shapes_profiles_first_calls_at_sizes_the_sweep_did_not_meet(monkeypatch):
