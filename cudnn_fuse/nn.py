@@ -98,6 +98,14 @@ def _through_dropouts(module, y):
     return y
 
 
+def _plain(layer, epilogue) -> bool:
+    """Whether this call of ``layer`` computes the layer alone: a layer ``optimize()`` put at a model's own
+    path (``graph_epilogue``) runs its epilogue, folded BatchNorm2d included, only where the rewritten graph
+    calls it (``epilogue=True``); called by anything else (a method of the model, ``model.layer(x)``), it
+    computes what the layer it replaced computed."""
+    return not epilogue if epilogue is not None else layer.__dict__.get("graph_epilogue", False)
+
+
 def _out_dtype(x) -> torch.dtype:
     """The dtype the layer's op computes and returns for input ``x``: torch.autocast's where it is on
     for x's device type (float64 stays float64, as autocast leaves it), else x's own."""
@@ -153,10 +161,28 @@ def _plain_weight(w) -> bool:
     return isinstance(w, torch.nn.Parameter) and type(w.data) is torch.Tensor and w.dim() == 4
 
 
+def _fold_bn(w, b, bn):
+    """A conv's weight ``w`` and bias ``b`` (or None) with the eval-mode BatchNorm2d ``bn`` folded in, computed
+    in float32 at least, then in the weight's dtype and memory format."""
+    f = torch.promote_types(w.dtype, torch.float32)
+    scale = 1 / torch.sqrt(bn.running_var.to(f) + bn.eps)
+    if bn.weight is not None:
+        scale = bn.weight.to(f) * scale
+    shift = bn.bias.to(f) if bn.bias is not None else 0.0
+    b0 = b.to(f) if b is not None else 0.0
+    bias = ((b0 - bn.running_mean.to(f)) * scale + shift).to(w.dtype)
+    fmt = torch.channels_last if w.dim() == 4 and not w.is_contiguous() and \
+        w.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+    weight = (w.to(f) * scale.view(-1, 1, 1, 1)).to(w.dtype).contiguous(memory_format=fmt)
+    return weight, bias
+
+
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` + fused epilogue: ``act(conv(x) + bias + residual)``.
 
-    ``forward(x, residual=None)``; x [N, C, H, W] (channels_last is fastest on CUDA).
+    ``forward(x, residual=None, *, epilogue=None)``; x [N, C, H, W] (channels_last is fastest on CUDA).
+    ``epilogue=False`` computes the conv alone (torch.nn.Conv2d's output); None means True, except for a
+    layer ``optimize()`` put at a model's path, which fuses only where the rewritten graph calls it.
 
     The weight's memory format follows its device (``weight_format``): moved to another device
     (``.to()``, ``.cuda()``, ``.cpu()``, ``.to_empty()``, or ``torch.load`` with a ``map_location``
@@ -166,19 +192,55 @@ class Conv2d(torch.nn.Conv2d):
     (``.to(memory_format=...)``, which changes the weight's strides) is left as asked.
 
     ``folded_bn``: the path of the BatchNorm2d that ``optimize()`` folded into this layer (eval mode
-    only), else None. Such a layer refuses to run in training mode, where the BatchNorm2d would have
-    used the batch's statistics (its output would differ from the model's without a word).
+    only), else None. The layer keeps the conv's own weight and bias (its state_dict is the conv's) and
+    runs on them folded with that BatchNorm2d's current statistics and affine parameters (``fold``),
+    which stays the model's module. Such a layer refuses to run in training mode, where the BatchNorm2d
+    would have used the batch's statistics (its output would differ from the model's without a word).
     """
 
     folded_bn = None  # a class default: layers pickled before it existed load with it
+    graph_epilogue = False  # see _plain
 
     def __init__(self, *args, activation=None, negative_slope: float = 0.01, **kwargs):
         super().__init__(*args, **kwargs)
         self.activation, self.negative_slope = _check_activation(activation, negative_slope)
 
-    def forward(self, x, residual=None):
+    def fold(self, bn: torch.nn.BatchNorm2d, path: str) -> None:
+        """Run on this conv's weight and bias folded with the eval-mode ``bn`` (found at ``path``), read at
+        each call: a weight or statistic changed in place, loaded or moved is folded again."""
+        self.__dict__["_bn"] = bn  # not a child: it stays where it is in the model
+        self.__dict__.pop("_fold_cache", None)
+        self.folded_bn = path
+
+    def _weights(self):
+        """The weight and bias the fused op runs on: the conv's own, or folded with its BatchNorm2d. Folded
+        again where autograd records (gradients reach the conv's and the BatchNorm2d's parameters) or
+        torch.compile traces; else kept while the tensors folded stay the same (their data and versions)."""
+        own = self._parameters
+        w, b = own["weight"], own["bias"]
+        bn = self.__dict__.get("_bn")
+        if bn is None:
+            return w, b
+        bp, bb = bn._parameters, bn._buffers  # read directly: a call reads them all
+        g, beta, rm, rv = bp.get("weight"), bp.get("bias"), bb["running_mean"], bb["running_var"]
+        if torch.is_grad_enabled() and (w.requires_grad or any(t is not None and t.requires_grad for t in (b, g, beta))) \
+                or torch.compiler.is_compiling():
+            return _fold_bn(w, b, bn)
+        key = (w.data_ptr(), w._version, rm.data_ptr(), rm._version, rv.data_ptr(), rv._version,
+               b is not None and (b.data_ptr(), b._version), g is not None and (g.data_ptr(), g._version),
+               beta is not None and (beta.data_ptr(), beta._version))
+        cache = self.__dict__.get("_fold_cache")
+        if cache is None or cache[0] != key:
+            with torch.no_grad():
+                cache = self.__dict__["_fold_cache"] = (key, *_fold_bn(w, b, bn))
+        return cache[1], cache[2]
+
+    def forward(self, x, residual=None, *, epilogue=None):
         if self.training and self.folded_bn is not None:
             self._folded_in_training()
+        if _plain(self, epilogue):  # the conv alone, as torch.nn.Conv2d
+            return self._conv_forward(x, self.weight, self.bias)
+        weight, bias = self._weights()
         act, r = self.activation, residual
         odd = residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and (  # else the op names x
             not isinstance(residual, torch.Tensor) or residual.dtype != _out_dtype(x)
@@ -188,10 +250,10 @@ class Conv2d(torch.nn.Conv2d):
         if odd:  # a broadcast or other-dtype residual, or dropouts before it: added after the op, as torch adds it
             act, r = None, None
         if self.padding_mode != "zeros":  # cuDNN pads with zeros only
-            z = self._conv_forward(x, self.weight, self.bias)
+            z = self._conv_forward(x, weight, bias)
             y = reference.epilogue(z, None, r, act, self.negative_slope)
         else:
-            y = functional.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+            y = functional.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups,
                            activation=act, residual=r, negative_slope=self.negative_slope)
         if not odd:
             return y
@@ -344,7 +406,7 @@ class ConvChain(torch.nn.Module):
         P = torch.nn.Parameter
         for m in self._layers:
             if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or \
-                    (m.folded_bn is not None and m.training):  # the layer itself says why it cannot run
+                    m.folded_bn is not None:  # its weights are folded at its call (or it says why it cannot run)
                 return None
             own = m._parameters
             w, b = own["weight"], own.get("bias")
@@ -359,7 +421,7 @@ class ConvChain(torch.nn.Module):
         if params is not None:
             return torch_ops.conv_chain(x, self._layers, self._geos(), params)
         for m in self._layers:
-            x = m(x)
+            x = m(x, epilogue=True)
         return x
 
     def extra_repr(self) -> str:
@@ -446,7 +508,11 @@ class Linear(_FP8State, torch.nn.Linear):
         return fp8_.linear(x, self.weight, self.bias, self._fp8_casts(), self.activation, residual,
                            self.negative_slope)
 
-    def forward(self, x, residual=None):
+    graph_epilogue = False  # see _plain
+
+    def forward(self, x, residual=None, *, epilogue=None):
+        if _plain(self, epilogue):  # the layer alone, as torch.nn.Linear
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.fp8 is not None and isinstance(x, torch.Tensor):
             y = self._fp8_forward(x, residual)
             if y is not None:
@@ -562,7 +628,7 @@ class FusedMLP(_FP8State, torch.nn.Module):
         if not first and not second:
             return None
         h = fp8_.linear(x, fc1.weight, fc1.bias, self._fp8_casts("fc1_"), fc1.activation, None,
-                        fc1.negative_slope) if first else fc1(x)
+                        fc1.negative_slope) if first else fc1(x, epilogue=True)
         if second:
             return fp8_.linear(h, fc2.weight, fc2.bias, self._fp8_casts("fc2_"), None, residual, 0.01)
         return functional.linear(h, fc2.weight, fc2.bias, residual=residual)
@@ -586,10 +652,10 @@ class FusedMLP(_FP8State, torch.nn.Module):
             if y is not None:
                 return y
         if residual is not None and _dropping(self):
-            return _through_dropouts(self, fc2(fc1(x))) + residual
+            return _through_dropouts(self, fc2(fc1(x, epilogue=True))) + residual
         if residual is not None and isinstance(x, torch.Tensor) and \
                 _broadcast_residual(residual, tuple(x.shape[:-1]) + (fc2.out_features,), _out_dtype(x)):
-            return fc2(fc1(x)) + residual
+            return fc2(fc1(x, epilogue=True)) + residual
         if self._fused(x, residual):
             operands = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, residual)
             cast = ops.autocast_args(x, *operands)  # the op bypassed casts as autocast would
@@ -597,7 +663,7 @@ class FusedMLP(_FP8State, torch.nn.Module):
                 return self._mlp(*operands)
             with ops._autocast_off(cast[0]):
                 return self._mlp(*cast[1])
-        h = fc1(x)
+        h = fc1(x, epilogue=True)
         if residual is None:
             return fc2(h)
         return functional.linear(h, fc2.weight, fc2.bias, residual=residual)
@@ -633,10 +699,13 @@ class TransposedLinear(torch.nn.Module):
         self.activation, self.negative_slope = activation, negative_slope
         self.fuse_training = _check_fuse_training(fuse_training)
 
-    def forward(self, x, residual=None):
-        if _trains_unfused(self, x, residual):  # Conv1D's own expression
+    graph_epilogue = False  # see _plain
+
+    def forward(self, x, residual=None, *, epilogue=None):
+        plain = _plain(self, epilogue)
+        if plain or _trains_unfused(self, x, residual):  # Conv1D's own expression
             z = torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.weight.shape[1])
-            return _tail(self, z, residual)
+            return z if plain else _tail(self, z, residual)
         if residual is not None and (_dropping(self) or isinstance(x, torch.Tensor) and
                                      _broadcast_residual(residual, tuple(x.shape[:-1]) + (self.weight.shape[1],),
                                                          _out_dtype(x))):

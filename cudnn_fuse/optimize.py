@@ -32,8 +32,10 @@ graph first, so that they do not stand between a layer and its epilogue; a Linea
 MLP's, or conv's) residual add is also fused across dropouts and drop-paths in eval mode, which the fused
 layer runs again in training mode. fx fixes the training mode a forward reads at trace time and takes every argument
 for a given tensor, so a module is traced in both modes and with its optional arguments None, and one whose
-graphs differ, that checkpoints or that sets its modules' attributes, has its children rewritten instead
-(each submodule keeps its own mode; a trace leaves every attribute as it was);
+graphs differ, that checkpoints, that reads torch's global state (grad mode, autocast, determinism), that
+draws random numbers with no tensor argument (a LayerDrop's ``torch.rand([]) < p``), that sets its modules'
+attributes, or that has hooks on itself or on a submodule fx traces through, has its children rewritten instead
+(each submodule keeps its own mode; a trace leaves every attribute and the random streams as they were);
 a drop-path (a module with no state whose forward reads its mode) stays a call. Nothing is
 fused across an in-place change of a tensor the fused call would read later. A node is fused into its
 producer only when the producer's output has no other user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
@@ -55,7 +57,9 @@ import inspect
 import keyword
 import logging
 import operator
+import random
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -147,12 +151,45 @@ for _name, _fn in _INPLACE.items():
                                                                                           (self, other), {}))
 
 
-_CHECKPOINTS = (_checkpoint.checkpoint, _checkpoint.checkpoint_sequential)
 _CHECKPOINTED = "its forward checkpoints (torch.utils.checkpoint, which a trace would drop)"
+
+
+def _global_state(what: str) -> str:
+    return f"its forward reads {what}, which one traced graph would fix at its value at optimize() time"
+
+
+# Functions a forward must not call while it is traced, with why, by the module where forwards find them.
+# A trace runs the forward once: a checkpoint would be traced through (and gone, every activation kept for
+# the backward), and a branch on torch's global state (grad mode, autocast, determinism) would keep the
+# side taken at optimize() time, under torch.no_grad() or autocast as well. ``no_grad``/``autocast``
+# blocks in a forward call these too on entering: a trace would drop the block.
+_REFUSED_IN = {
+    _checkpoint: {"checkpoint": _CHECKPOINTED, "checkpoint_sequential": _CHECKPOINTED},
+    torch: {
+        "is_grad_enabled": _global_state("the grad mode (torch.is_grad_enabled, a no_grad block)"),
+        "is_inference_mode_enabled": _global_state("the inference mode (torch.is_inference_mode_enabled)"),
+        **{name: _global_state(f"the autocast state (torch.{name}, an autocast block)") for name in (
+            "is_autocast_enabled", "is_autocast_cpu_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype",
+            "get_autocast_cpu_dtype")},
+        "are_deterministic_algorithms_enabled": _global_state("torch.are_deterministic_algorithms_enabled()"),
+    },
+}
+# {id(function): why}, of the functions as torch defines them (names this torch lacks are left out); by id:
+# found by identity in the modules' globals, whatever else those hold
+_REFUSED = {id(vars(space)[name]): why for space, whys in _REFUSED_IN.items() for name, why in whys.items()
+            if name in vars(space)}
 
 
 class _NotOneGraph(Exception):
     """A forward that no one traced graph runs as it is (``str()`` says why): its children are rewritten."""
+
+
+_TRACING = threading.RLock()  # one trace at a time swaps the _REFUSED functions
+
+
+def _refused(value):
+    """Why a forward calling ``value`` is not traced (``_REFUSED``), or None."""
+    return _REFUSED.get(id(value))
 
 
 # cf's own modules (a model already optimized, or built with them) are leaves: traced into, their forwards'
@@ -173,24 +210,33 @@ class _Tracer(fx.Tracer):
         return _Proxy(node, self)
 
     def trace(self, root, concrete_args=None):
-        """fx's trace, refusing a forward that checkpoints (torch.utils.checkpoint): traced through, its
-        checkpoint would be gone, every activation kept for the backward. Where the forwards find it (the
-        module torch.utils.checkpoint, and any name their modules bound it to), it raises while tracing."""
+        """fx's trace, refusing (_NotOneGraph) a forward that calls one of ``_REFUSED`` (it checkpoints, or
+        reads torch's global state). Where the forwards find them (the modules torch and
+        torch.utils.checkpoint, and any name their modules' globals bound one to), each raises while
+        tracing, and is put back however the trace ends. Only this thread's calls raise: another thread's (a
+        model served meanwhile entering ``torch.no_grad()``) reach the function itself; traces take turns
+        (_TRACING), so that none puts back another's stand-ins."""
+        me = threading.get_ident()
 
-        def refuse(*args, **kwargs):
-            raise _NotOneGraph(_CHECKPOINTED)
+        def refuser(why, fn):
+            def refuse(*args, **kwargs):
+                if threading.get_ident() == me:
+                    raise _NotOneGraph(why)
+                return fn(*args, **kwargs)
+            return refuse
 
-        spaces = {id(d): d for d in [vars(_checkpoint)] + [getattr(type(m).forward, "__globals__", {})
-                                                            for m in root.modules()]}
-        saved = [(space, name, value) for space in spaces.values() for name, value in list(space.items())
-                 if any(value is fn for fn in _CHECKPOINTS)]
-        try:
-            for space, name, _fn in saved:
-                space[name] = refuse
-            return super().trace(root, concrete_args)
-        finally:
-            for space, name, fn in saved:
-                space[name] = fn
+        with _TRACING:
+            spaces = {id(d): d for d in [vars(space) for space in _REFUSED_IN] +
+                      [getattr(type(m).forward, "__globals__", {}) for m in root.modules()]}
+            saved = [(space, name, value) for space in spaces.values() for name, value in list(space.items())
+                     if _refused(value) is not None]
+            try:
+                for space, name, fn in saved:
+                    space[name] = refuser(_refused(fn), fn)
+                return super().trace(root, concrete_args)
+            finally:
+                for space, name, fn in saved:
+                    space[name] = fn
 
     def is_leaf_module(self, m, qualname) -> bool:
         name = type(m).__name__
@@ -323,8 +369,17 @@ def _trace(module) -> fx.GraphModule:
     Proxy): so it is traced again with every module in the other mode, and with its optional arguments
     None, and refused where those graphs differ from the first. Each trace leaves the modules' own
     attributes as they were: a forward that caches what it computes (``self.scales = ...`` on its first
-    call) stored a Proxy there, which the model's first real call then read."""
+    call) stored a Proxy there, which the model's first real call then read; and the random streams, where
+    a draw made as it traces is refused (_random_streams_kept). A module with hooks on itself or on a
+    submodule the trace runs through is refused before tracing (_hooked_traced_through): its object, with
+    its hooks, stays and its children are rewritten."""
     norms = frozenset(id(m) for m in module.modules() if m is not module and _rms_norm_eps(m) is not None)
+    hooked = _hooked_traced_through(module, _Tracer(norms))
+    if hooked is not None:
+        names = _hook_names(module.get_submodule(hooked))
+        raise _NotOneGraph(f"it has hooks ({names}), which its traced graph would not keep" if not hooked else
+                           f"its submodule {hooked}, which a trace runs through, has hooks ({names}), which the "
+                           "traced graph would not keep")
     state = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in _REGISTRIES}) for m in module.modules()]
 
     def restore() -> bool:
@@ -349,7 +404,8 @@ def _trace(module) -> fx.GraphModule:
 
     def trace_aside(concrete_args=None):
         try:
-            return _Tracer(norms).trace(module, concrete_args)
+            with _random_streams_kept():
+                return _Tracer(norms).trace(module, concrete_args)
         finally:
             if restore():
                 raise _NotOneGraph(_STATEFUL)
@@ -366,7 +422,8 @@ def _trace(module) -> fx.GraphModule:
         raise _NotOneGraph(f"its forward branches on whether an optional argument is given ({type(exc).__name__} "
                            "without it)") from exc
     try:
-        graph = _Tracer(norms).trace(module)
+        with _random_streams_kept():
+            graph = _Tracer(norms).trace(module)
         calls = _calls_without_identities(module, graph)
         if calls != _calls_without_identities(module, other):
             raise _NotOneGraph("its forward depends on the training mode")
@@ -385,6 +442,61 @@ def _trace(module) -> fx.GraphModule:
     return gm
 
 
+def _hooked_traced_through(module, tracer):
+    """The path of ``module`` ("") or of a submodule the tracer runs through (no leaf) that has hooks, else
+    None. Traced, the root's hooks are not run (fx calls its forward), and fx rebuilds the submodules it
+    runs through as bare modules, without their backward and state_dict hooks. A container that is never
+    called (a ModuleList) is looked through: its children are called directly."""
+    stack = [("", module)]
+    while stack:
+        path, m = stack.pop()
+        if _has_hooks(m):
+            return path
+        for name, child in m.named_children():
+            q = f"{path}.{name}" if path else name
+            if type(child).forward is nn.Module.forward or not tracer.is_leaf_module(child, q):
+                stack.append((q, child))
+    return None
+
+
+def _random_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, random.getstate()
+
+
+def _set_random_state(state) -> None:
+    cpu, cuda, py = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+
+
+def _random_state_changed(before, after) -> bool:
+    if not torch.equal(before[0], after[0]) or before[2] != after[2]:
+        return True
+    return before[1] is not None and after[1] is not None and any(
+        not torch.equal(a, b) for a, b in zip(before[1], after[1]))
+
+
+@contextlib.contextmanager
+def _random_streams_kept():
+    """Runs its block (a trace) and puts torch's random streams (the CPU's, CUDA's where initialized) and
+    Python's ``random`` back as they were; raises _NotOneGraph where the block drew from them. fx runs a call
+    with no Proxy argument (``torch.randn(8)``, a LayerDrop's ``torch.rand([]) < p``) as it traces: the
+    graph would keep that one draw as a constant. A draw on a Proxy (dropout, ``randn_like(x)``) is
+    recorded, not run, so the streams stay as they were exactly where the graph draws at run time."""
+    before = _random_state()
+    try:
+        yield
+    finally:
+        after = _random_state()
+        _set_random_state(before)
+    if _random_state_changed(before, after):
+        raise _NotOneGraph(_RANDOM)
+
+
+_RANDOM = "its forward draws random numbers at trace time (with no tensor argument), which one graph would fix"
 _MISSING = object()
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 _STATEFUL = "its forward sets attributes of its modules (a cache, a counter), which one graph would fix"
@@ -449,11 +561,36 @@ def _function_activation(node: fx.Node):
     return name, 0.01
 
 
+# nn.Module's hook dicts: a module replaced, or rebuilt by fx, comes without them (state_dict hooks add or
+# rename keys, load hooks take them back); the names this torch lacks are skipped
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return any(vars(m).get(name) for name in _HOOK_DICTS)
+
+
+def _hook_names(m: nn.Module) -> str:
+    """``m``'s hooks by kind and name (``forward_pre: _PlainCallStart``), for a reason given: cudnn_fuse's
+    own (transformers' models get forward hooks from use_cudnn_fuse_attention) told from the user's."""
+    found = []
+    for kind in _HOOK_DICTS:
+        for hook in (vars(m).get(kind) or {}).values():
+            hook = getattr(hook, "__func__", hook)
+            name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+            if (getattr(hook, "__module__", None) or type(hook).__module__) == f"{__package__}.hf":
+                name += " (cudnn_fuse's transformers attention switch)"
+            found.append(f"{kind.strip('_').removesuffix('_hooks')}: {name}")
+    return ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+
+
 def _hooked(m: nn.Module):
     """Why ``m`` must keep running as itself, or None: a hook on it (a fused module would not run
-    it; the user's, or old-style spectral_norm / weight_norm / pruning, whose pre-hook computes the
-    weight), or a weight or bias that is no Parameter (what such a pre-hook leaves there)."""
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+    it or keep its state_dict hooks; the user's, or old-style spectral_norm / weight_norm / pruning, whose
+    pre-hook computes the weight), or a weight or bias that is no Parameter (what such a pre-hook leaves
+    there)."""
+    if _has_hooks(m):
         return "it has hooks (a fused module would not run them)"
     for name in ("weight", "bias"):
         t = m.__dict__.get(name)
@@ -471,9 +608,13 @@ def _activation_of(gm, node: fx.Node):
         m = gm.get_submodule(node.target)
         return None if _hooked(m) else _module_activation(m)
     extra_ok = 2 if node.target is F.leaky_relu else 1  # leaky_relu's slope may be positional
-    if len(node.args) > extra_ok:
-        return None
+    if len(node.args) > extra_ok or not set(node.kwargs) <= _ACTIVATION_KWARGS:
+        return None  # another argument (``out=``, whose write a fused call would not make) changes the call
     return _function_activation(node)
+
+
+# the keyword arguments of an activation call that a fused epilogue takes as it is (or reads: _function_activation)
+_ACTIVATION_KWARGS = frozenset({"approximate", "negative_slope", "inplace"})
 
 
 def _inplace_arg(fn, args, kwargs) -> bool:
@@ -573,27 +714,16 @@ def _is_identity(gm, node: fx.Node) -> bool:
     return False
 
 
-def _fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d):
-    """Conv weight and bias with an eval-mode BatchNorm folded in."""
-    scale = bn.weight.detach() / torch.sqrt(bn.running_var + bn.eps) if bn.affine else 1 / torch.sqrt(bn.running_var + bn.eps)
-    shift = bn.bias.detach() if bn.affine else torch.zeros_like(bn.running_mean)
-    w = conv.weight.detach() * scale.view(-1, 1, 1, 1).to(conv.weight.dtype)
-    b0 = conv.bias.detach() if conv.bias is not None else torch.zeros_like(bn.running_mean)
-    b = (b0 - bn.running_mean) * scale + shift
-    return w, b.to(conv.weight.dtype)
-
-
-def _new_conv(conv: nn.Conv2d, weight, bias, act, slope, folded_bn=None) -> cfnn.Conv2d:
+def _new_conv(conv: nn.Conv2d, act, slope, bn=None, bn_path=None) -> cfnn.Conv2d:
+    """A cudnn_fuse.nn.Conv2d on ``conv``'s own parameters (training keeps working on them), with the eval-mode
+    BatchNorm2d ``bn`` folded in at each call where one is given (it then refuses training mode: the
+    BatchNorm2d's batch statistics are not the folded ones)."""
     m = cfnn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-                    conv.groups, bias=bias is not None, padding_mode=conv.padding_mode, device=conv.weight.device,
+                    conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode, device="meta",
                     dtype=conv.weight.dtype, activation=act, negative_slope=slope)
-    if weight is conv.weight:  # nothing folded: share the parameters (training keeps working on them)
-        m.weight, m.bias = conv.weight, conv.bias
-    else:
-        with torch.no_grad():
-            m.weight.copy_(weight)
-            m.bias.copy_(bias)
-        m.folded_bn = folded_bn  # it refuses training mode (the BatchNorm2d's batch statistics are gone)
+    m.weight, m.bias = conv.weight, conv.bias
+    if bn is not None:
+        m.fold(bn, bn_path)
     m.train(conv.training)
     return m
 
@@ -620,6 +750,10 @@ def _new_linear(lin: nn.Linear, act, slope, recompute, fp8=None) -> cfnn.Linear:
     return m
 
 
+# the fused modules optimize() puts at a replaced layer's own path
+_AT_LAYER_PATHS = (cfnn.Conv2d, cfnn.Linear, cfnn.TransposedLinear)
+
+
 class _Rewriter:
     def __init__(self, gm: fx.GraphModule, summary: Summary, prefix: str, recompute: bool, chain_convs: bool = False,
                  fp8=None):
@@ -627,7 +761,6 @@ class _Rewriter:
         self.chain_convs, self.fp8 = chain_convs, fp8
         self.count = 0
         self.calls_of: collections.Counter = collections.Counter()  # call sites per module path (run)
-        self.held: set = set()  # paths of layers a fused block holds unregistered (FusedMLP): kept
 
     def new_name(self, prefix: str) -> str:
         """A submodule name not taken (a model optimized before has its own cudnn_fuse_chain_0)."""
@@ -686,7 +819,6 @@ class _Rewriter:
         """``module`` told the dropouts it was fused across (kept registered where they were)."""
         if dropouts:
             cfnn.dropouts_before_residual(module, [self.gm.get_submodule(d) for d in dropouts])
-            self.held.update(dropouts)
         return module
 
     def replace(self, first: fx.Node, fused: list, module: nn.Module, args: tuple, pattern: str,
@@ -702,9 +834,14 @@ class _Rewriter:
             name = first.target if first.op == "call_module" else self.new_name("cudnn_fuse_")
         module.train((self.gm.get_submodule(first.target) if first.op == "call_module" else self.gm).training)
         self.gm.add_submodule(name, module)
+        kwargs = {}
+        if name == first.target and isinstance(module, _AT_LAYER_PATHS):
+            # the layer's epilogue only where this graph calls it: other code calling model.<path> (a method
+            # of the model's) gets the layer it called before
+            module.graph_epilogue, kwargs = True, {"epilogue": True}
         last = fused[-1] if fused else first
         with self.gm.graph.inserting_after(last):
-            new = self.gm.graph.call_module(name, args)
+            new = self.gm.graph.call_module(name, args, kwargs)
         last.replace_all_uses_with(new)
         for n in reversed([first] + fused):
             self.gm.graph.erase_node(n)
@@ -716,7 +853,7 @@ class _Rewriter:
         if conv.padding_mode != "zeros":
             self.summary.left_alone.append((self.where(node), f"padding_mode={conv.padding_mode!r} (cuDNN pads zeros)"))
             return
-        fused, weight, bias, pattern, folded = [], conv.weight, conv.bias, ["Conv2d"], None
+        fused, pattern, bn, folded = [], ["Conv2d"], None, None
         last = node
         bn_node = _only_user(node)
         if bn_node is not None and bn_node.op == "call_module" and isinstance(self.gm.get_submodule(bn_node.target),
@@ -733,7 +870,6 @@ class _Rewriter:
                 self.summary.left_alone.append((self.where(bn_node), "BatchNorm2d in eval mode under a Conv2d in "
                                                 "training mode (its weight trains: folded only in eval)"))
                 return
-            weight, bias = _fold_bn(conv, bn)
             folded = self.where(bn_node)
             fused.append(bn_node)
             pattern.append("BatchNorm2d(folded)")
@@ -748,8 +884,7 @@ class _Rewriter:
         if len(pattern) == 1:
             # nothing to fuse, but the plain conv still runs as one cuDNN graph
             pattern.append("(alone)")
-        m = self.through(_new_conv(conv, weight, bias, act[0] if act else None, act[1] if act else 0.01, folded),
-                         dropouts)
+        m = self.through(_new_conv(conv, act[0] if act else None, act[1] if act else 0.01, bn, folded), dropouts)
         args = (node.args[0],) + ((residual,) if residual is not None else ())
         self.replace(node, fused, m, args, " + ".join(pattern))
 
@@ -804,9 +939,10 @@ class _Rewriter:
         if not self.replace(node, [act_node, nxt] + more, m, args, pattern + " (fused MLP backward)",
                             name=self.new_name("cudnn_fuse_mlp_")):
             return True  # left alone, with the reason
-        # the layers stay where they were (the block holds them, unregistered): state_dict keys unchanged
+        # the layers stay where they were (the block holds them, unregistered): state_dict keys unchanged;
+        # fc1 runs its activation only where the block calls it
+        fc1.graph_epilogue = True
         self.gm.add_submodule(node.target, fc1.train(lin.training))
-        self.held.update((node.target, nxt.target))
         return True
 
     def conv1d(self, node: fx.Node) -> None:
@@ -841,7 +977,6 @@ class _Rewriter:
         self.skip_identities()
         # call sites per module path, counted once: a replacement calls the path it replaces
         calls_of = self.calls_of = collections.Counter(n.target for n in self.gm.graph.nodes if n.op == "call_module")
-        called_before = set(calls_of)
         for node in list(self.gm.graph.nodes):
             if node.graph is not self.gm.graph or node not in self.gm.graph.nodes:
                 continue
@@ -878,27 +1013,10 @@ class _Rewriter:
                 node.target = attention
                 self.summary.replaced.append((self.where(node), "F.scaled_dot_product_attention"))
         _eliminate_dead_code(self.gm)
-        self._delete_fused_away(called_before)
         if self.chain_convs:
             self.chain()  # after the clean-up: the chained layers stay the model's children
         self.gm.graph.lint()
         self.gm.recompile()
-
-    def _delete_fused_away(self, called_before) -> None:
-        """fx's delete_all_unused_submodules, for the modules the graph called before the rewrite only
-        (a folded BatchNorm2d, a fused activation module): one the forward never called (an unused
-        head, the layers of a ConvChain already in the model) stays, as in the model."""
-        used = set()
-        for node in self.gm.graph.nodes:
-            if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
-                parts = node.target.split(".")
-                used.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-                if node.op == "call_module":
-                    used.update(f"{node.target}.{n}" for n, _ in self.gm.get_submodule(node.target).named_modules()
-                                if n)
-        for name, _ in list(self.gm.named_modules()):
-            if name in called_before and name not in used and name not in self.held:
-                self.gm.delete_submodule(name)
 
     def chain(self) -> None:
         """Runs of 2+ chainable cudnn_fuse.nn.Conv2d calls (no activation or ReLU, no residual), each
@@ -908,7 +1026,8 @@ class _Rewriter:
 
         def chainable(node) -> bool:
             return node.op == "call_module" and calls_of[node.target] == 1 and \
-                cfnn.ConvChain.chainable(self.gm.get_submodule(node.target)) and len(node.args) == 1 and not node.kwargs
+                cfnn.ConvChain.chainable(self.gm.get_submodule(node.target)) and len(node.args) == 1 and \
+                node.kwargs == {"epilogue": True}
 
         runs, run = [], []
         for node in list(self.gm.graph.nodes):
@@ -940,9 +1059,31 @@ def _aligned_pattern(m: cfnn.AlignedLinear) -> str:
     return f"Linear, output {m.out_features} wide padded to {m.out_features + m.pad} (aligned GEMM)"
 
 
+class _TracedConstants:
+    """Warns when a plain attribute carried over from the original (``traced_constants``) is set anew: the
+    traced forward read it as a constant at optimize() time, so only the original class's methods see the
+    new value. Once per module and name; never while the module is built, copied or unpickled (the
+    attribute is not there yet then)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        d = self.__dict__
+        if name in d.get("traced_constants", ()) and d.get(name, value) is not value:
+            warned = _WARNED.setdefault(self, set())
+            if name not in warned:
+                warned.add(name)
+                cls = d.get("model_class") or d.get("container_class") or type(self)
+                log.warning("cudnn_fuse.optimize: %s.%s set after optimize(): the traced forward keeps the value it "
+                            "had at optimize() time (%.80r), the original class's methods see the new one; set it "
+                            "before optimize()", cls.__name__, name, d[name])
+        super().__setattr__(name, value)
+
+
+_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names warned about
+
+
 class _Layers:
     """Indexing, length and iteration of a rewritten Sequential or ModuleList, in the original's order: ``[i]``
-    is the layer at the original's i-th name (None where it was fused away, a folded BatchNorm2d)."""
+    is the layer at the original's i-th name (a fused layer computes that layer alone, called so)."""
 
     def _layers(self) -> list:
         cls = self.__dict__.get("container_class") or self.__dict__.get("model_class") or nn.Module
@@ -963,28 +1104,21 @@ class _Layers:
         return iter(self._layers())
 
 
-class OptimizedGraphModule(fx.GraphModule):
+class OptimizedGraphModule(_TracedConstants, fx.GraphModule):
     """What ``optimize()`` returns for a model that traced: the rewritten GraphModule, which still
     answers to the original model's own methods, properties and class attributes (bound to this
     module) and carries its plain instance attributes, as torch.compile's OptimizedModule answers
     for its ``_orig_mod``. So ``model.predict(x)``, ``model.num_classes`` or ``model.config`` work
-    after ``model = cf.optimize(model)``; a method that reads a layer fused away (an activation
-    module, a folded BatchNorm2d) gets an AttributeError naming it. ``model_class`` is the
-    original's class (``isinstance`` sees the GraphModule)."""
+    after ``model = cf.optimize(model)``. Every layer stays at its path (a folded BatchNorm2d, an activation
+    fused into a layer), and a fused layer called by anything but the rewritten forward computes the layer
+    it replaced, so such a method computes what it did. ``model_class`` is the original's class
+    (``isinstance`` sees the GraphModule)."""
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)  # parameters, buffers, submodules
         except AttributeError as exc:
-            cls = self.__dict__.get("model_class")
-            if cls is None or (name.startswith("__") and name.endswith("__")):
-                raise
-            try:
-                attr = inspect.getattr_static(cls, name)
-            except AttributeError:
-                raise exc from None
-            get = getattr(type(attr), "__get__", None)
-            return attr if get is None else get(attr, self, cls)  # a method bound to this module
+            return _of_class(self, self.__dict__.get("model_class"), name, exc)
 
     def recompile(self):
         """fx's recompile, then the generated forward fetches each submodule path that it uses more
@@ -1131,27 +1265,50 @@ def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
     if cls.__bases__ != (fx.GraphModule,) or isinstance(model, fx.GraphModule):
         return
     cls.__bases__ = (_surface_class(type(model)),)
-    carried = {"model_class": type(model), "container_keys": list(model._modules)}
-    for k, v in vars(model).items():
-        if k not in _MODULE_INTERNALS and k not in gm.__dict__ and not isinstance(v, (nn.Module, nn.Parameter)):
-            carried[k] = v
+    plain = {k: v for k, v in vars(model).items() if k not in _MODULE_INTERNALS and k not in gm.__dict__ and
+             not isinstance(v, (nn.Module, nn.Parameter))}
+    carried = {"model_class": type(model), "container_keys": list(model._modules), **plain,
+               "traced_constants": frozenset(plain)}
     gm.__dict__.update(carried)
     _carried(gm, carried)
 
 
-class FusedContainer(_Layers, nn.Module):
+class FusedContainer(_TracedConstants, _Layers, nn.Module):
     """A container of a traced model's layers (``model.features``, ``model.layer1``) as fx rebuilt it: it holds
-    the fused layers and the original's plain attributes (``num_heads``), but no forward of its own, since
-    the fused graph may cross its edges. Called alone, it says so and names the way out."""
+    its layers, the original's plain attributes (``num_heads``) and answers to its class's methods. The fused
+    graph may cross its edges, so called alone it runs its class's own forward, unfused: every layer stays at
+    its path and a fused layer called so computes the layer it replaced."""
 
     def _class_name(self) -> str:
         return getattr(self.__dict__.get("container_class"), "__name__", "container")
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError as exc:
+            return _of_class(self, self.__dict__.get("container_class"), name, exc)
+
     def forward(self, *args, **kwargs):
-        name = self._class_name()
-        raise RuntimeError(f"cudnn_fuse.optimize traced the model as a whole: this {name} holds its fused layers but "
-                           "does not run on its own; call the whole model, or optimize the original submodule on its "
-                           "own (cf.optimize(model.<path>)) to run it alone")
+        cls = self.__dict__.get("container_class")
+        keys = self.__dict__.get("container_keys", ())
+        if cls is None or any(self._modules.get(k) is None for k in keys):
+            raise RuntimeError(f"cudnn_fuse.optimize traced the model as a whole: this {self._class_name()} holds its "
+                               "fused layers but does not run on its own; call the whole model, or optimize the "
+                               "original submodule on its own (cf.optimize(model.<path>)) to run it alone")
+        return cls.forward(self, *args, **kwargs)
+
+
+def _of_class(module, cls, name: str, exc: AttributeError):
+    """``cls``'s own attribute ``name`` (a method, property or class attribute), bound to ``module``; else
+    ``exc`` raised."""
+    if cls is None or (name.startswith("__") and name.endswith("__")):
+        raise exc
+    try:
+        attr = inspect.getattr_static(cls, name)
+    except AttributeError:
+        raise exc from None
+    get = getattr(type(attr), "__get__", None)
+    return attr if get is None else get(attr, module, cls)  # a method bound to this module
 
 
 def _keep_container_surfaces(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -1171,9 +1328,9 @@ def _keep_container_surfaces(gm: fx.GraphModule, model: nn.Module) -> None:
             continue
         now.__class__ = FusedContainer
         now.__dict__["container_class"], now.__dict__["container_keys"] = type(orig), list(orig._modules)
-        for k, v in vars(orig).items():
-            if k not in _MODULE_INTERNALS and k not in now.__dict__ and not isinstance(v, (nn.Module, nn.Parameter)):
-                now.__dict__[k] = v
+        plain = {k: v for k, v in vars(orig).items() if k not in _MODULE_INTERNALS and k not in now.__dict__ and
+                 not isinstance(v, (nn.Module, nn.Parameter))}
+        now.__dict__.update(plain, traced_constants=frozenset(plain))
 
 
 def _carried(gm, attrs: dict) -> None:
@@ -1262,6 +1419,8 @@ def _channels_last_off_the_cpu(t: torch.Tensor) -> torch.Tensor:
     CPU: channels_last is what cuDNN's convs take without a copy, while on the CPU cf's conv runs on
     NCHW operands (a channels_last one is copied at every call) and torch's own CPU conv corrupts the
     heap on some (docs/decisions.md). Other ranks stay as they are (``Module.to`` raised on a 5-D one)."""
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # a lazy module's, before its first call
+        return t
     return t.to(memory_format=torch.channels_last) if t.dim() == 4 and t.device.type != "cpu" else t
 
 
@@ -1306,7 +1465,12 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     ``example_inputs`` (a tensor, a tuple of arguments or a dict of keyword arguments): the optimized
     model is called once on them, so its plans are built (or autotuned) here rather than at its first
     call, and the summary says per replaced layer what runs: cuDNN's engine, or torch's own kernels
-    where those timed faster for its shapes (``summary.torch_kernels``), with the timings.
+    where those timed faster for its shapes (``summary.torch_kernels``), with the timings; the call leaves
+    the model's state (buffers, plain attributes) and the random streams as they were.
+
+    A model traced whole reads its plain attributes (``self.tau``, a dropout's ``self.p``) as constants
+    of the traced graph: set after ``optimize()``, the forward keeps the old value (a warning is logged;
+    the original class's methods see the new one), so set them before.
 
     Raises TypeError for a ``model`` that is no torch.nn.Module instance (None, a string, a module class)
     and for flags that are not bools.
@@ -1342,7 +1506,11 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
 
     if use_cudnn_fuse_attention(model):
         summary.replaced.append((type(model).__name__, "transformers sdpa attention -> cudnn_fuse attention"))
-    out = _rewrite(model, summary, "", recompute, chain_convs, fp8)
+    streams = _random_state()  # the fused modules are built with initialized weights (then replaced): draws
+    try:
+        out = _rewrite(model, summary, "", recompute, chain_convs, fp8)
+    finally:
+        _set_random_state(streams)
     if any(isinstance(m, nn.Conv2d) for m in out.modules()):
         out = out._apply(_channels_last_off_the_cpu)
         for m in out.modules():
@@ -1395,8 +1563,9 @@ def _run_example(model: nn.Module, example_inputs, summary: Summary) -> None:
     handles = [h for name, m in layers for h in (m.register_forward_pre_hook(enter(name)),
                                                     m.register_forward_hook(leave))]
     # the call leaves no trace in the model or the random streams: a training-mode forward updates the
-    # BatchNorms' running statistics, and dropouts draw random numbers
+    # BatchNorms' running statistics, a forward may count its calls, and dropouts draw random numbers
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    attrs = _plain_attributes(model)
     cuda = sorted({t.device.index or 0 for t in list(model.parameters()) + [b for b, _ in buffers] if t.is_cuda})
     try:
         with torch.random.fork_rng(devices=cuda), \
@@ -1410,12 +1579,37 @@ def _run_example(model: nn.Module, example_inputs, summary: Summary) -> None:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+        _restore_plain_attributes(attrs)
     held = {(p.spec, p.device): p for p in loader.plans_in_memory()}
     for name, _ in layers:
         what = [loader.describe(held[key]) if key in held else "PyTorch's ops (the fused call fell back)"
                 for key in seen[name].items()]
         summary.runs.append((name, "; ".join(dict.fromkeys(what)) if what else "PyTorch's ops (no fused call ran: "
                              "CPU tensors, or operands the fused path does not take)"))
+
+
+def _plain_attributes(model: nn.Module) -> list:
+    """(module, its plain attributes) of ``model``'s modules, to put back after an example call (a counter, a
+    cache its forward sets). Not of a lazy module yet to be materialized (the call makes its parameters, and
+    takes its hooks off: both wanted), nor of cudnn_fuse's own modules (what they keep are caches keyed by
+    what they were computed from)."""
+    lazy = torch.nn.modules.lazy.LazyModuleMixin
+    return [(m, {k: v for k, v in vars(m).items() if k not in _REGISTRIES}) for m in model.modules()
+            if not isinstance(m, _CF_MODULES + (cfnn.RMSNorm,)) and
+            not (isinstance(m, lazy) and m.has_uninitialized_params())]
+
+
+def _restore_plain_attributes(attrs: list) -> None:
+    """Put back what ``_plain_attributes`` took: attributes the call added go, changed ones get their old
+    value. A parameter, buffer or submodule the call registered stays (a lazily made buffer)."""
+    for m, saved in attrs:
+        now = vars(m)
+        registered = set().union(*(now[k] for k in _REGISTRIES))
+        for name in [n for n in now if n not in saved and n not in _REGISTRIES]:
+            del now[name]
+        for name, value in saved.items():
+            if name not in registered and now.get(name, _MISSING) is not value:
+                now[name] = value
 
 
 def _device_of(inputs):

@@ -382,7 +382,7 @@ class _ConvChain(torch.autograd.Function):
         hs = [x]
         for m in layers:
             h = hs[-1]
-            hs.append(_conv_out_layout(m.forward(h), h))  # the layout the layer's own training call returns
+            hs.append(_conv_out_layout(m.forward(h, epilogue=True), h))  # the layout the layer's own training call returns
         ctx.layers, ctx.geos = layers, geos
         weights = params[0::2]
         # the biases only for create_graph's recompute: held by reference with the versions read here

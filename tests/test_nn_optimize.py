@@ -169,7 +169,10 @@ def test_optimize_cnn_eval_folds_bn_and_fuses_residuals():
     left = dict(s.left_alone)
     assert "padding_mode='reflect'" in left["pad"]
     assert "no epilogue" in left["head"]
-    assert not any(isinstance(m, nn.BatchNorm2d) for m in opt.modules())
+    # the folded BatchNorms stay the model's (state_dict, statistics) but the graph calls none of them
+    assert not [n for n in opt.graph.nodes if n.op == "call_module" and isinstance(opt.get_submodule(n.target),
+                                                                                  nn.BatchNorm2d)]
+    assert list(opt.state_dict()) == list(model.state_dict())
     assert sum(isinstance(m, cfnn.Conv2d) for m in opt.modules()) == 7
     # the original model is untouched
     assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
@@ -826,8 +829,7 @@ def test_an_optimized_model_keeps_its_own_methods_and_attributes():
     assert torch.equal(o.predict(x), m.predict(x))
     assert (o.config, o.num_classes, o.hidden, o.scale) == ({"hidden": 12}, 4, 12, 2)
     assert type(o.build()) is _WithSurface and o.model_class is _WithSurface
-    with pytest.raises(AttributeError, match="'act'"):  # fused away: named
-        o.activation_name()
+    assert o.activation_name() == "GELU"  # fused into fc1's call, but still the model's module
     with pytest.raises(AttributeError, match="no_such"):
         o.no_such
     twin = copy.deepcopy(o)  # carried through fx's deepcopy
@@ -930,3 +932,115 @@ def test_optimize_keeps_dropouts_with_hooks_or_in_training_mode():
     training = _IdentityBetween(p_out=0.1).train()  # a dropout in training mode stands between: no residual
     patterns = dict(optimize(training).cudnn_fuse_summary.replaced)
     assert patterns["mlp.0"] == "Linear + gelu + Linear (fused MLP backward)"
+
+
+class _TiedAE(nn.Module):
+    """A conv + BatchNorm2d whose weight the forward also reads itself (a tied decoder, a regularizer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.enc(x)))
+        return F.conv_transpose2d(h, self.enc.weight, padding=1), self.enc.weight.pow(2).sum()
+
+
+def test_a_folded_conv_keeps_its_own_weight_for_every_other_reader():
+    """Folding a BatchNorm2d leaves the conv's own weight where the rest of the forward (a tied decoder, a
+    regularizer) and the state_dict read it; the fused conv runs on it folded."""
+    model = _randomize_bn(_TiedAE()).eval()
+    opt = optimize(model)
+    assert dict(opt.cudnn_fuse_summary.replaced)["enc"] == "Conv2d + BatchNorm2d(folded) + relu"
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        (a, ra), (b, rb) = model(x), opt(x)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rb, ra)
+    assert opt.enc.weight is model.enc.weight or torch.equal(opt.enc.weight, model.enc.weight)
+
+
+def test_a_folded_model_saves_and_loads_the_originals_state_dict():
+    """The optimized model's state_dict is the original's, key for key and value for value, and a checkpoint
+    of the original (other weights and statistics) loads into it strictly and is what it then computes."""
+    model = _randomize_bn(SmallCNN()).eval()
+    opt = optimize(model)
+    mine, theirs = opt.state_dict(), model.state_dict()
+    assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    other = _randomize_bn(SmallCNN()).eval()
+    opt.load_state_dict(other.state_dict())
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), other(x), rtol=1e-4, atol=1e-5)
+    back = SmallCNN().eval()
+    back.load_state_dict(opt.state_dict())  # and back into the plain model
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), other(x))
+
+
+def test_a_folded_conv_folds_again_after_an_in_place_change():
+    """A weight or statistic changed in place after optimize() (weight averaging, a recalibrated BatchNorm)
+    is what the next call folds."""
+    model = _randomize_bn(SmallCNN()).eval()
+    opt = optimize(model, inplace=True)
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        opt(x)
+        model.stem[0].weight.mul_(1.5)
+        model.stem[1].running_var.mul_(3.0)
+        model.stem[1].bias.add_(0.25)
+        want = model(x)  # the model rewritten in place is the optimized one: check against a plain copy
+    plain = SmallCNN().eval()
+    plain.load_state_dict(opt.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(want, plain(x), rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_in_eval_mode_reach_the_folded_convs_and_batchnorms_parameters():
+    """An eval-mode model trained or probed with autograd (frozen statistics, saliency): the folded layers'
+    gradients reach the conv's weight and the BatchNorm2d's affine parameters, as the original's do."""
+    model = _randomize_bn(SmallCNN()).eval()
+    opt = optimize(model)
+    x = torch.randn(2, 3, 12, 12)
+    model(x).square().sum().backward()
+    opt(x).square().sum().backward()
+    ref, got = dict(model.named_parameters()), dict(opt.named_parameters())
+    for name in ("stem.0.weight", "stem.1.weight", "stem.1.bias"):
+        assert got[name].grad is not None, name
+        torch.testing.assert_close(got[name].grad, ref[name].grad, rtol=1e-4, atol=1e-4)
+
+
+class _Methods(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(8, 16), nn.Linear(16, 2)
+        self.c, self.bn = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+
+    def embed(self, x):
+        return self.proj(x)
+
+    def conv_features(self, im):
+        return self.c(im)
+
+    def forward(self, x, im):
+        return self.head(F.gelu(self.proj(x))), F.relu(self.bn(self.c(im)) + im)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_the_models_methods_calling_a_fused_layer_get_the_layer_alone(mode):
+    """A method of the model (an embed() or forward_features() helper) that calls a layer optimize() fused
+    gets that layer's own output: no activation, no residual, no BatchNorm2d folded in."""
+    torch.manual_seed(0)
+    model = _randomize_bn(_Methods())
+    model.train(mode == "train")
+    opt = optimize(model)
+    fused = {"proj", "c"} if mode == "eval" else {"proj"}  # a training BatchNorm2d is not folded
+    assert fused <= {k.split(".")[0] for k, _ in opt.cudnn_fuse_summary.replaced}
+    x, im = torch.randn(3, 8), torch.randn(2, 3, 5, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(opt.embed(x), model.embed(x))
+        torch.testing.assert_close(opt.conv_features(im), model.conv_features(im))
+        torch.testing.assert_close(opt.proj(x), model.proj(x))
+        if mode == "eval":
+            for a, b in zip(opt(x, im), model(x, im)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

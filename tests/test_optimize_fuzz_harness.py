@@ -10,20 +10,17 @@ structural problem appeared). This is how the harness's bounds were calibrated: 
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 import test_gpu_optimize_fuzz as T
+from cudnn_fuse import nn as cfnn
 from cudnn_fuse import reference, torch_ops
 
-optimize_mod = sys.modules["cudnn_fuse.optimize"]  # the module (cudnn_fuse.optimize is the function)
 SEEDS = T.SEEDS  # the GPU test's 80
 DTYPES = (torch.float16, torch.bfloat16)
 
-_epilogue, _activation, _linear, _fold = reference.epilogue, reference.activation, reference.linear, \
-    optimize_mod._fold_bn
+_epilogue, _activation, _linear, _fold = reference.epilogue, reference.activation, reference.linear, cfnn._fold_bn
 _pre_grad, _act_grad, _products, _conv_products = (torch_ops._pre_activation_grad, torch_ops._act_grad,
                                                    torch_ops._linear_products, torch_ops._conv2d_products_torch)
 
@@ -51,17 +48,17 @@ def linear_no_bias(x, weight, bias=None, *a, **k):
     return _linear(x, weight, None, *a, **k)
 
 
-def fold_no_mean(conv, bn):
-    w, b = _fold(conv, bn)
-    scale = bn.weight.detach() / torch.sqrt(bn.running_var + bn.eps)
-    return w, (b + bn.running_mean * scale).to(b.dtype)  # the running mean left out
+def fold_no_mean(w, b, bn):
+    wf, bf = _fold(w, b, bn)
+    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    return wf, (bf + bn.running_mean * scale).to(bf.dtype)  # the running mean left out
 
 
-def fold_var_not_sqrt(conv, bn):
-    scale = bn.weight.detach() / (bn.running_var + bn.eps)
-    w = conv.weight.detach() * scale.view(-1, 1, 1, 1).to(conv.weight.dtype)
-    b0 = conv.bias.detach() if conv.bias is not None else torch.zeros_like(bn.running_mean)
-    return w, ((b0 - bn.running_mean) * scale + bn.bias.detach()).to(conv.weight.dtype)
+def fold_var_not_sqrt(w, b, bn):
+    scale = bn.weight / (bn.running_var + bn.eps)
+    wf = w * scale.view(-1, 1, 1, 1).to(w.dtype)
+    b0 = b if b is not None else torch.zeros_like(bn.running_mean)
+    return wf, ((b0 - bn.running_mean) * scale + bn.bias).to(w.dtype)
 
 
 def relu_grad_everywhere(ctx, gy, y, recompute_z):
@@ -85,8 +82,8 @@ MUTATIONS = {
     "silu computed as gelu": (reference, "activation", silu_as_gelu),
     "leaky_relu slope lost": (reference, "activation", slope_lost),
     "linear bias dropped": (reference, "linear", linear_no_bias),
-    "BN fold without the running mean": (optimize_mod, "_fold_bn", fold_no_mean),
-    "BN fold by 1/var": (optimize_mod, "_fold_bn", fold_var_not_sqrt),
+    "BN fold without the running mean": (cfnn, "_fold_bn", fold_no_mean),
+    "BN fold by 1/var": (cfnn, "_fold_bn", fold_var_not_sqrt),
     "ReLU backward passes every gradient": (torch_ops, "_pre_activation_grad", relu_grad_everywhere),
     "linear bias gradient averaged": (torch_ops, "_linear_products", bias_grad_mean),
     "conv residual gradient zeroed": (torch_ops, "_conv2d_products_torch", conv_residual_grad_lost),

@@ -588,7 +588,7 @@ class _Stack(nn.Module):
         return self.head(self.blocks(x))
 
 
-def test_the_containers_of_a_traced_model_keep_their_attributes_and_modes_and_say_why_they_do_not_run_alone():
+def test_the_containers_of_a_traced_model_keep_their_attributes_and_modes_and_run_alone_as_they_did():
     torch.manual_seed(0)
     model = _Stack().eval()
     opt = cf.optimize(model)
@@ -598,11 +598,15 @@ def test_the_containers_of_a_traced_model_keep_their_attributes_and_modes_and_sa
     assert bool(opt) and bool(opt.blocks[0])  # a module is true, whatever its length
     with pytest.raises(TypeError):
         len(opt.blocks[0])  # a _Block is no sequence
-    folded = cf.optimize(nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU()),
-                                       nn.Flatten(), nn.Linear(4 * 9, 2)).eval())
-    assert folded[0][1] is None and isinstance(folded[0][0], cfnn.Conv2d)  # the BatchNorm2d folded into [0][0]
-    with pytest.raises(RuntimeError, match="optimize the original submodule"):
-        opt.blocks(torch.randn(3, 8))
+    folded_model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU()), nn.Flatten(),
+                                 nn.Linear(4 * 9, 2)).eval()
+    folded = cf.optimize(folded_model)
+    assert isinstance(folded[0][1], nn.BatchNorm2d) and isinstance(folded[0][0], cfnn.Conv2d)  # folded in its call
+    x = torch.randn(3, 8)
+    with torch.no_grad():  # their own forward on the layers they hold: the fused ones compute the layers alone
+        torch.testing.assert_close(opt.blocks(x), model.blocks(x))
+        torch.testing.assert_close(opt.blocks[1](x), model.blocks[1](x))
+        torch.testing.assert_close(folded[0](torch.ones(1, 3, 3, 3)), folded_model[0](torch.ones(1, 3, 3, 3)))
     import copy
     import io
 
@@ -611,3 +615,349 @@ def test_the_containers_of_a_traced_model_keep_their_attributes_and_modes_and_sa
     for again in (copy.deepcopy(opt), torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
         torch.testing.assert_close(again(torch.ones(3, 8)), model(torch.ones(3, 8)))
         assert again.blocks[1].heads == 4
+
+
+# --------------------------------------------------------------------- hooks
+
+
+class _HookNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        self.extra = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh())])  # never called itself
+
+    def forward(self, x):
+        h = self.head(self.block(x).mean((2, 3)))
+        for blk in self.extra:
+            h = blk(h)
+        return h
+
+
+def _add_one(mod, args, out):
+    return out + 1
+
+
+def _triple_input(mod, args):
+    return (args[0] * 3,)
+
+
+def _double_grad(mod, grad_out):
+    return (grad_out[0] * 2,)
+
+
+_HOOKS = {
+    "root-forward-pre": lambda m: m.register_forward_pre_hook(_triple_input),
+    "root-forward": lambda m: m.register_forward_hook(_add_one),
+    "root-backward-pre": lambda m: m.register_full_backward_pre_hook(_double_grad),
+    "container-backward-pre": lambda m: m.block.register_full_backward_pre_hook(_double_grad),
+    "container-forward": lambda m: m.block.register_forward_hook(_add_one),
+    "list-item-backward-pre": lambda m: m.extra[0].register_full_backward_pre_hook(_double_grad),
+}
+
+
+@pytest.mark.parametrize("hook", list(_HOOKS))
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_hooks_on_the_traced_model_or_a_container_it_runs_through_still_run(hook, train):
+    """fx traces the root's forward itself and rebuilds the containers it runs through as bare modules:
+    the hooks there were gone."""
+    torch.manual_seed(0)
+    model = _HookNet().train(train)
+    _HOOKS[hook](model)
+    opt = cf.optimize(model)
+    assert any("has hooks" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    assert opt.cudnn_fuse_summary.replaced  # the children are still rewritten
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    grads = []
+    for m in (model, opt):
+        with torch.set_grad_enabled(True):
+            y = m(x)
+            grads.append(torch.autograd.grad(y.square().sum(), x)[0])
+        if m is model:
+            want = y
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def _add_key(mod, sd, prefix, local):
+    sd[prefix + "meta"] = torch.ones(1)
+
+
+def _pop_key(mod, sd, prefix, *args):
+    sd.pop(prefix + "meta", None)
+
+
+@pytest.mark.parametrize("on", ["root", "layer"])
+def test_state_dict_hooks_are_kept_and_the_originals_state_dict_loads(on):
+    torch.manual_seed(0)
+    model = _HookNet().eval()
+    target = model if on == "root" else model.head[0]
+    target._register_state_dict_hook(_add_key)
+    target.register_load_state_dict_pre_hook(_pop_key)
+    opt = cf.optimize(model)
+    assert set(opt.state_dict()) == set(model.state_dict())
+    opt.load_state_dict(model.state_dict(), strict=True)
+    x = torch.randn(2, 3, 5, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+# --------------------------------------------------------------------- what a trace would fix
+
+
+class _LayerDrop(nn.Module):
+    """Skips its branch with probability p in training (BART's, Whisper's LayerDrop): a draw with no tensor
+    argument, which a trace makes once."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.p = nn.Linear(8, 8), 0.5
+
+    def forward(self, x):
+        if self.training and torch.rand([]) < self.p:
+            return x
+        return x + F.relu(self.l(x))
+
+
+class _Noise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.relu(self.l(x)) + 0.1 * torch.randn(8)
+
+
+class _PyNoise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import random
+
+        return F.relu(self.l(x)) * random.random()
+
+
+@pytest.mark.parametrize("make,train", [(_LayerDrop, True), (_Noise, False), (_PyNoise, False)],
+                         ids=["layerdrop", "randn", "python-random"])
+def test_random_numbers_drawn_at_trace_time_are_drawn_at_every_call_and_optimize_draws_none(make, train):
+    import random
+
+    torch.manual_seed(0)
+    model = make().train(train)
+    x = torch.randn(4, 8)
+    for seed in range(4):  # whatever the trace's own draw would have been
+        torch.manual_seed(seed), random.seed(seed)
+        opt = cf.optimize(model)
+        after = torch.rand(3), random.random()
+        torch.manual_seed(seed), random.seed(seed)
+        assert torch.equal(after[0], torch.rand(3)) and after[1] == random.random()
+        assert any("random numbers" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+        for run in range(6):
+            torch.manual_seed(run), random.seed(run)
+            want = model(x)
+            torch.manual_seed(run), random.seed(run)
+            torch.testing.assert_close(opt(x), want)
+
+
+class _GradBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = F.relu(self.l(x))
+        return y * 2 if not torch.is_grad_enabled() else y
+
+
+class _AutocastBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = F.relu(self.l(x))
+        return y.float() if torch.is_autocast_enabled("cpu") else y
+
+
+class _NoGradBlock(nn.Module):
+    """Part of its forward in a no_grad block, which a trace would drop (the graph would record it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = F.relu(self.a(x))
+        return F.relu(self.b(h) + x)
+
+
+def test_a_forward_that_reads_the_grad_mode_answers_in_each_mode():
+    torch.manual_seed(0)
+    model = _GradBranch().eval()
+    opt = cf.optimize(model)
+    assert any("grad mode" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(opt(x), model(x))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    with torch.inference_mode():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_forward_that_reads_the_autocast_state_answers_in_its_dtype():
+    torch.manual_seed(0)
+    model = _AutocastBranch().eval()
+    opt = cf.optimize(model)
+    assert any("autocast" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x = torch.randn(3, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = model(x), opt(x)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    assert torch.is_autocast_enabled is torch._C.is_autocast_enabled  # put back after the trace
+
+
+def test_a_forward_with_a_no_grad_block_trains_only_what_the_original_trains():
+    torch.manual_seed(0)
+    model = _NoGradBlock().train()
+    opt = cf.optimize(model)
+    x = torch.randn(3, 8)
+    opt(x).sum().backward()
+    model(x).sum().backward()
+    assert opt.a.weight.grad is None and model.a.weight.grad is None
+    torch.testing.assert_close(opt.b.weight.grad, model.b.weight.grad)
+
+
+class _OutActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.register_buffer("buf", torch.zeros(3, 8))
+
+    def forward(self, x):
+        torch.sigmoid(self.l(x), out=self.buf)
+        return self.buf + 1
+
+
+def test_an_activation_that_writes_into_out_is_not_fused():
+    torch.manual_seed(0)
+    model = _OutActivation().eval()
+    opt = cf.optimize(model)
+    assert not any("sigmoid" in p for _, p in opt.cudnn_fuse_summary.replaced)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    torch.testing.assert_close(opt.buf, model.buf)
+
+
+def test_an_example_call_leaves_the_modules_plain_attributes_as_they_were():
+    torch.manual_seed(0)
+    model = _Warm()
+    x = torch.randn(2, 4)
+    opt = cf.optimize(model, example_inputs=x)
+    assert opt.calls == 0 and model.calls == 0
+    for _ in range(4):
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class _LazyNet(nn.Module):
+    def __init__(self, lazy_conv: bool):
+        super().__init__()
+        self.c = nn.LazyConv2d(4, 3) if lazy_conv else nn.Conv2d(3, 4, 3)
+        self.l = nn.LazyLinear(8)
+
+    def forward(self, im):
+        return self.l(F.relu(self.c(im)).flatten(1))
+
+
+@pytest.mark.parametrize("lazy_conv", [True, False], ids=["lazy-conv", "conv"])
+@pytest.mark.parametrize("example", [False, True], ids=["first-call", "example-call"])
+def test_a_model_with_lazy_layers_is_optimized_before_its_first_call(lazy_conv, example):
+    """Its parameters are made at its first call (the example call's, where one is given): with the same
+    random stream there, they are the original's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _LazyNet(lazy_conv).eval()
+    ref = copy.deepcopy(model)
+    im = torch.randn(2, 3, 6, 6)
+    torch.manual_seed(1)
+    opt = cf.optimize(model, example_inputs=im if example else None)
+    assert not example or not any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in opt.parameters())
+    with torch.no_grad():
+        torch.manual_seed(1)
+        got = opt(im)
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, ref(im))
+
+
+class _Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _Block()
+        self.l, self.tau = nn.Linear(8, 8), 1.0
+
+    def forward(self, x):
+        return F.relu(self.l(self.body(x))) / self.tau
+
+
+def test_setting_an_attribute_the_traced_forward_fixed_logs_a_warning_once(caplog):
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = _Tempered().eval()
+    with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
+        opt = cf.optimize(model)
+        again = copy.deepcopy(opt)
+        buf = io.BytesIO()
+        torch.save(opt, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+        opt.eval(), opt.train(), opt.eval()
+        opt.cudnn_fuse_summary = opt.cudnn_fuse_summary
+        opt.tau = 1.0  # the same value: nothing changes
+    assert type(opt) is not _Tempered and not caplog.records  # traced whole; built, copied, unpickled: no warning
+    with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
+        opt.tau = 4.0
+        opt.tau = 5.0
+        again.body.heads = 8  # a container's carried attribute
+    assert [r.getMessage().split(" set after")[0] for r in caplog.records] == \
+        ["cudnn_fuse.optimize: _Tempered.tau", "cudnn_fuse.optimize: _Block.heads"]
+    assert "before optimize()" in caplog.records[0].getMessage()
+
+
+class _OtherThreadMeanwhile(nn.Module):
+    """A forward during whose trace another thread enters torch.no_grad() (a model served meanwhile)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.seen = nn.Linear(4, 4), []
+
+    def forward(self, x):
+        import threading
+
+        def serve():
+            try:
+                with torch.no_grad():
+                    self.seen.append(torch.is_grad_enabled())
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                self.seen.append(exc)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        t.join()
+        return F.relu(self.fc(x))
+
+
+def test_another_threads_torch_calls_are_untouched_while_a_forward_is_traced():
+    """The trace's stand-ins for torch's global-state functions raise in the tracing thread only, and are
+    gone afterwards."""
+    model = _OtherThreadMeanwhile()
+    opt = cf.optimize(model)
+    assert model.seen == [] and opt.fc.__class__ is not None
+    seen = opt.__dict__.get("seen", model.seen)
+    assert all(s is False for s in seen) and seen, seen  # the thread ran, inside no_grad, without an error
+    assert torch.is_grad_enabled.__module__ != cf.optimize.__module__ and torch.is_grad_enabled()
