@@ -232,7 +232,10 @@ class Conv2d(torch.nn.Conv2d):
         cache = self.__dict__.get("_fold_cache")
         if cache is None or cache[0] != key:
             with torch.no_grad():
-                cache = self.__dict__["_fold_cache"] = (key, *_fold_bn(w, b, bn))
+                folded = _fold_bn(w, b, bn)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return folded  # made in a CUDA graph's memory pool, which its replays reuse: not kept past it
+            cache = self.__dict__["_fold_cache"] = (key, *folded)
         return cache[1], cache[2]
 
     def forward(self, x, residual=None, *, epilogue=None):

@@ -1044,3 +1044,20 @@ def test_the_models_methods_calling_a_fused_layer_get_the_layer_alone(mode):
         if mode == "eval":
             for a, b in zip(opt(x, im), model(x, im)):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fold_made_inside_a_cuda_graph_capture_is_not_kept(monkeypatch):
+    """A first call inside a capture folds into the graph's memory pool, which its replays reuse: that fold
+    serves the captured call only, and the next call outside folds again."""
+    model = _randomize_bn(SmallCNN()).eval()
+    opt = optimize(model)
+    conv = opt.stem[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with torch.no_grad():
+        w, _ = conv._weights()
+    assert "_fold_cache" not in conv.__dict__
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with torch.no_grad():
+        w2, _ = conv._weights()
+    assert conv.__dict__["_fold_cache"][1] is w2 and torch.equal(w, w2)
