@@ -42,7 +42,7 @@ def _broadcastable(a, b) -> bool:
     """Whether shapes ``a`` and ``b`` broadcast together (either may grow: ``layer(x) + r`` takes a
     residual of a larger batch as torch's add does). One that does not goes to the op, which names it."""
     try:
-        torch.broadcast_shapes(tuple(a), tuple(b))
+        ops.broadcast_shapes(tuple(a), tuple(b))  # plain Python for int shapes (torch's imports sympy)
         return True
     except RuntimeError:
         return False

@@ -40,7 +40,7 @@ a drop-path (a module with no state whose forward reads its mode) stays a call. 
 fused across an in-place change of a tensor the fused call would read later. A node is fused into its
 producer only when the producer's output has no other user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
 beside the layers they hold, which stay where they were), so parameter names (state_dict keys)
-stay the original's, except where eval mode folds a BatchNorm2d;
+stay the original's (a BatchNorm2d folded in eval mode stays too, folded into its conv at each call);
 a module called from several places (shared weights) is left alone. Everything replaced and
 everything left alone (with the reason) is logged once at INFO and kept on the model as
 ``cudnn_fuse_summary``. Hooks registered after ``optimize()`` on a replaced layer see its fused output, and
@@ -1313,7 +1313,8 @@ def _of_class(module, cls, name: str, exc: AttributeError):
 
 def _keep_container_surfaces(gm: fx.GraphModule, model: nn.Module) -> None:
     """Give the containers fx rebuilt as bare modules (``features``, ``encoder.layers.encoder_layer_0``) the
-    plain attributes of the originals and a forward that says why it does not run (FusedContainer)."""
+    plain attributes of the originals, their classes' methods and, called alone, their classes' forward
+    (FusedContainer)."""
     for name, orig in model.named_modules():
         if not name:
             continue
