@@ -12,7 +12,8 @@ calls went (``steady_paths``: plan lookups, launch-graph replays and captures a 
 (``steady_pyprofile``). For cf and for
 eager with torch's SDPA off its cuDNN backend, a torch.profiler record of the first call at two more new
 sizes (``first_call_profile``) and a cProfile of it at one more (``first_call_pyprofile``: Python's share).
-Writes dynamic_shapes.json (commit, GPU, cuDNN) and a plot:
+Every process of a run is pinned to the same cores (``--cpus``). Writes dynamic_shapes.json (commit, GPU,
+cuDNN, cores) and a plot:
 
     python3 bench/dynamic_shapes.py --out bench/results --sizes 200
 """
@@ -50,6 +51,9 @@ PROFILED_SIZES = 2  # new sizes whose first call is profiled after the sweep (cf
 # static: cf in a fresh process on the plans the cf variant's build process stored, every size's own
 # (so it runs after cf, on its plan cache): what the swapped-in steady state is measured against
 VARIANTS = ("cf", "static", "eager", "eager_no_cudnn_sdpa", "compile_dynamic")
+# The cores every process of a run is pinned to by default: a host-bound block's steady time varied by about
+# +-30% from one unpinned process to the next (docs/dynamic_shapes.md), so the processes compared share cores.
+DEFAULT_CPUS = (4, 5, 6, 7)
 
 
 def draw_sizes(n: int, seed: int = 0, exclude=()) -> list:
@@ -156,12 +160,14 @@ def _standins_left() -> int:
     return stats["standins"] - stats["swaps"]
 
 
-def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
+def settled(fn, make, sizes, wait_s: float = 300.0, also=()) -> dict:
     """cf after the sweep: once the build process has answered every request (waited for, up to ``wait_s``),
     per size the calls that swap its plans in (paced: one load a call at most, ``SWAP_CALLS`` calls timed
     one by one), the slowest of them and the swaps they made. A load that takes long paces the next ones
     out past later sizes' calls, so every size is then called again, up to SWEEP_UP_PASSES times, until no
-    stand-in is left (``standins_left``: those still serving); then each size's steady ms."""
+    stand-in is left (``standins_left``: those still serving); then each size's steady ms. ``also``: sizes
+    the process met outside the sweep (a profiled call), swept up with the others so that their stand-ins
+    are not counted as left."""
     from cudnn_fuse import build_process
 
     bp = build_process.default()
@@ -183,7 +189,7 @@ def settled(fn, make, sizes, wait_s: float = 300.0) -> dict:
         passes = 0
         while _standins_left() > 0 and passes < SWEEP_UP_PASSES:
             passes += 1
-            for s in sizes:
+            for s in [*sizes, *also]:
                 x = make(s)
                 for _ in range(4):
                     fn(x)
@@ -297,6 +303,7 @@ def _beside_build_process(timed) -> dict:
             stopped = timed()
         finally:
             os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.05)  # the continued process is scheduled again before the timing
         again = timed()
     return {"running": round(running, 4), "stopped": round(stopped, 4), "running_again": round(again, 4)}
 
@@ -346,8 +353,9 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         # a stand-in's later call while the build process is still busy with the sweep's requests (it answers
         # them in order): what a call served by torch's kernels costs over eager's, where the steady times
         # say it does
-        res["standin_call_pyprofile"] = pyprofile_standin(fn, make, _pyprofiled_size(sizes, 3))
-        res["settled"] = settled(fn, make, sizes)
+        standin_size = _pyprofiled_size(sizes, 3)
+        res["standin_call_pyprofile"] = pyprofile_standin(fn, make, standin_size)
+        res["settled"] = settled(fn, make, sizes, also=[standin_size])
         res["steady_pyprofile"] = pyprofile_first(fn, make, sizes[1])  # one settled call, as the static one
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
         res["first_call_profile"] = profile_first(fn, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
@@ -386,6 +394,27 @@ def steady_vs_static(settled_: dict, static: dict):
     ratios = [r["steady_ms"] / ours[r["seq"]] for r in static.get("per_size", [])
               if ours.get(r["seq"]) and r.get("steady_ms")]
     return round(statistics.median(ratios), 4) if ratios else None
+
+
+def pinned_cpus(spec: str, allowed) -> tuple:
+    """The cores ``--cpus`` names (``4-7``, ``0,2,4``, ``none``; ``auto``: DEFAULT_CPUS where all of them
+    are ``allowed``, else none), checked against ``allowed``; ValueError naming the argument otherwise."""
+    if spec == "none" or (spec == "auto" and not set(DEFAULT_CPUS) <= set(allowed)):
+        return ()
+    if spec == "auto":
+        return DEFAULT_CPUS
+    cpus = set()
+    try:
+        for part in spec.split(","):
+            lo, dash, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi if dash else lo) + 1))
+    except ValueError:
+        raise ValueError(f"--cpus: expected a list such as 4-7 or 0,2, got {spec!r}") from None
+    missing = sorted(cpus - set(allowed))
+    if not cpus or missing:
+        raise ValueError(f"--cpus: {spec!r} names cores this process may not run on ({missing or 'none named'}); "
+                         f"allowed: {sorted(allowed)}")
+    return tuple(sorted(cpus))
 
 
 def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS) -> dict:
@@ -482,6 +511,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated among {', '.join(VARIANTS)} (static runs on the plans cf stored)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per variant's process")
+    p.add_argument("--cpus", default="auto", help="cores every process of the run is pinned to (4-7, 0,2,4 or "
+                   f"none; auto: {DEFAULT_CPUS[0]}-{DEFAULT_CPUS[-1]} where the machine has them)")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     p.add_argument("--plot", metavar="JSON", help="only plot an existing dynamic_shapes.json")
     args = p.parse_args(argv)
@@ -496,6 +527,11 @@ def main(argv=None) -> int:
         p.error("--variants: static runs on the plans the cf variant stored; name cf too")
     if args.sizes < 1:
         p.error(f"--sizes must be at least 1, got {args.sizes}")
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    try:
+        cpus = pinned_cpus(args.cpus, allowed)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.plot:
         print(plot(args.plot))
         return 0
@@ -504,8 +540,11 @@ def main(argv=None) -> int:
         return 2
     import cudnn
 
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # the processes started below inherit it
     doc = {"gpu": device_name(), "commit": args.commit or checkout_commit(), "torch": torch.__version__,
-           "cudnn": cudnn.backend_version() if hasattr(cudnn, "backend_version") else None, "models": []}
+           "cudnn": cudnn.backend_version() if hasattr(cudnn, "backend_version") else None,
+           "cpus": list(cpus) or None, "models": []}
     sizes = draw_sizes(args.sizes)
     for name in args.models.split(","):
         doc["models"].append(run_model(name, sizes, args.timeout, variants))

@@ -109,6 +109,34 @@ def test_dynamic_shapes_sweep_up_is_bounded_and_says_what_is_left(monkeypatch):
     assert got["sweep_up_passes"] == dynamic_shapes.SWEEP_UP_PASSES and got["standins_left"] == 2
 
 
+def test_dynamic_shapes_sweeps_up_the_sizes_met_outside_the_sweep_too(monkeypatch):
+    """A size the process called only for a profile leaves stand-ins that the sweep's sizes never swap."""
+    from cudnn_fuse import build_process, loader
+
+    monkeypatch.setattr(build_process, "default", lambda: None)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(loader.STATS, "swaps", 0)
+    monkeypatch.setattr(loader.STATS, "standins", 1)
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 1.0)
+
+    def fn(x):
+        if x == 99:  # the profiled size's stand-in swaps on its next call
+            loader.STATS.swaps = 1
+
+    assert dynamic_shapes.settled(fn, lambda s: s, [8])["standins_left"] == 1
+    got = dynamic_shapes.settled(fn, lambda s: s, [8], also=[99])
+    assert got["standins_left"] == 0 and got["sweep_up_passes"] == 1 and [r["seq"] for r in got["per_size"]] == [8]
+
+
+def test_dynamic_shapes_pins_to_the_cores_named_or_the_default_where_the_machine_has_them():
+    pin = dynamic_shapes.pinned_cpus
+    assert pin("auto", range(16)) == dynamic_shapes.DEFAULT_CPUS and pin("auto", range(2)) == ()
+    assert pin("none", range(16)) == () and pin("4-7", range(8)) == (4, 5, 6, 7) and pin("0,2-3", range(4)) == (0, 2, 3)
+    for bad in ("4-9", "x", "", "3-"):
+        with pytest.raises(ValueError, match="--cpus"):
+            pin(bad, range(8))
+
+
 def test_dynamic_shapes_steady_vs_static_is_the_median_ratio_over_the_sizes_both_timed():
     settled_ = {"per_size": [{"seq": 1, "steady_ms": 1.0}, {"seq": 2, "steady_ms": 2.0}, {"seq": 3, "steady_ms": 4.0},
                              {"seq": 4, "steady_ms": None}]}
