@@ -158,6 +158,10 @@ def _global_state(what: str) -> str:
     return f"its forward reads {what}, which one traced graph would fix at its value at optimize() time"
 
 
+_TYPE_ASKED = ("its forward asks the type of a traced value (isinstance, torch.is_tensor), which one traced graph "
+               "would fix")
+
+
 # Functions a forward must not call while it is traced, with why, by the module where forwards find them.
 # A trace runs the forward once: a checkpoint would be traced through (and gone, every activation kept for
 # the backward), and a branch on torch's global state (grad mode, autocast, determinism) would keep the
@@ -172,12 +176,18 @@ _REFUSED_IN = {
             "is_autocast_enabled", "is_autocast_cpu_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype",
             "get_autocast_cpu_dtype")},
         "are_deterministic_algorithms_enabled": _global_state("torch.are_deterministic_algorithms_enabled()"),
+        "is_tensor": _TYPE_ASKED,
     },
 }
 # {id(function): why}, of the functions as torch defines them (names this torch lacks are left out); by id:
 # found by identity in the modules' globals, whatever else those hold
 _REFUSED = {id(vars(space)[name]): why for space, whys in _REFUSED_IN.items() for name, why in whys.items()
             if name in vars(space)}
+# Type tests refused only when asked of a traced value (_holds_proxy): a trace sees fx's Proxy there, no
+# tensor (nor a list or a number), and would keep the branch a Proxy takes for every input. ``isinstance`` is
+# found in the builtins, so a trace binds its refuser in the globals of the forwards it traces (torch's and
+# cf's own code excepted, which asks about Proxies by design).
+_REFUSED_ON_PROXY = {id(isinstance), id(torch.is_tensor)}
 
 
 class _NotOneGraph(Exception):
@@ -185,6 +195,15 @@ class _NotOneGraph(Exception):
 
 
 _TRACING = threading.RLock()  # one trace at a time swaps the _REFUSED functions
+
+
+def _holds_proxy(value) -> bool:
+    """Whether ``value`` is a traced value, or a list, tuple or dict holding one."""
+    if isinstance(value, fx.Proxy):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_proxy(v) for v in value)
+    return isinstance(value, dict) and any(_holds_proxy(v) for v in value.values())
 
 
 def _refused(value):
@@ -219,24 +238,32 @@ class _Tracer(fx.Tracer):
         me = threading.get_ident()
 
         def refuser(why, fn):
+            on_proxy = id(fn) in _REFUSED_ON_PROXY
+
             def refuse(*args, **kwargs):
-                if threading.get_ident() == me:
+                if threading.get_ident() == me and (not on_proxy or (args and _holds_proxy(args[0]))):
                     raise _NotOneGraph(why)
                 return fn(*args, **kwargs)
             return refuse
 
         with _TRACING:
-            spaces = {id(d): d for d in [vars(space) for space in _REFUSED_IN] +
-                      [getattr(type(m).forward, "__globals__", {}) for m in root.modules()]}
+            forwards = [getattr(type(m).forward, "__globals__", {}) for m in root.modules()]
+            spaces = {id(d): d for d in [vars(space) for space in _REFUSED_IN] + forwards}
             saved = [(space, name, value) for space in spaces.values() for name, value in list(space.items())
                      if _refused(value) is not None]
+            bound = [d for d in {id(d): d for d in forwards}.values() if "isinstance" not in d
+                     and not str(d.get("__name__", "")).startswith(("torch.", "cudnn_fuse."))]
             try:
                 for space, name, fn in saved:
                     space[name] = refuser(_refused(fn), fn)
+                for space in bound:
+                    space["isinstance"] = refuser(_TYPE_ASKED, isinstance)
                 return super().trace(root, concrete_args)
             finally:
                 for space, name, fn in saved:
                     space[name] = fn
+                for space in bound:
+                    space.pop("isinstance", None)
 
     def is_leaf_module(self, m, qualname) -> bool:
         name = type(m).__name__

@@ -961,3 +961,59 @@ def test_another_threads_torch_calls_are_untouched_while_a_forward_is_traced():
     seen = opt.__dict__.get("seen", model.seen)
     assert all(s is False for s in seen) and seen, seen  # the thread ran, inside no_grad, without an error
     assert torch.is_grad_enabled.__module__ != cf.optimize.__module__ and torch.is_grad_enabled()
+
+
+class _ListOrTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        if isinstance(x, (list, tuple)):
+            x = torch.cat(x, 0)
+        return F.relu(self.c(x))
+
+
+class _TensorOrNumber(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, bias):
+        bias = bias if torch.is_tensor(bias) else torch.full_like(x, bias)
+        return F.relu(self.l(x) + bias)
+
+
+class _AsksOfAModule(nn.Module):
+    """isinstance of a module, no traced value: one graph answers for every input."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.act = nn.Linear(8, 8), nn.ReLU()
+
+    def forward(self, x):
+        y = self.l(x)
+        return self.act(y) if isinstance(self.act, nn.ReLU) else y
+
+
+@pytest.mark.parametrize("make,calls", [
+    (_ListOrTensor, [([torch.randn(1, 3, 5, 5), torch.randn(1, 3, 5, 5)],), (torch.randn(2, 3, 5, 5),)]),
+    (_TensorOrNumber, [(torch.randn(3, 8), torch.randn(3, 8)), (torch.randn(3, 8), 0.5)]),
+], ids=["isinstance", "is_tensor"])
+def test_a_forward_that_asks_the_type_of_its_input_answers_every_input_the_original_takes(make, calls):
+    torch.manual_seed(0)
+    model = make().eval()
+    opt = cf.optimize(model)
+    assert any("type of a traced value" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    for args in calls:
+        torch.testing.assert_close(opt(*args), model(*args))
+    assert "isinstance" not in globals() and torch.is_tensor.__module__ == "torch"  # both put back
+
+
+def test_isinstance_of_a_module_or_a_constant_still_traces_whole():
+    torch.manual_seed(0)
+    model = _AsksOfAModule().eval()
+    opt = cf.optimize(model)
+    assert not any("type of a traced value" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(opt(x), model(x))
