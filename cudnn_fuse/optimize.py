@@ -44,7 +44,10 @@ stay the original's (a BatchNorm2d folded in eval mode stays too, folded into it
 a module called from several places (shared weights) is left alone. Everything replaced and
 everything left alone (with the reason) is logged once at INFO and kept on the model as
 ``cudnn_fuse_summary``. Hooks registered after ``optimize()`` on a replaced layer see its fused output, and
-a layer or container fused into its neighbours runs no hooks of its own.
+a layer or container fused into its neighbours runs no hooks of its own. A model traced whole keeps the
+original's plain attributes, which its graph read as constants; one set to another value after ``optimize()``
+(a temperature, a dropout rate) makes the model run its class's own forward over its fused layers from then on,
+so it computes with the new value, without the fusions across layers (one warning).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import ast
 import collections
 import contextlib
 import copy
+import functools
 import inspect
 import keyword
 import logging
@@ -1087,25 +1091,118 @@ def _aligned_pattern(m: cfnn.AlignedLinear) -> str:
 
 
 class _TracedConstants:
-    """Warns when a plain attribute carried over from the original (``traced_constants``) is set anew: the
-    traced forward read it as a constant at optimize() time, so only the original class's methods see the
-    new value. Once per module and name; never while the module is built, copied or unpickled (the
-    attribute is not there yet then)."""
+    """A plain attribute carried over from the original (``traced_constants``) set to another value: the traced
+    graph read it as a constant at optimize() time, so from then on the OptimizedGraphModule that holds this
+    module runs its model class's own forward over its fused layers (``_untrace``), which reads the new value;
+    where that cannot be, a warning says the traced forward keeps the old one. Never while the module is built,
+    copied or unpickled (the attribute is not there yet then), nor for the same value set again."""
 
     def __setattr__(self, name: str, value) -> None:
         d = self.__dict__
-        if name in d.get("traced_constants", ()) and d.get(name, value) is not value:
-            warned = _WARNED.setdefault(self, set())
-            if name not in warned:
-                warned.add(name)
-                cls = d.get("model_class") or d.get("container_class") or type(self)
-                log.warning("cudnn_fuse.optimize: %s.%s set after optimize(): the traced forward keeps the value it "
-                            "had at optimize() time (%.80r), the original class's methods see the new one; set it "
-                            "before optimize()", cls.__name__, name, d[name])
+        carried = name in d.get("traced_constants", ()) and name in d
+        old = d[name] if carried else value
         super().__setattr__(name, value)
+        if name == "untraced_by" and isinstance(self, OptimizedGraphModule):
+            _run_own_forward(self)  # a deepcopy sets it after its recompile
+        if carried:
+            _carried(self, {name: value})  # a deepcopy sets the value it has now
+        if _changed(old, value):
+            _untrace(self, name, old)
+
+
+# values a traced forward compares or computes with as Python does: set again with an equal one of the same
+# type, the graph's constant still holds; any other value counts as new unless it is the same object
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None), tuple)
+
+
+def _changed(old, new) -> bool:
+    if old is new:
+        return False
+    if type(old) is type(new) and isinstance(old, _PLAIN_VALUES):
+        try:
+            return bool(old != new)
+        except Exception:  # noqa: BLE001 - a tuple holding tensors: no single answer, so it is new
+            return True
+    return True
+
+
+def _untrace(module: nn.Module, name: str, old) -> None:
+    """``module``'s carried attribute ``name`` was ``old`` when the graph was traced: its root (the
+    OptimizedGraphModule itself, or the one holding this FusedContainer) runs its model class's own forward from
+    now on, warned once per root; where no root is found or its forward cannot run over the layers it holds, the
+    warning alone (once per module and name)."""
+    d = module.__dict__
+    cls = d.get("model_class") or d.get("container_class") or type(module)
+    if isinstance(module, OptimizedGraphModule):
+        root = module
+    else:
+        ref = _ROOTS.get(module)
+        root = ref() if ref is not None else None
+    if root is not None and "untraced_by" in root.__dict__:
+        return  # it runs its own forward already
+    if root is None or not _can_run_untraced(root):
+        warned = _WARNED.setdefault(module, set())
+        if name not in warned:
+            warned.add(name)
+            log.warning("cudnn_fuse.optimize: %s.%s set after optimize(): the traced forward keeps the value it "
+                        "had at optimize() time (%.80r), the original class's methods see the new one; set it "
+                        "before optimize()", cls.__name__, name, old)
+        return
+    by = f"{cls.__name__}.{name}"
+    root.__dict__["untraced_by"] = by
+    _carried(root, {"untraced_by": by})  # a deepcopy runs its own forward too (a pickle keeps __dict__)
+    _run_own_forward(root)
+    log.warning("cudnn_fuse.optimize: %s set after optimize(): the traced graph fixed its old value (%.80r), so "
+                "this %s now runs its own forward over its fused layers (fusions across layers are off); set it "
+                "before optimize(), or call optimize() again on the original with the new value, to fuse across "
+                "them again", by, old, root.__dict__["model_class"].__name__)
+
+
+def _can_run_untraced(root: nn.Module) -> bool:
+    """Whether ``root``'s model class's forward can run over what ``root`` holds: it and each of its containers
+    hold every layer of the original at its name, and no such forward calls a zero-argument ``super()`` (which
+    asks for an instance of its class, not the module standing for it)."""
+    for m in (root, *_own_containers(root)):
+        cls = m.__dict__.get("model_class" if m is root else "container_class")
+        if cls is None or any(m._modules.get(k) is None for k in m.__dict__.get("container_keys", ())):
+            return False
+        if "__class__" in getattr(getattr(cls.forward, "__code__", None), "co_freevars", ()):
+            return False
+    return True
+
+
+def _own_containers(root: nn.Module):
+    """The FusedContainers under ``root`` (an OptimizedGraphModule), not those of another one inside it."""
+    stack = list(root.children())
+    while stack:
+        m = stack.pop()
+        if isinstance(m, OptimizedGraphModule):
+            continue
+        if isinstance(m, FusedContainer):
+            yield m
+        stack.extend(m.children())
+
+
+def _run_own_forward(root: nn.Module) -> None:
+    """From now on ``root`` (an OptimizedGraphModule whose ``untraced_by`` is set) runs its model class's own
+    forward: put in place of the generated one on fx's per-instance class, where torch.compile's guards see the
+    change (a flag read inside the forward they would not), and the signature stays the generated one's."""
+    cls, traced = type(root), type(root).forward
+    if getattr(traced, "__cudnn_fuse_own__", False):
+        return
+
+    @functools.wraps(traced)
+    def forward(self, *args, **kwargs):
+        return self.__dict__["model_class"].forward(self, *args, **kwargs)
+
+    forward.__cudnn_fuse_own__ = True
+    cls.forward = forward
 
 
 _WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names warned about
+# FusedContainer -> weak reference to the OptimizedGraphModule holding it, set at each recompile (a build, a
+# deepcopy, an unpickling) so that copies point at their own root and nothing unpicklable is in their __dict__
+_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Layers:
@@ -1139,7 +1236,10 @@ class OptimizedGraphModule(_TracedConstants, fx.GraphModule):
     after ``model = cf.optimize(model)``. Every layer stays at its path (a folded BatchNorm2d, an activation
     fused into a layer), and a fused layer called by anything but the rewritten forward computes the layer
     it replaced, so such a method computes what it did. ``model_class`` is the original's class
-    (``isinstance`` sees the GraphModule)."""
+    (``isinstance`` sees the GraphModule). A carried attribute that the traced graph read as a constant, set to
+    another value here or on one of its containers (``model.tau = 4.0``), makes it run ``model_class.forward``
+    over its fused layers from then on (``untraced_by`` names the attribute; copies and pickles keep it), so it
+    computes with the new value, without the fusions across layers."""
 
     def __getattr__(self, name: str):
         try:
@@ -1163,6 +1263,10 @@ class OptimizedGraphModule(_TracedConstants, fx.GraphModule):
             else:
                 self._code = src
                 type(self).forward = forward
+        if "untraced_by" in self.__dict__:
+            _run_own_forward(self)
+        for container in _own_containers(self):
+            _ROOTS[container] = weakref.ref(self)
         return python_code
 
     def __reduce__(self):
@@ -1275,8 +1379,13 @@ def _hoisted(src: str):
 def _rebuilt_optimized(rebuild, args) -> fx.GraphModule:
     gm = rebuild(*args)
     cls = type(gm)  # fx's per-instance subclass
-    if "model_class" in gm.__dict__ and cls.__bases__ == (fx.GraphModule,):
-        cls.__bases__ = (_surface_class(gm.__dict__["model_class"]),)
+    d = gm.__dict__
+    if "model_class" in d and cls.__bases__ == (fx.GraphModule,):
+        cls.__bases__ = (_surface_class(d["model_class"]),)
+        # fx rebuilds the module's meta empty: what a deepcopy of it must set again is carried again
+        kept = {"model_class", "container_keys", "traced_constants", "untraced_by", "cudnn_fuse_summary",
+                *d.get("traced_constants", ())}
+        _carried(gm, {k: v for k, v in d.items() if k in kept})
         gm.recompile()  # its own, now that it is one
     return gm
 
@@ -1304,7 +1413,8 @@ class FusedContainer(_TracedConstants, _Layers, nn.Module):
     """A container of a traced model's layers (``model.features``, ``model.layer1``) as fx rebuilt it: it holds
     its layers, the original's plain attributes (``num_heads``) and answers to its class's methods. The fused
     graph may cross its edges, so called alone it runs its class's own forward, unfused: every layer stays at
-    its path and a fused layer called so computes the layer it replaced."""
+    its path and a fused layer called so computes the layer it replaced. A carried attribute set to another
+    value here makes the OptimizedGraphModule holding it (its root) run its model's own forward from then on."""
 
     def _class_name(self) -> str:
         return getattr(self.__dict__.get("container_class"), "__name__", "container")
@@ -1497,8 +1607,9 @@ def optimize(model: nn.Module, autotune: bool = False, recompute: bool = False, 
     the model's state (buffers, plain attributes) and the random streams as they were.
 
     A model traced whole reads its plain attributes (``self.tau``, a dropout's ``self.p``) as constants
-    of the traced graph: set after ``optimize()``, the forward keeps the old value (a warning is logged;
-    the original class's methods see the new one), so set them before.
+    of the traced graph: set to another value after ``optimize()``, the model runs its class's own forward
+    over its fused layers from then on (a warning is logged), which computes with the new value but fuses
+    nothing across layers; set them before ``optimize()`` to keep those fusions.
 
     Raises TypeError for a ``model`` that is no torch.nn.Module instance (None, a string, a module class)
     and for flags that are not bools.

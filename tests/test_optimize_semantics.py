@@ -894,17 +894,74 @@ def test_a_model_with_lazy_layers_is_optimized_before_its_first_call(lazy_conv, 
         torch.testing.assert_close(got, ref(im))
 
 
-class _Tempered(nn.Module):
+class _ScaledBlock(nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = _Block()
+        self.fc, self.scale = nn.Linear(8, 8), 1.0
+
+    def forward(self, x):
+        return F.gelu(self.fc(x)) * self.scale + x
+
+
+class _Tempered(nn.Module):
+    """A temperature and a container's scale: plain attributes the traced graph reads as constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _ScaledBlock()
         self.l, self.tau = nn.Linear(8, 8), 1.0
 
     def forward(self, x):
         return F.relu(self.l(self.body(x))) / self.tau
 
 
-def test_setting_an_attribute_the_traced_forward_fixed_logs_a_warning_once(caplog):
+class _TemperedSequence(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.tau = 1.0
+
+    def forward(self, x):
+        for layer in self:
+            x = layer(x)
+        return x / self.tau
+
+
+class _RateDropped(nn.Module):
+    """A dropout rate the forward reads (always on: a forward that reads ``self.training`` is not traced whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.p = nn.Linear(8, 8), nn.Linear(8, 8), 0.1
+
+    def forward(self, x):
+        return self.fc2(F.dropout(F.relu(self.fc1(x)), self.p))
+
+
+def _set(module, path: str, value):
+    *parents, name = path.split(".")
+    setattr(module.get_submodule(".".join(parents)), name, value)
+
+
+@pytest.mark.parametrize("make, path, value, train", [(_Tempered, "tau", 4.0, False),
+                                                      (_Tempered, "body.scale", 3.0, False),
+                                                      (_TemperedSequence, "tau", 4.0, False),
+                                                      (_RateDropped, "p", 0.5, True)])
+def test_an_attribute_the_traced_graph_read_set_after_optimize_takes_effect(make, path, value, train):
+    torch.manual_seed(0)
+    model = make().train(train)
+    opt = cf.optimize(model)
+    assert type(opt) is not make and opt.cudnn_fuse_summary.replaced  # traced whole, fused
+    for m in (opt, model):
+        _set(m, path, value)
+    x = torch.randn(3, 8)
+    with torch.no_grad():  # the same random draws: the dropout's mask is the original's
+        torch.manual_seed(1)
+        got = opt(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, model(x))
+
+
+def test_setting_an_attribute_the_traced_graph_read_warns_once_per_model(caplog):
     import copy
     import io
 
@@ -915,18 +972,102 @@ def test_setting_an_attribute_the_traced_forward_fixed_logs_a_warning_once(caplo
         again = copy.deepcopy(opt)
         buf = io.BytesIO()
         torch.save(opt, buf)
-        torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+        loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
         opt.eval(), opt.train(), opt.eval()
         opt.cudnn_fuse_summary = opt.cudnn_fuse_summary
-        opt.tau = 1.0  # the same value: nothing changes
-    assert type(opt) is not _Tempered and not caplog.records  # traced whole; built, copied, unpickled: no warning
+        opt.tau, opt.body.scale = 1.0, 1.0  # the same values: nothing changes
+        opt.tau = float("1")  # an equal float, another object
+    assert not caplog.records  # built, copied, unpickled, its mode set, the same values set: no warning
+    assert not any("untraced_by" in m.__dict__ for m in (opt, again, loaded))
     with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
         opt.tau = 4.0
         opt.tau = 5.0
-        again.body.heads = 8  # a container's carried attribute
-    assert [r.getMessage().split(" set after")[0] for r in caplog.records] == \
-        ["cudnn_fuse.optimize: _Tempered.tau", "cudnn_fuse.optimize: _Block.heads"]
-    assert "before optimize()" in caplog.records[0].getMessage()
+        opt.body.scale = 2.0  # the same model: no second warning
+        again.body.scale = 8.0  # a container's carried attribute, in another model
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m.split(" set after")[0] for m in messages] == \
+        ["cudnn_fuse.optimize: _Tempered.tau", "cudnn_fuse.optimize: _ScaledBlock.scale"]
+    for m in messages:
+        assert "old value (1.0)" in m and "own forward over its fused layers" in m and "before optimize()" in m
+    assert "untraced_by" not in loaded.__dict__
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
+        alone = copy.deepcopy(loaded.body)  # a container copied out of its model: no model to run
+        alone.scale = 2.0
+        alone.scale = 3.0
+    assert len(caplog.records) == 1 and "keeps the value" in caplog.records[0].getMessage()
+
+
+def test_a_model_running_its_own_forward_keeps_its_fused_layers_state_dict_and_signature():
+    import inspect
+
+    torch.manual_seed(0)
+    model = _Tempered().eval()
+    opt = cf.optimize(model)
+    keys, signature = list(opt.state_dict()), inspect.signature(opt.forward)
+    opt.tau = model.tau = 4.0
+    assert opt.__dict__.get("untraced_by") == "_Tempered.tau"
+    assert opt.cudnn_fuse_summary.replaced and isinstance(opt.l, cfnn.Linear) and isinstance(opt.body.fc, cfnn.Linear)
+    assert list(opt.state_dict()) == keys and set(keys) == set(model.state_dict())
+    assert inspect.signature(opt.forward) == signature
+    x = torch.randn(3, 8)
+    opt.train(), model.train()
+    opt(x).sum().backward()
+    model(x).sum().backward()
+    for (name, p), q in zip(opt.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_model_compiled_before_the_attribute_is_set_follows_it_too():
+    """torch.compile's guards see the switch to the class's own forward: no stale compiled graph."""
+    torch.manual_seed(0)
+    model = _Tempered().eval()
+    opt = cf.optimize(model)
+    compiled = torch.compile(opt, fullgraph=True, backend="eager")
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    opt.tau, model.tau = 4.0, 4.0
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_copies_of_a_model_running_its_own_forward_do_too_and_one_copied_before_stays_traced(monkeypatch):
+    import copy
+    import io
+
+    def saved(m):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        return buf.getvalue()
+
+    torch.manual_seed(0)
+    model = _Tempered().eval()
+    opt = cf.optimize(model)
+    before, pickled_before = copy.deepcopy(opt), saved(opt)
+    calls = []
+    own = _Tempered.forward
+    monkeypatch.setattr(_Tempered, "forward", lambda self, *a: calls.append(self) or own(self, *a))
+    opt.tau = 4.0
+    switched = opt, copy.deepcopy(opt), torch.load(io.BytesIO(saved(opt)), weights_only=False)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want_before = own(model, x)
+        model.tau = 4.0
+        want = own(model, x)
+        for m in (*switched, copy.deepcopy(switched[2])):  # also a deepcopy of the unpickled one
+            del calls[:]
+            assert m.tau == 4.0 and m.__dict__.get("untraced_by") == "_Tempered.tau"
+            torch.testing.assert_close(m(x), want)
+            assert calls == [m]  # its class's forward ran
+        del calls[:]
+        torch.testing.assert_close(before(x), want_before)  # copied before: its traced graph, the old value
+        assert before.tau == 1.0 and "untraced_by" not in before.__dict__ and not calls
+        model.body.scale = 3.0
+        want = own(model, x)
+        for m in (before, torch.load(io.BytesIO(pickled_before), weights_only=False)):
+            m.body.scale = 3.0  # set on a copy's container: that copy runs its own forward
+            assert m.__dict__.get("untraced_by") == "_ScaledBlock.scale"
+            m.tau = 4.0
+            torch.testing.assert_close(m(x), want)
 
 
 class _OtherThreadMeanwhile(nn.Module):
