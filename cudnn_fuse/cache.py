@@ -223,12 +223,12 @@ def _make_private_dirs(path: Path) -> None:
 def _write_private_file(path: str, data: bytes) -> None:
     """Create ``path`` (0600, must not exist) holding ``data``; no partial file survives."""
     for attempt in range(10):
-        _make_private_dirs(Path(path).parent)
         try:
+            _make_private_dirs(Path(path).parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
                          | getattr(os, "O_NOFOLLOW", 0), 0o600)
             break
-        except FileNotFoundError:  # a concurrent remove() pruned the empty directory; again
+        except FileNotFoundError:  # a concurrent remove() pruned an empty directory, even one just made; again
             if attempt == 9:
                 raise
     try:

@@ -663,3 +663,27 @@ def test_threads_share_one_cache(cache):
     assert bad == []
     assert cache.stats()["faults"] == 0
     assert sorted(k for k, _, _ in cache.entries()) == sorted(keys)
+
+
+@pytest.mark.parametrize("prune_at", ["mkdir", "chmod"])
+def test_a_value_file_is_written_when_another_process_prunes_its_new_directory(tmp_path, monkeypatch, prune_at):
+    """Another process's remove() deletes an empty value directory, even one this process has just made
+    (between its mkdir and chmod, or before its mkdir of the subdirectory): the write tries again."""
+    pruned = []
+    real = {"mkdir": os.mkdir, "chmod": os.chmod}
+
+    def racing(path, mode, *args, **kwargs):
+        p = Path(path)
+        if not pruned and p.name == "cd":
+            pruned.append(p)
+            if prune_at == "chmod":  # made, then pruned by the other process before the chmod
+                os.rmdir(p)
+            else:  # its parent pruned before this mkdir
+                os.rmdir(p.parent)
+        return real[prune_at](path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(cache_module.os, prune_at, racing)
+    target = tmp_path / "ns" / "ab" / "cd" / ("0" * 28 + ".val")
+    cache_module._write_private_file(str(target), LARGE)
+    assert pruned and target.read_bytes() == LARGE
+    assert stat.S_IMODE(target.parent.stat().st_mode) == 0o700 and stat.S_IMODE(target.stat().st_mode) == 0o600
