@@ -417,6 +417,24 @@ def pinned_cpus(spec: str, allowed) -> tuple:
     return tuple(sorted(cpus))
 
 
+RUN_KEYS = ("gpu", "commit", "torch", "cudnn", "cpus")  # what must match for rows of two runs to share a file
+
+
+def merged_with(path: str, doc: dict) -> dict:
+    """``doc`` holding the model rows of the dynamic_shapes.json at ``path`` where that file is of the same
+    run (RUN_KEYS: commit, GPU, versions, cores), so that the blocks can run in separate calls and share one
+    file; ``doc`` as it is otherwise (an older run's file is replaced)."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return doc
+    if not isinstance(old, dict) or any(old.get(k) != doc.get(k) for k in RUN_KEYS):
+        return doc
+    rows = [m for m in old.get("models", []) if isinstance(m, dict) and "name" in m]
+    return {**doc, "models": rows}
+
+
 def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS) -> dict:
     from cudnn_fuse import loader
 
@@ -505,7 +523,8 @@ def main(argv=None) -> int:
         child(argv[1], argv[2], json.loads(argv[3]), argv[4])
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results", help="directory of dynamic_shapes.json")
+    p.add_argument("--out", default="bench/results", help="directory of dynamic_shapes.json (model rows of the "
+                   "same commit, GPU, versions and cores merged by name)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated among {', '.join(MODELS)}")
     p.add_argument("--sizes", type=int, default=200, help="sequence lengths drawn per model")
     p.add_argument("--variants", default=",".join(VARIANTS),
@@ -545,11 +564,14 @@ def main(argv=None) -> int:
     doc = {"gpu": device_name(), "commit": args.commit or checkout_commit(), "torch": torch.__version__,
            "cudnn": cudnn.backend_version() if hasattr(cudnn, "backend_version") else None,
            "cpus": list(cpus) or None, "models": []}
+    path = os.path.join(args.out, "dynamic_shapes.json")
+    doc = merged_with(path, doc)
     sizes = draw_sizes(args.sizes)
     for name in args.models.split(","):
-        doc["models"].append(run_model(name, sizes, args.timeout, variants))
+        row = run_model(name, sizes, args.timeout, variants)
+        doc["models"] = [m for m in doc["models"] if m.get("name") != name] + [row]
         os.makedirs(args.out, exist_ok=True)
-        write_json(os.path.join(args.out, "dynamic_shapes.json"), doc)
+        write_json(path, doc)
     print(plot(os.path.join(args.out, "dynamic_shapes.json")))
     return 0
 

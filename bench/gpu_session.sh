@@ -16,7 +16,8 @@
 #   cold         bench/cold_start.py                                 -> cold_start.json
 #   host         bench/host_overhead.py                              -> host_overhead.json
 #   prewarm      bench/prewarm_scaling.py (needs 2 GPUs)              -> prewarm.json
-#   dynamic      bench/dynamic_shapes.py                              -> dynamic_shapes.json
+#   dynamic      bench/dynamic_shapes.py (DYNAMIC_ARGS, e.g. "--models gpt2"; rows of the same run merged into
+#                $OUT/dynamic_shapes.json: copy an earlier call's there first to extend it) -> dynamic_shapes.json
 #   fp8          bench/fp8.py (FP8_ARGS, e.g. "--shapes 4096x4096x4096") -> fp8.json, fp8.png
 #   models:M:D   bench/models.py --models M --modes D (comma-separated; M or D empty: all), rows merged
 #                into $OUT/models.json (copy bench/results/models.json there first to extend it) -> models.json

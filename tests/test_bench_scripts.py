@@ -453,3 +453,15 @@ def test_dynamic_shapes_times_beside_a_running_and_a_stopped_build_process(monke
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def test_dynamic_shapes_merges_the_rows_of_the_same_run_and_replaces_another_runs(tmp_path):
+    run = {"gpu": "G", "commit": "abc", "torch": "2", "cudnn": 91900, "cpus": [4, 5, 6, 7]}
+    path = tmp_path / "dynamic_shapes.json"
+    assert dynamic_shapes.merged_with(str(path), {**run, "models": []})["models"] == []  # no file yet
+    path.write_text(json.dumps({**run, "models": [{"name": "gpt2", "x": 1}, {"bad": 1}]}))
+    assert dynamic_shapes.merged_with(str(path), {**run, "models": []})["models"] == [{"name": "gpt2", "x": 1}]
+    for key, other in (("commit", "def"), ("gpu", "H"), ("cpus", None)):
+        assert dynamic_shapes.merged_with(str(path), {**run, key: other, "models": []})["models"] == []
+    path.write_text("{not json")
+    assert dynamic_shapes.merged_with(str(path), {**run, "models": []})["models"] == []
