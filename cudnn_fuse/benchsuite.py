@@ -305,7 +305,10 @@ def select(workloads: Sequence[Workload], only: Optional[str] = None, kinds: Opt
     bad = sorted(set(kinds or ()) - set(KINDS))
     if bad:
         raise ValueError(f"kinds must be among {list(KINDS)}, got {bad}")
-    pattern = re.compile(only) if only else None
+    try:
+        pattern = re.compile(only) if only else None
+    except re.error as exc:
+        raise ValueError(f"--only: {only!r} is no regular expression ({exc})") from None
     out = []
     for w in workloads:
         if part not in (None, "all") and w.group not in PARTS[part]:
@@ -1445,9 +1448,12 @@ def main(args: argparse.Namespace, emit: Callable[[str], None], err: Callable[[s
             docs = []
             for path in args.merge:
                 with open(path) as f:
-                    docs.append(json.load(f))
+                    try:
+                        docs.append(json.load(f))
+                    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's limit
+                        raise ValueError(f"{path}: not JSON ({exc})") from None
             doc = merge(docs)
-        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's limit
+        except (OSError, ValueError) as exc:
             err(f"cudnn-fuse bench --merge: {exc}")
             return 2
         out = args.out or default_out(None)

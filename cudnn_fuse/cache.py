@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -200,6 +201,12 @@ def _as_bytes(blob) -> bytes:
     if isinstance(blob, (bytearray, memoryview)):
         return bytes(blob)
     raise TypeError(f"blob must be bytes, got {type(blob).__name__}")
+
+
+def _check_flag(name: str, value) -> None:
+    """A bool argument's value, refused otherwise (a string such as "no" would be true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
 
 
 # ---------------------------------------------------------------- files and directories
@@ -431,6 +438,8 @@ class PlanCache:
             raise ValueError(f"size_limit must be a positive int of bytes, got {size_limit!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if read_only is not None:
+            _check_flag("read_only", read_only)
         self.fingerprint: dict | None = None
         self.fingerprint_problem: str | None = None
         self._probed = namespace is None  # the fingerprint is this machine's, not read from a file
@@ -829,6 +838,7 @@ class PlanCache:
         unpinned put replaces it.
         """
         data = encode_entry(key, meta, blob)
+        _check_flag("pinned", pinned)
         if self.disabled is not None:
             return False
         if self.read_only:
@@ -1165,6 +1175,15 @@ class PlanCache:
         until at most ``max_bytes`` remain (default, with neither given: ``size_limit``).
         Pinned entries stay unless ``include_pinned``. Returns how many went; raises CacheError
         if the cache cannot be written."""
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)):
+            raise TypeError(f"prune: max_bytes must be an int or None, got {type(max_bytes).__name__}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"prune: max_bytes must be at least 0, got {max_bytes}")
+        if older_than_s is not None and (isinstance(older_than_s, bool) or not isinstance(older_than_s, (int, float))):
+            raise TypeError(f"prune: older_than_s must be seconds (a number) or None, got {type(older_than_s).__name__}")
+        if older_than_s is not None and not 0 <= older_than_s < math.inf:
+            raise ValueError(f"prune: older_than_s must be finite and at least 0, got {older_than_s}")
+        _check_flag("include_pinned", include_pinned)
         if max_bytes is None and older_than_s is None:
             max_bytes = self.size_limit
         pin_filter = "" if include_pinned else f" AND tag IS NOT {_PINNED}"

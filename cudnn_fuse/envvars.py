@@ -107,5 +107,5 @@ def parse(var: str, raw, default: float, *, minimum: float = 0.0, integer: bool 
         return v
     except (TypeError, ValueError, OverflowError):
         _warn_once(var, raw, "%s=%r: want %s >= %s%s; using %s", var, raw, "an integer" if integer else "a number",
-                   minimum, "" if maximum == math.inf else f" and <= {maximum:g}", default)
+                   f"{minimum:g}", "" if maximum == math.inf else f" and <= {maximum:g}", default)
         return default

@@ -45,18 +45,40 @@ ROLES = ("x", "w", "dy")  # the tensors a linear casts, in the order of its scal
 scale_from_amax = fp8_cast.scale_from_amax  # fp8_max / amax / 2**margin, or the previous scale
 
 
+def _int_arg(where: str, name: str, value, low: int) -> int:
+    """``value`` where it is an int of at least ``low``: TypeError for another type (a bool included),
+    ArgumentError for a smaller int."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < low:
+        raise ArgumentError(f"{where}{name} must be {'positive' if low == 1 else 'at least ' + str(low)}, "
+                            f"got {name}={value!r}")
+    return value
+
+
+def _choice(where: str, name: str, value, choices) -> str:
+    """``value`` where it is one of the strings ``choices``: TypeError for a non-string, else ArgumentError."""
+    if not isinstance(value, str):
+        raise TypeError(f"{where}{name} must be a str, one of {sorted(choices)}, got {type(value).__name__}")
+    if value not in choices:
+        raise ArgumentError(f"{where}{name} must be one of {sorted(choices)}, got {value!r}")
+    return value
+
+
 def quantize_fp8(t: torch.Tensor, dtype=E4M3, margin: int = 0) -> tuple:
     """(``t`` cast to the FP8 ``dtype`` with a per-tensor scale from its own amax, the float32 dequantization
     factor of one element): the operands ``scaled_mm`` and ``scaled_dot_product_attention_fp8`` take, in two
     passes over ``t`` (its amax, then one kernel that scales, saturates and casts). The scale is
     ``fp8_max / amax / 2**margin``; a tensor whose amax is 0, inf or NaN is cast with scale 1."""
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in fp8_gemm.FP8_DTYPES:
-        raise ArgumentError(f"quantize_fp8: t must be a floating-point tensor that is not FP8, got "
-                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"quantize_fp8: t must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point() or t.dtype in fp8_gemm.FP8_DTYPES:
+        raise ArgumentError(f"quantize_fp8: t must be a floating-point tensor that is not FP8, got t.dtype={t.dtype}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"quantize_fp8: dtype must be a torch.dtype, got {type(dtype).__name__} ({dtype!r})")
     if dtype not in (E4M3, E5M2):
         raise ArgumentError(f"quantize_fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
-    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-        raise ArgumentError(f"quantize_fp8: margin must be a non-negative int, got {margin!r}")
+    _int_arg("quantize_fp8: ", "margin", margin, 0)
     scale = torch.ones((), dtype=torch.float32, device=t.device)  # kept where the amax is not finite and positive
     q, _, _, inv = fp8_cast.cast_scaled(t, dtype, fp8_gemm.fast_amax(t), scale, margin, own_amax=False)
     return q, inv
@@ -64,11 +86,9 @@ def quantize_fp8(t: torch.Tensor, dtype=E4M3, margin: int = 0) -> tuple:
 
 class _Recipe:
     def __init__(self, margin: int = 0, fp8_format: str = "hybrid"):
-        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-            raise ArgumentError(f"margin must be a non-negative int, got {margin!r}")
-        if fp8_format not in FORMATS:
-            raise ArgumentError(f"fp8_format must be one of {sorted(FORMATS)}, got {fp8_format!r}")
-        self.margin, self.fp8_format = margin, fp8_format
+        where = f"{type(self).__name__}: "
+        self.margin = _int_arg(where, "margin", margin, 0)
+        self.fp8_format = _choice(where, "fp8_format", fp8_format, FORMATS)
 
     def formats(self) -> tuple:
         """(forward format, backward format)."""
@@ -108,11 +128,9 @@ class DelayedScaling(_Recipe):
     def __init__(self, margin: int = 0, amax_history_len: int = 1024, amax_compute_algo: str = "max",
                  fp8_format: str = "hybrid"):
         super().__init__(margin, fp8_format)
-        if isinstance(amax_history_len, bool) or not isinstance(amax_history_len, int) or amax_history_len < 1:
-            raise ArgumentError(f"amax_history_len must be a positive int, got {amax_history_len!r}")
-        if amax_compute_algo not in ("max", "most_recent"):
-            raise ArgumentError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
-        self.amax_history_len, self.amax_compute_algo = amax_history_len, amax_compute_algo
+        where = f"{type(self).__name__}: "
+        self.amax_history_len = _int_arg(where, "amax_history_len", amax_history_len, 1)
+        self.amax_compute_algo = _choice(where, "amax_compute_algo", amax_compute_algo, ("max", "most_recent"))
 
         self._pending: dict = {}  # (id(history), role) -> (history, role) of the amaxes pushed since the last reduction
 

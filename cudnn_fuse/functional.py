@@ -81,6 +81,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, acti
     dilation = ops._pair("dilation", dilation, op, 1)
     C = x.shape[-3]
     K, Cg, R, S = weight.shape
+    if 0 in (K, R, S):
+        raise ArgumentError(f"{op}: weight must have out channels and a kernel of positive size, got "
+                            f"weight.shape={tuple(weight.shape)}")
     if C != Cg * groups:
         raise ArgumentError(f"{op}: channel mismatch: x has C={C} but weight expects C/groups*groups={Cg}*{groups}="
                             f"{Cg * groups}")
@@ -254,6 +257,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     bq, bk, bv = ops._sdpa_broadcast(q, k, v, lead, enable_gqa)
     if bq is not q or bk is not k or bv is not v:  # views of the common shape: the memo's key holds the others
         q, k, v, key = bq, bk, bv, None
+    if attn_mask is not None and attn_mask.dim() < 2:  # a mask of S or one value: torch's kernels index (L, S)
+        attn_mask, key = attn_mask.expand(q.shape[-2], k.shape[-2]), None
     if is_causal and attn_mask is not None:  # one explicit mask, as torch combines them
         attn_mask, is_causal, key = ops._with_causal(attn_mask, q.shape[-2], k.shape[-2]), False, None
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
@@ -303,6 +308,8 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
             raise ArgumentError(f"{op}: {name} must be float8_e4m3fn or float8_e5m2, got {name}.dtype={t.dtype}")
     if a.dtype == b.dtype == torch.float8_e5m2:
         raise ArgumentError(f"{op}: a and b cannot both be float8_e5m2 (one of them must be float8_e4m3fn)")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):  # required, unlike the operands after them
+        ops._check_tensor(name, t, op)
     ops._check_devices(op, "a", a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, residual=residual,
                        scale_result=scale_result)
     ops._check_flag(op, "return_amax", return_amax)
@@ -315,6 +322,8 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
                             f"(K={K} against {b.shape[-2]})")
     if K % 16 or N % 16:
         raise ArgumentError(f"{op}: K and N must be multiples of 16 (FP8 GEMMs), got K={K}, N={N}")
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"{op}: out_dtype must be a torch.dtype, got {type(out_dtype).__name__} ({out_dtype!r})")
     if out_dtype not in _SCALED_OUT:
         raise ArgumentError(f"{op}: out_dtype must be one of {', '.join(str(d) for d in _SCALED_OUT)}, "
                             f"got out_dtype={out_dtype!r}")
@@ -403,6 +412,8 @@ def scaled_dot_product_attention_fp8(q, k, v, descale_q, descale_k, descale_v, *
             raise ArgumentError(f"{op}: {name} must be 4-D [B, H, S, D], got {name}.shape={tuple(t.shape)}")
     if not q.dtype == k.dtype == v.dtype:
         raise ArgumentError(f"{op}: q, k and v must share one FP8 format, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v)):
+        ops._check_tensor(name, t, op)  # required, unlike the scales after them
     ops._check_devices(op, "q", q, k=k, v=v, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
                        descale_s=descale_s, scale_s=scale_s, scale_o=scale_o)
     (B, H, _, D), (Bk, Hk, _, Dk) = q.shape, k.shape

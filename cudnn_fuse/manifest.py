@@ -346,7 +346,12 @@ def record(path=None, name: str = "", description: str = ""):
     A ``path`` that is a directory, or in a directory that is not there, raises here, before the
     block runs (it may run for hours), not when the manifest is written.
     """
+    for arg, value in (("name", name), ("description", description)):
+        if not isinstance(value, str):
+            raise TypeError(f"record: {arg} must be a str, got {type(value).__name__}")
     if path is not None:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise TypeError(f"record: path must be a file path (str or os.PathLike) or None, got {type(path).__name__}")
         _check_destination(path)
     rec = Recorder(active())
     _active.append(rec)

@@ -125,7 +125,22 @@ def set_compile_inline(names) -> frozenset:
     an iterable of names or one comma-separated string (``()`` or ``""``: none). Returns the
     previous set. Takes effect at the next compilation (``torch._dynamo.reset()``)."""
     global compile_inline
-    prev, compile_inline = compile_inline, _parse_inline(names if isinstance(names, str) else ",".join(names))
+    if isinstance(names, str):
+        names = [p.strip() for p in names.split(",") if p.strip()]
+    else:
+        try:
+            names = list(names)
+        except TypeError:
+            raise TypeError(f"set_compile_inline: names must be a str or an iterable of str, got "
+                            f"{type(names).__name__}") from None
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"set_compile_inline: names must be str, got {bad!r}")
+        names = [n.strip() for n in names]
+    unknown = sorted(set(names) - set(COMPILE_INLINE_OPS))
+    if unknown:
+        raise ArgumentError(f"set_compile_inline: unknown op names {unknown} (known: {', '.join(COMPILE_INLINE_OPS)})")
+    prev, compile_inline = compile_inline, frozenset(names)
     return prev
 
 

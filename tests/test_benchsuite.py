@@ -523,7 +523,14 @@ def test_bench_merge_of_a_malformed_part_is_one_message(tmp_path, capsys, conten
 
 def test_bench_rejects_a_bad_regex(capsys):
     assert cli.main(["bench", "--list", "--only", "("]) == 2
-    assert "cudnn-fuse bench" in capsys.readouterr().err
+    assert "cudnn-fuse bench: --only: '(' is no regular expression" in capsys.readouterr().err
+
+
+def test_bench_merge_names_the_part_that_is_not_json(tmp_path, capsys):
+    part = tmp_path / "g.bin"
+    part.write_bytes(b"\x00garbage")
+    assert cli.main(["bench", "--merge", str(part)]) == 2
+    assert f"cudnn-fuse bench --merge: {part}: not JSON" in capsys.readouterr().err
 
 
 def test_a_variant_that_captures_or_replays_launch_graphs_records_how_many(monkeypatch):

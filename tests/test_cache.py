@@ -687,3 +687,28 @@ def test_a_value_file_is_written_when_another_process_prunes_its_new_directory(t
     cache_module._write_private_file(str(target), LARGE)
     assert pruned and target.read_bytes() == LARGE
     assert stat.S_IMODE(target.parent.stat().st_mode) == 0o700 and stat.S_IMODE(target.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda c: c.prune(older_than_s=-3600), ValueError, "older_than_s must be finite and at least 0"),
+    (lambda c: c.prune(older_than_s=float("nan")), ValueError, "older_than_s"),
+    (lambda c: c.prune(older_than_s="1d"), TypeError, "older_than_s must be seconds"),
+    (lambda c: c.prune(max_bytes="1"), TypeError, "max_bytes must be an int"),
+    (lambda c: c.prune(max_bytes=-5), ValueError, "max_bytes must be at least 0"),
+    (lambda c: c.prune(max_bytes=True), TypeError, "max_bytes"),
+    (lambda c: c.prune(include_pinned="no"), TypeError, "include_pinned must be a bool"),
+    (lambda c: c.put(key("p"), {}, b"x", pinned="no"), TypeError, "pinned must be a bool"),
+], ids=["negative-age", "nan-age", "age-string", "bytes-string", "negative-bytes", "bytes-bool", "pinned-string",
+        "put-pinned-string"])
+def test_a_bad_argument_is_refused_naming_it_and_nothing_is_removed(cache, call, exc, match):
+    """A negative age would remove every entry; a string flag such as "no" is true."""
+    cache.put(key("kept"), META, SMALL)
+    with pytest.raises(exc, match=match):
+        call(cache)
+    assert cache.get(key("kept")) is not None and cache.get(key("p")) is None
+
+
+def test_read_only_must_be_a_bool_or_none(cache_dir):
+    with pytest.raises(TypeError, match="read_only must be a bool"):
+        PlanCache(cache_dir, namespace=NS, read_only="no")
+    assert PlanCache(cache_dir, namespace=NS, read_only=None).read_only is False

@@ -83,6 +83,13 @@ def test_number(monkeypatch, caplog, raw, kw, want):
     assert ("CUDNN_FUSE_TEST_NUMBER" in caplog.text) == (want == 7 and raw.strip() != "")
 
 
+def test_an_integer_settings_warning_says_its_bound_as_an_integer(monkeypatch, caplog):
+    monkeypatch.setenv("CUDNN_FUSE_TEST_NUMBER", "-5")
+    with caplog.at_level(logging.WARNING, logger="cudnn_fuse.envvars"):
+        assert envvars.number("CUDNN_FUSE_TEST_NUMBER", 3, integer=True) == 3
+    assert "want an integer >= 0;" in caplog.text
+
+
 def test_number_unset_is_the_default(monkeypatch):
     monkeypatch.delenv("CUDNN_FUSE_TEST_NUMBER", raising=False)
     assert envvars.number("CUDNN_FUSE_TEST_NUMBER", 1 << 30, integer=True) == 1 << 30

@@ -52,7 +52,10 @@ def test_a_cast_pushes_its_amax_and_keeps_the_scale_it_used():
 
 @pytest.mark.parametrize("bad, exc", [(dict(margin=-1), ArgumentError), (dict(fp8_format="e5m2"), ArgumentError),
                                        (dict(amax_history_len=0), ArgumentError),
-                                       (dict(amax_compute_algo="mean"), ArgumentError)])
+                                       (dict(amax_compute_algo="mean"), ArgumentError),
+                                       (dict(margin="a"), TypeError), (dict(margin=True), TypeError),
+                                       (dict(amax_history_len=2.0), TypeError), (dict(fp8_format=None), TypeError),
+                                       (dict(amax_compute_algo=1), TypeError)])
 def test_recipes_refuse_bad_settings_naming_them(bad, exc):
     with pytest.raises(exc, match=next(iter(bad))):
         cf.DelayedScaling(**bad)

@@ -198,6 +198,17 @@ def test_record_refuses_a_destination_it_cannot_write_before_the_block_runs(tmp_
     assert ran == [1] and manifest.load(tmp_path / "m.json") == []
 
 
+@pytest.mark.parametrize("kw,match", [(dict(path=5), "path must be a file path"), (dict(name=5), "name must be a str"),
+                                      (dict(path=None, description=["d"]), "description must be a str")])
+def test_record_names_an_argument_of_the_wrong_type_before_the_block_runs(tmp_path, kw, match):
+    ran = []
+    kw = {"path": tmp_path / "m.json", **kw}
+    with pytest.raises(TypeError, match=f"record: {match}"):
+        with manifest.record(**kw):
+            ran.append(1)
+    assert ran == [] and manifest.active() is None and not (tmp_path / "m.json").exists()
+
+
 class FakeCache:
     def __init__(self, tuned=()):
         self.meta = {d: {"tuned": t} for d, t in tuned}

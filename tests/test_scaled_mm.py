@@ -130,6 +130,9 @@ def _call(**over):
     (dict(b=torch.randn(64).to(E4)), ArgumentError, "at least 2 dimensions"),
     (dict(a=torch.randn(3, 32, 64).to(E4), b=torch.randn(2, 64, 48).to(E4)), ArgumentError, "do not broadcast"),
     (dict(out_dtype=torch.int8), ArgumentError, "out_dtype must be one of"),
+    (dict(out_dtype="bf16"), TypeError, "out_dtype must be a torch.dtype"),
+    (dict(scale_a=None), TypeError, "scale_a must be a torch.Tensor"),
+    (dict(scale_b=None), TypeError, "scale_b must be a torch.Tensor"),
     (dict(scale_a=torch.tensor(0.5, dtype=torch.float16)), ArgumentError, "scale_a must be float32"),
     (dict(scale_b=torch.ones(2, 2)), ArgumentError, r"scale_b must have one element"),
     (dict(scale_result=torch.tensor(2.0)), ArgumentError, "scale_result applies to an FP8 output only"),
@@ -180,11 +183,15 @@ def test_quantize_fp8_scales_by_the_amax_and_returns_the_dequantization_factor(d
     assert dz.item() == 1.0 and not z.float().any()
 
 
-@pytest.mark.parametrize("bad,arg", [(dict(t=torch.zeros(2, dtype=torch.int32)), "t"),
-                                     (dict(t=torch.zeros(2).to(torch.float8_e4m3fn)), "t"),
-                                     (dict(dtype=torch.bfloat16), "dtype"), (dict(margin=-1), "margin"),
-                                     (dict(margin=True), "margin")])
-def test_quantize_fp8_names_a_bad_argument(bad, arg):
+@pytest.mark.parametrize("bad,arg,exc", [(dict(t=torch.zeros(2, dtype=torch.int32)), "t", ArgumentError),
+                                         (dict(t=torch.zeros(2).to(torch.float8_e4m3fn)), "t", ArgumentError),
+                                         (dict(dtype=torch.bfloat16), "dtype", ArgumentError),
+                                         (dict(margin=-1), "margin", ArgumentError),
+                                         (dict(t=[1.0]), "t", TypeError), (dict(dtype="e4m3"), "dtype", TypeError),
+                                         (dict(margin=True), "margin", TypeError), (dict(margin="a"), "margin", TypeError)])
+def test_quantize_fp8_names_a_bad_argument(bad, arg, exc):
+    """A value of the wrong type is a TypeError, one out of range an ArgumentError (a ValueError)."""
     kw = {"t": torch.zeros(2), **bad}
-    with pytest.raises(ArgumentError, match=f"quantize_fp8: {arg}"):
+    with pytest.raises(exc, match=f"quantize_fp8: {arg}") as info:
         cf.quantize_fp8(**kw)
+    assert type(info.value) is exc

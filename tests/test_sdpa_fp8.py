@@ -95,6 +95,8 @@ def _call(**over):
     (dict(k=torch.randn(2, 3, 16, 32).to(E4), v=torch.randn(2, 3, 16, 32).to(E4)), ArgumentError, "do not match"),
     (dict(v=torch.randn(2, 4, 8, 32).to(E4)), ArgumentError, "do not match"),
     (dict(descale_q=torch.ones(2)), ArgumentError, "descale_q must be a float32 tensor of one element"),
+    (dict(descale_k=None), TypeError, "descale_k must be a torch.Tensor"),
+    (dict(descale_v=0.5), TypeError, "descale_v must be a torch.Tensor"),
     (dict(scale_o=torch.tensor(1.0, dtype=torch.float16)), ArgumentError, "scale_o must be a float32 tensor"),
     (dict(is_causal=1), TypeError, "is_causal must be a bool"),
 ])

@@ -9,6 +9,7 @@ from torch.library import opcheck
 
 import cudnn_fuse as cf
 from cudnn_fuse import ops, reference, torch_ops
+from cudnn_fuse.errors import ArgumentError
 from cudnn_fuse.spec import ACTIVATIONS
 
 ACTS = [None, *ACTIVATIONS]  # every activation cf fuses, and none
@@ -394,6 +395,20 @@ def test_set_compile_inline_takes_names_or_a_comma_separated_string():
     finally:
         cf.set_compile_inline(prev)
     assert ops.compile_inline == prev
+
+
+@pytest.mark.parametrize("names,exc,match", [(None, TypeError, "names must be a str or an iterable"),
+                                             (3, TypeError, "names must be a str or an iterable"),
+                                             (["conv2d", 3], TypeError, "names must be str"),
+                                             ("Conv2d", ArgumentError, r"unknown op names \['Conv2d'\]"),
+                                             (["linear", "mlp"], ArgumentError, "known: conv2d, linear")])
+def test_set_compile_inline_refuses_what_names_no_op_and_keeps_the_set(names, exc, match):
+    from cudnn_fuse import ops
+
+    before = ops.compile_inline
+    with pytest.raises(exc, match=match):
+        cf.set_compile_inline(names)
+    assert ops.compile_inline == before
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "leaky_relu"])

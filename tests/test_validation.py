@@ -42,6 +42,8 @@ CONV_CASES = {
     "K_mod_groups": (conv(w=(5, 2, 3, 3), groups=2), AE, r"K=5 .*groups=2", True),
     "x_rank": (conv(x=(1, 2, 4, 8, 8)), AE, r"x\.shape=\(1, 2, 4, 8, 8\)", True),
     "weight_rank": (conv(w=(6, 4, 3)), AE, r"weight\.shape=\(6, 4, 3\)", True),
+    "kernel_zero": (conv(w=(6, 4, 0, 3)), AE, r"kernel of positive size.*weight\.shape=\(6, 4, 0, 3\)", True),
+    "out_channels_zero": (conv(w=(0, 4, 3, 3)), AE, r"weight\.shape=\(0, 4, 3, 3\)", True),
     "bias_len": (conv(bias=T(5)), AE, r"bias.*\(6,\).*bias\.shape=\(5,\)", True),
     "bias_rank": (conv(bias=T(6, 1)), AE, r"bias\.shape=\(6, 1\)", True),
     "residual_shape": (conv(residual=T(2, 6, 8, 8)), AE, r"residual.*\(2, 6, 6, 6\).*residual\.shape", None),
@@ -238,6 +240,20 @@ def test_valid_arguments_pass_validation_with_torch_shapes(op, call):
 
 
 # ----------------------------------------------------------- library bugs
+
+
+@pytest.mark.parametrize("mask", [torch.tensor([True, False, True, True]), torch.randn(4), torch.tensor(True)],
+                         ids=["bool-S", "float-S", "one-value"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_attn_mask_of_fewer_than_two_dims_broadcasts_over_every_query(mask, causal):
+    """torch's CPU attention indexes a mask's last two dims (IndexError on a 4-D query); it broadcasts."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 3, 8, requires_grad=True), torch.randn(1, 2, 4, 8)
+    out = cf.scaled_dot_product_attention(q, k, k, attn_mask=mask, is_causal=causal)
+    want = F.scaled_dot_product_attention(q, k, k, attn_mask=mask.expand(3, 4), is_causal=causal)
+    torch.testing.assert_close(out, want)
+    g, = torch.autograd.grad(out.sum(), q)
+    torch.testing.assert_close(g, torch.autograd.grad(want.sum(), q)[0])
 
 
 @pytest.mark.parametrize("groups", ["2", 2.0])
