@@ -467,6 +467,7 @@ def _trace(module) -> fx.GraphModule:
         raise _NotOneGraph(_STATEFUL)
     gm.training = module.training  # its own flag only: each submodule keeps its mode (a frozen BatchNorm)
     _restore_unused(module, gm)
+    _reorder(gm, _key_order(module))
     for name in gm._buffers:  # tensor constants fx made buffers of: not the model's state
         if name.startswith("_tensor_constant") and name not in module._buffers:
             gm._non_persistent_buffers_set.add(name)
@@ -559,6 +560,33 @@ def _restore_unused(module, gm) -> None:
                 target.register_buffer(bname, b, persistent=bname not in m._non_persistent_buffers_set)
             elif bname in m._non_persistent_buffers_set:
                 target._non_persistent_buffers_set.add(bname)
+
+
+def _key_order(root: nn.Module) -> dict:
+    """{path: (submodule names, parameter names, buffer names)} of every module under ``root``, in the order
+    they were registered: what ``parameters()``, ``state_dict()`` and an optimizer's state follow."""
+    return {name: (list(m._modules), list(m._parameters), list(m._buffers))
+            for name, m in root.named_modules(remove_duplicate=False)}
+
+
+def _reorder(root: nn.Module, order: dict) -> None:
+    """Register the submodules, parameters and buffers of each module under ``root`` in ``order``
+    (``_key_order`` of the original), those the original lacks (fused modules) last. fx registers a traced
+    model's in the order its forward first uses them, and ``parameters()`` followed: an optimizer's state
+    saved on the original, positional, went to other parameters of the optimized model."""
+    for name, (mods, params, bufs) in order.items():
+        try:
+            target = root.get_submodule(name) if name else root
+        except AttributeError:
+            continue
+        for attr, keys in (("_modules", mods), ("_parameters", params), ("_buffers", bufs)):
+            held = getattr(target, attr)
+            if list(held) == keys[:len(held)]:
+                continue
+            first = [k for k in keys if k in held]
+            items = [(k, held[k]) for k in first] + [(k, v) for k, v in held.items() if k not in set(first)]
+            held.clear()
+            held.update(items)
 
 
 def _module_activation(m):
@@ -1274,7 +1302,13 @@ class OptimizedGraphModule(_TracedConstants, fx.GraphModule):
         # whole model): rebuilt, it is made an OptimizedGraphModule again; its carried attributes
         # (model_class, config, ...) are in the pickled __dict__ and fx sets them back
         rebuild, args = super().__reduce__()
-        return (_rebuilt_optimized, (rebuild, args))
+        return (_rebuilt_optimized, (rebuild, args, _key_order(self)))
+
+    def __deepcopy__(self, memo):
+        # fx rebuilds the copy's modules in the order its graph uses them: the copy keeps this one's
+        new = super().__deepcopy__(memo)
+        _reorder(new, _key_order(self))
+        return new
 
 
 class _OptimizedSequence(_Layers, OptimizedGraphModule):
@@ -1376,8 +1410,10 @@ def _hoisted(src: str):
     return "\n\n\n" + ast.unparse(ast.fix_missing_locations(tree)) + "\n"
 
 
-def _rebuilt_optimized(rebuild, args) -> fx.GraphModule:
+def _rebuilt_optimized(rebuild, args, order=None) -> fx.GraphModule:
     gm = rebuild(*args)
+    if order:
+        _reorder(gm, order)
     cls = type(gm)  # fx's per-instance subclass
     d = gm.__dict__
     if "model_class" in d and cls.__bases__ == (fx.GraphModule,):

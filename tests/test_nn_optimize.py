@@ -1061,3 +1061,70 @@ def test_a_fold_made_inside_a_cuda_graph_capture_is_not_kept(monkeypatch):
     with torch.no_grad():
         w2, _ = conv._weights()
     assert conv.__dict__["_fold_cache"][1] is w2 and torch.equal(w, w2)
+
+
+class _CalledOutOfOrder(nn.Module):
+    """Layers registered in one order and called in another, in the model and in a container."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.q = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.register_buffer("late", torch.ones(8))
+        self.first = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.q(x)) + torch.tanh(self.k(x)) * self.late
+        return self.first(self.block(h))
+
+
+def _orders(m):
+    return ([n for n, _ in m.named_parameters()], [n for n, _ in m.named_buffers()],
+            [n for n, _ in m.named_children()], list(m.state_dict()))
+
+
+def test_parameters_buffers_and_state_dict_keep_the_originals_order_in_copies_too():
+    """fx registered a traced model's layers in the order its forward first calls them: an optimizer's state
+    saved on the original (positional) went to other parameters of the optimized model."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = _CalledOutOfOrder().train()
+    opt = cf.optimize(model)
+    assert opt.cudnn_fuse_summary.replaced
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    for m in (opt, copy.deepcopy(opt), torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
+        got = _orders(m)
+        assert got[0] == _orders(model)[0] and got[1] == _orders(model)[1] and got[3] == _orders(model)[3]
+        assert got[2][:len(_orders(model)[2])] == _orders(model)[2]  # a fused module of its own comes last
+
+
+def test_an_optimizer_checkpoint_of_the_original_resumes_on_the_optimized_model():
+    import copy
+
+    torch.manual_seed(0)
+    model = _CalledOutOfOrder().train()
+    opt_model = cf.optimize(model)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        adam.zero_grad()
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        adam.step()
+    ckpt = copy.deepcopy((model.state_dict(), adam.state_dict()))
+
+    def resume(m):
+        m.load_state_dict(ckpt[0])
+        o = torch.optim.Adam(m.parameters(), lr=1e-2)
+        o.load_state_dict(copy.deepcopy(ckpt[1]))  # its tensors are shared with the optimizer otherwise
+        torch.manual_seed(1)
+        for _ in range(3):
+            o.zero_grad()
+            m(torch.randn(4, 8)).pow(2).sum().backward()
+            o.step()
+        return m.state_dict()
+
+    want, got = resume(copy.deepcopy(model)), resume(opt_model)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
