@@ -797,13 +797,23 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x):
         w = self.weight
-        if isinstance(x, torch.Tensor) and x.dtype == w.dtype and x.device == w.device and \
-                x.shape[-1:] == w.shape and not _autocast():
+        if self.eps is not None and isinstance(x, torch.Tensor) and x.dtype == w.dtype and x.device == w.device \
+                and x.shape[-1:] == w.shape and not _autocast():
             return torch.nn.functional.rms_norm(x, w.shape, w, self.eps)
         original = self.__dict__["original"]
         if original.weight is not w:  # moved or replaced on this module since
             original.weight = w
         return original(x)
+
+    def __setattr__(self, name: str, value) -> None:
+        """An attribute of the module it replaces (``variance_epsilon``) is set there, and from then on that
+        module's own forward runs: the setting may change what it computes (its epsilon)."""
+        original = self.__dict__.get("original")
+        if original is not None and name in vars(original) and name not in self.__dict__:
+            setattr(original, name, value)
+            self.__dict__["eps"] = None
+            return
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str):
         try:

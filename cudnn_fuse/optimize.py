@@ -53,6 +53,7 @@ so it computes with the new value, without the fusions across layers (one warnin
 from __future__ import annotations
 
 import ast
+import builtins
 import collections
 import contextlib
 import copy
@@ -187,11 +188,20 @@ _REFUSED_IN = {
 # found by identity in the modules' globals, whatever else those hold
 _REFUSED = {id(vars(space)[name]): why for space, whys in _REFUSED_IN.items() for name, why in whys.items()
             if name in vars(space)}
-# Type tests refused only when asked of a traced value (_holds_proxy): a trace sees fx's Proxy there, no
-# tensor (nor a list or a number), and would keep the branch a Proxy takes for every input. ``isinstance`` is
-# found in the builtins, so a trace binds its refuser in the globals of the forwards it traces (torch's and
-# cf's own code excepted, which asks about Proxies by design).
-_REFUSED_ON_PROXY = {id(isinstance), id(torch.is_tensor)}
+# Type tests refused only when the model's code (_asked_by_the_model) asks them of a traced value
+# (_holds_proxy): a trace sees fx's Proxy there, no tensor (nor a list or a number), and would keep the branch
+# a Proxy takes for every input. ``isinstance`` is found in the builtins, where a trace puts its refuser.
+_ISINSTANCE = builtins.isinstance
+_REFUSED_ON_PROXY = {id(_ISINSTANCE), id(torch.is_tensor)}
+# code that asks about Proxies by design: fx's and torch's, this library's, Python's own
+_TRACING_CODE = ("torch", "cudnn_fuse", *sys.stdlib_module_names)
+
+
+def _asked_by_the_model() -> bool:
+    """Whether the code calling the refused function (two frames up: past its refuser) is the model's: a
+    module outside _TRACING_CODE (a helper module of the model's package, transformers', timm's)."""
+    name = sys._getframe(2).f_globals.get("__name__") or ""
+    return name.partition(".")[0] not in _TRACING_CODE
 
 
 class _NotOneGraph(Exception):
@@ -202,12 +212,13 @@ _TRACING = threading.RLock()  # one trace at a time swaps the _REFUSED functions
 
 
 def _holds_proxy(value) -> bool:
-    """Whether ``value`` is a traced value, or a list, tuple or dict holding one."""
-    if isinstance(value, fx.Proxy):
+    """Whether ``value`` is a traced value, or a list, tuple or dict holding one (asked of the builtins'
+    own isinstance: a trace puts a refuser that calls this one in its place)."""
+    if _ISINSTANCE(value, fx.Proxy):
         return True
-    if isinstance(value, (list, tuple)):
+    if _ISINSTANCE(value, (list, tuple)):
         return any(_holds_proxy(v) for v in value)
-    return isinstance(value, dict) and any(_holds_proxy(v) for v in value.values())
+    return _ISINSTANCE(value, dict) and any(_holds_proxy(v) for v in value.values())
 
 
 def _refused(value):
@@ -234,9 +245,9 @@ class _Tracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         """fx's trace, refusing (_NotOneGraph) a forward that calls one of ``_REFUSED`` (it checkpoints, or
-        reads torch's global state). Where the forwards find them (the modules torch and
-        torch.utils.checkpoint, and any name their modules' globals bound one to), each raises while
-        tracing, and is put back however the trace ends. Only this thread's calls raise: another thread's (a
+        reads torch's global state, or asks the type of a traced value). Where the forwards find them (the
+        modules torch and torch.utils.checkpoint, any name their modules' globals bound one to, and the
+        builtins' ``isinstance``), each raises while tracing, and is put back however the trace ends. Only this thread's calls raise: another thread's (a
         model served meanwhile entering ``torch.no_grad()``) reach the function itself; traces take turns
         (_TRACING), so that none puts back another's stand-ins."""
         me = threading.get_ident()
@@ -245,7 +256,8 @@ class _Tracer(fx.Tracer):
             on_proxy = id(fn) in _REFUSED_ON_PROXY
 
             def refuse(*args, **kwargs):
-                if threading.get_ident() == me and (not on_proxy or (args and _holds_proxy(args[0]))):
+                if threading.get_ident() == me and (not on_proxy or (args and _holds_proxy(args[0])
+                                                                     and _asked_by_the_model())):
                     raise _NotOneGraph(why)
                 return fn(*args, **kwargs)
             return refuse
@@ -255,19 +267,15 @@ class _Tracer(fx.Tracer):
             spaces = {id(d): d for d in [vars(space) for space in _REFUSED_IN] + forwards}
             saved = [(space, name, value) for space in spaces.values() for name, value in list(space.items())
                      if _refused(value) is not None]
-            bound = [d for d in {id(d): d for d in forwards}.values() if "isinstance" not in d
-                     and not str(d.get("__name__", "")).startswith(("torch.", "cudnn_fuse."))]
             try:
                 for space, name, fn in saved:
                     space[name] = refuser(_refused(fn), fn)
-                for space in bound:
-                    space["isinstance"] = refuser(_TYPE_ASKED, isinstance)
+                builtins.isinstance = refuser(_TYPE_ASKED, _ISINSTANCE)  # found there by every module's code
                 return super().trace(root, concrete_args)
             finally:
+                builtins.isinstance = _ISINSTANCE
                 for space, name, fn in saved:
                     space[name] = fn
-                for space in bound:
-                    space.pop("isinstance", None)
 
     def is_leaf_module(self, m, qualname) -> bool:
         name = type(m).__name__
@@ -411,6 +419,9 @@ def _trace(module) -> fx.GraphModule:
         raise _NotOneGraph(f"it has hooks ({names}), which its traced graph would not keep" if not hooked else
                            f"its submodule {hooked}, which a trace runs through, has hooks ({names}), which the "
                            "traced graph would not keep")
+    overridden = _overrides_traced_through(module, _Tracer(norms))
+    if overridden is not None:
+        raise _NotOneGraph(overridden)
     state = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in _REGISTRIES}) for m in module.modules()]
 
     def restore() -> bool:
@@ -484,6 +495,31 @@ def _hooked_traced_through(module, tracer):
         path, m = stack.pop()
         if _has_hooks(m):
             return path
+        for name, child in m.named_children():
+            q = f"{path}.{name}" if path else name
+            if type(child).forward is nn.Module.forward or not tracer.is_leaf_module(child, q):
+                stack.append((q, child))
+    return None
+
+
+# Methods a class may override that a traced model would lose: ``train``/``eval`` (a detector's frozen
+# BatchNorms, mmdet's ``norm_eval``) of the model or of a container the trace runs through, which become
+# the GraphModule's and bare modules' own; ``__call__`` of the model, which fx bypasses to call its forward.
+_KEPT_METHODS = ("train", "eval")
+
+
+def _overrides_traced_through(module, tracer):
+    """Why ``module`` is not traced whole because its class, or that of a submodule the trace runs through,
+    overrides one of _KEPT_METHODS (or the model's ``__call__``); None where none does."""
+    if type(module).__call__ is not nn.Module.__call__:
+        return f"its class {type(module).__name__} overrides __call__, which its traced graph would not run"
+    stack = [("", module)]
+    while stack:
+        path, m = stack.pop()
+        for name in _KEPT_METHODS:
+            if getattr(type(m), name) is not getattr(nn.Module, name):
+                where = f"its submodule {path} ({type(m).__name__})" if path else f"its class {type(m).__name__}"
+                return f"{where} overrides {name}(), which the traced model would not call"
         for name, child in m.named_children():
             q = f"{path}.{name}" if path else name
             if type(child).forward is nn.Module.forward or not tracer.is_leaf_module(child, q):
@@ -1129,6 +1165,7 @@ class _TracedConstants:
         d = self.__dict__
         carried = name in d.get("traced_constants", ()) and name in d
         old = d[name] if carried else value
+        held = d["_modules"].get(name) if "traced_constants" in d and "_modules" in d else None
         super().__setattr__(name, value)
         if name == "untraced_by" and isinstance(self, OptimizedGraphModule):
             _run_own_forward(self)  # a deepcopy sets it after its recompile
@@ -1136,6 +1173,19 @@ class _TracedConstants:
             _carried(self, {name: value})  # a deepcopy sets the value it has now
         if _changed(old, value):
             _untrace(self, name, old)
+        elif held is not None and self._modules.get(name) is not held:
+            _untrace(self, name, held, replaced=True)  # a new head or adapter the traced graph would not call
+
+    def add_module(self, name: str, module) -> None:
+        held = self._modules.get(name, False)
+        super().add_module(name, module)
+        d = self.__dict__
+        if "traced_constants" not in d or held is module:
+            return  # built, copied or unpickled; or the same layer again
+        keys = d.get("container_keys")
+        if keys is not None and name not in keys:
+            keys.append(name)  # a Sequential's append, a ModuleList's
+        _untrace(self, name, held or None, replaced=True)
 
 
 # values a traced forward compares or computes with as Python does: set again with an equal one of the same
@@ -1154,7 +1204,7 @@ def _changed(old, new) -> bool:
     return True
 
 
-def _untrace(module: nn.Module, name: str, old) -> None:
+def _untrace(module: nn.Module, name: str, old, replaced: bool = False) -> None:
     """``module``'s carried attribute ``name`` was ``old`` when the graph was traced: its root (the
     OptimizedGraphModule itself, or the one holding this FusedContainer) runs its model class's own forward from
     now on, warned once per root; where no root is found or its forward cannot run over the layers it holds, the
@@ -1172,18 +1222,20 @@ def _untrace(module: nn.Module, name: str, old) -> None:
         warned = _WARNED.setdefault(module, set())
         if name not in warned:
             warned.add(name)
-            log.warning("cudnn_fuse.optimize: %s.%s set after optimize(): the traced forward keeps the value it "
+            log.warning("cudnn_fuse.optimize: %s.%s %s after optimize(): the traced forward keeps the %s it "
                         "had at optimize() time (%.80r), the original class's methods see the new one; set it "
-                        "before optimize()", cls.__name__, name, old)
+                        "before optimize()", cls.__name__, name, "replaced" if replaced else "set",
+                        "layer" if replaced else "value", old)
         return
     by = f"{cls.__name__}.{name}"
     root.__dict__["untraced_by"] = by
     _carried(root, {"untraced_by": by})  # a deepcopy runs its own forward too (a pickle keeps __dict__)
     _run_own_forward(root)
-    log.warning("cudnn_fuse.optimize: %s set after optimize(): the traced graph fixed its old value (%.80r), so "
-                "this %s now runs its own forward over its fused layers (fusions across layers are off); set it "
-                "before optimize(), or call optimize() again on the original with the new value, to fuse across "
-                "them again", by, old, root.__dict__["model_class"].__name__)
+    log.warning("cudnn_fuse.optimize: %s %s after optimize(): the traced graph %s (%.80r), so this %s now runs "
+                "its own forward over its fused layers (fusions across layers are off); set it before optimize(), "
+                "or call optimize() again on the original with the new value, to fuse across them again", by,
+                "replaced" if replaced else "set", "calls the layer it held" if replaced else "fixed its old value",
+                old, root.__dict__["model_class"].__name__)
 
 
 def _can_run_untraced(root: nn.Module) -> bool:
@@ -1247,7 +1299,26 @@ class _Layers:
         return True
 
     def __getitem__(self, i):
-        return self._layers()[i]
+        layers = self._layers()
+        if not isinstance(i, slice):
+            return layers[i]
+        cls = self.__dict__.get("container_class") or self.__dict__.get("model_class")
+        if issubclass(cls, nn.ModuleList):
+            return nn.ModuleList(layers[i])
+        keys = self.__dict__.get("container_keys", list(self._modules))
+        return nn.Sequential(collections.OrderedDict(zip(keys[i], layers[i])))  # fused layers compute their own
+
+    def __setitem__(self, i, module) -> None:
+        self._layers()  # a sequence of layers
+        setattr(self, self.__dict__.get("container_keys", list(self._modules))[i], module)
+
+    def __delitem__(self, i) -> None:
+        layers, keys = self._layers(), self.__dict__.get("container_keys", list(self._modules))
+        gone = keys[i] if isinstance(i, slice) else [keys[i]]
+        for k in gone:
+            del self._modules[k]
+        keys[:] = [k for k in keys if k not in gone]
+        _untrace(self, gone[0] if gone else "[]", layers[i], replaced=True)
 
     def __len__(self) -> int:
         return len(self._layers())

@@ -1128,3 +1128,125 @@ def test_an_optimizer_checkpoint_of_the_original_resumes_on_the_optimized_model(
     want, got = resume(copy.deepcopy(model)), resume(opt_model)
     for k in want:
         torch.testing.assert_close(got[k], want[k])
+
+
+class _FrozenNorms(nn.Module):
+    """mmdet's ``norm_eval``: its train() keeps the BatchNorms in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, 4)
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class _Clamped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def __call__(self, x):
+        return super().__call__(x.clamp(-1, 1))
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class _HoldsFrozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = _FrozenNorms(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.head(self.body(x)))
+
+
+@pytest.mark.parametrize("make,x", [(_FrozenNorms, (2, 3, 6, 6)), (_HoldsFrozen, (2, 3, 6, 6)), (_Clamped, (2, 4))],
+                         ids=["train-override", "container-train-override", "call-override"])
+@pytest.mark.parametrize("first", ["eval", "train"])
+def test_a_class_that_overrides_train_or_call_keeps_it(make, x, first):
+    torch.manual_seed(0)
+    model = make()
+    getattr(model, first)()
+    opt = cf.optimize(model)
+    assert any("overrides" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    for mode in ("train", "eval", "train"):
+        getattr(model, mode)(), getattr(opt, mode)()
+        inp = torch.randn(*x) * 3
+        torch.testing.assert_close(opt(inp), model(inp))
+    assert [m.training for m in opt.modules()] == [m.training for m in model.modules()]
+    torch.testing.assert_close(opt.state_dict(), model.state_dict())
+
+
+_HELPERS = {"__name__": "user_helpers", "torch": torch}  # a helper module of the model's package
+exec("def add_optional(x, extra):\n    return x + extra if isinstance(extra, torch.Tensor) else x\n", _HELPERS)
+
+
+class _HelperAsks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, extra=None):
+        return torch.relu(_HELPERS["add_optional"](self.fc(x), extra))
+
+
+def test_a_type_test_on_a_traced_value_in_a_helper_of_another_module_is_refused_too():
+    import builtins
+
+    torch.manual_seed(0)
+    model = _HelperAsks().eval()
+    opt = cf.optimize(model)
+    assert builtins.isinstance is isinstance and isinstance.__module__ == "builtins"  # put back
+    assert any("type of a traced value" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x, e = torch.randn(2, 8), torch.randn(2, 8)
+    torch.testing.assert_close(opt(x, e), model(x, e))
+    torch.testing.assert_close(opt(x), model(x))
+
+
+def _mlp_seq():
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize("change", ["replace-fused", "replace-in-mlp", "setitem", "delitem", "append"])
+def test_a_layer_replaced_added_or_removed_after_optimize_is_the_one_that_runs(change, caplog):
+    """A new head or adapter put in place after optimize(): the traced graph called the layer it held (or passed
+    a plain layer the fused one's arguments); the model now runs its own forward, with one warning."""
+    torch.manual_seed(0)
+    model = _mlp_seq().eval()
+    opt = cf.optimize(model)
+    assert opt.cudnn_fuse_summary.replaced
+    new = nn.Linear(8, 8) if change == "replace-fused" else nn.Linear(16, 8)
+    with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
+        for m in (model, opt):
+            if change == "replace-fused":
+                m[0] = new
+            elif change == "replace-in-mlp":
+                setattr(m, "4", new)
+            elif change == "setitem":
+                m[-1] = new
+            elif change == "delitem":
+                del m[-1]
+                del m[-1]
+            else:
+                m.append(nn.Tanh())
+    assert sum("after optimize()" in r.getMessage() for r in caplog.records) == 1
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), model(x))
+    assert len(opt) == len(model) and list(opt.state_dict()) == list(model.state_dict())
+
+
+def test_a_slice_of_an_optimized_sequential_is_a_sequential_computing_the_originals_layers():
+    torch.manual_seed(0)
+    model = _mlp_seq().eval()
+    opt = cf.optimize(model)
+    x = torch.randn(4, 8)
+    for part, want in ((opt[:3], model[:3]), (opt[1:], model[1:]), (opt[::2], model[::2])):
+        assert isinstance(part, nn.Sequential) and list(part.state_dict()) == list(want.state_dict())
+        torch.testing.assert_close(part(x), want(x))

@@ -133,6 +133,20 @@ def test_inside_a_traced_block_the_norm_and_the_mlp_are_both_replaced():
     o.load_state_dict(m.state_dict())
 
 
+def test_an_epsilon_set_on_the_replaced_norm_after_optimize_takes_effect():
+    torch.manual_seed(0)
+    m = Block().eval()
+    o = cf.optimize(m)
+    assert isinstance(o.get_submodule("norm"), cfnn.RMSNorm)
+    m.norm.variance_epsilon = o.norm.variance_epsilon = 1.0
+    assert o.norm.variance_epsilon == 1.0 and "variance_epsilon" not in vars(o.norm)
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(o(x), m(x), rtol=1e-5, atol=1e-5)
+    o.norm.train(), o.norm.eval()  # its own attributes stay its own
+    assert not o.norm.training and o.norm.weight is vars(o.norm)["original"].weight
+
+
 def test_gradients_match_the_written_out_norm():
     torch.manual_seed(0)
     m = LlamaStyle(24)
