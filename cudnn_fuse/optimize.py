@@ -34,8 +34,10 @@ layer runs again in training mode. fx fixes the training mode a forward reads at
 for a given tensor, so a module is traced in both modes and with its optional arguments None, and one whose
 graphs differ, that checkpoints, that reads torch's global state (grad mode, autocast, determinism), that
 draws random numbers with no tensor argument (a LayerDrop's ``torch.rand([]) < p``), that sets its modules'
-attributes, or that has hooks on itself or on a submodule fx traces through, has its children rewritten instead
-(each submodule keeps its own mode; a trace leaves every attribute and the random streams as they were);
+attributes or changes a list, dict or set of theirs in place (collected features, a cache), or that has hooks or
+a class saving its state_dict its own way (``get_extra_state``) on itself or on a submodule fx traces through, has
+its children rewritten instead (each submodule keeps its own mode; a trace leaves every attribute, the contents of
+those containers and the random streams as they were); a rewrite that fails leaves its module as it was;
 a drop-path (a module with no state whose forward reads its mode) stays a call. Nothing is
 fused across an in-place change of a tensor the fused call would read later. A node is fused into its
 producer only when the producer's output has no other user. A fused module takes the replaced module's path (a FusedMLP and a ConvChain are added
@@ -283,6 +285,8 @@ class _Tracer(fx.Tracer):
             return True
         if id(m) in self.norms:  # replaced whole (_Rewriter.run)
             return True
+        if not m._modules and _own_state_dict_methods(type(m)):  # a call: it keeps its state_dict as itself
+            return True
         return _mode_switch(m) or super().is_leaf_module(m, qualname)
 
 
@@ -407,52 +411,29 @@ def _trace(module) -> fx.GraphModule:
     a branch on it), and takes every argument for a given tensor (``if mask is None`` never holds for its
     Proxy): so it is traced again with every module in the other mode, and with its optional arguments
     None, and refused where those graphs differ from the first. Each trace leaves the modules' own
-    attributes as they were: a forward that caches what it computes (``self.scales = ...`` on its first
-    call) stored a Proxy there, which the model's first real call then read; and the random streams, where
-    a draw made as it traces is refused (_random_streams_kept). A module with hooks on itself or on a
-    submodule the trace runs through is refused before tracing (_hooked_traced_through): its object, with
-    its hooks, stays and its children are rewritten."""
+    attributes as they were (_Snapshot): a forward that caches what it computes (``self.scales = ...`` on its
+    first call, a dict filled in place) stored a Proxy there, which the model's first real call then read; and
+    the random streams, where a draw made as it traces is refused (_random_streams_kept). A module with hooks,
+    or a class of its own that saves or loads its state_dict, on itself or on a submodule the trace runs through
+    is refused before tracing (_kept_whole): its object stays and its children are rewritten."""
     norms = frozenset(id(m) for m in module.modules() if m is not module and _rms_norm_eps(m) is not None)
-    hooked = _hooked_traced_through(module, _Tracer(norms))
-    if hooked is not None:
-        names = _hook_names(module.get_submodule(hooked))
-        raise _NotOneGraph(f"it has hooks ({names}), which its traced graph would not keep" if not hooked else
-                           f"its submodule {hooked}, which a trace runs through, has hooks ({names}), which the "
-                           "traced graph would not keep")
-    overridden = _overrides_traced_through(module, _Tracer(norms))
-    if overridden is not None:
-        raise _NotOneGraph(overridden)
-    state = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in _REGISTRIES}) for m in module.modules()]
-
-    def restore() -> bool:
-        """Put every module's attributes back; whether the forward had changed any (fx's tensor constants on
-        the root and the mode flags aside)."""
-        changed = False
-        for m, attrs, registries in state:
-            now = vars(m)
-            for name in [n for n in now if n not in attrs]:  # fx's tensor constants, a forward's caches
-                changed |= not (m is module and name.startswith("_tensor_constant"))
-                del now[name]
-            for name, value in attrs.items():
-                if now.get(name, _MISSING) is not value:
-                    changed |= name != "training"
-                    now[name] = value
-            for name, saved in registries.items():  # a parameter, buffer or module set by the forward
-                if now[name] != saved or any(now[name][k] is not v for k, v in saved.items()):
-                    changed = True
-                    now[name].clear()
-                    now[name].update(saved)
-        return changed
+    why = _kept_whole(module, _Tracer(norms))
+    if why is None:
+        why = _overrides_traced_through(module, _Tracer(norms))
+    if why is not None:
+        raise _NotOneGraph(why)
+    snapshot = _Snapshot(module)
 
     def trace_aside(concrete_args=None):
         try:
             with _random_streams_kept():
                 return _Tracer(norms).trace(module, concrete_args)
         finally:
-            if restore():
-                raise _NotOneGraph(_STATEFUL)
+            changed = snapshot.restore()
+            if changed is not None:
+                raise _NotOneGraph(changed)
 
-    for m, _attrs, _registries in state:  # the flags themselves: a train() override may do more than set them
+    for m in snapshot.modules:  # the flags themselves: a train() override may do more than set them
         m.training = not module.training
     other = trace_aside()
     optional = _optional_params(module)
@@ -473,33 +454,140 @@ def _trace(module) -> fx.GraphModule:
             raise _NotOneGraph("its forward branches on whether an optional argument is given")
         gm = fx.GraphModule(module, graph)  # takes the tensor constants fx set on the module
     finally:
-        changed = restore()
-    if changed:
-        raise _NotOneGraph(_STATEFUL)
+        changed = snapshot.restore()
+    if changed is not None:
+        raise _NotOneGraph(changed)
     gm.training = module.training  # its own flag only: each submodule keeps its mode (a frozen BatchNorm)
     _restore_unused(module, gm)
     _reorder(gm, _key_order(module))
-    for name in gm._buffers:  # tensor constants fx made buffers of: not the model's state
-        if name.startswith("_tensor_constant") and name not in module._buffers:
-            gm._non_persistent_buffers_set.add(name)
+    _buffers_out_of_state(module, gm)
     return gm
 
 
-def _hooked_traced_through(module, tracer):
-    """The path of ``module`` ("") or of a submodule the tracer runs through (no leaf) that has hooks, else
-    None. Traced, the root's hooks are not run (fx calls its forward), and fx rebuilds the submodules it
-    runs through as bare modules, without their backward and state_dict hooks. A container that is never
-    called (a ModuleList) is looked through: its children are called directly."""
+class _Snapshot:
+    """What a trace may change of ``module``'s modules, taken before it: their attributes, their registries
+    (parameters, buffers, submodules) and the contents of the lists, dicts, sets and deques they hold (features
+    a forward collects, a cache it fills: compared by identity, as an fx Proxy answers ``==`` with a Proxy)."""
+
+    def __init__(self, module: nn.Module):
+        named = list(module.named_modules())
+        self.root, self.modules = module, [m for _, m in named]
+        self.attrs = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in _REGISTRIES}) for m in self.modules]
+        self.contents = [(f"{path}.{name}" if path else name, value, _items(value)) for path, m in named
+                         for name, value in vars(m).items()
+                         if name not in _MODULE_INTERNALS and isinstance(value, _FILLED_IN_PLACE)]
+
+    def restore(self):
+        """Put every module's attributes and the contents of its containers back; why the forward had changed
+        any (fx's tensor constants on the root and the mode flags aside), else None."""
+        changed = False
+        for m, attrs, registries in self.attrs:
+            now = vars(m)
+            for name in [n for n in now if n not in attrs]:  # fx's tensor constants, a forward's caches
+                changed |= not (m is self.root and name.startswith("_tensor_constant"))
+                del now[name]
+            for name, value in attrs.items():
+                if now.get(name, _MISSING) is not value:
+                    changed |= name != "training"
+                    now[name] = value
+            for name, saved in registries.items():  # a parameter, buffer or module set by the forward
+                if now[name] != saved or any(now[name][k] is not v for k, v in saved.items()):
+                    changed = True
+                    now[name].clear()
+                    now[name].update(saved)
+        filled = [(where, value) for where, value, items in self.contents if _put_back(value, items)]
+        if changed:
+            return _STATEFUL
+        if filled:
+            where, value = filled[0]
+            return _FILLED.format(f"{type(value).__name__} {where}")
+        return None
+
+
+# plain attributes a forward may change in place: ``self.feats.append(h)``, ``self.cache[key] = t``
+_FILLED_IN_PLACE = (list, dict, set, collections.deque)
+_FILLED = ("its forward changes the {} in place (collected features, a cache), which its traced graph would not do "
+           "when it runs")
+
+
+def _items(value) -> list:
+    """The objects a list, dict (keys and values), set or deque holds, in its order."""
+    return [x for item in value.items() for x in item] if isinstance(value, dict) else list(value)
+
+
+def _put_back(value, items: list) -> bool:
+    """Give ``value`` (a _FILLED_IN_PLACE container) back the objects ``items`` (``_items`` of it before) where
+    it holds others; whether it did."""
+    now = _items(value)
+    if isinstance(value, set):
+        same = len(now) == len(items) and {id(x) for x in now} == {id(x) for x in items}
+    else:
+        same = len(now) == len(items) and all(a is b for a, b in zip(now, items))
+    if same:
+        return False
+    value.clear()
+    if isinstance(value, dict):
+        value.update(zip(items[::2], items[1::2]))
+    elif isinstance(value, list):
+        value.extend(items)
+    else:
+        value.update(items) if isinstance(value, set) else value.extend(items)
+    return True
+
+
+def _buffers_out_of_state(module, gm) -> None:
+    """Make non-persistent each buffer fx gave ``gm`` or a module it rebuilt that is no persistent buffer of
+    the original at that path: fx registers what its graph reads as a persistent buffer, so its tensor constants
+    and a plain tensor attribute (``self.scale = torch.tensor([2.0])``) became state_dict keys the original
+    lacks. The set is carried to ``gm``'s copies, whose buffers fx registers anew."""
+    for path, target in gm.named_modules(remove_duplicate=False):
+        try:
+            orig = module.get_submodule(path)
+        except AttributeError:
+            orig = None
+        if target is orig:
+            continue
+        for name in target._buffers:
+            if orig is None or name not in orig._buffers or name in orig._non_persistent_buffers_set:
+                target._non_persistent_buffers_set.add(name)
+    _carried(gm, {"_non_persistent_buffers_set": gm._non_persistent_buffers_set})
+
+
+def _kept_whole(module, tracer):
+    """Why ``module`` must not be traced whole, else None: it, or a submodule the tracer runs through (no
+    leaf), has hooks, or a class that saves its state_dict its own way (``get_extra_state``, an override of
+    ``_save_to_state_dict``). Traced, the root's hooks are not run (fx calls its forward), and fx rebuilds the
+    root and the submodules it runs through as bare modules, without their backward and state_dict hooks and
+    their class's state_dict methods: the state_dict lost their keys (``block._extra_state``), and a checkpoint
+    of the original no longer loaded strictly. Such a submodule without children is no reason: the tracer keeps
+    it a call, itself. A class's own ``_load_from_state_dict`` is none either: the rebuilt module runs it
+    (``_load_as_class``)."""
+    for path, m in _traced_through(module, tracer):
+        if _has_hooks(m):
+            names = _hook_names(m)
+            return (f"it has hooks ({names}), which its traced graph would not keep" if not path else
+                    f"its submodule {path}, which a trace runs through, has hooks ({names}), which the traced graph "
+                    "would not keep")
+        own = ", ".join(n for n in _own_state_dict_methods(type(m)) if n != "_load_from_state_dict")
+        if own:
+            return (f"its class {type(m).__name__} defines {own}, which its traced graph would not keep (its "
+                    "state_dict would change)" if not path else f"its submodule {path} ({type(m).__name__}), which a "
+                    f"trace runs through, defines {own}, which the traced graph would not keep (the state_dict "
+                    "would change)")
+    return None
+
+
+def _traced_through(module, tracer):
+    """(path, module) of ``module`` ("") and of each submodule the tracer runs through (no leaf). A container
+    that is never called (a ModuleList) is looked through: its children are called directly."""
     stack = [("", module)]
     while stack:
         path, m = stack.pop()
-        if _has_hooks(m):
-            return path
+        yield path, m
         for name, child in m.named_children():
             q = f"{path}.{name}" if path else name
             if type(child).forward is nn.Module.forward or not tracer.is_leaf_module(child, q):
                 stack.append((q, child))
-    return None
 
 
 # Methods a class may override that a traced model would lose: ``train``/``eval`` (a detector's frozen
@@ -525,6 +613,37 @@ def _overrides_traced_through(module, tracer):
             if type(child).forward is nn.Module.forward or not tracer.is_leaf_module(child, q):
                 stack.append((q, child))
     return None
+
+
+# nn.Module's methods that make and load a module's state_dict entries; a class's own overrides of them are not
+# kept by a module fx rebuilds
+_STATE_DICT_METHODS = ("get_extra_state", "set_extra_state", "_save_to_state_dict", "_load_from_state_dict")
+
+
+def _own_state_dict_methods(cls) -> list:
+    """The ``_STATE_DICT_METHODS`` that ``cls`` overrides outside torch. torch's own (a BatchNorm's
+    ``_load_from_state_dict``, inherited by timm's BatchNormAct2d) save the keys nn.Module's would."""
+    own = []
+    for name in _STATE_DICT_METHODS:
+        fn = getattr(cls, name, None)
+        if fn is not getattr(nn.Module, name) and not str(getattr(fn, "__module__", "")).startswith("torch."):
+            own.append(name)
+    return own
+
+
+def _load_as_class(module: nn.Module, cls, args: tuple) -> None:
+    """Load ``module``'s own state_dict entries (``args``: nn.Module._load_from_state_dict's) as ``cls``, the
+    class of the module it was traced from, does where it overrides that: such an override reads checkpoints of
+    its older versions (torchvision's MLPBlock renames their keys) by the version they were saved with. Run on a
+    stand-in of ``cls`` sharing ``module``'s attributes, so that its zero-argument ``super()`` finds an instance
+    of its class."""
+    load = getattr(cls, "_load_from_state_dict", None) if isinstance(cls, type) else None
+    if load is None or load is nn.Module._load_from_state_dict:
+        nn.Module._load_from_state_dict(module, *args)
+        return
+    stand_in = object.__new__(cls)
+    object.__setattr__(stand_in, "__dict__", module.__dict__)
+    load(stand_in, *args)
 
 
 def _random_state():
@@ -1346,6 +1465,9 @@ class OptimizedGraphModule(_TracedConstants, fx.GraphModule):
         except AttributeError as exc:
             return _of_class(self, self.__dict__.get("model_class"), name, exc)
 
+    def _load_from_state_dict(self, *args):
+        _load_as_class(self, self.__dict__.get("model_class"), args)
+
     def recompile(self):
         """fx's recompile, then the generated forward fetches each submodule path that it uses more
         than once into a local first (``_hoisted``): every ``self.a.b.c`` in fx's code is one
@@ -1487,11 +1609,16 @@ def _rebuilt_optimized(rebuild, args, order=None) -> fx.GraphModule:
         _reorder(gm, order)
     cls = type(gm)  # fx's per-instance subclass
     d = gm.__dict__
+    body = args[0] if args and isinstance(args[0], dict) else {}
+    # fx registers every buffer it unpickles as persistent: the pickled module's non-persistent ones stay so
+    gm._non_persistent_buffers_set.update(n for n in body.get("_non_persistent_buffers_set", ()) if n in gm._buffers)
+    if "_version" in body:  # nn.Module's class attribute: fx sets only what the module lacks
+        d["_version"] = body["_version"]
     if "model_class" in d and cls.__bases__ == (fx.GraphModule,):
         cls.__bases__ = (_surface_class(d["model_class"]),)
         # fx rebuilds the module's meta empty: what a deepcopy of it must set again is carried again
         kept = {"model_class", "container_keys", "traced_constants", "untraced_by", "cudnn_fuse_summary",
-                *d.get("traced_constants", ())}
+                "_non_persistent_buffers_set", "_version", *d.get("traced_constants", ())}
         _carried(gm, {k: v for k, v in d.items() if k in kept})
         gm.recompile()  # its own, now that it is one
     return gm
@@ -1511,7 +1638,7 @@ def _keep_model_surface(gm: fx.GraphModule, model: nn.Module) -> None:
     plain = {k: v for k, v in vars(model).items() if k not in _MODULE_INTERNALS and k not in gm.__dict__ and
              not isinstance(v, (nn.Module, nn.Parameter))}
     carried = {"model_class": type(model), "container_keys": list(model._modules), **plain,
-               "traced_constants": frozenset(plain)}
+               "traced_constants": frozenset(plain), "_version": model._version}  # the state_dict's metadata
     gm.__dict__.update(carried)
     _carried(gm, carried)
 
@@ -1531,6 +1658,9 @@ class FusedContainer(_TracedConstants, _Layers, nn.Module):
             return super().__getattr__(name)
         except AttributeError as exc:
             return _of_class(self, self.__dict__.get("container_class"), name, exc)
+
+    def _load_from_state_dict(self, *args):
+        _load_as_class(self, self.__dict__.get("container_class"), args)
 
     def forward(self, *args, **kwargs):
         cls = self.__dict__.get("container_class")
@@ -1575,7 +1705,7 @@ def _keep_container_surfaces(gm: fx.GraphModule, model: nn.Module) -> None:
         now.__dict__["container_class"], now.__dict__["container_keys"] = type(orig), list(orig._modules)
         plain = {k: v for k, v in vars(orig).items() if k not in _MODULE_INTERNALS and k not in now.__dict__ and
                  not isinstance(v, (nn.Module, nn.Parameter))}
-        now.__dict__.update(plain, traced_constants=frozenset(plain))
+        now.__dict__.update(plain, traced_constants=frozenset(plain), _version=orig._version)
 
 
 def _carried(gm, attrs: dict) -> None:
@@ -1646,16 +1776,33 @@ def _rewrite_one(module: nn.Module, summary: Summary, prefix: str, recompute: bo
         for name, child in list(module.named_children()):
             setattr(module, name, _rewrite(child, summary, f"{prefix}{name}.", recompute, chain_convs, fp8, done))
         return module
-    before = len(summary.replaced)
-    _Rewriter(gm, summary, prefix, recompute, chain_convs, fp8).run()
-    if len(summary.replaced) == before:
-        # nothing fused: keep the original module (a GraphModule lacks the attributes other
-        # code may read, e.g. transformers reads ``attn_dropout.p``)
+    return _rewritten(gm, module, summary, prefix, recompute, chain_convs, fp8)
+
+
+def _rewritten(gm: fx.GraphModule, module: nn.Module, summary: Summary, prefix: str, recompute: bool,
+               chain_convs: bool, fp8) -> nn.Module:
+    """``gm`` (traced from ``module``) rewritten, with ``module``'s surface; ``module`` itself where nothing was
+    fused, or where the rewrite failed: logged, and left alone with the reason, rather than ``optimize()``
+    failing on a model the original runs."""
+    replaced, left = len(summary.replaced), len(summary.left_alone)
+    try:
+        _Rewriter(gm, summary, prefix, recompute, chain_convs, fp8).run()
+        if len(summary.replaced) == replaced:
+            # nothing fused: keep the original module (a GraphModule lacks the attributes other
+            # code may read, e.g. transformers reads ``attn_dropout.p``)
+            return module
+        _keep_model_surface(gm, module)
+        _keep_container_surfaces(gm, module)
+        if isinstance(gm, OptimizedGraphModule):
+            gm.recompile()  # its own: the forward fetches shared submodule paths once
+    except Exception as exc:  # noqa: BLE001 - the original module runs as it did
+        where = prefix.rstrip(".") or type(module).__name__
+        del summary.replaced[replaced:], summary.left_alone[left:]
+        first = (str(exc).splitlines() or [""])[0]
+        why = f"its traced graph could not be rewritten ({type(exc).__name__}: {first:.200})"
+        log.warning("cudnn_fuse.optimize: %s: %s; it is left as it was", where, why, exc_info=True)
+        summary.left_alone.append((where, why))
         return module
-    _keep_model_surface(gm, module)
-    _keep_container_surfaces(gm, module)
-    if isinstance(gm, OptimizedGraphModule):
-        gm.recompile()  # its own: the forward fetches shared submodule paths once
     return gm
 
 

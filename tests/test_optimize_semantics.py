@@ -1074,12 +1074,15 @@ def test_copies_of_a_model_running_its_own_forward_do_too_and_one_copied_before_
             torch.testing.assert_close(m(x), want)
 
 
+_SERVED: list = []  # what the other thread saw (no attribute of the module: one filled in place is refused)
+
+
 class _OtherThreadMeanwhile(nn.Module):
     """A forward during whose trace another thread enters torch.no_grad() (a model served meanwhile)."""
 
     def __init__(self):
         super().__init__()
-        self.fc, self.seen = nn.Linear(4, 4), []
+        self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
         import threading
@@ -1087,9 +1090,9 @@ class _OtherThreadMeanwhile(nn.Module):
         def serve():
             try:
                 with torch.no_grad():
-                    self.seen.append(torch.is_grad_enabled())
+                    _SERVED.append(torch.is_grad_enabled())
             except Exception as exc:  # noqa: BLE001 - what the test looks for
-                self.seen.append(exc)
+                _SERVED.append(exc)
 
         t = threading.Thread(target=serve)
         t.start()
@@ -1101,10 +1104,10 @@ def test_another_threads_torch_calls_are_untouched_while_a_forward_is_traced():
     """The trace's stand-ins for torch's global-state functions raise in the tracing thread only, and are
     gone afterwards."""
     model = _OtherThreadMeanwhile()
+    _SERVED.clear()
     opt = cf.optimize(model)
-    assert model.seen == [] and opt.fc.__class__ is not None
-    seen = opt.__dict__.get("seen", model.seen)
-    assert all(s is False for s in seen) and seen, seen  # the thread ran, inside no_grad, without an error
+    assert opt.cudnn_fuse_summary.replaced and not opt.cudnn_fuse_summary.left_alone
+    assert all(s is False for s in _SERVED) and _SERVED, _SERVED  # the thread ran, inside no_grad, without an error
     assert torch.is_grad_enabled.__module__ != cf.optimize.__module__ and torch.is_grad_enabled()
 
 
@@ -1162,3 +1165,368 @@ def test_isinstance_of_a_module_or_a_constant_still_traces_whole():
     assert not any("type of a traced value" in why for _, why in opt.cudnn_fuse_summary.left_alone)
     x = torch.randn(3, 8)
     torch.testing.assert_close(opt(x), model(x))
+
+
+# --------------------------------------------------------------------- containers filled in place, state_dict
+
+
+class _Collects(nn.Module):
+    """Collects its hidden features in a plain container (a perceptual loss's, attention maps)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        import collections
+
+        self.l1, self.l2, self.kind = nn.Linear(8, 8), nn.Linear(8, 8), kind
+        self.feats = {"list": list, "dict": dict, "set": set, "deque": collections.deque}[kind]()
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        if self.kind == "dict":
+            self.feats[len(self.feats)] = h
+        else:
+            getattr(self.feats, "add" if self.kind == "set" else "append")(h)
+        return self.l2(h)
+
+
+class _CollectsInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = _Collects("list"), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.inner(x)))
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "set", "deque", "child-list"])
+def test_a_forward_that_fills_a_container_attribute_in_place_fills_it_in_the_optimized_model(kind):
+    """A trace ran ``self.feats.append(h)`` with fx's Proxy: the Proxy stayed in the list (no pickling), and
+    the traced graph never appended."""
+    import io
+
+    torch.manual_seed(0)
+    model = (_CollectsInside() if kind == "child-list" else _Collects(kind)).eval()
+    opt = cf.optimize(model)
+
+    def feats(m):
+        return (m.inner if kind == "child-list" else m).feats
+
+    assert len(feats(opt)) == 0 and len(feats(model)) == 0  # nothing of the trace left there
+    assert any("in place" in why and "feats" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        torch.testing.assert_close(opt(x), model(x))
+    assert len(feats(opt)) == len(feats(model)) == 2
+    torch.save(opt, io.BytesIO())
+
+
+class _BiasCache(nn.Module):
+    """timm LeViT's attention: its attention biases cached per device in a dict, in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.biases = nn.Parameter(torch.randn(2, 3))
+        self.register_buffer("idxs", torch.tensor([[0, 1, 2, 1], [2, 1, 0, 0], [1, 1, 1, 2], [0, 0, 2, 2]]),
+                             persistent=False)
+        self.cache = {}
+
+    def get_biases(self, device):
+        if self.training:
+            return self.biases[:, self.idxs]
+        key = str(device)
+        if key not in self.cache:
+            self.cache[key] = self.biases[:, self.idxs]
+        return self.cache[key]
+
+    def forward(self, x):  # [B, 4, 8]
+        q, k, v = self.qkv(x).reshape(x.shape[0], 4, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        a = (q @ k.transpose(-2, -1) + self.get_biases(x.device)).softmax(-1)
+        return x + self.proj(F.relu((a @ v).transpose(1, 2).reshape(x.shape[0], 4, 8)))
+
+
+class _Distilled(nn.Module):
+    """LeViT's distilled head: two outputs in training mode, so the root is not traced whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages, self.head = nn.Sequential(_BiasCache(), _BiasCache()), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.head(self.stages(x))
+        return (x, x * 2) if self.training else x
+
+
+def test_a_dict_cache_filled_by_a_parents_trace_does_not_crash_a_childs_rewrite():
+    """The root's trace left a Proxy in each attention's cache; a child's trace then read that other graph's
+    node, and optimize() raised "Argument ... does not belong to this Graph"."""
+    torch.manual_seed(0)
+    model = _Distilled().eval()
+    opt = cf.optimize(model)
+    assert all(not m.cache for m in opt.stages)
+    assert any("cache in place" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    assert [list(m.cache) for m in opt.stages] == [["cpu"], ["cpu"]]
+
+
+def test_a_rewrite_that_fails_leaves_the_module_as_it_was_with_the_reason(monkeypatch, caplog):
+    import sys
+
+    def fail(self):
+        raise RuntimeError("Argument 'getitem_6' of Node 'add' does not belong to this Graph")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    monkeypatch.setattr(sys.modules["cudnn_fuse.optimize"]._Rewriter, "chain", fail)  # after the replacements
+    with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
+        opt = cf.optimize(model)
+    assert type(opt) is nn.Sequential and type(opt[0]) is nn.Linear
+    assert opt.cudnn_fuse_summary.replaced == []
+    (where, why), = opt.cudnn_fuse_summary.left_alone
+    assert where == "Sequential" and "could not be rewritten" in why and "does not belong" in why
+    assert "left as it was" in caplog.text
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class _RootBuffers(nn.Module):
+    """A non-persistent buffer of the root and a tensor constant fx makes a buffer of (``_tensor_constant0``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("idx", torch.arange(4), persistent=False)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))[..., self.idx] + torch.ones(4)
+
+
+def _copied(model, how: str):
+    import copy
+    import io
+
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _same_state_dict(opt, model):
+    assert list(opt.state_dict()) == list(model.state_dict())
+    opt.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(opt.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "save-load"])
+@pytest.mark.parametrize("nested", [False, True], ids=["root", "under-an-untraceable-parent"])
+def test_copies_of_an_optimized_model_keep_its_non_persistent_buffers_out_of_the_state_dict(how, nested):
+    torch.manual_seed(0)
+    model = (_Untraceable(_RootBuffers()) if nested else _RootBuffers()).eval()
+    opt = cf.optimize(model)
+    assert opt.cudnn_fuse_summary.replaced
+    x = torch.randn(2, 4)
+    for copied in (_copied(opt, how), _copied(_copied(opt, how), how)):
+        _same_state_dict(copied, model)
+        assert {n for n, _ in copied.named_buffers()} == {n for n, _ in opt.named_buffers()}  # still buffers
+        with torch.no_grad():
+            torch.testing.assert_close(copied(x), model(x))
+
+
+class _ShiftedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.shift = torch.tensor([0.5])  # a plain attribute: no buffer, not in the state_dict
+
+    def forward(self, x):
+        return torch.relu(self.conv(x)) - self.shift
+
+
+class _PlainTensors(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.block = nn.Conv2d(3, 4, 3), _ShiftedBlock()
+        self.scale = torch.tensor([2.0])
+
+    def forward(self, x):
+        return self.block(torch.relu(self.conv(x)) * self.scale)
+
+
+@pytest.mark.parametrize("how", ["optimized", "deepcopy", "save-load"])
+def test_a_plain_tensor_attribute_is_no_state_dict_key_of_the_optimized_model(how):
+    """fx registers a plain tensor the graph reads as a persistent buffer, at the root and at a container it
+    rebuilds: the optimized state_dict had keys ``scale`` and ``block.shift`` the original's lacks."""
+    torch.manual_seed(0)
+    model = _PlainTensors().eval()
+    opt = cf.optimize(model)
+    assert opt.cudnn_fuse_summary.replaced and not opt.cudnn_fuse_summary.left_alone  # traced whole
+    if how != "optimized":
+        opt = _copied(opt, how)
+    _same_state_dict(opt, model)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class _Versioned(nn.Module):
+    """A block whose state_dict holds extra state (a format version)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.version = nn.Linear(8, 8), 3
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+    def get_extra_state(self):
+        return {"version": self.version}
+
+    def set_extra_state(self, state):
+        self.version = state["version"]
+
+
+class _Renamed(nn.Module):
+    """A block that saves its layer under another name, and loads it back from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "saved_at"] = torch.tensor(1.0)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        state_dict.pop(prefix + "saved_at", None)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class _VersionedRoot(_Versioned):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(super().forward(x))
+
+
+class _Holds(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block, self.head = block, nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("make", [_VersionedRoot, lambda: _Holds(_Versioned()), lambda: _Holds(_Renamed())],
+                         ids=["extra-state-root", "extra-state-container", "save-to-state-dict-container"])
+def test_a_module_whose_class_makes_its_own_state_dict_keeps_it(make):
+    """nn.Module.state_dict asks the class for get_extra_state and _save_to_state_dict: the modules fx rebuilds
+    (the root, the containers it runs through) lost them, and the key ``block._extra_state`` with them."""
+    torch.manual_seed(0)
+    model = make().eval()
+    opt = cf.optimize(model)
+    assert any("state_dict would change" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    assert opt.cudnn_fuse_summary.replaced or make is _VersionedRoot  # the other children are rewritten
+    _same_state_dict(opt, model)
+    versioned = opt if make is _VersionedRoot else opt.block
+    if hasattr(versioned, "version"):
+        model.load_state_dict({**model.state_dict(), **{k: {"version": 7} for k in model.state_dict()
+                                                        if k.endswith("_extra_state")}})
+        opt.load_state_dict(model.state_dict(), strict=True)
+        assert versioned.version == 7
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class _FrozenNorm(nn.BatchNorm2d):
+    """A norm of another library built on torch's BatchNorm2d (timm's BatchNormAct2d): it inherits torch's
+    _load_from_state_dict, which reads older torch versions' checkpoints only."""
+
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+class _OwnLoad(nn.Module):
+    """torchvision's FrozenBatchNorm2d: a module without children that loads its state_dict its own way."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4, 1, 1))
+
+    def forward(self, x):
+        return x * self.scale
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        state_dict.pop(prefix + "num_batches_tracked", None)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+@pytest.mark.parametrize("norm", [_FrozenNorm, _OwnLoad], ids=["inherits-torchs", "no-children"])
+def test_a_norm_with_torchs_or_its_own_state_dict_loading_still_lets_its_parent_trace_whole(norm):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), norm(4) if norm is _FrozenNorm else norm(), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()).eval()
+    opt = cf.optimize(model)
+    assert not opt.cudnn_fuse_summary.left_alone and opt.cudnn_fuse_summary.replaced
+    if norm is _OwnLoad:
+        assert opt[1] is not model[1] and type(opt[1]) is _OwnLoad  # kept as itself
+    _same_state_dict(opt, model)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class _Transposed(nn.Module):
+    """Saved its layer's weight transposed before its version 2 (torchvision's MLPBlock renames its old keys so):
+    its _load_from_state_dict converts by the version a checkpoint was saved with."""
+
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if local_metadata.get("version", 1) < 2 and prefix + "fc.weight" in state_dict:
+            state_dict[prefix + "fc.weight"] = state_dict[prefix + "fc.weight"].t()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["root", "container"])
+def test_a_class_that_reads_its_older_checkpoints_still_does_when_traced_whole(nested):
+    """The module fx rebuilt saved version 1 (nn.Module's) in the state_dict's metadata, so that the original
+    converted the optimized model's checkpoint as an old one, and did not convert an old one itself."""
+    torch.manual_seed(0)
+    model = (_Holds(_Transposed()) if nested else _Transposed()).eval()
+    opt = cf.optimize(model)
+    assert opt.cudnn_fuse_summary.replaced and not opt.cudnn_fuse_summary.left_alone  # still traced whole
+    path, key = ("block", "block.fc.weight") if nested else ("", "fc.weight")
+    want = model.state_dict()[key].clone()
+    for m in (opt, _copied(opt, "deepcopy"), _copied(opt, "save-load")):
+        saved = m.state_dict()
+        assert saved._metadata[path]["version"] == 2
+        model.load_state_dict(saved, strict=True)
+        torch.testing.assert_close(model.state_dict()[key], want)  # not converted as an old checkpoint
+        old = model.state_dict()
+        old[key] = old[key].t().contiguous()
+        old._metadata[path]["version"] = 1
+        m.load_state_dict(old, strict=True)
+        torch.testing.assert_close(m.state_dict()[key], want)
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), model(x))
