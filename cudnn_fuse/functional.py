@@ -327,20 +327,7 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
     if out_dtype not in _SCALED_OUT:
         raise ArgumentError(f"{op}: out_dtype must be one of {', '.join(str(d) for d in _SCALED_OUT)}, "
                             f"got out_dtype={out_dtype!r}")
-    rowwise = {"scale_a": (M, 1), "scale_b": (1, N)}
-    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if t.dtype != torch.float32:
-            raise ArgumentError(f"{op}: {name} must be float32, got {name}.dtype={t.dtype}")
-        if t.numel() != 1 and not (tuple(t.shape) == rowwise[name] and a.dim() == b.dim() == 2
-                                   and out_dtype == torch.bfloat16):
-            raise ArgumentError(f"{op}: {name} must have one element, or be rowwise {rowwise[name]} with 2-D "
-                                f"operands and a bfloat16 output, got {name}.shape={tuple(t.shape)}")
-    if scale_result is not None:
-        if out_dtype not in _FP8:
-            raise ArgumentError(f"{op}: scale_result applies to an FP8 output only, got out_dtype={out_dtype}")
-        if scale_result.dtype != torch.float32 or scale_result.numel() != 1:
-            raise ArgumentError(f"{op}: scale_result must be a float32 tensor of one element, got "
-                                f"dtype={scale_result.dtype}, shape={tuple(scale_result.shape)}")
+    _check_scales(op, a, b, scale_a, scale_b, scale_result, out_dtype)
     if bias is not None and tuple(bias.shape) != (N,):
         raise ArgumentError(f"{op}: bias must have shape ({N},), got bias.shape={tuple(bias.shape)}")
     try:
@@ -377,6 +364,25 @@ def scaled_mm(a, b, scale_a, scale_b, bias=None, activation=None, residual=None,
                    return_amax, negative_slope)
     out = out.reshape(out_shape)
     return (out, am) if return_amax else out
+
+
+def _check_scales(op, a, b, scale_a, scale_b, scale_result, out_dtype) -> None:
+    """scale_a and scale_b: float32, one element or rowwise ((M, 1), (1, N)) with 2-D operands and a bfloat16
+    output, as torch's; scale_result: one float32 element, for an FP8 output only."""
+    rowwise = {"scale_a": (a.shape[-2], 1), "scale_b": (1, b.shape[-1])}
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != torch.float32:
+            raise ArgumentError(f"{op}: {name} must be float32, got {name}.dtype={t.dtype}")
+        if t.numel() != 1 and not (tuple(t.shape) == rowwise[name] and a.dim() == b.dim() == 2
+                                   and out_dtype == torch.bfloat16):
+            raise ArgumentError(f"{op}: {name} must have one element, or be rowwise {rowwise[name]} with 2-D "
+                                f"operands and a bfloat16 output, got {name}.shape={tuple(t.shape)}")
+    if scale_result is not None:
+        if out_dtype not in _FP8:
+            raise ArgumentError(f"{op}: scale_result applies to an FP8 output only, got out_dtype={out_dtype}")
+        if scale_result.dtype != torch.float32 or scale_result.numel() != 1:
+            raise ArgumentError(f"{op}: scale_result must be a float32 tensor of one element, got "
+                                f"dtype={scale_result.dtype}, shape={tuple(scale_result.shape)}")
 
 
 def _scaled_mm_bf16(a, b, scale_a, scale_b, bias, activation, residual, out_dtype, scale_result, return_amax,
