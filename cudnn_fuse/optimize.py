@@ -249,9 +249,9 @@ class _Tracer(fx.Tracer):
         """fx's trace, refusing (_NotOneGraph) a forward that calls one of ``_REFUSED`` (it checkpoints, or
         reads torch's global state, or asks the type of a traced value). Where the forwards find them (the
         modules torch and torch.utils.checkpoint, any name their modules' globals bound one to, and the
-        builtins' ``isinstance``), each raises while tracing, and is put back however the trace ends. Only this thread's calls raise: another thread's (a
-        model served meanwhile entering ``torch.no_grad()``) reach the function itself; traces take turns
-        (_TRACING), so that none puts back another's stand-ins."""
+        builtins' ``isinstance``), each raises while tracing, and is put back however the trace ends. Only this
+        thread's calls raise: another thread's (a model served meanwhile entering ``torch.no_grad()``) reach the
+        function itself; traces take turns (_TRACING), so that none puts back another's stand-ins."""
         me = threading.get_ident()
 
         def refuser(why, fn):
@@ -418,8 +418,6 @@ def _trace(module) -> fx.GraphModule:
     is refused before tracing (_kept_whole): its object stays and its children are rewritten."""
     norms = frozenset(id(m) for m in module.modules() if m is not module and _rms_norm_eps(m) is not None)
     why = _kept_whole(module, _Tracer(norms))
-    if why is None:
-        why = _overrides_traced_through(module, _Tracer(norms))
     if why is not None:
         raise _NotOneGraph(why)
     snapshot = _Snapshot(module)
@@ -528,10 +526,10 @@ def _put_back(value, items: list) -> bool:
     value.clear()
     if isinstance(value, dict):
         value.update(zip(items[::2], items[1::2]))
-    elif isinstance(value, list):
+    elif isinstance(value, set):
+        value.update(items)
+    else:  # a list, a deque
         value.extend(items)
-    else:
-        value.update(items) if isinstance(value, set) else value.extend(items)
     return True
 
 
@@ -553,6 +551,12 @@ def _buffers_out_of_state(module, gm) -> None:
     _carried(gm, {"_non_persistent_buffers_set": gm._non_persistent_buffers_set})
 
 
+# Methods a class may override that a traced model would lose: ``train``/``eval`` (a detector's frozen
+# BatchNorms, mmdet's ``norm_eval``) of the model or of a container the trace runs through, which become
+# the GraphModule's and bare modules' own; ``__call__`` of the model, which fx bypasses to call its forward.
+_KEPT_METHODS = ("train", "eval")
+
+
 def _kept_whole(module, tracer):
     """Why ``module`` must not be traced whole, else None: it, or a submodule the tracer runs through (no
     leaf), has hooks, or a class that saves its state_dict its own way (``get_extra_state``, an override of
@@ -561,8 +565,15 @@ def _kept_whole(module, tracer):
     their class's state_dict methods: the state_dict lost their keys (``block._extra_state``), and a checkpoint
     of the original no longer loaded strictly. Such a submodule without children is no reason: the tracer keeps
     it a call, itself. A class's own ``_load_from_state_dict`` is none either: the rebuilt module runs it
-    (``_load_as_class``)."""
+    (``_load_as_class``). Nor may a class override one of _KEPT_METHODS, or the model ``__call__``."""
+    overrides = None  # said where nothing else is: hooks and state_dict methods name more
+    if type(module).__call__ is not nn.Module.__call__:
+        overrides = f"its class {type(module).__name__} overrides __call__, which its traced graph would not run"
     for path, m in _traced_through(module, tracer):
+        overridden = [n for n in _KEPT_METHODS if getattr(type(m), n) is not getattr(nn.Module, n)]
+        if overridden and overrides is None:
+            where = f"its submodule {path} ({type(m).__name__})" if path else f"its class {type(m).__name__}"
+            overrides = f"{where} overrides {overridden[0]}(), which the traced model would not call"
         if _has_hooks(m):
             names = _hook_names(m)
             return (f"it has hooks ({names}), which its traced graph would not keep" if not path else
@@ -574,7 +585,7 @@ def _kept_whole(module, tracer):
                     "state_dict would change)" if not path else f"its submodule {path} ({type(m).__name__}), which a "
                     f"trace runs through, defines {own}, which the traced graph would not keep (the state_dict "
                     "would change)")
-    return None
+    return overrides
 
 
 def _traced_through(module, tracer):
@@ -588,31 +599,6 @@ def _traced_through(module, tracer):
             q = f"{path}.{name}" if path else name
             if type(child).forward is nn.Module.forward or not tracer.is_leaf_module(child, q):
                 stack.append((q, child))
-
-
-# Methods a class may override that a traced model would lose: ``train``/``eval`` (a detector's frozen
-# BatchNorms, mmdet's ``norm_eval``) of the model or of a container the trace runs through, which become
-# the GraphModule's and bare modules' own; ``__call__`` of the model, which fx bypasses to call its forward.
-_KEPT_METHODS = ("train", "eval")
-
-
-def _overrides_traced_through(module, tracer):
-    """Why ``module`` is not traced whole because its class, or that of a submodule the trace runs through,
-    overrides one of _KEPT_METHODS (or the model's ``__call__``); None where none does."""
-    if type(module).__call__ is not nn.Module.__call__:
-        return f"its class {type(module).__name__} overrides __call__, which its traced graph would not run"
-    stack = [("", module)]
-    while stack:
-        path, m = stack.pop()
-        for name in _KEPT_METHODS:
-            if getattr(type(m), name) is not getattr(nn.Module, name):
-                where = f"its submodule {path} ({type(m).__name__})" if path else f"its class {type(m).__name__}"
-                return f"{where} overrides {name}(), which the traced model would not call"
-        for name, child in m.named_children():
-            q = f"{path}.{name}" if path else name
-            if type(child).forward is nn.Module.forward or not tracer.is_leaf_module(child, q):
-                stack.append((q, child))
-    return None
 
 
 # nn.Module's methods that make and load a module's state_dict entries; a class's own overrides of them are not
@@ -739,7 +725,8 @@ def _reorder(root: nn.Module, order: dict) -> None:
             if list(held) == keys[:len(held)]:
                 continue
             first = [k for k in keys if k in held]
-            items = [(k, held[k]) for k in first] + [(k, v) for k, v in held.items() if k not in set(first)]
+            known = set(first)
+            items = [(k, held[k]) for k in first] + [(k, v) for k, v in held.items() if k not in known]
             held.clear()
             held.update(items)
 
@@ -1434,10 +1421,12 @@ class _Layers:
     def __delitem__(self, i) -> None:
         layers, keys = self._layers(), self.__dict__.get("container_keys", list(self._modules))
         gone = keys[i] if isinstance(i, slice) else [keys[i]]
+        if not gone:
+            return
         for k in gone:
             del self._modules[k]
         keys[:] = [k for k in keys if k not in gone]
-        _untrace(self, gone[0] if gone else "[]", layers[i], replaced=True)
+        _untrace(self, gone[0], layers[i], replaced=True)
 
     def __len__(self) -> int:
         return len(self._layers())
