@@ -165,8 +165,8 @@ def _global_state(what: str) -> str:
     return f"its forward reads {what}, which one traced graph would fix at its value at optimize() time"
 
 
-_TYPE_ASKED = ("its forward asks the type of a traced value (isinstance, torch.is_tensor), which one traced graph "
-               "would fix")
+_TYPE_ASKED = ("its forward asks the type of a traced value (isinstance, type, torch.is_tensor), which one traced "
+               "graph would fix")
 
 
 # Functions a forward must not call while it is traced, with why, by the module where forwards find them.
@@ -261,21 +261,46 @@ class _Tracer(fx.Tracer):
                 if threading.get_ident() == me and (not on_proxy or (args and _holds_proxy(args[0])
                                                                      and _asked_by_the_model())):
                     raise _NotOneGraph(why)
+                if fn is _ISINSTANCE and len(args) == 2 and not kwargs:  # ``isinstance(c, type)`` in a model's module
+                    return fn(args[0], _unrefused(args[1]))
                 return fn(*args, **kwargs)
             return refuse
+
+        def type_refuser(*args, **kwargs):
+            """``type`` in the globals of a forward's own module: ``type(x)`` of a traced value is fx's Proxy."""
+            if len(args) == 1 and not kwargs and threading.get_ident() == me and _holds_proxy(args[0]):
+                raise _NotOneGraph(_TYPE_ASKED)
+            return builtins.type(*args, **kwargs)
+
+        def _unrefused(classes):
+            if classes is type_refuser:
+                return builtins.type
+            if _ISINSTANCE(classes, tuple):
+                return tuple(_unrefused(c) for c in classes)
+            return classes
 
         with _TRACING:
             forwards = [getattr(type(m).forward, "__globals__", {}) for m in root.modules()]
             spaces = {id(d): d for d in [vars(space) for space in _REFUSED_IN] + forwards}
             saved = [(space, name, value) for space in spaces.values() for name, value in list(space.items())
                      if _refused(value) is not None]
+            typed = []
             try:
                 for space, name, fn in saved:
                     space[name] = refuser(_refused(fn), fn)
                 builtins.isinstance = refuser(_TYPE_ASKED, _ISINSTANCE)  # found there by every module's code
+                # ``type`` cannot be swapped in the builtins (every class test in the process would see a function):
+                # a global of that name shadows it for the model's own modules' code only
+                typed += [space for space in spaces.values() if "type" not in space
+                          and (space.get("__name__") or "").partition(".")[0] not in _TRACING_CODE]
+                for space in typed:
+                    space["type"] = type_refuser
                 return super().trace(root, concrete_args)
             finally:
                 builtins.isinstance = _ISINSTANCE
+                for space in typed:
+                    if space.get("type") is type_refuser:
+                        del space["type"]
                 for space, name, fn in saved:
                     space[name] = fn
 

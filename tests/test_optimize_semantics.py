@@ -1132,6 +1132,30 @@ class _TensorOrNumber(nn.Module):
         return F.relu(self.l(x) + bias)
 
 
+class _TypeOfInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, bias):
+        bias = bias if type(bias) is torch.Tensor else torch.full_like(x, bias)
+        return F.relu(self.l(x) + bias)
+
+
+class _TypeOfSelf(nn.Module):
+    """type() of the module itself and the builtin ``type`` as a class: no traced value asked, one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.act = nn.Linear(8, 8), nn.ReLU()
+
+    def forward(self, x):
+        y = self.l(x)
+        if type(self).__name__ == "_TypeOfSelf" and isinstance(type(self), type) and isinstance(3, (type, int)):
+            y = self.act(y)
+        return y
+
+
 class _AsksOfAModule(nn.Module):
     """isinstance of a module, no traced value: one graph answers for every input."""
 
@@ -1147,7 +1171,8 @@ class _AsksOfAModule(nn.Module):
 @pytest.mark.parametrize("make,calls", [
     (_ListOrTensor, [([torch.randn(1, 3, 5, 5), torch.randn(1, 3, 5, 5)],), (torch.randn(2, 3, 5, 5),)]),
     (_TensorOrNumber, [(torch.randn(3, 8), torch.randn(3, 8)), (torch.randn(3, 8), 0.5)]),
-], ids=["isinstance", "is_tensor"])
+    (_TypeOfInput, [(torch.randn(3, 8), torch.randn(3, 8)), (torch.randn(3, 8), 0.5)]),
+], ids=["isinstance", "is_tensor", "type"])
 def test_a_forward_that_asks_the_type_of_its_input_answers_every_input_the_original_takes(make, calls):
     torch.manual_seed(0)
     model = make().eval()
@@ -1155,12 +1180,13 @@ def test_a_forward_that_asks_the_type_of_its_input_answers_every_input_the_origi
     assert any("type of a traced value" in why for _, why in opt.cudnn_fuse_summary.left_alone)
     for args in calls:
         torch.testing.assert_close(opt(*args), model(*args))
-    assert "isinstance" not in globals() and torch.is_tensor.__module__ == "torch"  # both put back
+    assert "isinstance" not in globals() and "type" not in globals() and torch.is_tensor.__module__ == "torch"
 
 
-def test_isinstance_of_a_module_or_a_constant_still_traces_whole():
+@pytest.mark.parametrize("make", [_AsksOfAModule, _TypeOfSelf])
+def test_isinstance_of_a_module_or_a_constant_still_traces_whole(make):
     torch.manual_seed(0)
-    model = _AsksOfAModule().eval()
+    model = make().eval()
     opt = cf.optimize(model)
     assert not any("type of a traced value" in why for _, why in opt.cudnn_fuse_summary.left_alone)
     x = torch.randn(3, 8)
