@@ -44,7 +44,8 @@ MAX_SEQ = 2048
 STEADY_REPS = 5
 LATER_CALLS = 6  # calls after the first, timed one by one: cf's stand-ins swap their plans in among them
 SWAP_CALLS = 16  # calls timed one by one once the build process has answered: the paced swaps fall in them
-SWEEP_UP_PASSES = 4  # passes over every size after those, until no stand-in is left
+SWEEP_UP_S = 60.0  # passes over every size after those while stand-ins are left, for at most this long,
+STALLED_PASSES = 3  # or until this many passes in a row swapped nothing
 PROFILED_SIZES = 2  # new sizes whose first call is profiled after the sweep (cf, and eager's floor)
 # eager_no_cudnn_sdpa: eager with torch's SDPA off its cuDNN backend (which builds a graph per shape), the
 # kernels cf's stand-ins run: what a new size costs torch itself (allocator, cuBLAS), cf's floor.
@@ -164,8 +165,10 @@ def settled(fn, make, sizes, wait_s: float = 300.0, also=()) -> dict:
     """cf after the sweep: once the build process has answered every request (waited for, up to ``wait_s``),
     per size the calls that swap its plans in (paced: one load a call at most, ``SWAP_CALLS`` calls timed
     one by one), the slowest of them and the swaps they made. A load that takes long paces the next ones
-    out past later sizes' calls, so every size is then called again, up to SWEEP_UP_PASSES times, until no
-    stand-in is left (``standins_left``: those still serving); then each size's steady ms. ``also``: sizes
+    out past later sizes' calls, and a pass over every size swaps at most about one plan of each size (its
+    calls follow one another within a load's time), so every size is then called again, pass after pass,
+    until no stand-in is left (``standins_left``: those still serving; at most SWEEP_UP_S, and no longer
+    than STALLED_PASSES passes that swap nothing); then each size's steady ms. ``also``: sizes
     the process met outside the sweep (a profiled call), swept up with the others so that their stand-ins
     are not counted as left."""
     from cudnn_fuse import build_process
@@ -186,14 +189,17 @@ def settled(fn, make, sizes, wait_s: float = 300.0, also=()) -> dict:
             out["per_size"].append({"seq": s, "swap_calls_ms": [round(c, 3) for c in calls],
                                     "swaps": cf.plan_stats()["swaps"] - swaps, "swap_ms": round(max(calls), 3)})
         out["standins_after_swap_calls"] = _standins_left()
-        passes = 0
-        while _standins_left() > 0 and passes < SWEEP_UP_PASSES:
+        passes = stalled = 0
+        deadline = time.perf_counter() + SWEEP_UP_S
+        while _standins_left() > 0 and stalled < STALLED_PASSES and time.perf_counter() < deadline:
             passes += 1
+            swaps = cf.plan_stats()["swaps"]
             for s in [*sizes, *also]:
                 x = make(s)
                 for _ in range(4):
                     fn(x)
             torch.cuda.synchronize()
+            stalled = 0 if cf.plan_stats()["swaps"] > swaps else stalled + 1
         out["sweep_up_passes"], out["standins_left"] = passes, _standins_left()
         for row in out["per_size"]:
             x = make(row["seq"])
@@ -206,15 +212,15 @@ def settled(fn, make, sizes, wait_s: float = 300.0, also=()) -> dict:
     return out
 
 
-def static_steady(fn, make, sizes) -> dict:
+def static_steady(fn, make, sizes, sweep_up_passes: int) -> dict:
     """cf in a fresh process whose plan cache holds every size's own plan (stored by the cf variant's
     build process): per size the steady ms of those static plans, loaded on the first calls, with no
     stand-in between (``standins``: any that served all the same). Each size is called as often and in the
-    same order as the cf variant calls it before its settled steady time (the sweep, the swap calls, every
-    sweep-up pass), so that both compare one state of the launch graphs and the allocator."""
+    same order as the cf variant calls it before its settled steady time (the sweep, the swap calls, its
+    ``sweep_up_passes``), so that both compare one state of the launch graphs and the allocator."""
     import cudnn_fuse as cf
 
-    passes = [1 + LATER_CALLS + STEADY_REPS, SWAP_CALLS] + [4] * SWEEP_UP_PASSES
+    passes = [1 + LATER_CALLS + STEADY_REPS, SWAP_CALLS] + [4] * sweep_up_passes
     with torch.no_grad():
         for calls in passes:
             for s in sizes:
@@ -299,13 +305,30 @@ def _beside_build_process(timed) -> dict:
         running = timed()
         os.kill(proc.pid, signal.SIGSTOP)
         try:
+            _await_state(proc.pid, stopped=True)
             time.sleep(0.05)  # what it had queued on the GPU drains
             stopped = timed()
         finally:
             os.kill(proc.pid, signal.SIGCONT)
+        _await_state(proc.pid, stopped=False)
         time.sleep(0.05)  # the continued process is scheduled again before the timing
         again = timed()
     return {"running": round(running, 4), "stopped": round(stopped, 4), "running_again": round(again, 4)}
+
+
+def _await_state(pid: int, stopped: bool, limit_s: float = 2.0) -> None:
+    """Wait until the signal just sent has taken effect (Linux's /proc says the process is stopped, or no
+    longer), at most ``limit_s``; where /proc cannot say, return at once."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return
+        if (state in "Tt") == stopped:
+            return
+        time.sleep(0.005)
 
 
 def pyprofile_first(fn, make, size: int, limit: int = 15) -> dict:
@@ -332,8 +355,9 @@ def pyprofile_first(fn, make, size: int, limit: int = 15) -> dict:
             "by_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:limit]}
 
 
-def child(name: str, variant: str, sizes: list, out: str) -> None:
-    """One variant's sweep in this (fresh) process; writes its result as JSON to ``out``."""
+def child(name: str, variant: str, sizes: list, out: str, sweep_up_passes: int = 0) -> None:
+    """One variant's sweep in this (fresh) process; writes its result as JSON to ``out``. ``sweep_up_passes``:
+    the cf variant's, which the static one calls as often."""
     sys.path.insert(0, os.path.join(ROOT, "plans"))
     import make_manifests
 
@@ -363,7 +387,7 @@ def child(name: str, variant: str, sizes: list, out: str) -> None:
         res["steady_probes"] = steady_probes(fn, make, sizes[:PROBED_SIZES], build_process=True)  # last: it changes the process
     elif variant == "static":
         fn = cf.optimize(model)
-        res.update(static_steady(fn, make, sizes))
+        res.update(static_steady(fn, make, sizes, sweep_up_passes))
         res["steady_pyprofile"] = pyprofile_first(fn, make, sizes[1])  # where its host time goes, against cf's
         res["steady_probes"] = steady_probes(fn, make, sizes[:PROBED_SIZES], build_process=False)
     elif variant == "eager":
@@ -448,7 +472,8 @@ def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS) -> dict
         row["prewarm_s"] = round(time.perf_counter() - t0, 2)
         for variant in variants:
             out = os.path.join(tmp, f"{variant}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, variant, json.dumps(sizes), out]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, variant, json.dumps(sizes), out,
+                   str((row.get("cf", {}).get("settled") or {}).get("sweep_up_passes", 0))]
             try:
                 done = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
                 if done.returncode != 0:
@@ -520,7 +545,7 @@ def plot(path: str) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        child(argv[1], argv[2], json.loads(argv[3]), argv[4])
+        child(argv[1], argv[2], json.loads(argv[3]), argv[4], int(argv[5]) if len(argv) > 5 else 0)
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="directory of dynamic_shapes.json (model rows of the "

@@ -106,7 +106,33 @@ def test_dynamic_shapes_sweep_up_is_bounded_and_says_what_is_left(monkeypatch):
     monkeypatch.setattr(loader.STATS, "standins", 2)  # never swapped
     monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 1.0)
     got = dynamic_shapes.settled(lambda x: None, lambda s: s, [8, 16])
-    assert got["sweep_up_passes"] == dynamic_shapes.SWEEP_UP_PASSES and got["standins_left"] == 2
+    assert got["sweep_up_passes"] == dynamic_shapes.STALLED_PASSES and got["standins_left"] == 2
+    monkeypatch.setattr(dynamic_shapes, "SWEEP_UP_S", 0.0)  # and in time
+    got = dynamic_shapes.settled(lambda x: None, lambda s: s, [8, 16])
+    assert got["sweep_up_passes"] == 0 and got["standins_left"] == 2
+
+
+def test_dynamic_shapes_sweep_up_goes_on_while_its_passes_swap(monkeypatch):
+    """Paced loads swap about one plan of a size a pass (its calls follow one another within a load's time): a
+    block whose size kept six stand-ins needs six passes, some of them swapping nothing between."""
+    from cudnn_fuse import build_process, loader
+
+    monkeypatch.setattr(build_process, "default", lambda: None)
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(loader.STATS, "swaps", 0)
+    monkeypatch.setattr(loader.STATS, "standins", 6)
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 1.0)
+    n = dynamic_shapes.SWAP_CALLS
+    calls = []
+
+    def fn(x):  # the first call of every pass but the third swaps one
+        calls.append(x)
+        k = len(calls) - n - 1
+        if k >= 0 and k % 4 == 0 and k // 4 != 2:
+            loader.STATS.swaps += 1
+
+    got = dynamic_shapes.settled(fn, lambda s: s, [64])
+    assert got["standins_after_swap_calls"] == 6 and got["sweep_up_passes"] == 7 and got["standins_left"] == 0
 
 
 def test_dynamic_shapes_sweeps_up_the_sizes_met_outside_the_sweep_too(monkeypatch):
@@ -154,11 +180,11 @@ def test_dynamic_shapes_static_variant_calls_each_size_as_the_cf_variant_does_be
     monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
     seen = []
     monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 2.5)
-    got = dynamic_shapes.static_steady(seen.append, lambda s: s * 10, [1, 2])
+    got = dynamic_shapes.static_steady(seen.append, lambda s: s * 10, [1, 2], 3)
     assert [(r["seq"], r["steady_ms"]) for r in got["per_size"]] == [(1, 2.5), (2, 2.5)] and got["standins"] == 0
     d = dynamic_shapes
     # the cf variant: the sweep (first, later, steady), the swap calls, every sweep-up pass, then its timing
-    passes = [1 + d.LATER_CALLS + d.STEADY_REPS, d.SWAP_CALLS] + [4] * d.SWEEP_UP_PASSES + [1 + d.STEADY_REPS]
+    passes = [1 + d.LATER_CALLS + d.STEADY_REPS, d.SWAP_CALLS] + [4] * 3 + [1 + d.STEADY_REPS]
     assert seen == [x for n in passes for x in [10] * n + [20] * n]
     assert got["calls_before_steady"] == sum(passes[:-1])
 
@@ -465,3 +491,29 @@ def test_dynamic_shapes_merges_the_rows_of_the_same_run_and_replaces_another_run
         assert dynamic_shapes.merged_with(str(path), {**run, key: other, "models": []})["models"] == []
     path.write_text("{not json")
     assert dynamic_shapes.merged_with(str(path), {**run, "models": []})["models"] == []
+
+
+def test_dynamic_shapes_static_process_calls_as_many_sweep_up_passes_as_the_cf_one_made(monkeypatch):
+    import types
+
+    cmds = []
+
+    def run(cmd, **kwargs):
+        cmds.append(cmd)
+        if "--child" in cmd:
+            variant, out = cmd[cmd.index("--child") + 2], cmd[cmd.index("--child") + 4]
+            steady = [{"seq": 8, "steady_ms": 1.0, "hits_per_call": 0.0}]
+            res = {"per_size": steady} if variant == "static" else {
+                "first_call_extra_ms_median": 1.0, "first_call_extra_ms_p95": 2.0,
+                "per_size": [{"seq": 8, "steady_ms": 2.0}],
+                "settled": {"sweep_up_passes": 5, "standins_left": 0, "per_size": steady}}
+            with open(out, "w") as f:
+                json.dump(res, f)
+        return types.SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(dynamic_shapes.subprocess, "run", run)
+    row = dynamic_shapes.run_model("gpt2", [8], 10.0, variants=("cf", "static"))
+    children = [c for c in cmds if "--child" in c]
+    assert [c[c.index("--child") + 2] for c in children] == ["cf", "static"]
+    assert children[0][-1] == "0" and children[1][-1] == "5"  # static: the passes cf made
+    assert row["swapped_all"] is True and row["steady_vs_static"] == 1.0
