@@ -6,8 +6,9 @@ holds the block's shipped manifest (its families, pre-warmed at 128, 512, 1024 a
 the drawn sizes, and the sweep runs in a fresh process. Per size: the first call's time minus the
 steady-state time at that size (``extra``), for cf, torch eager and ``torch.compile(dynamic=True)``
 (whose compile and recompiles are counted). For cf, once the build process has stored every plan asked of
-it: per size the calls that swap them in (the slowest counts) and the steady time on them, against a fresh
-process running those stored plans from its first call (``steady_vs_static``), with the way their steady
+it: per size the calls that swap them in (the slowest counts) and the steady time on them, against fresh
+processes running those stored plans from their first call (``steady_vs_static``; ``--static-runs`` of them,
+each size's median, with their spread ``static_process_spread``), with the way their steady
 calls went (``steady_paths``: plan lookups, launch-graph replays and captures a call) and a cProfile of one
 (``steady_pyprofile``). For cf and for
 eager with torch's SDPA off its cuDNN backend, a torch.profiler record of the first call at two more new
@@ -459,7 +460,38 @@ def merged_with(path: str, doc: dict) -> dict:
     return {**doc, "models": rows}
 
 
-def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS) -> dict:
+def _child_run(name: str, variant: str, sizes: list, out: str, env: dict, timeout: float, passes: int) -> dict:
+    """One variant's process (``child``): its result, or {"error": why}."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, variant, json.dumps(sizes), out, str(passes)]
+    try:
+        done = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if done.returncode != 0:
+        return {"error": done.stderr[-500:]}
+    with open(out) as f:
+        return json.load(f)
+
+
+def combined_static(runs: list) -> dict:
+    """Several static processes as one: the first's result with each size's steady ms the median over the
+    processes, and each process's median over the sizes (``process_steady_median_ms``): how far a fresh
+    process's steady time moves from one process to the next, which one cf process is compared within."""
+    ok = [r for r in runs if "error" not in r and r.get("per_size")]
+    if not ok:
+        return runs[0]
+    by_seq = {}
+    for r in ok:
+        for row in r["per_size"]:
+            by_seq.setdefault(row["seq"], []).append(row["steady_ms"])
+    out = dict(ok[0])
+    out["per_size"] = [{**row, "steady_ms": round(statistics.median(by_seq[row["seq"]]), 4)} for row in ok[0]["per_size"]]
+    out["process_steady_median_ms"] = [round(statistics.median(x["steady_ms"] for x in r["per_size"]), 4) for r in ok]
+    out["processes"], out["failed_processes"] = len(ok), len(runs) - len(ok)
+    return out
+
+
+def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS, static_runs: int = 1) -> dict:
     from cudnn_fuse import loader
 
     row = {"name": name, "sizes": len(sizes), "batch": MODELS[name][2], "width": MODELS[name][3]}
@@ -471,22 +503,16 @@ def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS) -> dict
                        stdout=subprocess.DEVNULL, timeout=timeout)
         row["prewarm_s"] = round(time.perf_counter() - t0, 2)
         for variant in variants:
-            out = os.path.join(tmp, f"{variant}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", name, variant, json.dumps(sizes), out,
-                   str((row.get("cf", {}).get("settled") or {}).get("sweep_up_passes", 0))]
-            try:
-                done = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
-                if done.returncode != 0:
-                    row[variant] = {"error": done.stderr[-500:]}
-                    continue
-                row[variant] = json.load(open(out))
-            except subprocess.TimeoutExpired:
-                row[variant] = {"error": f"timed out after {timeout} s"}
+            passes = (row.get("cf", {}).get("settled") or {}).get("sweep_up_passes", 0)
+            runs = [_child_run(name, variant, sizes, os.path.join(tmp, f"{variant}.json"), env, timeout, passes)
+                    for _ in range(static_runs if variant == "static" else 1)]
+            v = row[variant] = runs[0] if len(runs) == 1 else combined_static(runs)
+            if "error" in v:
                 continue
-            v = row[variant]
             if variant == "static":
                 print(f"  {name:6s} {variant:16s} steady median "
-                      f"{statistics.median(r['steady_ms'] for r in v['per_size']):8.3f} ms", flush=True)
+                      f"{statistics.median(r['steady_ms'] for r in v['per_size']):8.3f} ms  "
+                      f"(per process: {v.get('process_steady_median_ms')})", flush=True)
             else:
                 print(f"  {name:6s} {variant:16s} extra median {v['first_call_extra_ms_median']:8.2f} ms  "
                       f"p95 {v['first_call_extra_ms_p95']:8.2f} ms", flush=True)
@@ -497,6 +523,9 @@ def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS) -> dict
     after = cf_row.get("settled") or {}
     row["swapped_all"] = after.get("standins_left") == 0 if "standins_left" in after else None
     row["steady_vs_static"] = steady_vs_static(after, row.get("static", {}))
+    procs = row.get("static", {}).get("process_steady_median_ms")
+    if procs and min(procs) > 0:  # the static processes' own spread: how far apart two fresh processes read
+        row["static_process_spread"] = round(max(procs) / min(procs), 4)
     row["steady_paths"] = {variant: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith("_per_call")}
                            for variant, rows in (("cf", after.get("per_size")), ("static", row.get("static", {}).get(
                                "per_size"))) if rows and "hits_per_call" in rows[0]}
@@ -555,6 +584,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated among {', '.join(VARIANTS)} (static runs on the plans cf stored)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per variant's process")
+    p.add_argument("--static-runs", type=int, default=3, help="fresh static processes, each size's steady ms the "
+                   "median over them (a process's steady time moves from one process to the next)")
     p.add_argument("--cpus", default="auto", help="cores every process of the run is pinned to (4-7, 0,2,4 or "
                    f"none; auto: {DEFAULT_CPUS[0]}-{DEFAULT_CPUS[-1]} where the machine has them)")
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
@@ -571,6 +602,8 @@ def main(argv=None) -> int:
         p.error("--variants: static runs on the plans the cf variant stored; name cf too")
     if args.sizes < 1:
         p.error(f"--sizes must be at least 1, got {args.sizes}")
+    if args.static_runs < 1:
+        p.error(f"--static-runs must be at least 1, got {args.static_runs}")
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     try:
         cpus = pinned_cpus(args.cpus, allowed)
@@ -593,7 +626,7 @@ def main(argv=None) -> int:
     doc = merged_with(path, doc)
     sizes = draw_sizes(args.sizes)
     for name in args.models.split(","):
-        row = run_model(name, sizes, args.timeout, variants)
+        row = run_model(name, sizes, args.timeout, variants, args.static_runs)
         doc["models"] = [m for m in doc["models"] if m.get("name") != name] + [row]
         os.makedirs(args.out, exist_ok=True)
         write_json(path, doc)

@@ -272,6 +272,7 @@ def test_models_names_an_unknown_option_value(option, value, capsys):
 
 @pytest.mark.parametrize("script,args,named", [
     ("dynamic_shapes", ["--models", "gpt3"], "--models"), ("dynamic_shapes", ["--sizes", "0"], "--sizes"),
+    ("dynamic_shapes", ["--static-runs", "0"], "--static-runs"),
     ("fp8", ["--shapes", "4096x4096"], "--shapes"), ("fp8", ["--seqs", "1,x"], "--seqs"),
     ("fp8", ["--training", "nope"], "--training")])
 def test_bench_scripts_name_a_bad_option(script, args, named, capsys):
@@ -497,13 +498,14 @@ def test_dynamic_shapes_static_process_calls_as_many_sweep_up_passes_as_the_cf_o
     import types
 
     cmds = []
+    static_ms = iter([0.8, 1.4, 1.0])  # three static processes, each its own steady time
 
     def run(cmd, **kwargs):
         cmds.append(cmd)
         if "--child" in cmd:
             variant, out = cmd[cmd.index("--child") + 2], cmd[cmd.index("--child") + 4]
             steady = [{"seq": 8, "steady_ms": 1.0, "hits_per_call": 0.0}]
-            res = {"per_size": steady} if variant == "static" else {
+            res = {"per_size": [{**steady[0], "steady_ms": next(static_ms)}]} if variant == "static" else {
                 "first_call_extra_ms_median": 1.0, "first_call_extra_ms_p95": 2.0,
                 "per_size": [{"seq": 8, "steady_ms": 2.0}],
                 "settled": {"sweep_up_passes": 5, "standins_left": 0, "per_size": steady}}
@@ -512,8 +514,19 @@ def test_dynamic_shapes_static_process_calls_as_many_sweep_up_passes_as_the_cf_o
         return types.SimpleNamespace(returncode=0, stderr="")
 
     monkeypatch.setattr(dynamic_shapes.subprocess, "run", run)
-    row = dynamic_shapes.run_model("gpt2", [8], 10.0, variants=("cf", "static"))
+    row = dynamic_shapes.run_model("gpt2", [8], 10.0, variants=("cf", "static"), static_runs=3)
     children = [c for c in cmds if "--child" in c]
-    assert [c[c.index("--child") + 2] for c in children] == ["cf", "static"]
-    assert children[0][-1] == "0" and children[1][-1] == "5"  # static: the passes cf made
-    assert row["swapped_all"] is True and row["steady_vs_static"] == 1.0
+    assert [c[c.index("--child") + 2] for c in children] == ["cf", "static", "static", "static"]
+    assert children[0][-1] == "0" and all(c[-1] == "5" for c in children[1:])  # static: the passes cf made
+    assert row["swapped_all"] is True and row["steady_vs_static"] == 1.0  # the median of the three processes
+    assert row["static"]["process_steady_median_ms"] == [0.8, 1.4, 1.0] and row["static_process_spread"] == 1.75
+
+
+def test_dynamic_shapes_static_processes_combine_per_size_and_a_failed_one_is_counted():
+    runs = [{"per_size": [{"seq": 1, "steady_ms": 1.0}, {"seq": 2, "steady_ms": 4.0}], "standins": 0},
+            {"error": "timed out after 600 s"},
+            {"per_size": [{"seq": 1, "steady_ms": 3.0}, {"seq": 2, "steady_ms": 2.0}], "standins": 0}]
+    got = dynamic_shapes.combined_static(runs)
+    assert [(r["seq"], r["steady_ms"]) for r in got["per_size"]] == [(1, 2.0), (2, 3.0)]
+    assert got["process_steady_median_ms"] == [2.5, 2.5] and got["processes"] == 2 and got["failed_processes"] == 1
+    assert dynamic_shapes.combined_static([{"error": "x"}, {"error": "y"}]) == {"error": "x"}
