@@ -8,7 +8,8 @@ steady-state time at that size (``extra``), for cf, torch eager and ``torch.comp
 (whose compile and recompiles are counted). For cf, once the build process has stored every plan asked of
 it: per size the calls that swap them in (the slowest counts) and the steady time on them, against fresh
 processes running those stored plans from their first call (``steady_vs_static``; ``--static-runs`` of them,
-each size's median, with their spread ``static_process_spread``), with the way their steady
+each size's median, with their spread ``static_process_spread``) and against the same plans dropped and
+reloaded in cf's own process (``steady_vs_reloaded``), with the way their steady
 calls went (``steady_paths``: plan lookups, launch-graph replays and captures a call) and a cProfile of one
 (``steady_pyprofile``). For cf and for
 eager with torch's SDPA off its cuDNN backend, a torch.profiler record of the first call at two more new
@@ -238,6 +239,22 @@ def static_steady(fn, make, sizes, sweep_up_passes: int) -> dict:
             "calls_before_steady": sum(passes), "plan_stats": cf.plan_stats()}
 
 
+def reloaded_steady(fn, make, sizes, sweep_up_passes: int) -> dict:
+    """cf's own process once its steady times are taken: every plan dropped (the ops' memo, the plan LRU and
+    their launch graphs) and loaded again from the plan cache, each size called as the static process calls
+    it (``static_steady``): the static plans' steady ms in the process cf was timed in, free of the spread
+    between fresh processes (``standins``: any that served all the same, none expected)."""
+    import cudnn_fuse as cf
+    from cudnn_fuse import loader
+
+    torch.cuda.synchronize()
+    loader.clear()
+    before = cf.plan_stats()["standins"]
+    out = static_steady(fn, make, sizes, sweep_up_passes)
+    out["standins"] = out["standins"] - before
+    return out
+
+
 def profile_first(fn, make, sizes: list, seen: int, limit: int = 12) -> list:
     """torch.profiler over the first call at each of ``sizes`` (new to the process): per size its wall ms
     (the profiler's overhead included), the host ops taking most self time and the kernels taking most
@@ -385,6 +402,7 @@ def child(name: str, variant: str, sizes: list, out: str, sweep_up_passes: int =
         res["plan_stats"] = {k: v for k, v in cf.plan_stats().items() if isinstance(v, (int, float))}
         res["first_call_profile"] = profile_first(fn, make, draw_sizes(PROFILED_SIZES, 1, sizes), sizes[0])
         res["first_call_pyprofile"] = pyprofile_first(fn, make, _pyprofiled_size(sizes))
+        res["reloaded"] = reloaded_steady(fn, make, sizes, res["settled"]["sweep_up_passes"])
         res["steady_probes"] = steady_probes(fn, make, sizes[:PROBED_SIZES], build_process=True)  # last: it changes the process
     elif variant == "static":
         fn = cf.optimize(model)
@@ -523,6 +541,8 @@ def run_model(name: str, sizes: list, timeout: float, variants=VARIANTS, static_
     after = cf_row.get("settled") or {}
     row["swapped_all"] = after.get("standins_left") == 0 if "standins_left" in after else None
     row["steady_vs_static"] = steady_vs_static(after, row.get("static", {}))
+    # the same plans reloaded in cf's own process: the steady state against static plans with no process between
+    row["steady_vs_reloaded"] = steady_vs_static(after, cf_row.get("reloaded", {}))
     procs = row.get("static", {}).get("process_steady_median_ms")
     if procs and min(procs) > 0:  # the static processes' own spread: how far apart two fresh processes read
         row["static_process_spread"] = round(max(procs) / min(procs), 4)

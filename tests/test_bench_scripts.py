@@ -507,7 +507,7 @@ def test_dynamic_shapes_static_process_calls_as_many_sweep_up_passes_as_the_cf_o
             steady = [{"seq": 8, "steady_ms": 1.0, "hits_per_call": 0.0}]
             res = {"per_size": [{**steady[0], "steady_ms": next(static_ms)}]} if variant == "static" else {
                 "first_call_extra_ms_median": 1.0, "first_call_extra_ms_p95": 2.0,
-                "per_size": [{"seq": 8, "steady_ms": 2.0}],
+                "per_size": [{"seq": 8, "steady_ms": 2.0}], "reloaded": {"per_size": [{"seq": 8, "steady_ms": 0.9}]},
                 "settled": {"sweep_up_passes": 5, "standins_left": 0, "per_size": steady}}
             with open(out, "w") as f:
                 json.dump(res, f)
@@ -520,6 +520,22 @@ def test_dynamic_shapes_static_process_calls_as_many_sweep_up_passes_as_the_cf_o
     assert children[0][-1] == "0" and all(c[-1] == "5" for c in children[1:])  # static: the passes cf made
     assert row["swapped_all"] is True and row["steady_vs_static"] == 1.0  # the median of the three processes
     assert row["static"]["process_steady_median_ms"] == [0.8, 1.4, 1.0] and row["static_process_spread"] == 1.75
+    assert row["steady_vs_reloaded"] == 0.9
+
+
+def test_dynamic_shapes_reloads_every_plan_in_cfs_own_process_and_calls_it_as_the_static_one(monkeypatch):
+    from cudnn_fuse import loader
+
+    order = []
+    monkeypatch.setattr(loader, "clear", lambda: order.append("clear"))
+    monkeypatch.setattr(loader.STATS, "standins", 7)  # cf's own, before the reload
+    monkeypatch.setattr(dynamic_shapes.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(dynamic_shapes, "synced_ms", lambda fn, reps: [fn() for _ in range(reps)] and 0.5)
+    got = dynamic_shapes.reloaded_steady(order.append, lambda s: s, [3], 2)
+    assert order[0] == "clear" and order.count(3) == got["calls_before_steady"] + 1 + dynamic_shapes.STEADY_REPS
+    assert got["calls_before_steady"] == 1 + dynamic_shapes.LATER_CALLS + dynamic_shapes.STEADY_REPS + \
+        dynamic_shapes.SWAP_CALLS + 4 * 2
+    assert got["standins"] == 0 and got["per_size"][0]["steady_ms"] == 0.5
 
 
 def test_dynamic_shapes_static_processes_combine_per_size_and_a_failed_one_is_counted():
