@@ -239,7 +239,9 @@ class _Tracer(fx.Tracer):
     assignments traced as the in-place calls they are (_Proxy)."""
 
     def __init__(self, norms=frozenset()):
-        super().__init__()
+        # ``attention`` (put in the graph after its trace) stays one call where fx traces the graph's code again
+        # (unpickling a model): traced into, its check of the grad mode would be refused, or fixed at one side
+        super().__init__(autowrap_functions=(attention,))
         self.norms = norms  # ids of the modules _rms_norm_eps recognized: told before tracing, as it traces
 
     def proxy(self, node) -> fx.Proxy:

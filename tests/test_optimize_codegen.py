@@ -119,3 +119,35 @@ def test_indexed_paths_fx_spells_with_getattr_are_fetched_once():
 
     setattr(Leaf, "if", Leaf())
     assert ns["forward"](S(), 1) == (2 + 3) * 10 + 1
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(B, N, C))
+
+
+def test_an_unpickled_model_keeps_its_attention_one_call_for_both_modes():
+    """fx traces the pickled code again: the attention optimize() put there stays one call (traced into, its
+    check of the grad mode was refused and the load failed), and decides per call as before."""
+    torch.manual_seed(0)
+    m = _Attn()
+    o = cf.optimize(m)
+    buf = io.BytesIO()
+    torch.save(o, buf)  # grad mode on, as a user saves
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert [n.target for n in loaded.graph.nodes if n.op == "call_function"].count(opt.attention) == 1
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), m(x))
+    loaded(x).square().sum().backward()
+    m(x).square().sum().backward()
+    for (name, p), q in zip(m.named_parameters(), loaded.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
