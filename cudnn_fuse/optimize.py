@@ -458,8 +458,9 @@ def _trace(module) -> fx.GraphModule:
             if changed is not None:
                 raise _NotOneGraph(changed)
 
+    flipped = not module.training  # read once: the root is the first module flipped
     for m in snapshot.modules:  # the flags themselves: a train() override may do more than set them
-        m.training = not module.training
+        m.training = flipped
     other = trace_aside()
     optional = _optional_params(module)
     try:

@@ -164,6 +164,32 @@ def test_a_forward_that_reads_the_mode_runs_each_mode_after_optimize(first):
         assert not torch.equal(opt(x), opt(x))  # dropout draws again
 
 
+class _ModeInAChild(nn.Module):
+    """The mode read in a child's traced-through forward (a functional BatchNorm, timm's BatchNormAct2d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = _DropoutByMode(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.relu(self.head(self.block(x)))
+
+
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_a_child_that_reads_the_mode_runs_each_mode_after_optimize(first):
+    torch.manual_seed(0)
+    model = _ModeInAChild().train(first == "train")
+    opt = cf.optimize(model)
+    assert all(m.training == (first == "train") for m in opt.modules())  # every flag put back
+    x = torch.randn(64, 16)
+    for mode in ("eval", "train"):
+        opt.train(mode == "train"), model.train(mode == "train")
+        torch.manual_seed(1)
+        want = model(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(opt(x), want)
+
+
 class _Switch(nn.Module):
     """A drop-path: no parameters, its forward reads ``self.training`` and returns its input in eval."""
 
