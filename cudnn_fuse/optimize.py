@@ -502,6 +502,11 @@ class _Snapshot:
         self.contents = [(f"{path}.{name}" if path else name, value, _items(value)) for path, m in named
                          for name, value in vars(m).items()
                          if name not in _MODULE_INTERNALS and isinstance(value, _FILLED_IN_PLACE)]
+        # a traced-through forward runs the ops of its real tensors as it is traced: ``self.count.add_(1)`` on a
+        # buffer changes it then and never again (not in the graph); told by the tensors' version counters
+        self.tensors = [[name, t, t._version, _copy_to_restore(t)] for name, t in
+                        [*module.named_parameters(), *module.named_buffers()]
+                        if not t.is_inference()]  # inference tensors keep no version (nor take in-place changes)
 
     def restore(self):
         """Put every module's attributes and the contents of its containers back; why the forward had changed
@@ -522,12 +527,49 @@ class _Snapshot:
                     now[name].clear()
                     now[name].update(saved)
         filled = [(where, value) for where, value, items in self.contents if _put_back(value, items)]
+        written = [entry[0] for entry in self.tensors if _put_back_tensor(entry)]
+        if written:
+            return _WRITTEN.format(written[0])
         if changed:
             return _STATEFUL
         if filled:
             where, value = filled[0]
             return _FILLED.format(f"{type(value).__name__} {where}")
         return None
+
+
+_WRITTEN = ("its forward changes {} in place (a count, a running statistic), which its traced graph would not do "
+            "when it runs")
+_RESTORED_BYTES = 64 << 20  # a buffer up to this size is copied before a trace, to be put back if the trace changed it
+
+
+def _copy_to_restore(t: torch.Tensor):
+    """A copy of buffer ``t``'s values where it is small enough (parameters and larger buffers: None, a change
+    is then only told), made before a trace."""
+    if isinstance(t, nn.Parameter) or t.is_meta:
+        return None
+    try:
+        small = t.numel() * t.element_size() <= _RESTORED_BYTES
+    except (RuntimeError, ValueError):  # an uninitialized (lazy) buffer
+        return None
+    return t.detach().clone() if small else None
+
+
+def _put_back_tensor(entry: list) -> bool:
+    """Whether the tensor of a _Snapshot entry [name, tensor, version, copy] was changed in place since; its
+    values put back from the copy where there is one, else a warning that optimize() changed it."""
+    name, t, version, saved = entry
+    if t._version == version:
+        return False
+    if saved is not None:
+        with torch.no_grad():
+            t.copy_(saved)
+    else:
+        log.warning("cudnn_fuse.optimize: %s was changed in place while its model's forward was traced, and is "
+                    "too large (or a parameter) to have been copied before: its values are not those it had before "
+                    "optimize()", name)
+    entry[2] = t._version  # put back: a later trace compares with now
+    return True
 
 
 # plain attributes a forward may change in place: ``self.feats.append(h)``, ``self.cache[key] = t``

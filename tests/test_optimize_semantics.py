@@ -1219,6 +1219,80 @@ def test_isinstance_of_a_module_or_a_constant_still_traces_whole(make):
     torch.testing.assert_close(opt(x), model(x))
 
 
+# --------------------------------------------------------------------- buffers changed in place as it traces
+
+
+class _CountingNorm(nn.BatchNorm2d):
+    """timm's BatchNormAct2d: the batch count kept in its forward, a cumulative average where momentum is None."""
+
+    def forward(self, x):
+        f = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                f = 1.0 / float(self.num_batches_tracked)
+        y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                         self.training or not self.track_running_stats, f, self.eps)
+        return F.relu(y)
+
+
+class _CountingNet(nn.Module):
+    def __init__(self, momentum):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3, padding=1), _CountingNorm(8, momentum=momentum), \
+            nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.head(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_buffer_a_forward_changes_in_place_is_left_as_it_was_and_keeps_counting(momentum):
+    import copy
+
+    torch.manual_seed(0)
+    model = _CountingNet(momentum).train()
+    ref = copy.deepcopy(model)
+    opt = cf.optimize(model)
+    assert opt.bn.num_batches_tracked.item() == 0  # the traces counted nothing
+    for i in range(3):
+        x = torch.randn(2, 3, 8, 8) * (i + 1)
+        torch.testing.assert_close(opt(x), ref(x))
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(opt.state_dict()[key], value, msg=key)
+
+
+class _CountsCalls(nn.Module):
+    """Counts its calls in a buffer, in both modes."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.l2(F.relu(self.l(x)))
+
+
+@pytest.mark.parametrize("copied", [True, False])
+def test_a_buffer_a_trace_changed_is_put_back_or_told_and_the_forward_is_not_traced(copied, monkeypatch, caplog):
+    import importlib
+
+    opt_module = importlib.import_module("cudnn_fuse.optimize")
+    if not copied:
+        monkeypatch.setattr(opt_module, "_RESTORED_BYTES", 0)  # too large to copy
+    model = _CountsCalls().eval()
+    with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
+        opt = cf.optimize(model)
+    assert any("changes calls in place" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    told = [r.getMessage() for r in caplog.records if "calls was changed in place" in r.getMessage()]
+    assert (model.calls.item(), bool(told)) == ((0, False) if copied else (model.calls.item(), True))
+    before = opt.calls.item()
+    opt(torch.randn(3, 8))
+    assert opt.calls.item() == before + 1  # its own forward runs, and counts
+
+
 # --------------------------------------------------------------------- containers filled in place, state_dict
 
 
@@ -1317,7 +1391,8 @@ def test_a_dict_cache_filled_by_a_parents_trace_does_not_crash_a_childs_rewrite(
     model = _Distilled().eval()
     opt = cf.optimize(model)
     assert all(not m.cache for m in opt.stages)
-    assert any("cache in place" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    left = dict(opt.cudnn_fuse_summary.left_alone)  # its mode read in get_biases is told first, or its cache
+    assert all("cache in place" in left[f"stages.{i}"] or "training mode" in left[f"stages.{i}"] for i in (0, 1))
     x = torch.randn(2, 4, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
