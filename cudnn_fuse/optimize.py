@@ -67,6 +67,7 @@ import operator
 import random
 import sys
 import threading
+import types
 import weakref
 from dataclasses import dataclass, field
 
@@ -206,6 +207,35 @@ def _asked_by_the_model() -> bool:
     return name.partition(".")[0] not in _TRACING_CODE
 
 
+# Methods a forward must not call while it is traced, put on their classes as the trace runs (_method_refuser):
+# a custom autograd Function's apply (traced through, only its forward's ops are recorded and its own backward
+# is gone: a gradient reversal would not reverse), and entering inference mode, which a trace would drop
+# (torch.inference_mode calls no function a namespace holds, and as a decorator runs from torch's code).
+_REFUSED_METHODS = ((torch.autograd.Function, "apply"), (torch.autograd.grad_mode.inference_mode, "__enter__"))
+_CUSTOM_FUNCTION = ("its forward calls a custom autograd Function, whose own backward one traced graph would drop "
+                    "(only its forward's operations are traced)")
+_INFERENCE_MODE = _global_state("the inference mode (a torch.inference_mode block)")
+
+
+def _method_refuser(me: int, cls, name: str, fn):
+    """What stands on ``cls`` for its method ``name`` (``fn`` as its class holds it) while thread ``me`` traces."""
+    if name == "apply":
+        apply = fn.__func__
+
+        def refuse_apply(klass, *args, **kwargs):
+            if threading.get_ident() == me and _holds_proxy(list(args) + list(kwargs.values())) \
+                    and _asked_by_the_model():
+                raise _NotOneGraph(_CUSTOM_FUNCTION)
+            return apply(klass, *args, **kwargs)
+        return classmethod(refuse_apply)
+
+    def refuse_enter(self, *args, **kwargs):
+        if threading.get_ident() == me:
+            raise _NotOneGraph(_INFERENCE_MODE)
+        return fn(self, *args, **kwargs)
+    return refuse_enter
+
+
 class _NotOneGraph(Exception):
     """A forward that no one traced graph runs as it is (``str()`` says why): its children are rewritten."""
 
@@ -287,9 +317,12 @@ class _Tracer(fx.Tracer):
             saved = [(space, name, value) for space in spaces.values() for name, value in list(space.items())
                      if _refused(value) is not None]
             typed = []
+            methods = [(cls, name, cls.__dict__[name]) for cls, name in _REFUSED_METHODS]
             try:
                 for space, name, fn in saved:
                     space[name] = refuser(_refused(fn), fn)
+                for cls, name, fn in methods:
+                    setattr(cls, name, _method_refuser(me, cls, name, fn))
                 builtins.isinstance = refuser(_TYPE_ASKED, _ISINSTANCE)  # found there by every module's code
                 # ``type`` cannot be swapped in the builtins (every class test in the process would see a function):
                 # a global of that name shadows it for the model's own modules' code only
@@ -299,6 +332,8 @@ class _Tracer(fx.Tracer):
                     space["type"] = type_refuser
                 return super().trace(root, concrete_args)
             finally:
+                for cls, name, fn in methods:
+                    setattr(cls, name, fn)
                 builtins.isinstance = _ISINSTANCE
                 for space in typed:
                     if space.get("type") is type_refuser:
@@ -423,6 +458,41 @@ def _calls_without_identities(module, graph: fx.Graph) -> list:
     return calls
 
 
+def _mode_read_at_run_time(graph: fx.Graph, other: fx.Graph, mode: bool) -> bool:
+    """Where the graphs of the two modes differ only in arguments that are the mode itself (``training=True``
+    against ``training=False``: a leaf function given ``self.training``, torchvision's shifted-window
+    attention), make ``graph`` read the flag of the module whose forward passed it at run time (its path in
+    the node's module stack), and say so; else leave it and say not."""
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    others = [n for n in other.nodes if n.op != "output"]
+    if len(nodes) != len(others):
+        return False
+    flags = []  # (node, key: argument index or keyword)
+    for a, b in zip(nodes, others):
+        if (a.op, a.target, len(a.args), sorted(a.kwargs)) != (b.op, b.target, len(b.args), sorted(b.kwargs)):
+            return False
+        for key, x, y in [*zip(range(len(a.args)), a.args, b.args), *((k, a.kwargs[k], b.kwargs[k]) for k in a.kwargs)]:
+            if isinstance(x, fx.Node) and isinstance(y, fx.Node):
+                if nodes.index(x) != others.index(y):
+                    return False
+            elif x is mode and y is (not mode):
+                flags.append((a, key))
+            elif type(x) is not type(y) or str(x) != str(y):
+                return False
+    if not flags:
+        return False
+    for node, key in flags:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        with graph.inserting_before(node):
+            flag = graph.get_attr(f"{path}.training" if path else "training")
+        if isinstance(key, int):
+            node.args = (*node.args[:key], flag, *node.args[key + 1:])
+        else:
+            node.kwargs = {**node.kwargs, key: flag}
+    return True
+
+
 def _optional_params(module) -> list:
     """The names of ``module.forward``'s parameters that default to None."""
     try:
@@ -475,7 +545,9 @@ def _trace(module) -> fx.GraphModule:
             graph = _Tracer(norms).trace(module)
         calls = _calls_without_identities(module, graph)
         if calls != _calls_without_identities(module, other):
-            raise _NotOneGraph("its forward depends on the training mode")
+            if not _mode_read_at_run_time(graph, other, module.training):
+                raise _NotOneGraph("its forward depends on the training mode")
+            calls = _calls_without_identities(module, graph)
         if bare is not None and calls != _calls_without_identities(module, bare):
             raise _NotOneGraph("its forward branches on whether an optional argument is given")
         gm = fx.GraphModule(module, graph)  # takes the tensor constants fx set on the module
@@ -502,6 +574,9 @@ class _Snapshot:
         self.contents = [(f"{path}.{name}" if path else name, value, _items(value)) for path, m in named
                          for name, value in vars(m).items()
                          if name not in _MODULE_INTERNALS and isinstance(value, _FILLED_IN_PLACE)]
+        # a plain object's fields (``self.stats.calls += 1``, a schedule's step): set as it traces, never again
+        self.objects = [(f"{path}.{name}" if path else name, value, dict(vars(value))) for path, m in named
+                        for name, value in vars(m).items() if name not in _MODULE_INTERNALS and _plain_object(value)]
         # a traced-through forward runs the ops of its real tensors as it is traced: ``self.count.add_(1)`` on a
         # buffer changes it then and never again (not in the graph); told by the tensors' version counters
         self.tensors = [[name, t, t._version, _copy_to_restore(t)] for name, t in
@@ -527,6 +602,7 @@ class _Snapshot:
                     now[name].clear()
                     now[name].update(saved)
         filled = [(where, value) for where, value, items in self.contents if _put_back(value, items)]
+        filled += [(where, value) for where, value, fields in self.objects if _put_back_fields(value, fields)]
         written = [entry[0] for entry in self.tensors if _put_back_tensor(entry)]
         if written:
             return _WRITTEN.format(written[0])
@@ -576,6 +652,27 @@ def _put_back_tensor(entry: list) -> bool:
 _FILLED_IN_PLACE = (list, dict, set, collections.deque)
 _FILLED = ("its forward changes the {} in place (collected features, a cache), which its traced graph would not do "
            "when it runs")
+
+
+def _plain_object(value) -> bool:
+    """An object of a plain class of its own (a SimpleNamespace, a dataclass, a small stats class) whose fields
+    a forward may set: not a module, tensor, class, function or Python module."""
+    return not isinstance(value, _NOT_PLAIN) and isinstance(getattr(value, "__dict__", None), dict)
+
+
+_NOT_PLAIN = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+              types.MethodType, functools.partial)
+
+
+def _put_back_fields(value, fields: dict) -> bool:
+    """Give plain object ``value`` back the fields ``fields`` (its ``vars`` before) where it holds others;
+    whether it did."""
+    now = vars(value)
+    if now.keys() == fields.keys() and all(now[k] is v for k, v in fields.items()):
+        return False
+    now.clear()
+    now.update(fields)
+    return True
 
 
 def _items(value) -> list:

@@ -190,6 +190,50 @@ def test_a_child_that_reads_the_mode_runs_each_mode_after_optimize(first):
         torch.testing.assert_close(opt(x), want)
 
 
+def _drops(x, p: float, training: bool):
+    """A leaf function given the mode (torchvision's shifted-window attention is one)."""
+    return F.dropout(x, p, training)
+
+
+torch.fx.wrap("_drops")
+
+
+class _PassesTheMode(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.l, self.l2, self.p = nn.Linear(16, 16), nn.Linear(16, 16), p
+
+    def forward(self, x):
+        return F.relu(self.l2(_drops(F.relu(self.l(x)), self.p, training=self.training)) + x)
+
+
+class _PassesTheModeInAChild(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.block, self.head = _PassesTheMode(p), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_a_mode_passed_to_a_leaf_function_is_read_at_run_time_and_the_model_traced_whole(p):
+    torch.manual_seed(0)
+    model = _PassesTheModeInAChild(p).eval()
+    opt = cf.optimize(model)
+    assert not any("training mode" in why for _, why in opt.cudnn_fuse_summary.left_alone)
+    assert "training" in opt.code  # read when it runs, not fixed
+    x = torch.randn(64, 16)
+    for modes in ((False, False), (True, True), (True, False)):  # the child set apart from its parent too
+        for m in (opt, model):
+            m.train(modes[0])
+            m.block.train(modes[1])
+        torch.manual_seed(1)
+        want = model(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(opt(x), want)
+
+
 class _Switch(nn.Module):
     """A drop-path: no parameters, its forward reads ``self.training`` and returns its input in eval."""
 
@@ -1217,6 +1261,78 @@ def test_isinstance_of_a_module_or_a_constant_still_traces_whole(make):
     assert not any("type of a traced value" in why for _, why in opt.cudnn_fuse_summary.left_alone)
     x = torch.randn(3, 8)
     torch.testing.assert_close(opt(x), model(x))
+
+
+# --------------------------------------------------------------------- what a trace would drop
+
+
+class _GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.alpha * g, None
+
+
+class _ReversesGrad(nn.Module):
+    """A domain-adversarial head: a custom autograd Function with a backward of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.feat, self.domain = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.domain(_GradReverse.apply(F.relu(self.feat(x)), 0.5))
+
+
+class _FrozenTeacher(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student, self.teacher = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            t = F.relu(self.teacher(x))
+        return F.relu(self.student(x)) - t.clone()
+
+
+class _CountsInAnObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        import types
+
+        self.fc, self.stats = nn.Linear(8, 8), types.SimpleNamespace(calls=0)
+
+    def forward(self, x):
+        self.stats.calls += 1
+        return F.relu(self.fc(x))
+
+
+@pytest.mark.parametrize("make,why", [
+    (_ReversesGrad, "custom autograd Function"),
+    (_FrozenTeacher, "inference mode"),
+    (_CountsInAnObject, "SimpleNamespace stats in place"),
+], ids=["custom-function", "inference-mode", "object-field"])
+def test_what_a_traced_graph_would_drop_is_refused_and_runs_as_the_original(make, why):
+    import copy
+
+    torch.manual_seed(0)
+    model = make().train()
+    ref = copy.deepcopy(model)
+    opt = cf.optimize(model)
+    assert any(why in reason for _, reason in opt.cudnn_fuse_summary.left_alone), opt.cudnn_fuse_summary
+    assert vars(getattr(opt, "stats", ref)).get("calls", 0) == 0  # no trace counted
+    x = torch.randn(4, 8)
+    ref(x).sum().backward()
+    opt(x).sum().backward()
+    for (name, p), (_, q) in zip(ref.named_parameters(), opt.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert getattr(opt, "stats", None) is None or opt.stats.calls == ref.stats.calls == 1
 
 
 # --------------------------------------------------------------------- buffers changed in place as it traces
