@@ -458,6 +458,20 @@ def _calls_without_identities(module, graph: fx.Graph) -> list:
     return calls
 
 
+def _graph_constants(graph: fx.Graph) -> set:
+    """The dtypes and devices ``graph``'s nodes take as constant arguments."""
+    found = set()
+
+    def visit(a):
+        if isinstance(a, (torch.dtype, torch.device)):
+            found.add(a)
+        return a
+
+    for node in graph.nodes:
+        fx.node.map_aggregate((node.args, node.kwargs), visit)
+    return found
+
+
 def _mode_read_at_run_time(graph: fx.Graph, other: fx.Graph, mode: bool) -> bool:
     """Where the graphs of the two modes differ only in arguments that are the mode itself (``training=True``
     against ``training=False``: a leaf function given ``self.training``, torchvision's shifted-window
@@ -1623,6 +1637,20 @@ class OptimizedGraphModule(_TracedConstants, fx.GraphModule):
 
     def _load_from_state_dict(self, *args):
         _load_as_class(self, self.__dict__.get("model_class"), args)
+
+    def _apply(self, fn, recurse=True):
+        # a forward may read its parameters' dtype or device as it runs (``x.to(next(self.parameters()).dtype)``):
+        # the traced graph holds the one it read, so once a move changes them (``.double()``, ``.to("cuda")``),
+        # a graph holding an old one runs the class's own forward over its fused layers from then on
+        before = {(t.dtype, t.device) for t in (*self.parameters(), *self.buffers())}
+        out = super()._apply(fn, recurse)
+        after = {(t.dtype, t.device) for t in (*self.parameters(), *self.buffers())}
+        gone = {v for pair in before - after for v in pair} - {v for pair in after for v in pair}
+        held = _graph_constants(self.graph) & gone if gone and "untraced_by" not in self.__dict__ else set()
+        if held:
+            _untrace(self, "parameters' dtype" if any(isinstance(v, torch.dtype) for v in held) else "parameters' device",
+                    sorted(map(str, held)))
+        return out
 
     def recompile(self):
         """fx's recompile, then the generated forward fetches each submodule path that it uses more

@@ -1335,6 +1335,39 @@ def test_what_a_traced_graph_would_drop_is_refused_and_runs_as_the_original(make
     assert getattr(opt, "stats", None) is None or opt.stats.calls == ref.stats.calls == 1
 
 
+class _CastsToItsDtype(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = x.to(next(self.parameters()).dtype)  # the input cast to the model's dtype, read as it runs
+        return self.fc2(F.relu(self.fc(x)))
+
+
+def _plain_mlp():
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize("make,untraced", [(_CastsToItsDtype, True), (_plain_mlp, False)])
+def test_a_graph_holding_the_dtype_it_read_runs_the_forward_after_a_move_to_another(make, untraced, caplog):
+    torch.manual_seed(0)
+    model = make().eval()
+    opt = cf.optimize(model)
+    import importlib
+
+    assert isinstance(opt, importlib.import_module("cudnn_fuse.optimize").OptimizedGraphModule)  # traced whole
+    with caplog.at_level("WARNING", logger="cudnn_fuse.optimize"):
+        opt.double()
+        model.double()
+    assert ("untraced_by" in vars(opt)) == untraced and ("dtype" in caplog.text) == untraced
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        y = opt(x)
+        assert y.dtype == torch.float64
+        torch.testing.assert_close(y, model(x))
+
+
 # --------------------------------------------------------------------- buffers changed in place as it traces
 
 
