@@ -137,6 +137,8 @@ def _row_major_strides(shape) -> tuple:
     ``mark_dynamic`` or ``torch.export``'s dynamic dims, a ConstraintViolationError)."""
     if all(type(n) is int for n in shape):
         return contiguous_strides(shape)
+    if torch.jit.is_tracing():  # sizes are 0-dim tensors there, and a jit trace keeps the values it saw
+        return contiguous_strides(tuple(int(n) for n in shape))
     strides, acc = [], 1
     for n in reversed(tuple(shape)):
         strides.append(acc)

@@ -8,6 +8,7 @@ import copy
 import importlib
 import io
 
+import pytest
 import torch
 from torch import nn
 
@@ -151,3 +152,18 @@ def test_an_unpickled_model_keeps_its_attention_one_call_for_both_modes():
     m(x).square().sum().backward()
     for (name, p), q in zip(m.named_parameters(), loaded.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_an_optimized_conv_model_traces_with_torch_jit_trace(mode):
+    import warnings
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+    m.train(mode == "train")
+    o = cf.optimize(m)
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jit's TracerWarnings: its trace keeps the sizes it saw
+        traced = torch.jit.trace(o, x, check_trace=False)
+    torch.testing.assert_close(traced(x), m(x))
