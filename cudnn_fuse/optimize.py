@@ -593,7 +593,8 @@ class _Snapshot:
                         for name, value in vars(m).items() if name not in _MODULE_INTERNALS and _plain_object(value)]
         # a traced-through forward runs the ops of its real tensors as it is traced: ``self.count.add_(1)`` on a
         # buffer changes it then and never again (not in the graph); told by the tensors' version counters
-        self.tensors = [[name, t, t._version, _copy_to_restore(t)] for name, t in
+        budget = [_RESTORED_BYTES]
+        self.tensors = [[name, t, t._version, _copy_to_restore(t, budget)] for name, t in
                         [*module.named_parameters(), *module.named_buffers()]
                         if not t.is_inference()]  # inference tensors keep no version (nor take in-place changes)
 
@@ -630,19 +631,22 @@ class _Snapshot:
 
 _WRITTEN = ("its forward changes {} in place (a count, a running statistic), which its traced graph would not do "
             "when it runs")
-_RESTORED_BYTES = 64 << 20  # a buffer up to this size is copied before a trace, to be put back if the trace changed it
+_RESTORED_BYTES = 64 << 20  # buffers copied before a trace, at most this much in all, to be put back if it changed them
 
 
-def _copy_to_restore(t: torch.Tensor):
-    """A copy of buffer ``t``'s values where it is small enough (parameters and larger buffers: None, a change
-    is then only told), made before a trace."""
+def _copy_to_restore(t: torch.Tensor, budget: list):
+    """A copy of buffer ``t``'s values made before a trace, where they fit in what is left of ``budget[0]`` bytes
+    (parameters, and buffers past it: None, a change is then only told)."""
     if isinstance(t, nn.Parameter) or t.is_meta:
         return None
     try:
-        small = t.numel() * t.element_size() <= _RESTORED_BYTES
+        size = t.numel() * t.element_size()
     except (RuntimeError, ValueError):  # an uninitialized (lazy) buffer
         return None
-    return t.detach().clone() if small else None
+    if size > budget[0]:
+        return None
+    budget[0] -= size
+    return t.detach().clone()
 
 
 def _put_back_tensor(entry: list) -> bool:
