@@ -481,13 +481,14 @@ def _mode_read_at_run_time(graph: fx.Graph, other: fx.Graph, mode: bool) -> bool
     others = [n for n in other.nodes if n.op != "output"]
     if len(nodes) != len(others):
         return False
+    at, other_at = {n: i for i, n in enumerate(nodes)}, {n: i for i, n in enumerate(others)}
     flags = []  # (node, key: argument index or keyword)
     for a, b in zip(nodes, others):
         if (a.op, a.target, len(a.args), sorted(a.kwargs)) != (b.op, b.target, len(b.args), sorted(b.kwargs)):
             return False
         for key, x, y in [*zip(range(len(a.args)), a.args, b.args), *((k, a.kwargs[k], b.kwargs[k]) for k in a.kwargs)]:
             if isinstance(x, fx.Node) and isinstance(y, fx.Node):
-                if nodes.index(x) != others.index(y):
+                if at.get(x) != other_at.get(y):
                     return False
             elif x is mode and y is (not mode):
                 flags.append((a, key))
