@@ -269,9 +269,10 @@ class _Tracer(fx.Tracer):
     assignments traced as the in-place calls they are (_Proxy)."""
 
     def __init__(self, norms=frozenset()):
-        # ``attention`` (put in the graph after its trace) stays one call where fx traces the graph's code again
-        # (unpickling a model): traced into, its check of the grad mode would be refused, or fixed at one side
-        super().__init__(autowrap_functions=(attention,))
+        # ``attention`` and ``_training`` (put in the graph after its trace) stay calls where fx traces the graph's
+        # code again (unpickling a model): traced into, attention's check of the grad mode would be refused, and
+        # either would fix one mode
+        super().__init__(autowrap_functions=(attention, _training))
         self.norms = norms  # ids of the modules _rms_norm_eps recognized: told before tracing, as it traces
 
     def proxy(self, node) -> fx.Proxy:
@@ -458,6 +459,11 @@ def _calls_without_identities(module, graph: fx.Graph) -> list:
     return calls
 
 
+def _training(module: nn.Module, _anchor=None) -> bool:
+    """``module``'s mode as the graph runs (_mode_read_at_run_time)."""
+    return module.training
+
+
 def _graph_constants(graph: fx.Graph) -> set:
     """The dtypes and devices ``graph``'s nodes take as constant arguments."""
     found = set()
@@ -494,13 +500,16 @@ def _mode_read_at_run_time(graph: fx.Graph, other: fx.Graph, mode: bool) -> bool
                 flags.append((a, key))
             elif type(x) is not type(y) or str(x) != str(y):
                 return False
-    if not flags:
+    paths = [list(stack.values())[-1][0] if (stack := node.meta.get("nn_module_stack")) else "" for node, _ in flags]
+    # each read is given a value of the graph too (the call's first), so that fx records it again where it
+    # traces the graph's code (unpickling): given the module alone, its wrapper would call it and keep the bool
+    anchors = [next((a for a in fx.node.map_aggregate((n.args, n.kwargs), lambda a: a)[0] if isinstance(a, fx.Node)),
+                    None) for n, _ in flags]
+    if not flags or not all(paths) or None in anchors:  # the root's own flag: no node of the graph stands for it
         return False
-    for node, key in flags:
-        stack = node.meta.get("nn_module_stack") or {}
-        path = list(stack.values())[-1][0] if stack else ""
+    for (node, key), path, anchor in zip(flags, paths, anchors):
         with graph.inserting_before(node):
-            flag = graph.get_attr(f"{path}.training" if path else "training")
+            flag = graph.call_function(_training, (graph.get_attr(path), anchor))
         if isinstance(key, int):
             node.args = (*node.args[:key], flag, *node.args[key + 1:])
         else:

@@ -223,15 +223,22 @@ def test_a_mode_passed_to_a_leaf_function_is_read_at_run_time_and_the_model_trac
     opt = cf.optimize(model)
     assert not any("training mode" in why for _, why in opt.cudnn_fuse_summary.left_alone)
     assert "training" in opt.code  # read when it runs, not fixed
+    import io
+
+    buf = io.BytesIO()
+    torch.save(opt, buf)  # fx traces the saved code again as it loads: the read must stay a read
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
     x = torch.randn(64, 16)
     for modes in ((False, False), (True, True), (True, False)):  # the child set apart from its parent too
-        for m in (opt, model):
+        for m in (opt, loaded, model):
             m.train(modes[0])
             m.block.train(modes[1])
         torch.manual_seed(1)
         want = model(x)
-        torch.manual_seed(1)
-        torch.testing.assert_close(opt(x), want)
+        for m in (opt, loaded):
+            torch.manual_seed(1)
+            torch.testing.assert_close(m(x), want)
 
 
 class _Switch(nn.Module):
