@@ -478,11 +478,12 @@ def _graph_constants(graph: fx.Graph) -> set:
     return found
 
 
-def _mode_read_at_run_time(graph: fx.Graph, other: fx.Graph, mode: bool) -> bool:
-    """Where the graphs of the two modes differ only in arguments that are the mode itself (``training=True``
-    against ``training=False``: a leaf function given ``self.training``, torchvision's shifted-window
-    attention), make ``graph`` read the flag of the module whose forward passed it at run time (its path in
-    the node's module stack), and say so; else leave it and say not."""
+def _mode_read_at_run_time(module: nn.Module, graph: fx.Graph, other: fx.Graph) -> bool:
+    """Where the graphs of the two modes (``graph`` in the modules' own, ``other`` in the flipped ones) differ
+    only in arguments that are the mode itself (``training=True`` against ``training=False``: a leaf function
+    given ``self.training``, torchvision's shifted-window attention), make ``graph`` read the flag of the module
+    whose forward passed it (its path in the node's module stack) as it runs, and say so; else leave it and say
+    not."""
     nodes = [n for n in graph.nodes if n.op != "output"]
     others = [n for n in other.nodes if n.op != "output"]
     if len(nodes) != len(others):
@@ -496,7 +497,7 @@ def _mode_read_at_run_time(graph: fx.Graph, other: fx.Graph, mode: bool) -> bool
             if isinstance(x, fx.Node) and isinstance(y, fx.Node):
                 if at.get(x) != other_at.get(y):
                     return False
-            elif x is mode and y is (not mode):
+            elif type(x) is bool and type(y) is bool and x is not y:
                 flags.append((a, key))
             elif type(x) is not type(y) or str(x) != str(y):
                 return False
@@ -507,6 +508,13 @@ def _mode_read_at_run_time(graph: fx.Graph, other: fx.Graph, mode: bool) -> bool
                     None) for n, _ in flags]
     if not flags or not all(paths) or None in anchors:  # the root's own flag: no node of the graph stands for it
         return False
+    for (node, key), path in zip(flags, paths):  # the flag of that module itself, not a value made of it
+        value = node.args[key] if isinstance(key, int) else node.kwargs[key]
+        try:
+            if value is not module.get_submodule(path).training:
+                return False
+        except AttributeError:  # a path fx named that is not a submodule's
+            return False
     for (node, key), path, anchor in zip(flags, paths, anchors):
         with graph.inserting_before(node):
             flag = graph.call_function(_training, (graph.get_attr(path), anchor))
@@ -552,9 +560,8 @@ def _trace(module) -> fx.GraphModule:
             if changed is not None:
                 raise _NotOneGraph(changed)
 
-    flipped = not module.training  # read once: the root is the first module flipped
-    for m in snapshot.modules:  # the flags themselves: a train() override may do more than set them
-        m.training = flipped
+    for m in snapshot.modules:  # each its own flag flipped (a child may be set apart); not train(): an override
+        m.training = not m.training  # may do more than set them
     other = trace_aside()
     optional = _optional_params(module)
     try:
@@ -569,7 +576,7 @@ def _trace(module) -> fx.GraphModule:
             graph = _Tracer(norms).trace(module)
         calls = _calls_without_identities(module, graph)
         if calls != _calls_without_identities(module, other):
-            if not _mode_read_at_run_time(graph, other, module.training):
+            if not _mode_read_at_run_time(module, graph, other):
                 raise _NotOneGraph("its forward depends on the training mode")
             calls = _calls_without_identities(module, graph)
         if bare is not None and calls != _calls_without_identities(module, bare):

@@ -216,10 +216,12 @@ class _PassesTheModeInAChild(nn.Module):
         return self.head(self.block(x))
 
 
-@pytest.mark.parametrize("p", [0.0, 0.5])
-def test_a_mode_passed_to_a_leaf_function_is_read_at_run_time_and_the_model_traced_whole(p):
+@pytest.mark.parametrize("p,modes", [(0.0, (False, False)), (0.5, (False, False)), (0.5, (True, False)),
+                                     (0.5, (False, True))])
+def test_a_mode_passed_to_a_leaf_function_is_read_at_run_time_and_the_model_traced_whole(p, modes):
     torch.manual_seed(0)
-    model = _PassesTheModeInAChild(p).eval()
+    model = _PassesTheModeInAChild(p).train(modes[0])
+    model.block.train(modes[1])  # a child set apart (a frozen block, dropout kept on for MC sampling)
     opt = cf.optimize(model)
     assert not any("training mode" in why for _, why in opt.cudnn_fuse_summary.left_alone)
     assert "training" in opt.code  # read when it runs, not fixed
