@@ -503,7 +503,8 @@ def combined_static(runs: list) -> dict:
         for row in r["per_size"]:
             by_seq.setdefault(row["seq"], []).append(row["steady_ms"])
     out = dict(ok[0])
-    out["per_size"] = [{**row, "steady_ms": round(statistics.median(by_seq[row["seq"]]), 4)} for row in ok[0]["per_size"]]
+    out["per_size"] = [{**row, "steady_ms": round(statistics.median(by_seq[row["seq"]]), 4)}
+                       for row in ok[0]["per_size"]]
     out["process_steady_median_ms"] = [round(statistics.median(x["steady_ms"] for x in r["per_size"]), 4) for r in ok]
     out["processes"], out["failed_processes"] = len(ok), len(runs) - len(ok)
     return out

@@ -504,8 +504,7 @@ def _mode_read_at_run_time(module: nn.Module, graph: fx.Graph, other: fx.Graph) 
     paths = [list(stack.values())[-1][0] if (stack := node.meta.get("nn_module_stack")) else "" for node, _ in flags]
     # each read is given a value of the graph too (the call's first), so that fx records it again where it
     # traces the graph's code (unpickling): given the module alone, its wrapper would call it and keep the bool
-    anchors = [next((a for a in fx.node.map_aggregate((n.args, n.kwargs), lambda a: a)[0] if isinstance(a, fx.Node)),
-                    None) for n, _ in flags]
+    anchors = [next((a for a in n.args if isinstance(a, fx.Node)), None) for n, _ in flags]
     if not flags or not all(paths) or None in anchors:  # the root's own flag: no node of the graph stands for it
         return False
     for (node, key), path in zip(flags, paths):  # the flag of that module itself, not a value made of it
@@ -1669,8 +1668,8 @@ class OptimizedGraphModule(_TracedConstants, fx.GraphModule):
         gone = {v for pair in before - after for v in pair} - {v for pair in after for v in pair}
         held = _graph_constants(self.graph) & gone if gone and "untraced_by" not in self.__dict__ else set()
         if held:
-            _untrace(self, "parameters' dtype" if any(isinstance(v, torch.dtype) for v in held) else "parameters' device",
-                    sorted(map(str, held)))
+            what = "dtype" if any(isinstance(v, torch.dtype) for v in held) else "device"
+            _untrace(self, f"parameters' {what}", sorted(map(str, held)))
         return out
 
     def recompile(self):
