@@ -1333,7 +1333,8 @@ def test_what_a_traced_graph_would_drop_is_refused_and_runs_as_the_original(make
     ref = copy.deepcopy(model)
     opt = cf.optimize(model)
     assert any(why in reason for _, reason in opt.cudnn_fuse_summary.left_alone), opt.cudnn_fuse_summary
-    assert vars(getattr(opt, "stats", ref)).get("calls", 0) == 0  # no trace counted
+    if hasattr(opt, "stats"):
+        assert opt.stats.calls == 0  # no trace counted
     x = torch.randn(4, 8)
     ref(x).sum().backward()
     opt(x).sum().backward()
